@@ -1,0 +1,94 @@
+"""Argument checks shared by every op. Each raises ``TypeError`` (wrong kind
+or dtype) or ``ValueError`` (wrong rank, shape or value) naming the argument,
+the expected and the actual value."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def as_array(name: str, value: Any):
+    """Accept jax/numpy arrays (and tracers); anything else is a TypeError."""
+    if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
+        return value
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return value
+    raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+
+
+def require_float(name: str, value: Any, dtypes: Sequence = FLOAT_DTYPES):
+    value = as_array(name, value)
+    allowed = tuple(np.dtype(d) for d in dtypes)
+    if np.dtype(value.dtype) not in allowed:
+        raise TypeError(
+            f"{name}: expected a floating dtype in {[_dtype_name(d) for d in allowed]}, "
+            f"got {_dtype_name(value.dtype)}"
+        )
+    return value
+
+
+def require_int(name: str, value: Any):
+    value = as_array(name, value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{name}: expected an integer dtype, got {_dtype_name(value.dtype)}")
+    return value
+
+
+def require_ndim(name: str, value: Any, ndim: int | Sequence[int]):
+    allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+    if value.ndim not in allowed:
+        expected = allowed[0] if len(allowed) == 1 else f"one of {allowed}"
+        raise ValueError(f"{name}: expected rank {expected}, got rank {value.ndim} (shape {tuple(value.shape)})")
+    return value
+
+
+def require_shape(name: str, value: Any, shape: Sequence[int | None], what: str = ""):
+    """``None`` in ``shape`` matches any size."""
+    actual = tuple(value.shape)
+    ok = len(actual) == len(shape) and all(e is None or e == a for e, a in zip(shape, actual))
+    if not ok:
+        shown = tuple("*" if e is None else e for e in shape)
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name}: expected shape {shown}{extra}, got {actual}")
+    return value
+
+
+def require_same_dtype(name: str, value: Any, other_name: str, other: Any):
+    if np.dtype(value.dtype) != np.dtype(other.dtype):
+        raise TypeError(
+            f"{name}: expected dtype {_dtype_name(other.dtype)} (the dtype of {other_name}), "
+            f"got {_dtype_name(value.dtype)}"
+        )
+    return value
+
+
+def normalize_axis(name: str, axis: Any, ndim: int) -> int:
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"{name}: expected an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{name}: expected an axis in [{-ndim}, {ndim}) for a rank-{ndim} input, got {axis}")
+    return int(axis) % ndim
+
+
+def require_positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a positive float, got {type(value).__name__}")
+    if not value > 0:
+        raise ValueError(f"{name}: expected a positive float, got {value}")
+    return float(value)
+
+
+def require_choice(name: str, value: Any, choices: Sequence[Any]):
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
+    return value

@@ -1,0 +1,277 @@
+"""The op framework: `Op`, `Implementation` and dispatch.
+
+An `Op` is one public operator. It owns:
+
+* ``check``: validates and canonicalizes user arguments into a `Call`
+  (``ValueError``/``TypeError`` naming the argument, expected and actual value);
+* ``reference``: the golden XLA implementation (float32 math), the ground
+  truth every kernel is tested against;
+* ``implementations``: ordered fastest-first; dispatch with
+  ``implementation=None`` tries each that the platform supports natively and
+  always ends in ``"xla"``. An explicit name (or sequence of names) that
+  cannot run raises `UnsupportedError` with every reason;
+* ``flops``/``bytes_accessed``: cost models for the benchmark code;
+* ``examples``: small built-in calls `stellax check` validates;
+* ``benchmarks``: default benchmark calls for a platform (`stellax bench`),
+  and ``peers``: other libraries' functions for the same math (same
+  arguments as the op) that benchmarks compare against.
+
+Backward passes are ops of their own (``<name>_backward``) wired in with
+``jax.custom_vjp`` by the forward implementations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
+
+from . import selection
+from .call import Call
+from .platform import Platform, current_platform, interpret_enabled
+
+#: Pallas backends and what they need to run natively.
+KERNEL_BACKENDS = ("triton", "mosaic_gpu", "mosaic_tpu")
+
+
+class UnsupportedError(ValueError):
+    """Raised when an explicitly requested implementation cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """Whether an implementation can run, and if not, why."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+SUPPORTED = Support(True)
+
+
+def backend_support(backend: str, platform: Platform) -> Support:
+    """Can a kernel for ``backend`` run on ``platform`` (natively or interpreted)?"""
+    if backend == "xla":
+        return SUPPORTED
+    if interpret_enabled():
+        return SUPPORTED
+    hint = " (or enable interpret mode: stellax.interpret_mode() / STELLAX_INTERPRET=1)"
+    if backend == "triton":
+        if platform.backend != "gpu":
+            return Support(False, f"the Triton backend needs a GPU, this device is {platform.describe()}{hint}")
+        if platform.is_nvidia and platform.compute_capability and platform.compute_capability < (8, 0):
+            return Support(False, f"the Triton kernels need SM80 or newer, this GPU is {platform.describe()}")
+        return SUPPORTED
+    if backend == "mosaic_gpu":
+        cc = platform.compute_capability
+        if platform.backend != "gpu" or not platform.is_nvidia or cc is None or cc < (9, 0):
+            return Support(False, f"Mosaic GPU kernels need an NVIDIA Hopper/Blackwell GPU, this device is {platform.describe()}{hint}")
+        return SUPPORTED
+    if backend == "mosaic_tpu":
+        if platform.backend != "tpu":
+            return Support(False, f"Mosaic TPU kernels need a TPU, this device is {platform.describe()}{hint}")
+        return SUPPORTED
+    return Support(False, f"unknown kernel backend {backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op.
+
+    Attributes:
+      name: ``"xla"``, ``"xla_chunked"``, ``"triton"``, ``"mosaic_gpu"``, ...
+      run: ``run(call, config) -> outputs``.
+      backend: ``"xla"`` or a Pallas backend from `KERNEL_BACKENDS`.
+      config_type: the frozen `KernelConfig` subclass, or ``None``.
+      heuristic: ``heuristic(call) -> config``, the default config.
+      space: ``space(call) -> list[config]``, the autotuning space.
+      requirements: ``requirements(call) -> str | None``: a reason why this
+        call's shapes/options cannot run here, or ``None``.
+      native: when False, ``implementation=None`` never picks it (it is used
+        only on request), e.g. an XLA path that is slower by design.
+    """
+
+    name: str
+    run: Callable[[Call, Any], Any]
+    backend: str = "xla"
+    config_type: type | None = None
+    heuristic: Callable[[Call], Any] | None = None
+    space: Callable[[Call], list[Any]] | None = None
+    requirements: Callable[[Call], str | None] | None = None
+    native: bool = True
+
+    def __post_init__(self):
+        if self.config_type is not None and (self.heuristic is None or self.space is None):
+            raise ValueError(f"implementation {self.name!r}: a config_type needs heuristic and space")
+
+    def supported(self, call: Call, platform: Platform | None = None) -> Support:
+        platform = platform or current_platform()
+        support = backend_support(self.backend, platform)
+        if not support:
+            return support
+        if self.requirements is not None:
+            reason = self.requirements(call)
+            if reason:
+                return Support(False, reason)
+        return SUPPORTED
+
+    def default_config(self, call: Call):
+        return None if self.heuristic is None else self.heuristic(call)
+
+    def config_space(self, call: Call) -> list:
+        return [] if self.space is None else list(self.space(call))
+
+    @property
+    def is_kernel(self) -> bool:
+        return self.backend in KERNEL_BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """A small built-in call for `stellax check` / `stellax bench`."""
+
+    label: str
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+class Op:
+    """A public operator with checked arguments, a golden reference and
+    several implementations. See the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        check: Callable[..., Call],
+        reference: Callable[[Call], Any],
+        implementations: Sequence[Implementation],
+        flops: Callable[[Call], float] | None = None,
+        bytes_accessed: Callable[[Call], float] | None = None,
+        examples: Callable[..., list[Example]] | None = None,
+        benchmarks: Callable[[Platform], list[Example]] | None = None,
+        peers: dict[str, Callable[..., Any]] | None = None,
+        differentiable: Sequence[str] = (),
+        family: str = "",
+    ):
+        names = [impl.name for impl in implementations]
+        if "xla" not in names:
+            raise ValueError(f"op {name!r}: every op needs an 'xla' implementation, got {names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"op {name!r}: duplicate implementation names {names}")
+        self.name = name
+        self.family = family or name
+        self.check = check
+        self.reference_fn = reference
+        self.implementations = {impl.name: impl for impl in implementations}
+        self._flops = flops
+        self._bytes = bytes_accessed
+        self._examples = examples
+        self._benchmarks = benchmarks
+        self.peers = dict(peers or {})
+        self.differentiable = tuple(differentiable)
+
+    def __repr__(self) -> str:
+        return f"Op({self.name!r}, implementations={list(self.implementations)})"
+
+    # -- cost models -------------------------------------------------------
+    def flops(self, call: Call) -> float:
+        return float(self._flops(call)) if self._flops else 0.0
+
+    def bytes_accessed(self, call: Call) -> float:
+        return float(self._bytes(call)) if self._bytes else 0.0
+
+    def examples(self, dtype) -> list[Example]:
+        """Small calls (built from random inputs of ``dtype``) for numerics checks."""
+        return self._examples(dtype) if self._examples else []
+
+    def benchmarks(self, platform: Platform | None = None) -> list[Example]:
+        """Default benchmark calls for ``platform`` (small on a CPU)."""
+        if not self._benchmarks:
+            return []
+        return self._benchmarks(platform or current_platform())
+
+    # -- dispatch ----------------------------------------------------------
+    def reference(self, *args, **kwargs):
+        """The golden result for user arguments (checked like a normal call)."""
+        return self.reference_fn(self.check(*args, **kwargs))
+
+    def candidates(self, implementation: str | Sequence[str] | None) -> tuple[list[str], bool]:
+        """Implementation names to try, and whether the choice was explicit."""
+        if implementation is None:
+            ordered = [n for n, impl in self.implementations.items() if impl.native and n != "xla"]
+            return ordered + ["xla"], False
+        names = [implementation] if isinstance(implementation, str) else list(implementation)
+        if not names:
+            raise ValueError(f"implementation: expected a name or a non-empty sequence, got {implementation!r}")
+        for n in names:
+            if n not in self.implementations:
+                raise ValueError(
+                    f"implementation: {self.name} has no implementation {n!r}; "
+                    f"expected one of {list(self.implementations)}"
+                )
+        return names, True
+
+    def select(self, call: Call, implementation=None) -> Implementation:
+        """The first implementation in the chain that supports ``call`` here."""
+        names, explicit = self.candidates(implementation)
+        platform = current_platform()
+        reasons = []
+        for n in names:
+            impl = self.implementations[n]
+            if not explicit and impl.is_kernel and platform.backend == "cpu":
+                # Interpreted kernels are for testing; never the CPU default.
+                continue
+            support = impl.supported(call, platform)
+            if support:
+                return impl
+            reasons.append(f"{n}: {support.reason}")
+        raise UnsupportedError(
+            f"{self.name}: no requested implementation can run ({call.describe()}): " + "; ".join(reasons)
+        )
+
+    def run(self, call: Call, implementation=None, config=None):
+        """Dispatch an already checked call."""
+        impl = self.select(call, implementation)
+        cfg, _ = selection.resolve_config(self.name, impl, call, config)
+        selection.notify(self, impl, call, cfg)
+        return impl.run(call, cfg)
+
+    def __call__(self, *args, implementation=None, config=None, **kwargs):
+        call = self.check(*args, **kwargs)
+        return self.run(call, implementation=implementation, config=config)
+
+    def run_implementation(self, name: str, call: Call, config=None):
+        """Run one named implementation with a given (or resolved) config, no fallback."""
+        return self.run(call, implementation=name, config=config)
+
+
+_REGISTRY: dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    """Add ``op`` to the registry `stellax check`/`bench`/`autotune` iterate over."""
+    if op.name in _REGISTRY and _REGISTRY[op.name] is not op:
+        raise ValueError(f"op {op.name!r} registered twice")
+    _REGISTRY[op.name] = op
+    return op
+
+
+def registered_ops() -> dict[str, Op]:
+    """All registered ops by name (importing `stellax` registers them)."""
+    return dict(_REGISTRY)
+
+
+def backward_implementation(backward_op: Op, forward_name: str) -> tuple[str, ...]:
+    """The backward implementation chain matching a forward implementation:
+    the same name first when the backward op has it, then the default chain."""
+    if forward_name in backward_op.implementations:
+        return (forward_name,) if forward_name != "xla" else ("xla",)
+    names, _ = backward_op.candidates(None)
+    return tuple(names)
+
+
+def names_of(implementations: Iterable[Implementation]) -> list[str]:
+    return [impl.name for impl in implementations]

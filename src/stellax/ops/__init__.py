@@ -1,0 +1,1 @@
+"""Op families. Each folder: api (public functions), reference (golden), xla, kernels, configs."""

@@ -1,0 +1,173 @@
+"""Lowering checks: does a kernel get through the real compiler front end?
+
+* `lower_for_gpu` lowers a function for ``cuda`` on any machine (CPU
+  included) inside `stellax.lowering_target`, so dispatch picks the kernel
+  implementations with interpret mode off; it fails on what Pallas/Triton
+  lowering rejects (non-power-of-two blocks, unsupported primitives, ...).
+* `assert_custom_call` checks the expected kernel launch is in the module
+  (``__gpu$xla.gpu.triton`` for Triton, ``mosaic_gpu`` for Mosaic GPU).
+* `compile_triton_to_ptx` (the slower tier) compiles each Triton kernel of a
+  lowered module to PTX with the jax CUDA plugin's Triton compiler and reports
+  shared memory, which `assert_fits_smem` checks against the SM's limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import jax
+
+from ..core import Call, Op, lowering_target, use_configs
+
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CUSTOM_CALL = "mosaic_gpu"
+TPU_CUSTOM_CALL = "tpu_custom_call"
+CUSTOM_CALL_OF_BACKEND = {"triton": TRITON_CUSTOM_CALL, "mosaic_gpu": MOSAIC_GPU_CUSTOM_CALL,
+                          "mosaic_tpu": TPU_CUSTOM_CALL}
+
+#: Shared memory per block an SM can give (bytes).
+SMEM_LIMIT = {"8.0": 163 * 1024, "9.0": 227 * 1024}
+
+
+def abstract(tree):
+    """Arrays → `jax.ShapeDtypeStruct`s (other leaves unchanged)."""
+    def to_struct(x):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+    return jax.tree_util.tree_map(to_struct, tree)
+
+
+def lower_for_gpu(fn: Callable[..., Any], *args, target: str = "h100"):
+    """Lower ``fn(*args)`` for ``cuda`` (args may be arrays or shape structs)."""
+    with lowering_target(target):
+        traced = jax.jit(fn).trace(*abstract(args))
+        return traced.lower(lowering_platforms=("cuda",))
+
+
+def assert_custom_call(lowered, name: str = TRITON_CUSTOM_CALL, *, count: int | None = None) -> int:
+    """The lowered module launches kernel ``name`` (``count`` times if given)."""
+    text = lowered.as_text()
+    found = text.count(f"@{name}") if name.startswith("__") else text.count(name)
+    if found == 0:
+        raise AssertionError(f"expected a {name} custom call in the lowered module; none found")
+    if count is not None and found != count:
+        raise AssertionError(f"expected {count} {name} custom calls, found {found}")
+    return found
+
+
+def check_op_lowering(op: Op, implementation: str, args: tuple, kwargs: dict | None = None, *,
+                      configs: Iterable[Any] | None = None, grad: bool = False, target: str = "h100"):
+    """Lower ``op`` with ``implementation`` for cuda once per config (default:
+    the whole autotuning space of the example's call); with ``grad`` the VJP of
+    the differentiable float arguments is lowered too. Returns the number of
+    configs checked."""
+    kwargs = dict(kwargs or {})
+    impl = op.implementations[implementation]
+    call = op.check(*args, **kwargs)
+    if configs is None:
+        configs = impl.config_space(call) or [None]
+    backend_call = CUSTOM_CALL_OF_BACKEND.get(impl.backend)
+    n = 0
+    for config in configs:
+        def forward(*a):
+            table = {} if config is None else {(op.name, implementation): config}
+            with use_configs(table):
+                return op(*a, implementation=implementation, **kwargs)
+
+        lowered = lower_for_gpu(forward, *args, target=target)
+        if backend_call:
+            assert_custom_call(lowered, backend_call)
+        if grad:
+            float_positions = [i for i, a in enumerate(args)
+                               if a is not None and hasattr(a, "dtype")
+                               and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
+
+            def loss(*diff):
+                full = list(args)
+                for i, d in zip(float_positions, diff):
+                    full[i] = d
+                out = forward(*full)
+                return sum(jax.numpy.sum(l.astype(jax.numpy.float32))
+                           for l in jax.tree_util.tree_leaves(out))
+
+            lowered_grad = lower_for_gpu(jax.grad(loss, argnums=tuple(range(len(float_positions)))),
+                                         *[args[i] for i in float_positions], target=target)
+            if backend_call:
+                assert_custom_call(lowered_grad, backend_call)
+        n += 1
+    return n
+
+
+# -- PTX tier -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PtxKernel:
+    name: str
+    num_warps: int
+    num_stages: int
+    smem_bytes: int
+    ptx_lines: int
+
+
+def triton_compiler_available() -> tuple[bool, str]:
+    """Whether Triton IR can be compiled to PTX here, and why not."""
+    try:
+        jax.devices()
+        from jax._src.lib import triton
+    except Exception as e:  # pragma: no cover - depends on the install
+        return False, f"jax Triton bindings unavailable: {e}"
+    if not triton.has_compilation_handler("CUDA"):
+        return False, ("no CUDA Triton compiler: install the 'cuda-check' extra "
+                       "(pip install --no-deps jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2)")
+    return True, ""
+
+
+def _triton_custom_calls(lowered):
+    from jax._src.interpreters import mlir as jmlir  # noqa: F401  (registers dialects)
+    module = lowered.compiler_ir("stablehlo")
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    name = inner.operation.name
+                    if name == "stablehlo.custom_call":
+                        target = str(inner.attributes["call_target_name"]).strip('"')
+                        if target == TRITON_CUSTOM_CALL:
+                            found.append(inner.attributes["mhlo.backend_config"])
+                    walk(inner.operation)
+
+    walk(module.operation)
+    return found
+
+
+def compile_triton_to_ptx(lowered, arch: str = "9.0") -> list[PtxKernel]:
+    """Compile every Triton kernel in ``lowered`` to PTX for ``arch``."""
+    ok, reason = triton_compiler_available()
+    if not ok:
+        raise RuntimeError(reason)
+    from jax._src.lib import triton
+    from jax._src.lib.mlir import ir
+
+    kernels = []
+    for config in _triton_custom_calls(lowered):
+        name = ir.StringAttr(config["name"]).value
+        module_bytes = ir.StringAttr(config["ir"]).value_bytes
+        num_warps = ir.IntegerAttr(config["num_warps"]).value
+        num_stages = ir.IntegerAttr(config["num_stages"]).value
+        result = triton.compile("CUDA", module_bytes, arch, num_warps=num_warps, num_ctas=1,
+                                num_stages=num_stages)
+        kernels.append(PtxKernel(name, num_warps, num_stages, int(result.smem_bytes),
+                                 result.asm.count("\n")))
+    if not kernels:
+        raise AssertionError("no Triton kernels found in the lowered module")
+    return kernels
+
+
+def assert_fits_smem(kernels: Iterable[PtxKernel], arch: str = "9.0") -> None:
+    limit = SMEM_LIMIT[arch]
+    for k in kernels:
+        if k.smem_bytes > limit:
+            raise AssertionError(f"kernel {k.name}: {k.smem_bytes} bytes of shared memory > {limit} on sm_{arch}")

@@ -1,0 +1,169 @@
+"""Numerics harness: random inputs, golden comparison, tolerances, determinism.
+
+The policy (DESIGN.md): the golden runs in float32 at ``Precision.HIGHEST``;
+errors are reported as max-abs, relative L2 (‖out−ref‖/‖ref‖) and the fraction
+of elements within an elementwise tolerance; a result passes when its relative
+L2 error is within the dtype's tolerance (2× for gradients) and it holds no
+NaN where the reference has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Relative L2 tolerance per dtype for forward results.
+REL_L2_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
+#: Elementwise tolerance (|out−ref| ≤ atol + rtol·|ref|) used for "% within".
+ELEMENT_TOLERANCE = {"float32": (1e-5, 1e-4), "bfloat16": (2e-2, 2e-2), "float16": (2e-3, 2e-3),
+                     "float64": (1e-12, 1e-12)}
+
+
+def tolerance(dtype, *, gradient: bool = False) -> float:
+    """The relative-L2 tolerance for results computed in ``dtype``."""
+    name = np.dtype(dtype).name
+    tol = REL_L2_TOLERANCE.get(name, 1e-2)
+    return 2 * tol if gradient else tol
+
+
+def random_array(key, shape, dtype=jnp.float32, *, scale: float = 1.0, offset: float = 0.0):
+    """Normal random values cast to ``dtype``; exact zeros are nudged away so
+    a kernel that writes zeros can never pass by accident."""
+    x = offset + scale * jax.random.normal(key, shape, jnp.float32)
+    x = jnp.where(x == 0, jnp.float32(scale * 1e-3 + 1e-3), x)
+    return x.astype(dtype)
+
+
+def random_inputs(key, shapes: Sequence[Sequence[int]], dtype=jnp.float32, **kwargs) -> list[jax.Array]:
+    keys = jax.random.split(key, len(shapes))
+    return [random_array(k, s, dtype, **kwargs) for k, s in zip(keys, shapes)]
+
+
+def upcast(tree):
+    """Floating leaves to float32 (for the golden)."""
+    def cast(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x, jnp.float32)
+        return x
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def golden(fn: Callable[..., Any], *args, **kwargs):
+    """``fn`` on float32-upcast arguments at the highest matmul precision."""
+    with jax.default_matmul_precision("highest"):
+        return fn(*upcast(args), **upcast(kwargs))
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorSummary:
+    """Error of one array against its reference."""
+
+    max_abs: float
+    rel_l2: float
+    fraction_within: float
+    has_nan: bool
+    reference_has_nan: bool
+    tolerance: float
+    shape: tuple
+
+    @property
+    def passed(self) -> bool:
+        if self.has_nan and not self.reference_has_nan:
+            return False
+        return self.rel_l2 <= self.tolerance
+
+    def __str__(self) -> str:
+        status = "ok" if self.passed else "FAIL"
+        return (f"{status}: rel_l2={self.rel_l2:.2e} (tol {self.tolerance:.1e}) max_abs={self.max_abs:.2e} "
+                f"within={100 * self.fraction_within:.2f}% nan={self.has_nan} shape={self.shape}")
+
+
+def compare(out, ref, *, dtype=None, gradient: bool = False, rel_l2_tolerance: float | None = None) -> ErrorSummary:
+    """Summarize ``out`` against ``ref`` (computed in float64 on the host).
+
+    ``dtype`` selects the tolerance (default: ``out``'s dtype)."""
+    out_np = np.asarray(jnp.asarray(out).astype(jnp.float32), dtype=np.float64)
+    ref_np = np.asarray(jnp.asarray(ref).astype(jnp.float32), dtype=np.float64)
+    if out_np.shape != ref_np.shape:
+        raise AssertionError(f"shape mismatch: out {out_np.shape} vs reference {ref_np.shape}")
+    dtype_name = np.dtype(dtype if dtype is not None else jnp.asarray(out).dtype).name
+    tol = rel_l2_tolerance if rel_l2_tolerance is not None else tolerance(dtype_name, gradient=gradient)
+    has_nan = bool(np.isnan(out_np).any())
+    ref_nan = bool(np.isnan(ref_np).any())
+    both_finite = np.isfinite(out_np) & np.isfinite(ref_np)
+    same_nonfinite = (np.isnan(out_np) & np.isnan(ref_np)) | (np.isinf(out_np) & (out_np == ref_np))
+    diff = np.where(both_finite, np.abs(out_np - ref_np), np.where(same_nonfinite, 0.0, np.inf))
+    ref_norm = np.sqrt(np.sum(np.where(np.isfinite(ref_np), ref_np, 0.0) ** 2))
+    err_norm = np.sqrt(np.sum(diff**2)) if np.isfinite(diff).all() else np.inf
+    rel = float(err_norm / ref_norm) if ref_norm > 0 else float(err_norm)
+    atol, rtol = ELEMENT_TOLERANCE.get(dtype_name, (1e-2, 1e-2))
+    within = diff <= atol + rtol * np.abs(np.where(np.isfinite(ref_np), ref_np, 0.0))
+    return ErrorSummary(
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        rel_l2=rel,
+        fraction_within=float(within.mean()) if within.size else 1.0,
+        has_nan=has_nan,
+        reference_has_nan=ref_nan,
+        tolerance=tol,
+        shape=out_np.shape,
+    )
+
+
+def assert_close(out, ref, *, dtype=None, gradient: bool = False, rel_l2_tolerance: float | None = None,
+                 name: str = "output") -> ErrorSummary:
+    """Raise ``AssertionError`` (with the error summary) unless ``out`` matches ``ref``."""
+    summary = compare(out, ref, dtype=dtype, gradient=gradient, rel_l2_tolerance=rel_l2_tolerance)
+    if not summary.passed:
+        raise AssertionError(f"{name}: {summary}")
+    return summary
+
+
+def assert_trees_close(out, ref, *, dtype=None, gradient: bool = False, name: str = "output",
+                       rel_l2_tolerance: float | None = None) -> list[ErrorSummary]:
+    """`assert_close` leaf by leaf (``None`` leaves must match)."""
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out, is_leaf=lambda x: x is None)
+    ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref, is_leaf=lambda x: x is None)
+    if out_tree != ref_tree:
+        raise AssertionError(f"{name}: structure {out_tree} differs from reference {ref_tree}")
+    summaries = []
+    for i, (o, r) in enumerate(zip(out_leaves, ref_leaves)):
+        if o is None or r is None:
+            if (o is None) != (r is None):
+                raise AssertionError(f"{name}[{i}]: one of output/reference is None")
+            continue
+        summaries.append(assert_close(o, r, dtype=dtype, gradient=gradient, name=f"{name}[{i}]",
+                                      rel_l2_tolerance=rel_l2_tolerance))
+    return summaries
+
+
+def assert_deterministic(fn: Callable[..., Any], *args, runs: int = 2, **kwargs):
+    """Run ``fn`` ``runs`` times; every output leaf must be bitwise equal."""
+    first = jax.tree_util.tree_leaves(fn(*args, **kwargs))
+    for _ in range(runs - 1):
+        again = jax.tree_util.tree_leaves(fn(*args, **kwargs))
+        for i, (a, b) in enumerate(zip(first, again)):
+            a_np, b_np = np.asarray(a), np.asarray(b)
+            if a_np.tobytes() != b_np.tobytes():
+                raise AssertionError(f"output leaf {i} differs between runs (non-deterministic)")
+    return first
+
+
+def vjp_with_cotangent(fn: Callable[..., Any], args: Sequence[Any], cotangent_key, argnums: Sequence[int]):
+    """Gradients of ``fn`` w.r.t. ``args[argnums]`` for a random cotangent
+    (fixed by ``cotangent_key``), the output and the cotangent used."""
+    def partial_fn(*diff_args):
+        full = list(args)
+        for i, a in zip(argnums, diff_args):
+            full[i] = a
+        return fn(*full)
+
+    out, vjp = jax.vjp(partial_fn, *[args[i] for i in argnums])
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    keys = jax.random.split(cotangent_key, len(leaves))
+    cot = [random_array(k, l.shape, l.dtype) for k, l in zip(keys, leaves)]
+    cot = jax.tree_util.tree_unflatten(tree, cot)
+    return out, vjp(cot), cot

@@ -1,0 +1,124 @@
+"""Validate an op's implementations against its golden on built-in examples
+(what `stellax check` runs, and what op tests can reuse)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import Example, Op, current_platform, interpret_enabled, interpret_mode
+from .numerics import ErrorSummary, compare, golden, random_array
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    op: str
+    implementation: str
+    dtype: str
+    example: str
+    passed: bool
+    worst: ErrorSummary | None
+    detail: str = ""
+    skipped: str = ""
+
+
+def _float_positions(args) -> list[int]:
+    return [i for i, a in enumerate(args)
+            if a is not None and hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
+
+
+def _grad_positions(op: Op, example: Example) -> list[int]:
+    """Positional float args named in ``op.differentiable`` (by the Call's order)."""
+    if not op.differentiable:
+        return []
+    names = list(op.check(*example.args, **example.kwargs).arrays)
+    return [i for i in _float_positions(example.args)
+            if i < len(names) and names[i] in op.differentiable]
+
+
+def _loss_fn(fn, args, kwargs, positions, cotangents):
+    def loss(*diff):
+        full = list(args)
+        for i, d in zip(positions, diff):
+            full[i] = d
+        leaves = jax.tree_util.tree_leaves(fn(*full, **kwargs))
+        return sum(jnp.sum(l.astype(jnp.float32) * c) for l, c in zip(leaves, cotangents))
+    return loss
+
+
+def check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True) -> CheckResult:
+    """Run one example with one implementation and compare (forward and, for
+    differentiable ops, the gradients of a random projection of the output)."""
+    dtype_name = np.dtype(dtype).name
+    call = op.check(*example.args, **example.kwargs)
+    impl = op.implementations[implementation]
+    support = impl.supported(call)
+    if not support:
+        return CheckResult(op.name, implementation, dtype_name, example.label, True, None,
+                           skipped=support.reason)
+
+    array_kwargs = {k: v for k, v in example.kwargs.items() if hasattr(v, "dtype")}
+    static_kwargs = {k: v for k, v in example.kwargs.items() if k not in array_kwargs}
+
+    def run(*args, **kw):
+        return op(*args, implementation=implementation, **kw, **static_kwargs)
+
+    def ref(*args, **kw):
+        return op.reference(*args, **kw, **static_kwargs)
+
+    out = jax.jit(run)(*example.args, **array_kwargs)
+    expected = golden(ref, *example.args, **array_kwargs)
+    worst = None
+    out_leaves = jax.tree_util.tree_leaves(out)
+    ref_leaves = jax.tree_util.tree_leaves(expected)
+    if len(out_leaves) != len(ref_leaves):
+        return CheckResult(op.name, implementation, dtype_name, example.label, False, None,
+                           detail=f"{len(out_leaves)} outputs vs {len(ref_leaves)} in the reference")
+    summaries = [compare(o, r, dtype=dtype) for o, r in zip(out_leaves, ref_leaves)]
+    again = jax.tree_util.tree_leaves(jax.jit(run)(*example.args, **array_kwargs))
+    deterministic = all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(out_leaves, again))
+    positions = _grad_positions(op, example) if gradients else []
+    if positions:
+        keys = jax.random.split(jax.random.PRNGKey(7), len(out_leaves))
+        cots = [random_array(k, l.shape, jnp.float32) for k, l in zip(keys, out_leaves)]
+        diff_args = [example.args[i] for i in positions]
+        grads = jax.jit(jax.grad(_loss_fn(run, example.args, array_kwargs, positions, cots),
+                                 argnums=tuple(range(len(positions)))))(*diff_args)
+        ref_args = [a.astype(jnp.float32) if a is not None and jnp.issubdtype(a.dtype, jnp.floating) else a
+                    for a in example.args]
+        ref_kwargs = {k: v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v
+                      for k, v in array_kwargs.items()}
+        ref_grads = golden(jax.grad(_loss_fn(ref, ref_args, ref_kwargs, positions, cots),
+                                    argnums=tuple(range(len(positions)))), *diff_args)
+        summaries += [compare(g, r, dtype=dtype, gradient=True) for g, r in zip(grads, ref_grads)]
+    worst = max(summaries, key=lambda s: (not s.passed, s.rel_l2 / max(s.tolerance, 1e-30)))
+    passed = all(s.passed for s in summaries) and deterministic
+    detail = "" if deterministic else "non-deterministic: two runs differ"
+    return CheckResult(op.name, implementation, dtype_name, example.label, passed, worst, detail=detail)
+
+
+def check_op(op: Op, *, implementations: Iterable[str] | None = None,
+             dtypes: Iterable = (jnp.float32, jnp.bfloat16), gradients: bool = True) -> list[CheckResult]:
+    """Check every (implementation, dtype, example) of ``op`` on this device.
+
+    On a CPU, kernel implementations run interpreted (interpret mode is
+    switched on for them)."""
+    names = list(implementations) if implementations is not None else list(op.implementations)
+    results = []
+    on_cpu = current_platform().backend == "cpu"
+    for name in names:
+        impl = op.implementations[name]
+        for dtype in dtypes:
+            interpret = interpret_enabled() or (on_cpu and impl.is_kernel)
+            with interpret_mode(interpret):
+                for example in op.examples(dtype):
+                    try:
+                        results.append(check_example(op, name, example, dtype, gradients=gradients))
+                    except Exception as e:  # a crash is a failure, reported with its message
+                        results.append(CheckResult(op.name, name, np.dtype(dtype).name, example.label, False,
+                                                   None, detail=f"{type(e).__name__}: {e}"[:300]))
+    return results
