@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import Example, Op, current_platform, interpret_enabled, interpret_mode
-from .numerics import ErrorSummary, compare, golden, random_array
+from .numerics import ErrorSummary, compare, golden, random_array, upcast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +26,14 @@ class CheckResult:
     skipped: str = ""
 
 
+def _is_float_tree(a) -> bool:
+    leaves = jax.tree_util.tree_leaves(a)
+    return bool(leaves) and all(hasattr(l, "dtype") and jnp.issubdtype(l.dtype, jnp.floating) for l in leaves)
+
+
 def _float_positions(args) -> list[int]:
-    return [i for i, a in enumerate(args)
-            if a is not None and hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
+    """Positions of arguments that are float arrays or pytrees of them."""
+    return [i for i, a in enumerate(args) if a is not None and _is_float_tree(a)]
 
 
 def _grad_positions(op: Op, example: Example) -> list[int]:
@@ -88,13 +93,11 @@ def check_example(op: Op, implementation: str, example: Example, dtype, *, gradi
         diff_args = [example.args[i] for i in positions]
         grads = jax.jit(jax.grad(_loss_fn(run, example.args, array_kwargs, positions, cots),
                                  argnums=tuple(range(len(positions)))))(*diff_args)
-        ref_args = [a.astype(jnp.float32) if a is not None and jnp.issubdtype(a.dtype, jnp.floating) else a
-                    for a in example.args]
-        ref_kwargs = {k: v.astype(jnp.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v
-                      for k, v in array_kwargs.items()}
+        ref_args, ref_kwargs = upcast(list(example.args)), upcast(array_kwargs)
         ref_grads = golden(jax.grad(_loss_fn(ref, ref_args, ref_kwargs, positions, cots),
                                     argnums=tuple(range(len(positions)))), *diff_args)
-        summaries += [compare(g, r, dtype=dtype, gradient=True) for g, r in zip(grads, ref_grads)]
+        summaries += [compare(g, r, dtype=dtype, gradient=True)
+                      for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads))]
     worst = max(summaries, key=lambda s: (not s.passed, s.rel_l2 / max(s.tolerance, 1e-30)))
     passed = all(s.passed for s in summaries) and deterministic
     detail = "" if deterministic else "non-deterministic: two runs differ"

@@ -1,0 +1,231 @@
+"""Public gated linear unit API: `gated_linear_unit` and its backward op."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core import Call, Example, Implementation, Op, backward_implementation, register
+from ...core import checks
+from . import triton as triton_kernels
+from . import xla as xla_kernels
+from .activations import ACTIVATIONS
+from .configs import GluConfig, glu_heuristic, glu_space
+from .reference import glu_backward_reference, glu_reference
+
+_PRECISIONS = (None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST)
+
+
+def _check_activation(activation):
+    if callable(activation):
+        return activation
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {sorted(ACTIVATIONS)} or a callable, got {activation!r}")
+    return activation
+
+
+def _check_precision(precision):
+    if isinstance(precision, str):
+        precision = jax.lax.Precision(precision)
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision: expected None or a jax.lax.Precision, got {precision!r}")
+    return precision
+
+
+def _check_weights(weights, features: int, x):
+    """Canonical ``(w_gate, w_up)``: ``([K, 2, N], None)`` or two ``[K, N]``."""
+    if isinstance(weights, (tuple, list)):
+        if len(weights) != 2:
+            raise ValueError(f"weights: expected a [K, 2, N] array or a pair of [K, N] arrays, got a sequence of {len(weights)}")
+        w_gate = checks.require_float("weights[0]", weights[0])
+        w_up = checks.require_float("weights[1]", weights[1])
+        checks.require_ndim("weights[0]", w_gate, 2)
+        checks.require_shape("weights[0]", w_gate, (features, None), "x.shape[-1], N")
+        checks.require_shape("weights[1]", w_up, w_gate.shape, "the shape of weights[0]")
+        checks.require_same_dtype("weights[1]", w_up, "weights[0]", w_gate)
+    else:
+        w_gate = checks.require_float("weights", weights)
+        checks.require_ndim("weights", w_gate, 3)
+        checks.require_shape("weights", w_gate, (features, 2, None), "x.shape[-1], 2, N")
+        w_up = None
+    return w_gate, w_up
+
+
+def _check_glu(x, weights, *, activation="silu", precision=None) -> Call:
+    x = checks.require_float("x", x)
+    if x.ndim < 1:
+        raise ValueError("x: expected rank >= 1, got rank 0")
+    w_gate, w_up = _check_weights(weights, x.shape[-1], x)
+    return Call({"x": x, "w_gate": w_gate, "w_up": w_up},
+                {"activation": _check_activation(activation), "precision": _check_precision(precision)})
+
+
+def _check_backward(dy, x, w_gate, w_up=None, *, activation="silu", precision=None) -> Call:
+    x = checks.require_float("x", x)
+    checks.require_ndim("x", x, 2)
+    weights = (w_gate, w_up) if w_up is not None else w_gate
+    w_gate, w_up = _check_weights(weights, x.shape[1], x)
+    n = w_gate.shape[-1]
+    checks.require_shape("dy", dy, (x.shape[0], n), "x.shape[0], N")
+    return Call({"dy": dy, "x": x, "w_gate": w_gate, "w_up": w_up},
+                {"activation": _check_activation(activation), "precision": _check_precision(precision)})
+
+
+def _dims(call: Call):
+    k = call.x.shape[-1]
+    m = int(np.prod(call.x.shape[:-1]))
+    return m, k, call.w_gate.shape[-1]
+
+
+def _flops(call: Call) -> float:
+    m, k, n = _dims(call)
+    return 2.0 * m * k * (2 * n) + 3.0 * m * n
+
+
+def _bytes(call: Call) -> float:
+    m, k, n = _dims(call)
+    xs, ws = np.dtype(call.x.dtype).itemsize, np.dtype(call.w_gate.dtype).itemsize
+    return float(m * k * xs + 2 * k * n * ws + m * n * xs)
+
+
+def _backward_flops(call: Call) -> float:
+    m, k, n = _dims(call)
+    return 3 * 2.0 * m * k * (2 * n)  # recompute + dx + dW
+
+
+def _backward_bytes(call: Call) -> float:
+    m, k, n = _dims(call)
+    xs, ws = np.dtype(call.x.dtype).itemsize, np.dtype(call.w_gate.dtype).itemsize
+    return float(2 * m * k * xs + 4 * k * n * ws + 5 * m * n * xs)
+
+
+def _random_case(seed, m, k, n, dtype, stacked):
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, 2, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    weights = w if stacked else (w[:, 0], w[:, 1])
+    dy = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
+    return x, weights, dy
+
+
+_CASES = ((3, 17, 33, "silu", True), (40, 100, 70, "gelu", False), (1, 64, 16, "gelu_tanh", True),
+          (20, 9, 130, "relu", True), (17, 48, 5, "sigmoid", False))
+
+
+def _examples(dtype):
+    out = []
+    for i, (m, k, n, act, stacked) in enumerate(_CASES):
+        x, weights, _ = _random_case(i, m, k, n, dtype, stacked)
+        out.append(Example(f"M={m} K={k} N={n} {act} {'stacked' if stacked else 'pair'}", (x, weights),
+                           {"activation": act}))
+    return out
+
+
+def _backward_examples(dtype):
+    out = []
+    for i, (m, k, n, act, stacked) in enumerate(_CASES[:3]):
+        x, weights, dy = _random_case(100 + i, m, k, n, dtype, stacked)
+        w_gate, w_up = (weights, None) if stacked else weights
+        out.append(Example(f"M={m} K={k} N={n} {act}", (dy, x, w_gate, w_up), {"activation": act}))
+    return out
+
+
+def _benchmarks(platform):
+    shapes = ((256, 512, 1024),) if platform.backend == "cpu" else ((4096, 4096, 14336), (16384, 2048, 8192))
+    out = []
+    for m, k, n in shapes:
+        dtype = jnp.float32 if platform.backend == "cpu" else jnp.bfloat16
+        x, w, _ = _random_case(0, m, k, n, dtype, True)
+        out.append(Example(f"M={m} K={k} N={n} silu", (x, w), {"activation": "silu"}))
+    return out
+
+
+def _backward_runner(kernels):
+    def run(call: Call, config):
+        return kernels.glu_backward(call.dy, call.x, call.w_gate, call.w_up, activation=call.activation,
+                                    precision=call.precision, config=config)
+    return run
+
+
+gated_linear_unit_backward_op = register(Op(
+    "gated_linear_unit_backward",
+    family="glu",
+    check=_check_backward,
+    reference=glu_backward_reference,
+    implementations=[
+        Implementation("triton", _backward_runner(triton_kernels), backend="triton",
+                       config_type=GluConfig, heuristic=glu_heuristic, space=glu_space),
+        Implementation("xla", _backward_runner(xla_kernels)),
+    ],
+    flops=_backward_flops,
+    bytes_accessed=_backward_bytes,
+    examples=_backward_examples,
+))
+
+
+def _forward_runner(kernels, name: str):
+    def run(call: Call, config):
+        x = call.x
+        lead, k = x.shape[:-1], x.shape[-1]
+        options = dict(activation=call.activation, precision=call.precision)
+
+        @jax.custom_vjp
+        def glu(x2, w_gate, w_up):
+            return kernels.glu_forward(x2, w_gate, w_up, config=config, **options)
+
+        def forward(x2, w_gate, w_up):
+            return glu(x2, w_gate, w_up), (x2, w_gate, w_up)
+
+        def backward(residuals, dy):
+            x2, w_gate, w_up = residuals
+            return gated_linear_unit_backward_op(
+                dy, x2, w_gate, w_up, implementation=backward_implementation(gated_linear_unit_backward_op, name),
+                **options)
+
+        glu.defvjp(forward, backward)
+        y = glu(x.reshape(-1, k), call.w_gate, call.w_up)
+        return y.reshape(*lead, y.shape[-1])
+    return run
+
+
+gated_linear_unit_op = register(Op(
+    "gated_linear_unit",
+    family="glu",
+    check=_check_glu,
+    reference=glu_reference,
+    implementations=[
+        Implementation("triton", _forward_runner(triton_kernels, "triton"), backend="triton",
+                       config_type=GluConfig, heuristic=glu_heuristic, space=glu_space),
+        Implementation("xla", _forward_runner(xla_kernels, "xla")),
+    ],
+    flops=_flops,
+    bytes_accessed=_bytes,
+    examples=_examples,
+    benchmarks=_benchmarks,
+    differentiable=("x", "w_gate", "w_up"),
+))
+
+
+def gated_linear_unit(x, weights, *, activation="silu", precision=None, implementation=None, config=None):
+    """Gated linear unit: ``activation(x @ w_gate) * (x @ w_up)``, fused.
+
+    Args:
+      x: ``[..., K]`` float32/bfloat16/float16.
+      weights: ``[K, 2, N]`` (``[:, 0]`` is the gate, ``[:, 1]`` the up
+        projection) or a pair ``(w_gate [K, N], w_up [K, N])``, float.
+      activation: ``"silu"`` (SwiGLU), ``"gelu"`` (exact, GeGLU),
+        ``"gelu_tanh"``, ``"relu"`` (ReGLU), ``"sigmoid"`` (the original GLU),
+        or a callable of float32 arrays (its derivative comes from JAX
+        autodiff; inside Triton kernels it must use primitives Triton supports).
+      precision: matmul precision (``None``: full float32 precision for float32
+        inputs, the backend default otherwise).
+      implementation: ``None`` (best available), ``"triton"``, ``"xla"`` or a
+        sequence tried in order.
+      config: an explicit `GluConfig` for the Triton kernels.
+
+    Returns:
+      ``[..., N]`` in ``x.dtype``; matmuls accumulate in float32.
+    """
+    return gated_linear_unit_op(x, weights, activation=activation, precision=precision,
+                                implementation=implementation, config=config)

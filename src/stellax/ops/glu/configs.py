@@ -1,0 +1,52 @@
+"""Tile configs of the fused GLU matmul kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...core import Call, TritonConfig
+from ...core.config import require_in
+
+
+@dataclasses.dataclass(frozen=True)
+class GluConfig(TritonConfig):
+    """Tiles: the forward and ``dgate/dup`` kernels tile ``[block_m, block_n]``
+    of the output and step ``block_k`` along K; the ``dx`` kernel tiles
+    ``[block_m, block_k]`` stepping ``block_n``; the weight-gradient kernel
+    tiles ``[block_k, block_n]`` stepping ``block_m``. Triton dots need every
+    tile dimension ≥ 16."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        for field in ("block_m", "block_n", "block_k"):
+            require_in("GluConfig", field, getattr(self, field), (16, 32, 64, 128, 256))
+
+
+_SPACE = (
+    GluConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2),
+    GluConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=2),
+    GluConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
+    GluConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3),
+    GluConfig(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3),
+    GluConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=2),
+    GluConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2),
+)
+
+
+def glu_space(call: Call) -> list[GluConfig]:
+    return list(_SPACE)
+
+
+def glu_heuristic(call: Call) -> GluConfig:
+    rows = 1
+    for d in call.x.shape[:-1]:
+        rows *= d
+    if rows <= 16:
+        return GluConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2)
+    if rows <= 64:
+        return GluConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    return GluConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)

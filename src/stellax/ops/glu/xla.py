@@ -1,0 +1,48 @@
+"""XLA implementation of the gated linear unit (the CPU default).
+
+One matmul against the ``[K, 2N]`` weight panel (or two for a weight pair),
+the activation fused by XLA; the backward recomputes ``gate``/``up`` and
+issues the three gradient matmuls.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .activations import activation_and_grad, activation_fn
+from .triton import weight_panels
+
+
+def _gate_up(x, w_gate, w_up, precision):
+    wg, wu, gate_col, up_col, n = weight_panels(w_gate, w_up)
+    if w_up is None:
+        both = jnp.matmul(x, wg, precision=precision, preferred_element_type=jnp.float32)
+        return both[:, :n], both[:, n:]
+    gate = jnp.matmul(x, wg, precision=precision, preferred_element_type=jnp.float32)
+    up = jnp.matmul(x, wu, precision=precision, preferred_element_type=jnp.float32)
+    return gate, up
+
+
+def glu_forward(x, w_gate, w_up, *, activation, precision, config=None):
+    del config
+    gate, up = _gate_up(x, w_gate, w_up, precision)
+    return (activation_fn(activation)(gate) * up).astype(x.dtype)
+
+
+def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config=None):
+    del config
+    gate, up = _gate_up(x, w_gate, w_up, precision)
+    act, act_grad = activation_and_grad(activation, gate)
+    dy32 = dy.astype(jnp.float32)
+    dgate = (dy32 * up * act_grad).astype(x.dtype)
+    dup = (dy32 * act).astype(x.dtype)
+    mm = lambda a, b: jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
+    if w_up is None:
+        k, _, n = w_gate.shape
+        dboth = jnp.concatenate([dgate, dup], axis=1)  # [M, 2N], matches the [K, 2N] panel
+        dx = mm(dboth, w_gate.reshape(k, 2 * n).T)
+        dw = mm(x.T, dboth).reshape(k, 2, n)
+        return dx.astype(x.dtype), dw.astype(w_gate.dtype), None
+    dx = mm(dgate, w_gate.T) + mm(dup, w_up.T)
+    return dx.astype(x.dtype), mm(x.T, dgate).astype(w_gate.dtype), mm(x.T, dup).astype(w_up.dtype)
