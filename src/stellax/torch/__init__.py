@@ -1,0 +1,15 @@
+"""PyTorch front ends of stellax: every op as a ``stellax::`` torch custom op
+(autograd, fake implementations for ``torch.compile``), zero-copy DLPack
+exchange, ``nn.Module`` drop-ins and a Hugging Face transformers attention
+backend. See docs/torch.md."""
+
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+except ImportError as e:  # pragma: no cover
+    raise ImportError("stellax.torch needs PyTorch: pip install 'stellax[torch]'") from e
+
+from .bridge import PackedTensor, jax_dtype, to_jax, to_torch, torch_dtype
+from .registry import TorchOp, cache_info, clear_cache, define_op, registered_torch_ops
+from .norm import layer_norm, rms_norm

@@ -1,0 +1,295 @@
+"""Registering stellax (JAX) functions as PyTorch custom ops.
+
+`define_op` turns a JAX function over arrays into ``stellax::<name>``, a
+`torch.library.custom_op` with
+
+* a forward that crosses the tensors to JAX over DLPack (`bridge`), runs a
+  jitted JAX function taken from a cache keyed by (op, input shapes/dtypes,
+  options), and crosses the outputs back;
+* a fake (meta) implementation, so `torch.compile(fullgraph=True)` and
+  `torch.library.opcheck` trace through it without running JAX;
+* autograd through `torch.library.register_autograd`: the backward is a
+  second custom op, ``stellax::<name>_backward``, which runs the JAX VJP
+  (``jax.vjp`` of the same function, jitted and cached the same way). The
+  VJP recomputes the forward inside the backward's XLA program (as
+  FlashAttention does) instead of carrying JAX residuals across the bridge,
+  so nothing but the inputs is saved for backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+import torch
+
+from . import bridge
+
+__all__ = ["TorchOp", "define_op", "cache_info", "clear_cache"]
+
+NAMESPACE = "stellax"
+
+# -- compiled-function cache ----------------------------------------------------------
+_CACHE_SIZE = 1024
+_cache: "collections.OrderedDict[tuple, Callable]" = collections.OrderedDict()
+_lock = threading.Lock()
+_stats = {"hits": 0, "misses": 0}
+
+
+def _cached(key: tuple, build: Callable[[], Callable]) -> Callable:
+    fn = _cache.get(key)
+    if fn is not None:
+        _stats["hits"] += 1
+        return fn
+    with _lock:
+        fn = _cache.get(key)
+        if fn is None:
+            _stats["misses"] += 1
+            fn = build()
+            _cache[key] = fn
+            if len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+    return fn
+
+
+def cache_info() -> dict:
+    """Hits, misses and size of the compiled-function cache."""
+    return {**_stats, "size": len(_cache)}
+
+
+def clear_cache() -> None:
+    """Drop every cached compiled function (they are rebuilt on the next call)."""
+    with _lock:
+        _cache.clear()
+        _stats.update(hits=0, misses=0)
+
+
+# -- op definition -----------------------------------------------------------------------
+_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorArg:
+    name: str
+    optional: bool = False
+    differentiable: bool = True
+
+
+def _parse_tensor(spec: str) -> TensorArg:
+    """``"x"``, ``"scale?"`` (optional), ``"segment_ids?!"``/``"lengths!"`` (``!``: not differentiable)."""
+    diff = not spec.endswith("!")
+    spec = spec.rstrip("!")
+    optional = spec.endswith("?")
+    return TensorArg(spec.rstrip("?"), optional, diff)
+
+
+def _signature(t):
+    return None if t is None else (tuple(t.shape), t.dtype, t.device.type)
+
+
+class TorchOp:
+    """A stellax op as a torch custom op; see `define_op`."""
+
+    def __init__(self, name: str, jax_fn: Callable, *, tensors: Sequence[str], options: dict[str, str],
+                 outputs: int = 1, fake: Callable | None = None, differentiable: bool = True,
+                 integer_outputs: Sequence[int] = ()):
+        self.name = name
+        self.jax_fn = jax_fn
+        self.tensors = [_parse_tensor(s) for s in tensors]
+        self.options = dict(options)
+        self.outputs = int(outputs)
+        self._fake = fake
+        self.integer_outputs = tuple(integer_outputs)
+        self.n_tensors = len(self.tensors)
+        params = [f"Tensor{'?' if a.optional else ''} {a.name}" for a in self.tensors]
+        params += [f"{typ} {opt}" for opt, typ in self.options.items()]
+        returns = "Tensor" if self.outputs == 1 else "(" + ", ".join(["Tensor"] * self.outputs) + ")"
+        self.schema = "(" + ", ".join(params) + ") -> " + returns
+        qualname = f"{NAMESPACE}::{name}"
+        self.op = torch.library.custom_op(qualname, self._forward_impl, mutates_args=(), schema=self.schema)
+        self.op.register_fake(self._forward_fake)
+        self.backward_op = None
+        if differentiable and any(a.differentiable for a in self.tensors):
+            grads = [f"Tensor grad_{i}" for i in range(self.outputs)]
+            bschema = "(" + ", ".join(params + grads) + ") -> Tensor[]"
+            self.backward_op = torch.library.custom_op(
+                f"{qualname}_backward", self._backward_impl, mutates_args=(), schema=bschema)
+            self.backward_op.register_fake(self._backward_fake)
+            self.op.register_autograd(self._autograd_backward, setup_context=self._setup_context)
+
+    def __repr__(self) -> str:
+        return f"TorchOp(stellax::{self.name}{self.schema})"
+
+    def __call__(self, *args, **kwargs):
+        return self.op(*args, **kwargs)
+
+    # -- helpers -------------------------------------------------------------------
+    def _split(self, args):
+        tensors = list(args[: self.n_tensors])
+        opts = dict(zip(self.options, args[self.n_tensors: self.n_tensors + len(self.options)]))
+        return tensors, opts
+
+    @staticmethod
+    def _opts_key(opts: dict) -> tuple:
+        return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items())
+
+    def _call_jax(self, present: list[int], opts: dict):
+        """``f(*present_arrays) -> outputs``: the user function with the absent
+        optional tensors filled with None and the options bound."""
+        n = self.n_tensors
+        jax_fn = self.jax_fn
+
+        def f(*arrays):
+            full = [None] * n
+            for i, a in zip(present, arrays):
+                full[i] = a
+            out = jax_fn(*full, **opts)
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return f
+
+    def _diff_positions(self, tensors) -> list[int]:
+        return [i for i, (a, t) in enumerate(zip(self.tensors, tensors))
+                if a.differentiable and t is not None and t.is_floating_point()]
+
+    @staticmethod
+    def _outputs_to_torch(outs, inputs) -> list[torch.Tensor]:
+        result = []
+        ptrs = {t.data_ptr() for t in inputs if t is not None and t.numel()}
+        for o in outs:
+            t = bridge.to_torch(o)
+            if t.numel() and t.data_ptr() in ptrs:
+                t = t.clone()  # XLA forwarded an input buffer: a custom op's output must not alias
+            result.append(t)
+        return result
+
+    # -- forward -----------------------------------------------------------------------
+    def _forward_impl(self, *args):
+        tensors, opts = self._split(args)
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        key = (self.name, "fwd", tuple(_signature(t) for t in tensors), self._opts_key(opts))
+        fn = _cached(key, lambda: jax.jit(self._call_jax(present, opts)))
+        outs = fn(*[bridge.to_jax(tensors[i]) for i in present])
+        result = self._outputs_to_torch(outs, tensors)
+        return result[0] if self.outputs == 1 else tuple(result)
+
+    def _abstract_outputs(self, tensors, opts):
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        key = (self.name, "shape", tuple(_signature(t) for t in tensors), self._opts_key(opts))
+
+        def build():
+            structs = [jax.ShapeDtypeStruct(tuple(int(d) for d in tensors[i].shape),
+                                            bridge.jax_dtype(tensors[i].dtype)
+                                            if tensors[i].dtype != torch.int64 else np.int32)
+                       for i in present]
+            outs = jax.eval_shape(self._call_jax(present, opts), *structs)
+            return [(tuple(o.shape), bridge.torch_dtype(o.dtype)) for o in outs]
+        return _cached(key, lambda: build())
+
+    def _forward_fake(self, *args):
+        tensors, opts = self._split(args)
+        if self._fake is not None:
+            return self._fake(*tensors, **opts)
+        like = next(t for t in tensors if t is not None)
+        outs = [like.new_empty(shape, dtype=dtype) for shape, dtype in self._abstract_outputs(tensors, opts)]
+        return outs[0] if self.outputs == 1 else tuple(outs)
+
+    # -- backward -----------------------------------------------------------------------
+    def _backward_impl(self, *args):
+        tensors, opts = self._split(args)
+        grads = list(args[self.n_tensors + len(self.options):])
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        diff = self._diff_positions(tensors)
+        key = (self.name, "vjp", tuple(_signature(t) for t in tensors),
+               tuple(_signature(g) for g in grads), self._opts_key(opts))
+
+        def build():
+            f = self._call_jax(present, opts)
+            diff_slots = [present.index(i) for i in diff]
+
+            def vjp(arrays, cotangents):
+                arrays = list(arrays)
+
+                def g(*diff_arrays):
+                    full = list(arrays)
+                    for slot, a in zip(diff_slots, diff_arrays):
+                        full[slot] = a
+                    return f(*full)
+                outs, pullback = jax.vjp(g, *[arrays[s] for s in diff_slots])
+                cts = tuple(c.astype(o.dtype) for c, o in zip(cotangents, outs))
+                return pullback(cts)
+            return jax.jit(vjp)
+
+        fn = _cached(key, build)
+        arrays = tuple(bridge.to_jax(tensors[i]) for i in present)
+        cts = tuple(bridge.to_jax(g) for g in grads)
+        outs = fn(arrays, cts)
+        return self._outputs_to_torch(outs, tensors + grads)
+
+    def _backward_fake(self, *args):
+        tensors, _ = self._split(args)
+        return [torch.empty_like(tensors[i]) for i in self._diff_positions(tensors)]
+
+    def _setup_context(self, ctx, inputs, output):
+        tensors, opts = self._split(inputs)
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        ctx.present = present
+        ctx.opts = opts
+        ctx.n = len(tensors)
+        ctx.save_for_backward(*[tensors[i] for i in present])
+
+    def _autograd_backward(self, ctx, *grads):
+        saved = ctx.saved_tensors
+        tensors = [None] * ctx.n
+        for i, t in zip(ctx.present, saved):
+            tensors[i] = t
+        diff = self._diff_positions(tensors)
+        result: list[Any] = [None] * (ctx.n + len(self.options))
+        if not diff:
+            return tuple(result)
+        # Output grads never arrive as None: autograd materializes zeros for unused outputs.
+        dgrads = self.backward_op(*tensors, *ctx.opts.values(), *grads)
+        for i, g in zip(diff, dgrads):
+            result[i] = g
+        return tuple(result)
+
+
+_OPS: dict[str, TorchOp] = {}
+
+
+def define_op(name: str, jax_fn: Callable, *, tensors: Sequence[str], options: dict[str, str] | None = None,
+              outputs: int = 1, fake: Callable | None = None, differentiable: bool = True) -> TorchOp:
+    """Register ``jax_fn`` as the torch custom op ``stellax::<name>``.
+
+    Args:
+      name: the op name inside the ``stellax`` namespace.
+      jax_fn: ``jax_fn(*arrays, **options) -> array | tuple of arrays``; absent
+        optional tensors arrive as ``None``.
+      tensors: the tensor parameters in order: ``"x"``; ``"scale?"`` for an
+        optional tensor; a trailing ``"!"`` marks a non-differentiable one
+        (integer ids, masks). Only floating-point tensors get gradients.
+      options: static parameters ``{name: schema type}`` (``"float"``,
+        ``"bool"``, ``"int"``, ``"str?"``, ``"int[]?"``, ...); part of the
+        cache key.
+      outputs: the number of output tensors.
+      fake: ``fake(*tensors, **options)`` building the outputs on the fake /
+        meta device; by default the shapes come from ``jax.eval_shape``.
+      differentiable: register the VJP backward.
+
+    Returns:
+      The `TorchOp`; call it with tensors and options positionally.
+    """
+    if name in _OPS:
+        return _OPS[name]
+    op = TorchOp(name, jax_fn, tensors=tensors, options=options or {}, outputs=outputs, fake=fake,
+                 differentiable=differentiable)
+    _OPS[name] = op
+    return op
+
+
+def registered_torch_ops() -> dict[str, TorchOp]:
+    """Every ``stellax::`` custom op defined so far, by name."""
+    return dict(_OPS)
