@@ -13,3 +13,5 @@ except ImportError as e:  # pragma: no cover
 from .bridge import PackedTensor, jax_dtype, to_jax, to_torch, torch_dtype
 from .registry import TorchOp, cache_info, clear_cache, define_op, registered_torch_ops
 from .norm import layer_norm, rms_norm
+from .glu import gated_linear_unit
+from .modules import GatedMLP, LayerNorm, RMSNorm

@@ -1,0 +1,37 @@
+"""Torch front end of `stellax.gated_linear_unit` (SwiGLU / GeGLU / ReGLU)."""
+
+from __future__ import annotations
+
+import torch
+
+import stellax
+
+from .registry import define_op
+
+
+def _glu(x, w_gate, w_up, *, activation, implementation):
+    weights = w_gate if w_up is None else (w_gate, w_up)
+    return stellax.gated_linear_unit(x, weights, activation=activation, implementation=implementation)
+
+
+def _fake(x, w_gate, w_up, **_):
+    n = w_gate.shape[-1]
+    return x.new_empty((*x.shape[:-1], n))
+
+
+gated_linear_unit_op = define_op(
+    "gated_linear_unit", _glu, tensors=("x", "w_gate", "w_up?"),
+    options={"activation": "str", "implementation": "str?"}, fake=_fake)
+
+
+def gated_linear_unit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None = None, *,
+                      activation: str = "silu", implementation: str | None = None) -> torch.Tensor:
+    """`stellax.gated_linear_unit`: ``activation(x @ w_gate) * (x @ w_up)``, fused.
+
+    The weights use the JAX twin's ``[in, out]`` layout (the transpose of
+    ``nn.Linear.weight``): either one stacked ``w_gate`` of shape ``[K, 2, N]``
+    (``[:, 0]`` gate, ``[:, 1]`` up) with ``w_up=None``, or two ``[K, N]``
+    matrices. ``activation``: ``"silu"``, ``"gelu"``, ``"gelu_tanh"``,
+    ``"relu"``, ``"sigmoid"``. Returns ``[..., N]`` in ``x.dtype``.
+    """
+    return gated_linear_unit_op(x, w_gate, w_up, str(activation), implementation)
