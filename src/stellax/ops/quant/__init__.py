@@ -1,0 +1,10 @@
+"""Fused quantization: formats (int8/int4/fp8/MXFP8/MXFP4/NVFP4), `QArray`,
+Hadamard rotations and quantized matmuls. See docs/quant.md."""
+
+from .api import dequantize, dequantize_op, hadamard_op, hadamard_transform, quantize, quantize_op
+from .configs import HadamardConfig, QMatmulConfig
+from .formats import FORMATS, get_format
+from .qarray import QArray
+
+__all__ = ["FORMATS", "HadamardConfig", "QArray", "QMatmulConfig", "dequantize", "dequantize_op", "get_format",
+           "hadamard_op", "hadamard_transform", "quantize", "quantize_op"]

@@ -1,0 +1,79 @@
+"""Configs of the quantization kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...core import Call, TritonConfig, product_space
+from ...core.config import require_in, require_power_of_two
+
+
+@dataclasses.dataclass(frozen=True)
+class HadamardConfig(TritonConfig):
+    """``block_rows`` rows of Hadamard blocks per Triton program."""
+
+    block_rows: int = 64
+
+    def validate(self) -> None:
+        super().validate()
+        require_power_of_two("HadamardConfig", "block_rows", self.block_rows)
+        require_in("HadamardConfig", "block_rows", self.block_rows, (16, 32, 64, 128, 256))
+
+
+def hadamard_heuristic(call: Call) -> HadamardConfig:
+    block = call.block
+    rows = 128 if block <= 64 else 64
+    return HadamardConfig(block_rows=rows, num_warps=4, num_stages=1)
+
+
+def hadamard_space(call: Call) -> list[HadamardConfig]:
+    return product_space(HadamardConfig, block_rows=(32, 64, 128), num_warps=(4, 8), num_stages=(1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class QMatmulConfig(TritonConfig):
+    """Output tile ``block_m × block_n``; ``block_k`` logical K per step (it
+    must divide every operand's K block so each step sees one scale row)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        for field in ("block_m", "block_n", "block_k"):
+            require_power_of_two("QMatmulConfig", field, getattr(self, field))
+        require_in("QMatmulConfig", "block_m", self.block_m, (16, 32, 64, 128))
+        require_in("QMatmulConfig", "block_n", self.block_n, (16, 32, 64, 128, 256))
+        require_in("QMatmulConfig", "block_k", self.block_k, (16, 32, 64, 128))
+
+
+def k_granularity(call: Call) -> int | None:
+    """Largest block_k allowed: the gcd-like minimum of the K block sizes of
+    operands scaled inside the K loop (``None``: no in-loop scales)."""
+    groups = [g for g in (call.x_group_k, call.w_group_k) if g]
+    return min(groups) if groups else None
+
+
+def _allowed_k(call: Call, k: int) -> bool:
+    for g in (call.x_group_k, call.w_group_k):
+        if g and g % k:
+            return False
+    return True
+
+
+def qmatmul_heuristic(call: Call) -> QMatmulConfig:
+    m = call.m
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    bk = 128
+    while bk > 16 and not _allowed_k(call, bk):
+        bk //= 2
+    bn = 128 if call.n >= 128 else 64
+    return QMatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=2)
+
+
+def qmatmul_space(call: Call) -> list[QMatmulConfig]:
+    out = product_space(QMatmulConfig, block_m=(32, 64), block_n=(64, 128), block_k=(32, 64, 128),
+                        num_warps=(4,), num_stages=(2,))
+    out = [c for c in out if _allowed_k(call, c.block_k)]
+    return out or [qmatmul_heuristic(call)]
