@@ -15,3 +15,5 @@ from .registry import TorchOp, cache_info, clear_cache, define_op, registered_to
 from .norm import layer_norm, rms_norm
 from .glu import gated_linear_unit
 from .modules import GatedMLP, LayerNorm, RMSNorm
+from .attention import dot_product_attention
+from .hf import register_transformers_attention

@@ -1,0 +1,157 @@
+"""Torch front end of `stellax.dot_product_attention`.
+
+Layouts are those of the JAX twin: query ``[B, T, N, H]``, key ``[B, S, K, H]``,
+value ``[B, S, K, Hv]`` (GQA when ``N % K == 0``, keys never repeated).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import stellax
+
+from .registry import define_op
+
+
+def _stellax_attention():
+    """`stellax.dot_product_attention` once the attention family is in the
+    tree; until then `fallback_attention` (same contract, plain XLA)."""
+    return getattr(stellax, "dot_product_attention", None)
+
+
+def fallback_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                       local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+                       query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None,
+                       implementation=None):
+    """The stellax attention contract in plain XLA (float32 softmax): used only
+    when `stellax.dot_product_attention` is not available. Fully masked rows
+    give zeros; causal is bottom-right aligned."""
+    del implementation
+    b, t, n, h = query.shape
+    s, k = key.shape[1], key.shape[2]
+    g = n // k
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    q = query.astype(jnp.float32).reshape(b, t, k, g, h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, key.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) * scale
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if bias is not None:
+        bias4 = jnp.broadcast_to(bias.astype(jnp.float32), (b, n, t, s)).reshape(b, k, g, t, s)
+        logits = logits + bias4
+    keep = jnp.ones((b, 1, 1, t, s), bool)
+    qi = jnp.arange(t)[:, None] + (s - t)
+    ki = jnp.arange(s)[None, :]
+    if is_causal:
+        keep = keep & (ki <= qi)
+    if local_window_size is not None:
+        left, right = local_window_size
+        if left is not None:
+            keep = keep & (ki >= qi - left)
+        if right is not None:
+            keep = keep & (ki <= qi + right)
+    if mask is not None:
+        keep = keep & jnp.broadcast_to(mask, (b, n, t, s)).reshape(b, k, g, t, s)
+    if q_segment_ids is not None:
+        keep = keep & (q_segment_ids[:, None, None, :, None] == kv_segment_ids[:, None, None, None, :])
+    if query_seq_lengths is not None:
+        keep = keep & (jnp.arange(t)[None, :] < query_seq_lengths[:, None])[:, None, None, :, None]
+    if key_value_seq_lengths is not None:
+        keep = keep & (jnp.arange(s)[None, :] < key_value_seq_lengths[:, None])[:, None, None, None, :]
+    logits = jnp.where(keep, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(1, k, g, 1, 1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, k, g, 1, 1) - m)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("bkgts,bskh->btkgh", p, value.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
+
+
+def _attention(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, query_seq_lengths,
+               key_value_seq_lengths, sinks, *, scale, is_causal, local_window_size, logits_soft_cap,
+               implementation):
+    window = None
+    if local_window_size is not None:
+        left, right = local_window_size
+        window = (None if left < 0 else left, None if right < 0 else right)
+    fn = _stellax_attention()
+    kwargs = dict(scale=scale, is_causal=is_causal, local_window_size=window, q_segment_ids=q_segment_ids,
+                  kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                  implementation=implementation)
+    if fn is None:
+        return fallback_attention(query, key, value, bias, mask, **kwargs)
+    return fn(query, key, value, bias, mask, **kwargs)
+
+
+def _fake(query, key, value, *rest, **_):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+dot_product_attention_op = define_op(
+    "dot_product_attention", _attention,
+    tensors=("query", "key", "value", "bias?", "mask?!", "q_segment_ids?!", "kv_segment_ids?!",
+             "query_seq_lengths?!", "key_value_seq_lengths?!", "sinks?"),
+    options={"scale": "float?", "is_causal": "bool", "local_window_size": "int[]?", "logits_soft_cap": "float?",
+             "implementation": "str?"},
+    fake=_fake)
+
+
+def _int32(t):
+    return None if t is None else t.to(torch.int32)
+
+
+def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          bias: torch.Tensor | None = None, mask: torch.Tensor | None = None, *,
+                          scale: float | None = None, is_causal: bool = False, local_window_size=None,
+                          q_segment_ids: torch.Tensor | None = None, kv_segment_ids: torch.Tensor | None = None,
+                          query_seq_lengths: torch.Tensor | None = None,
+                          key_value_seq_lengths: torch.Tensor | None = None,
+                          logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                          implementation: str | None = None) -> torch.Tensor:
+    """`stellax.dot_product_attention` on torch tensors.
+
+    Args:
+      query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, Hv]``
+        (``N % K == 0``: GQA/MQA without repeating K/V).
+      bias: additive, broadcastable to ``[B, N, T, S]``; differentiable.
+      mask: boolean, broadcastable to ``[B, N, T, S]`` (True = attend).
+      scale: logit scale (default ``H ** -0.5``).
+      is_causal: bottom-right aligned when ``T != S`` (query ``i`` sees keys
+        ``<= i + S - T``), as in FlashAttention.
+      local_window_size: ``int`` or ``(left, right)`` sliding window
+        (``None`` for an unbounded side).
+      q_segment_ids / kv_segment_ids: ``[B, T]`` / ``[B, S]`` integer ids;
+        tokens attend only within their segment.
+      query_seq_lengths / key_value_seq_lengths: ``[B]`` valid lengths.
+      logits_soft_cap: ``cap * tanh(logits / cap)``.
+      sinks: ``[N]`` per-head sink logits (differentiable).
+      implementation: forwarded to stellax (``None`` = best available).
+
+    Returns:
+      ``[B, T, N, Hv]`` in ``query.dtype``. Differentiable in query, key,
+      value, bias and sinks. Fully masked rows give zeros.
+    """
+    window = None
+    if local_window_size is not None:
+        if isinstance(local_window_size, int):
+            window = [int(local_window_size), int(local_window_size)]  # jax.nn: an int w means (w, w)
+        else:
+            left, right = local_window_size
+            window = [-1 if left is None else int(left), -1 if right is None else int(right)]
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids/kv_segment_ids: give both or neither")
+    return dot_product_attention_op(
+        query, key, value, bias, mask, _int32(q_segment_ids), _int32(kv_segment_ids),
+        _int32(query_seq_lengths), _int32(key_value_seq_lengths), sinks,
+        None if scale is None else float(scale), bool(is_causal), window,
+        None if logits_soft_cap is None else float(logits_soft_cap), implementation)
