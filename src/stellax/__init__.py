@@ -20,5 +20,6 @@ from .core import (
 )
 
 # Op families (one line each; keep alphabetical).
+from .ops.attention import MaskSpec, dot_product_attention, dot_product_attention_varlen
 from .ops.glu import GluConfig, gated_linear_unit
 from .ops.norm import NormConfig, layer_norm, rms_norm

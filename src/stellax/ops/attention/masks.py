@@ -1,0 +1,260 @@
+"""The attention mask description, shared by every implementation.
+
+A mask is described once, as a small static `MaskSpec` plus a few per-token
+integer arrays:
+
+* ``q_positions [Bp, T]`` / ``kv_positions [Bp, S]``: the position of every
+  query and key token (``Bp`` is the batch or 1). The default is bottom-right
+  alignment: query ``i`` sits at ``i + S - T`` and key ``j`` at ``j``, so a
+  query sees keys up to its own position (FlashAttention's convention; the
+  same as `jax.nn.dot_product_attention` when ``T == S``). Packed sequences
+  (varlen) restart positions per sequence; a context-parallel shard offsets
+  them.
+* ``q_segment_ids [Bs, T]`` / ``kv_segment_ids [Bs, S]``: a query sees only
+  keys of its own segment. Sequence lengths are folded into segments: a query
+  past its length gets segment ``-1`` and a key past its length ``-2``, so
+  padded rows are fully masked (zeros out) and padded keys invisible.
+
+Query ``i`` may see key ``j`` (``qp = q_positions[i]``, ``kp = kv_positions[j]``) iff
+
+    causal:   kp <= qp
+    window:   qp - left <= kp <= qp + right        (either side may be unbounded)
+    chunk:    qp // C == kp // C                   (Llama-4 chunked attention)
+    segments: q_segment_ids[i] == kv_segment_ids[j]
+
+all combined by AND (a dense boolean mask, if any, is ANDed on top by the
+implementations). `mask_fn` evaluates this elementwise with plain ``jnp``
+operations, so the same function runs in the golden, in the chunked XLA path
+and inside Pallas kernels on tiles.
+
+`classify_blocks` turns the description into per-(q-block, k-block) classes —
+``EMPTY`` (no visible pair: skipped), ``FULL`` (every pair visible: no mask
+evaluation) or ``PARTIAL`` — from per-block min/max of positions and segments
+(cheap on device: O(B·(T+S) + B·nq·nk)). The bounds are conservative: a block
+called EMPTY or FULL is exactly that; a PARTIAL block may turn out empty or
+full. `visit_schedule` compresses a row of classes into the loop bounds the
+kernels use: ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked,
+``[full_hi, hi)`` masked; blocks outside ``[lo, hi)`` are never visited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+#: Segment ids given to query rows / keys past their sequence length.
+PAD_Q_SEGMENT, PAD_KV_SEGMENT = -1, -2
+
+_BIG = np.int32(2**30)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """Static part of an attention mask (hashable; a jit static argument).
+
+    Attributes:
+      causal: keys at positions after the query's are masked.
+      window_left / window_right: the sliding window ``[qp - left, qp + right]``;
+        ``None`` means unbounded on that side.
+      chunk_size: queries see only keys of their own chunk of positions.
+      segments: segment ids are present (``q_segment_ids``/``kv_segment_ids``).
+    """
+
+    causal: bool = False
+    window_left: int | None = None
+    window_right: int | None = None
+    chunk_size: int | None = None
+    segments: bool = False
+
+    def __post_init__(self):
+        for name in ("window_left", "window_right"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, np.integer)) or value < 0):
+                raise ValueError(f"MaskSpec.{name}: expected None or an int >= 0, got {value!r}")
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, (int, np.integer))
+                                            or self.chunk_size <= 0):
+            raise ValueError(f"MaskSpec.chunk_size: expected None or a positive int, got {self.chunk_size!r}")
+
+    @property
+    def has_position_mask(self) -> bool:
+        return (self.causal or self.window_left is not None or self.window_right is not None
+                or self.chunk_size is not None)
+
+    @property
+    def is_trivial(self) -> bool:
+        """No mask at all (every query sees every key)."""
+        return not (self.has_position_mask or self.segments)
+
+
+def default_positions(t: int, s: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Bottom-right aligned positions: ``([1, T], [1, S])`` int32."""
+    q = jnp.arange(t, dtype=jnp.int32)[None, :] + jnp.int32(s - t)
+    k = jnp.arange(s, dtype=jnp.int32)[None, :]
+    return q, k
+
+
+def mask_fn(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
+    """Elementwise visibility (True = attend) from broadcastable int arrays,
+    e.g. ``q_pos[..., :, None]`` against ``kv_pos[..., None, :]``. Returns
+    ``None`` when nothing is masked. Plain ``jnp``: works on tiles in kernels."""
+    ok = None
+
+    def both(a, b):
+        return b if a is None else jnp.logical_and(a, b)
+
+    if spec.causal:
+        ok = both(ok, kv_pos <= q_pos)
+    if spec.window_left is not None:
+        ok = both(ok, kv_pos >= q_pos - spec.window_left)
+    if spec.window_right is not None:
+        ok = both(ok, kv_pos <= q_pos + spec.window_right)
+    if spec.chunk_size is not None:
+        ok = both(ok, _chunk_of(q_pos, spec.chunk_size) == _chunk_of(kv_pos, spec.chunk_size))
+    if spec.segments:
+        ok = both(ok, q_seg == kv_seg)
+    return ok
+
+
+def _chunk_of(pos, chunk: int):
+    # Floor division that also holds for negative positions (queries with
+    # T > S sit at negative positions), written with truncating integer ops
+    # only so it lowers everywhere.
+    shifted = pos + jnp.int32(chunk * (_BIG // chunk))
+    return shifted // jnp.int32(chunk)
+
+
+def dense_mask(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
+    """``[Bm, T, S]`` bool visibility from ``[Bp, T]``/``[Bp, S]`` arrays (``None`` if trivial)."""
+    qs = None if q_seg is None else q_seg[:, :, None]
+    ks = None if kv_seg is None else kv_seg[:, None, :]
+    return mask_fn(spec, q_pos[:, :, None], kv_pos[:, None, :], qs, ks)
+
+
+# -- block classification ---------------------------------------------------------
+def _pad_to(x, length: int, value):
+    extra = length - x.shape[-1]
+    if extra == 0:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)], constant_values=value)
+
+
+def _block_min_max(x, valid, block: int):
+    """Per-block min/max over valid entries: ``x [B, L]`` → ``([B, nb], [B, nb])``."""
+    b, length = x.shape
+    nb = -(-length // block)
+    x = _pad_to(x, nb * block, 0).reshape(b, nb, block)
+    valid = _pad_to(valid, nb * block, False).reshape(valid.shape[0], nb, block)
+    lo = jnp.min(jnp.where(valid, x, _BIG), axis=-1)
+    hi = jnp.max(jnp.where(valid, x, -_BIG), axis=-1)
+    return lo, hi
+
+
+def classify_blocks(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, *, block_q: int,
+                    block_k: int, kv_len: int | None = None):
+    """``[Bc, nq, nk]`` int32 block classes (`EMPTY`/`PARTIAL`/`FULL`).
+
+    ``q_pos [Bp, T]``, ``kv_pos [Bp, S]``, segments ``[Bs, T]``/``[Bs, S]`` or
+    ``None``; ``Bc`` is the larger of ``Bp``/``Bs``. Keys at index ≥ ``kv_len``
+    (default ``S``) are padding: a block of only padding is EMPTY and a block
+    with some is never FULL. Query rows past ``T`` are padding and ignored.
+    """
+    t, s = q_pos.shape[-1], kv_pos.shape[-1]
+    kv_len = s if kv_len is None else kv_len
+    nq, nk = -(-t // block_q), -(-s // block_k)
+    q_valid = jnp.ones((1, t), bool)
+    k_valid = (jnp.arange(s) < kv_len)[None, :]
+    qmin, qmax = _block_min_max(q_pos.astype(jnp.int32), q_valid, block_q)  # [Bp, nq]
+    kmin, kmax = _block_min_max(kv_pos.astype(jnp.int32), k_valid, block_k)  # [Bp, nk]
+    kcount = jnp.sum(_pad_to(k_valid, nk * block_k, False).reshape(nk, block_k), axis=-1)  # [nk]
+    qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+    kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+
+    some = (kcount > 0)[None, None, :]
+    every = (kcount == block_k)[None, None, :]
+    if spec.causal:
+        some = some & (kmin <= qmax)
+        every = every & (kmax <= qmin)
+    if spec.window_left is not None:
+        some = some & (kmax >= qmin - spec.window_left)
+        every = every & (kmin >= qmax - spec.window_left)
+    if spec.window_right is not None:
+        some = some & (kmin <= qmax + spec.window_right)
+        every = every & (kmax <= qmin + spec.window_right)
+    if spec.chunk_size is not None:
+        c = spec.chunk_size
+        cqmin, cqmax, ckmin, ckmax = (_chunk_of(x, c) for x in (qmin, qmax, kmin, kmax))
+        some = some & (ckmax >= cqmin) & (ckmin <= cqmax)
+        every = every & (cqmin == cqmax) & (ckmin == ckmax) & (cqmin == ckmin)
+    if spec.segments:
+        sqmin, sqmax = _block_min_max(q_seg.astype(jnp.int32), q_valid, block_q)
+        skmin, skmax = _block_min_max(kv_seg.astype(jnp.int32), k_valid, block_k)
+        sqmin, sqmax = sqmin[:, :, None], sqmax[:, :, None]
+        skmin, skmax = skmin[:, None, :], skmax[:, None, :]
+        some = some & (skmax >= sqmin) & (skmin <= sqmax)
+        every = every & (sqmin == sqmax) & (skmin == skmax) & (sqmin == skmin)
+    classes = jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int32)
+    return jnp.broadcast_to(classes, (classes.shape[0], nq, nk))
+
+
+def visit_schedule(classes):
+    """Loop bounds per row of block classes: ``[..., n]`` → ``[..., 4]`` int32
+    ``(lo, full_lo, full_hi, hi)``.
+
+    The kernel visits blocks ``[lo, hi)``: ``[lo, full_lo)`` and
+    ``[full_hi, hi)`` with the mask, ``[full_lo, full_hi)`` without. ``lo`` is
+    the first non-empty block and ``hi`` one past the last; ``[full_lo,
+    full_hi)`` is the first run of FULL blocks (empty when there is none:
+    ``full_lo == full_hi == hi``). A row with no visible block has ``lo == hi``.
+    """
+    n = classes.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    nonempty = classes != EMPTY
+    full = classes == FULL
+    any_nonempty = jnp.any(nonempty, axis=-1)
+    lo = jnp.where(any_nonempty, jnp.argmax(nonempty, axis=-1), 0).astype(jnp.int32)
+    hi = jnp.where(any_nonempty, n - jnp.argmax(nonempty[..., ::-1], axis=-1), 0).astype(jnp.int32)
+    any_full = jnp.any(full, axis=-1)
+    full_lo = jnp.argmax(full, axis=-1).astype(jnp.int32)
+    # Length of the run of FULL blocks starting at full_lo.
+    after = (idx >= full_lo[..., None]) & ~full
+    run_end = jnp.where(jnp.any(after, axis=-1), jnp.argmax(after, axis=-1), n).astype(jnp.int32)
+    full_lo = jnp.where(any_full, full_lo, hi)
+    full_hi = jnp.where(any_full, run_end, hi)
+    return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
+
+
+def schedule_counts(schedule):
+    """``(visited, masked, unmasked)`` block counts of a `visit_schedule` result."""
+    lo, flo, fhi, hi = (schedule[..., i] for i in range(4))
+    visited = hi - lo
+    unmasked = fhi - flo
+    return visited, visited - unmasked, unmasked
+
+
+def visible_fraction(spec: MaskSpec, t: int, s: int) -> float:
+    """Fraction of the ``T×S`` logits the mask keeps, for the default
+    (bottom-right) positions and no segments; computed with numpy in
+    row-bands (used by the FLOP model)."""
+    if not spec.has_position_mask:
+        return 1.0
+    spec = dataclasses.replace(spec, segments=False)
+    kp = np.arange(s, dtype=np.int64)[None, :]
+    total = 0
+    step = max(1, (1 << 22) // max(s, 1))
+    for start in range(0, t, step):
+        qp = np.arange(start, min(t, start + step), dtype=np.int64)[:, None] + (s - t)
+        ok = np.ones((qp.shape[0], s), bool)
+        if spec.causal:
+            ok &= kp <= qp
+        if spec.window_left is not None:
+            ok &= kp >= qp - spec.window_left
+        if spec.window_right is not None:
+            ok &= kp <= qp + spec.window_right
+        if spec.chunk_size is not None:
+            ok &= np.floor_divide(qp, spec.chunk_size) == np.floor_divide(kp, spec.chunk_size)
+        total += int(ok.sum())
+    return total / float(max(t * s, 1))

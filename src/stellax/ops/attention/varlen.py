@@ -1,0 +1,84 @@
+"""Variable-length (packed) attention, as FlashAttention's ``flash_attn_varlen_func``.
+
+Sequences are packed along one token axis and delimited by cumulative
+lengths ``cu_seqlens`` (``[num_seqs + 1]``, starting at 0). This is one call
+of the batched op with ``B = 1``: every token gets the segment id of its
+sequence and its position inside the sequence, and causal/window/chunk
+masks are aligned bottom-right *per sequence* (query ``i`` of a sequence with
+``len_q`` queries and ``len_k`` keys sees keys ``j <= i + len_k - len_q``).
+Block skipping works on the packed layout directly (blocks of different
+sequences are empty), so no padding to ``max_seqlen`` happens.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ...core import checks
+from .api import attention_op
+
+
+def _segments_and_positions(cu_seqlens, total: int, pad_segment: int):
+    idx = jnp.arange(total, dtype=jnp.int32)
+    cu = cu_seqlens.astype(jnp.int32)
+    seg = jnp.searchsorted(cu, idx, side="right").astype(jnp.int32) - 1
+    num = cu.shape[0] - 1
+    valid = (idx < cu[-1]) & (seg >= 0) & (seg < num)
+    seg_safe = jnp.clip(seg, 0, num - 1)
+    local = idx - cu[seg_safe]
+    return jnp.where(valid, seg_safe, pad_segment), local, seg_safe
+
+
+def varlen_masks(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """``(q_seg, kv_seg, q_pos, kv_pos)`` (each ``[total]`` int32) of a packed batch."""
+    q_seg, q_local, q_idx = _segments_and_positions(cu_seqlens_q, total_q, -1)
+    kv_seg, kv_local, _ = _segments_and_positions(cu_seqlens_k, total_k, -2)
+    cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+    len_q = cu_q[1:] - cu_q[:-1]
+    len_k = cu_k[1:] - cu_k[:-1]
+    q_pos = q_local + (len_k - len_q)[q_idx]
+    return q_seg, kv_seg, q_pos, kv_local
+
+
+def dot_product_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale=None,
+                                 is_causal=False, local_window_size=None, chunk_size=None, logits_soft_cap=None,
+                                 sinks=None, precision=None, return_residuals=False, implementation=None,
+                                 config=None):
+    """Attention over packed variable-length sequences.
+
+    Args:
+      q: ``[total_q, N, H]``; k: ``[total_kv, K, H]``; v: ``[total_kv, K, Hv]``.
+      cu_seqlens_q / cu_seqlens_k: ``[num_seqs + 1]`` int cumulative lengths
+        (``cu[0] == 0``); tokens past ``cu[-1]`` are padding (zero output).
+      max_seqlen_q / max_seqlen_k: the longest sequence (an int, as in
+        FlashAttention; validated to be ≥ 1, otherwise only informative).
+      Other arguments as in `dot_product_attention`; masks align per sequence.
+
+    Returns:
+      ``out [total_q, N, Hv]``, or ``(out, lse [N, total_q])`` with ``return_residuals``.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        checks.as_array(name, x)
+        checks.require_ndim(name, x, 3)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        checks.require_int(name, cu)
+        checks.require_ndim(name, cu, 1)
+        if cu.shape[0] < 2:
+            raise ValueError(f"{name}: expected [num_seqs + 1] with num_seqs >= 1, got shape {tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} (that of cu_seqlens_q), "
+                         f"got {tuple(cu_seqlens_k.shape)}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"{name}: expected a positive int, got {m!r}")
+    total_q, total_k = q.shape[0], k.shape[0]
+    q_seg, kv_seg, q_pos, kv_pos = varlen_masks(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
+    result = attention_op(
+        q[None], k[None], v[None], scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+        chunk_size=chunk_size, q_segment_ids=q_seg[None], kv_segment_ids=kv_seg[None],
+        logits_soft_cap=logits_soft_cap, sinks=sinks, precision=precision, return_residuals=return_residuals,
+        q_positions=q_pos[None], kv_positions=kv_pos[None], implementation=implementation, config=config)
+    if return_residuals:
+        out, lse = result
+        return out[0], lse[0]
+    return result[0]
