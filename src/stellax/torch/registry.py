@@ -177,17 +177,34 @@ class TorchOp:
         return result[0] if self.outputs == 1 else tuple(result)
 
     def _abstract_outputs(self, tensors, opts):
+        """Output ``(shape, dtype)`` from ``jax.eval_shape``. Symbolic (dynamic)
+        input sizes are evaluated at their hints, and an output size equal to
+        a symbolic input size's hint is given that symbol."""
         present = [i for i, t in enumerate(tensors) if t is not None]
-        key = (self.name, "shape", tuple(_signature(t) for t in tensors), self._opts_key(opts))
+        symbols = {}
+        concrete = []
+        for i in present:
+            dims = []
+            for d in tensors[i].shape:
+                if isinstance(d, torch.SymInt):
+                    hint = d.node.hint if d.node.has_hint() else None
+                    value = int(hint) if hint is not None else int(d)
+                    symbols.setdefault(value, d)
+                    dims.append(value)
+                else:
+                    dims.append(int(d))
+            concrete.append((tuple(dims), tensors[i].dtype))
+        key = (self.name, "shape", tuple(concrete), self._opts_key(opts))
 
         def build():
-            structs = [jax.ShapeDtypeStruct(tuple(int(d) for d in tensors[i].shape),
-                                            bridge.jax_dtype(tensors[i].dtype)
-                                            if tensors[i].dtype != torch.int64 else np.int32)
-                       for i in present]
+            structs = [jax.ShapeDtypeStruct(shape, bridge.jax_dtype(dtype) if dtype != torch.int64 else np.int32)
+                       for shape, dtype in concrete]
             outs = jax.eval_shape(self._call_jax(present, opts), *structs)
             return [(tuple(o.shape), bridge.torch_dtype(o.dtype)) for o in outs]
-        return _cached(key, lambda: build())
+        outs = _cached(key, build)
+        if not symbols:
+            return outs
+        return [(tuple(symbols.get(d, d) for d in shape), dtype) for shape, dtype in outs]
 
     def _forward_fake(self, *args):
         tensors, opts = self._split(args)

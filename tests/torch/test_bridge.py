@@ -1,0 +1,91 @@
+"""DLPack bridge and custom-op machinery of stellax.torch."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="stellax.torch needs PyTorch (pip install 'stellax[torch]')")
+
+import stellax.torch as st  # noqa: E402
+from stellax.torch import bridge, registry  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.bool])
+def test_round_trip_is_zero_copy(dtype):
+    t = (torch.randn(6, 10) * 4).to(dtype)
+    a = st.to_jax(t)
+    assert a.dtype == bridge.jax_dtype(dtype)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()  # torch -> jax shares memory
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), t.to(torch.float32).numpy())
+    b = st.to_torch(a)
+    assert b.dtype == dtype and b.data_ptr() == a.unsafe_buffer_pointer()  # jax -> torch shares memory
+    out = jax.jit(lambda x: x + x)(a.astype(jnp.float32))
+    back = st.to_torch(out)
+    assert back.data_ptr() == out.unsafe_buffer_pointer()
+    torch.testing.assert_close(back, t.to(torch.float32) * 2)
+
+
+def test_non_contiguous_grad_and_int64_inputs():
+    base = torch.randn(8, 6, requires_grad=True)
+    view = base.t()  # non-contiguous, requires grad
+    a = st.to_jax(view)
+    np.testing.assert_array_equal(np.asarray(a), view.detach().numpy())
+    ids = torch.arange(10, dtype=torch.int64)
+    assert st.to_jax(ids).dtype == jnp.int32
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4", "float4_e2m1fn", "int2", "float8_e4m3", "float8_e3m4"])
+@pytest.mark.parametrize("shape", [(3, 7), (2, 2, 8), (5,)])
+def test_packed_formats_cross_bit_exactly(fmt, shape):
+    dt = getattr(ml_dtypes, fmt)
+    info = ml_dtypes.iinfo(dt) if "int" in fmt else None
+    rng = np.random.default_rng(0)
+    if info is not None:
+        values = rng.integers(int(info.min), int(info.max) + 1, size=shape).astype(dt)
+    else:
+        values = rng.normal(size=shape).astype(np.float32).astype(dt)
+    a = jnp.asarray(values)
+    packed = st.to_torch(a)
+    assert isinstance(packed, st.PackedTensor)
+    assert packed.format == fmt and packed.shape == shape and packed.data.dtype == torch.uint8
+    bits = packed.bits
+    assert packed.data.shape == (*shape[:-1], -(-shape[-1] * bits // 8))
+    # The first element sits in the low bits of the first byte.
+    raw0 = int(np.asarray(values.reshape(-1)[:1]).view(np.uint8)[0]) & ((1 << bits) - 1)
+    assert int(packed.data.reshape(-1)[0]) & ((1 << bits) - 1) == raw0
+    back = st.to_jax(packed)
+    assert back.dtype == a.dtype and back.shape == a.shape
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8) if bits == 8 else np.asarray(back).astype(np.float32),
+                                  values.view(np.uint8) if bits == 8 else values.astype(np.float32))
+
+
+def test_compiled_function_cache_hits_and_keys():
+    x = torch.randn(4, 32)
+    w = torch.randn(32)
+    st.rms_norm(x, w)
+    before = st.cache_info()
+    st.rms_norm(torch.randn(4, 32), w)
+    after = st.cache_info()
+    assert after["hits"] == before["hits"] + 1 and after["misses"] == before["misses"]
+    st.rms_norm(x, w, eps=1e-3)  # a new option -> a new compiled function
+    st.rms_norm(torch.randn(5, 32), w)  # a new shape -> a new compiled function
+    assert st.cache_info()["misses"] == after["misses"] + 2
+
+
+def test_custom_op_schema_and_outputs_never_alias_inputs():
+    op = registry.define_op("test_identity", lambda x, *, k: x, tensors=("x",), options={"k": "int"})
+    assert "stellax::test_identity" in str(op.op._qualname if hasattr(op.op, "_qualname") else "stellax::test_identity")
+    x = torch.randn(3, 4)
+    y = op(x, 1)
+    torch.testing.assert_close(y, x)
+    assert y.data_ptr() != x.data_ptr()
+    torch.library.opcheck(op.op, (x, 1))
+
+
+def test_bad_input_types():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        st.to_jax(np.zeros(3))
+    with pytest.raises(TypeError, match="no torch equivalent"):
+        bridge.torch_dtype(jnp.int4)
