@@ -23,3 +23,7 @@ from .core import (
 from .ops.attention import MaskSpec, dot_product_attention, dot_product_attention_varlen
 from .ops.glu import GluConfig, gated_linear_unit
 from .ops.norm import NormConfig, layer_norm, rms_norm
+
+# Autotuning and benchmarking (`stellax.autotune(fn, *args)` is callable).
+from . import autotune
+from .bench import benchmark

@@ -188,6 +188,29 @@ def _forward_examples(dtype):
     return out
 
 
+def _benchmarks(platform):
+    """Benchmark calls: small on a CPU; transformer hidden sizes on accelerators."""
+    if platform.backend == "cpu":
+        cases = (((512, 1024), jnp.float32, True, False), ((512, 1024), jnp.float32, False, True))
+    else:
+        cases = (((16384, 4096), jnp.bfloat16, True, False), ((16384, 8192), jnp.bfloat16, False, True),
+                 ((8192, 2048), jnp.float32, True, False), ((4096, 16384), jnp.bfloat16, False, False))
+    out = []
+    for i, (shape, dtype, subtract_mean, with_residual) in enumerate(cases):
+        kx, ks, ko, kr = jax.random.split(jax.random.PRNGKey(100 + i), 4)
+        features = shape[-1]
+        x = jax.random.normal(kx, shape, jnp.float32).astype(dtype)
+        scale = (1 + 0.1 * jax.random.normal(ks, (features,))).astype(dtype)
+        offset = (0.1 * jax.random.normal(ko, (features,))).astype(dtype) if subtract_mean else None
+        kwargs = {"subtract_mean": subtract_mean}
+        if with_residual:
+            kwargs["residual"] = jax.random.normal(kr, shape, jnp.float32).astype(dtype)
+        label = (f"{'layer' if subtract_mean else 'rms'} {np.dtype(dtype).name} {shape[0]}x{shape[1]}"
+                 + (" +residual" if with_residual else ""))
+        out.append(Example(label, (x, scale, offset), kwargs))
+    return out
+
+
 layer_norm_op = register(Op(
     "layer_norm",
     family="norm",
@@ -202,6 +225,7 @@ layer_norm_op = register(Op(
     flops=_forward_flops,
     bytes_accessed=_forward_bytes,
     examples=_forward_examples,
+    benchmarks=_benchmarks,
     differentiable=("x", "scale", "offset", "residual"),
 ))
 

@@ -1,0 +1,162 @@
+"""``stellax bench``: run benchmark suites, report, compare with a baseline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stellax bench",
+        description="Benchmark stellax ops per family against XLA and peers, with roofline numbers. "
+                    "With no suite named, every suite runs on the default shapes of this device.",
+    )
+    p.add_argument("suites", nargs="*", help="op families to run (default: all); see --list")
+    p.add_argument("--list", action="store_true", help="list the suites and their ops, then exit")
+    p.add_argument("--modes", default=None,
+                   help="comma list of forward,backward,forward_backward (default: forward, plus "
+                        "forward_backward for differentiable ops)")
+    p.add_argument("--implementations", default=None,
+                   help="comma list of implementations/peers to run (peers as 'peer:NAME' or NAME)")
+    p.add_argument("--no-peers", action="store_true", help="skip other libraries' functions")
+    p.add_argument("--interpret", action="store_true",
+                   help="also benchmark kernel implementations interpreted on the CPU (testing only)")
+    p.add_argument("--max-cases", type=int, default=None, help="at most this many shapes per op")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole run, shared among suites (default: 100 on a CPU, none elsewhere)")
+    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti"))
+    p.add_argument("--min-time", type=float, default=None, help="seconds of timed iterations per measurement")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
+    p.add_argument("--markdown", metavar="PATH", help="write a markdown report")
+    p.add_argument("--plot", metavar="DIR", help="write one PNG per suite into DIR (needs matplotlib)")
+    p.add_argument("--baseline", metavar="OLD.json",
+                   help="compare with earlier results; exit 1 on a regression beyond --threshold")
+    p.add_argument("--threshold", type=float, default=0.10,
+                   help="relative slowdown that fails --baseline (default 0.10 = 10%%)")
+    p.add_argument("--noise", type=float, default=2.0,
+                   help="changes within NOISE x IQR count as noise (default 2)")
+    p.add_argument("--input", metavar="RESULTS.json",
+                   help="report on saved results instead of running (with --baseline: compare two files)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure peak matmul rate and copy bandwidth first and save them; with no suite "
+                        "named, stop after that")
+    p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace (Perfetto/XProf) into DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress lines and no table")
+    return p
+
+
+def _list(console) -> int:
+    from .suites import families
+
+    for family, ops in families().items():
+        console.print(f"{family}: " + ", ".join(
+            f"{op.name} ({len(op.benchmarks())} shapes; implementations {', '.join(op.implementations)}"
+            + (f"; peers {', '.join(op.peers)}" if op.peers else "") + ")" for op in ops))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from rich.console import Console
+
+    import stellax  # noqa: F401  (registers the ops)
+
+    from ..core.platform import current_platform
+    from . import baseline as baseline_lib
+    from . import report
+    from . import roofline as roofline_lib
+    from .profiler import profile, trace_files
+    from .suites import SuiteOptions, families, run_suites
+
+    console = Console(stderr=False, width=max(Console().width, 160))
+    err = Console(stderr=True)
+    if args.list:
+        return _list(console)
+    platform = current_platform()
+
+    if args.input:
+        records, env = report.load_records(args.input)
+    else:
+        env = report.environment()
+        if args.calibrate:
+            from .calibrate import calibrate, describe
+
+            with profile(args.profile):
+                measurement = calibrate(timer="wall" if args.profile else args.timer)
+            console.print(f"calibration on {platform.describe()}: {describe(measurement)}")
+            if measurement.get("saved_to"):
+                console.print(f"saved to {measurement['saved_to']}")
+            if not args.suites:
+                return 0
+        elif roofline_lib.device_peaks(platform) is None:
+            from .calibrate import calibrate
+
+            calibrate(quick=True, save=False)  # CPU: rough in-process ceilings for the roofline columns
+        known = families()
+        unknown = [s for s in args.suites if s not in known]
+        if unknown:
+            err.print(f"unknown suite(s) {unknown}; known suites: {list(known)}")
+            return 2
+        modes = args.modes.split(",") if args.modes else None
+        if modes:
+            from .measurement import MODES
+
+            bad = [m for m in modes if m not in MODES]
+            if bad:
+                err.print(f"--modes: unknown {bad}; expected some of {MODES}")
+                return 2
+        budget = args.budget if args.budget is not None else (100.0 if platform.backend == "cpu" else None)
+        options = SuiteOptions(
+            modes=modes, implementations=args.implementations.split(",") if args.implementations else None,
+            peers=not args.no_peers, interpret=args.interpret, timer="wall" if (args.profile and args.timer in
+                                                                                 ("auto", "cupti")) else args.timer,
+            max_cases=args.max_cases, budget_s=budget, min_time=args.min_time,
+        )
+        progress = None if args.quiet else (lambda text: err.print(f"[dim]{text}", highlight=False))
+        started = time.monotonic()
+        with profile(args.profile) as trace_dir:
+            records = run_suites(args.suites or None, options, progress=progress)
+        if not args.quiet:
+            err.print(f"[dim]{len(records)} measurements in {time.monotonic() - started:.1f} s")
+        if trace_dir is not None:
+            files = trace_files(str(trace_dir))
+            console.print(f"profile trace: {len(files)} file(s) under {trace_dir} (open in Perfetto or XProf)")
+
+    if not args.quiet:
+        report.print_table(records, title=f"stellax bench on {env.get('device', platform.describe())}",
+                           console=console)
+    peaks = roofline_lib.device_peaks(platform)
+    if args.json:
+        report.write_json(args.json, records, env=env, peaks=peaks)
+        if args.json != "-" and not args.quiet:
+            console.print(f"wrote {args.json}")
+    if args.markdown:
+        from ..autotune.cache import atomic_write_text
+        from pathlib import Path
+
+        atomic_write_text(Path(args.markdown), report.markdown(records, env=env))
+        if not args.quiet:
+            console.print(f"wrote {args.markdown}")
+    if args.plot:
+        ok, reason = report.matplotlib_available()
+        if not ok:
+            console.print(f"--plot: {reason}")
+        else:
+            for path in report.plot(records, args.plot):
+                console.print(f"wrote {path}")
+    status = 0
+    if args.baseline:
+        base_records, base_env = report.load_records(args.baseline)
+        if base_env.get("device_kind") and base_env.get("device_kind") != env.get("device_kind"):
+            console.print(f"[yellow]note: the baseline ran on {base_env.get('device_kind')}, "
+                          f"this on {env.get('device_kind')}")
+        comparison = baseline_lib.compare(records, base_records, threshold=args.threshold, noise_k=args.noise)
+        console.print(comparison.report(), highlight=False)
+        status = 0 if comparison.ok else 1
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

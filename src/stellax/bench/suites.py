@@ -1,0 +1,251 @@
+"""Benchmark suites: one per op family, built from whatever ops are registered.
+
+A suite runs every registered op of the family on its default benchmark
+shapes (``op.benchmarks(platform)``: small on a CPU, real on accelerators)
+with each implementation that runs here natively (kernel implementations
+are skipped on a CPU unless ``interpret=True``; they are for testing there)
+and each peer (``op.peers``: other libraries' functions with the op's
+signature), in each mode (``forward``, plus ``forward_backward`` for
+differentiable ops by default). Failures are recorded, never fatal; peers
+that refuse a case (``UnsupportedError``/``NotImplementedError``) are
+recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+
+from ..core.op import Example, Op, UnsupportedError, registered_ops
+from ..core.platform import current_platform, interpret_mode
+from . import measurement as bench_lib
+from . import inputs as inputs_lib
+from . import roofline as roofline_lib
+from . import timing as timing_lib
+
+PEER_PREFIX = "peer:"
+
+
+def families(ops: dict[str, Op] | None = None) -> dict[str, list[Op]]:
+    """Op families (suite names) → their registered ops that have benchmarks."""
+    ops = registered_ops() if ops is None else ops
+    out: dict[str, list[Op]] = {}
+    for name in sorted(ops):
+        op = ops[name]
+        if op._benchmarks is None:
+            continue
+        out.setdefault(op.family, []).append(op)
+    return dict(sorted(out.items()))
+
+
+def suite_names() -> list[str]:
+    return list(families())
+
+
+def grad_spec(op: Op, example: Example) -> tuple[list[int], list[str]]:
+    """Positions and keyword names of the example's differentiable float operands."""
+    if not op.differentiable:
+        return [], []
+    try:
+        names = list(op.check(*example.args, **example.kwargs).arrays)
+    except Exception:  # noqa: BLE001
+        names = []
+    positions = [i for i, a in enumerate(example.args)
+                 if i < len(names) and names[i] in op.differentiable and bench_lib._has_float(a)]
+    kwargs = [k for k, v in example.kwargs.items() if k in op.differentiable and bench_lib._has_float(v)]
+    return positions, kwargs
+
+
+def default_modes(op: Op, example: Example) -> list[str]:
+    positions, kwargs = grad_spec(op, example)
+    return ["forward", "forward_backward"] if (positions or kwargs) else ["forward"]
+
+
+@dataclasses.dataclass
+class SuiteOptions:
+    modes: Sequence[str] | None = None
+    implementations: Sequence[str] | None = None
+    peers: bool = True
+    interpret: bool = False
+    timer: str = "auto"
+    max_cases: int | None = None
+    budget_s: float | None = None
+    input_sets: int | None = None
+    min_time: float | None = None
+    use_examples: bool = False  # the small numerics examples instead of benchmark shapes (dry runs)
+
+
+def _targets(op: Op, options: SuiteOptions, platform) -> list[tuple[str, Callable, Any]]:
+    """(label, function, implementation or None) to benchmark for ``op``."""
+    out = []
+    for name, impl in op.implementations.items():
+        if options.implementations and name not in options.implementations:
+            continue
+        if impl.is_kernel and platform.backend == "cpu" and not options.interpret:
+            continue
+        out.append((name, None, impl))
+    if options.peers:
+        for name, fn in op.peers.items():
+            label = PEER_PREFIX + name
+            if options.implementations and label not in options.implementations and name not in options.implementations:
+                continue
+            out.append((label, fn, None))
+    return out
+
+
+def _op_fn(op: Op, impl_name: str):
+    def fn(*args, **kwargs):
+        return op(*args, implementation=impl_name, **kwargs)
+    fn.__name__ = f"{op.name}[{impl_name}]"
+    return fn
+
+
+def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable[Op] | None = None,
+              progress: Callable[[str], None] | None = None, deadline: float | None = None) -> list[bench_lib.BenchmarkRecord]:
+    """Benchmark one family; returns one record per (op, case, implementation, mode)."""
+    options = options or SuiteOptions()
+    platform = current_platform()
+    ops = list(ops) if ops is not None else families().get(family, [])
+    if not ops:
+        raise ValueError(f"suite {family!r}: no registered op of that family has benchmarks; "
+                         f"known suites: {suite_names()}")
+    records: list[bench_lib.BenchmarkRecord] = []
+    peaks = roofline_lib.device_peaks(platform)
+    budget = timing_lib.default_budget()
+    timer_kwargs = {"warmup": 0 if platform.backend == "cpu" else 1}
+    if platform.backend == "cpu":
+        timer_kwargs["min_iterations"] = 3
+    if options.min_time is not None:
+        timer_kwargs["min_time"] = options.min_time
+    timer = timing_lib.make_timer(options.timer, **timer_kwargs)
+    input_sets = options.input_sets or (2 if platform.backend == "cpu" else 3)
+    del budget
+    for op in ops:
+        if options.use_examples:
+            import jax.numpy as jnp
+            examples = op.examples(jnp.float32)
+        else:
+            examples = op.benchmarks(platform)
+        if options.max_cases is not None:
+            examples = examples[: options.max_cases]
+        seen_labels: dict[str, int] = {}
+        for example in examples:
+            label = example.label
+            if label in seen_labels:
+                seen_labels[label] += 1
+                label = f"{label} #{seen_labels[label]}"
+            else:
+                seen_labels[label] = 0
+            positions, kw = grad_spec(op, example)
+            modes = [m for m in (options.modes or default_modes(op, example))
+                     if m == "forward" or positions or kw]
+            for mode in modes:
+                case_records = []
+                for impl_label, peer_fn, impl in _targets(op, options, platform):
+                    meta = dict(suite=family, op=op.name, case=label, implementation=impl_label)
+                    name = f"{op.name} {label} {impl_label}"
+                    if deadline is not None and time.monotonic() > deadline:
+                        case_records.append(bench_lib.BenchmarkRecord(
+                            name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend,
+                            skipped="time budget exhausted", **meta))
+                        continue
+                    if impl is not None:
+                        try:
+                            support = impl.supported(op.check(*example.args, **example.kwargs))
+                        except Exception as e:  # noqa: BLE001
+                            support = None
+                            case_records.append(bench_lib.BenchmarkRecord(
+                                name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend,
+                                error=f"check: {type(e).__name__}: {e}"[:300], **meta))
+                            continue
+                        if not support:
+                            case_records.append(bench_lib.BenchmarkRecord(
+                                name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend,
+                                skipped=support.reason[:300], **meta))
+                            continue
+                    fn = _op_fn(op, impl.name) if impl is not None else peer_fn
+                    if progress:
+                        progress(f"{family}: {name} [{mode}]")
+                    case_records.append(_measure(fn, example, mode, positions, kw, timer, input_sets, peaks,
+                                                 platform, name, meta,
+                                                 interpret=options.interpret and impl is not None and impl.is_kernel))
+                _share_cost_model(case_records, peaks)
+                records.extend(case_records)
+    return records
+
+
+def _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platform, name, meta, *, interpret):
+    try:
+        with interpret_mode(True) if interpret else _null():
+            prepared = bench_lib.prepare(fn, example.args, example.kwargs, mode=mode,
+                                         argnums=positions if mode != "forward" else None,
+                                         grad_kwargs=kw if mode != "forward" else None, input_sets=input_sets)
+            with jax.profiler.TraceAnnotation(f"stellax.bench {name} [{mode}]"):
+                times, used = timing_lib.measure(prepared.compiled, prepared.sets, timer)
+        return bench_lib.make_record(name, mode, prepared, times, used, peaks=peaks, platform=platform, **meta)
+    except (UnsupportedError, NotImplementedError) as e:
+        return bench_lib.BenchmarkRecord(name=name, mode=mode, device_kind=platform.device_kind,
+                                         backend=platform.backend, skipped=f"{type(e).__name__}: {e}"[:300], **meta)
+    except Exception as e:  # noqa: BLE001 - a failing case is recorded, the suite goes on
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        return bench_lib.BenchmarkRecord(name=name, mode=mode, device_kind=platform.device_kind,
+                                         backend=platform.backend, error=detail[:500], **meta)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _share_cost_model(records: list[bench_lib.BenchmarkRecord], peaks) -> None:
+    """Peers run the same math as the op: give them the op's FLOP/byte model."""
+    model = next((r for r in records if r.ok and r.cost_source == "model"), None)
+    if model is None:
+        return
+    for r in records:
+        if r.ok and r.cost_source != "model":
+            r.flops, r.bytes_accessed, r.cost_source = model.flops, model.bytes_accessed, "model (op)"
+            r.roofline = roofline_lib.analyze(r.flops, r.bytes_accessed, r.median_ms / 1e3, r.dtype, peaks)
+
+
+def run_suites(names: Sequence[str] | None = None, options: SuiteOptions | None = None, *,
+               progress: Callable[[str], None] | None = None) -> list[bench_lib.BenchmarkRecord]:
+    """Run several suites (default: all). With ``options.budget_s`` the time
+    is shared evenly: each family gets its part (plus what earlier ones left)."""
+    options = options or SuiteOptions()
+    known = families()
+    names = list(names) if names else list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; known suites: {list(known)}")
+    records = []
+    start = time.monotonic()
+    for i, name in enumerate(names):
+        deadline = None
+        if options.budget_s is not None:
+            remaining = options.budget_s - (time.monotonic() - start)
+            deadline = time.monotonic() + max(0.0, remaining / (len(names) - i))
+        records.extend(run_suite(name, options, ops=known[name], progress=progress, deadline=deadline))
+    return records
+
+
+def speedups(records: Sequence[bench_lib.BenchmarkRecord], baseline_impl: str = "xla") -> dict[str, float]:
+    """Record key → speedup over the ``baseline_impl`` row of the same op, case and mode."""
+    base = {(r.op, r.case, r.mode): r.median_ms for r in records if r.ok and r.implementation == baseline_impl}
+    out = {}
+    for r in records:
+        b = base.get((r.op, r.case, r.mode))
+        if r.ok and b:
+            out[r.key] = b / r.median_ms
+    return out
+
+
+__all__ = ["PEER_PREFIX", "SuiteOptions", "families", "grad_spec", "run_suite", "run_suites", "speedups",
+           "suite_names", "inputs_lib"]
