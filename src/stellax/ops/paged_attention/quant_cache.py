@@ -1,0 +1,507 @@
+"""Quantized KV-cache pages: formats, packing, rotation, full-precision windows.
+
+A quantized page pool stores, for the logical pages ``[num_pages, page_size,
+K, H]`` (``K`` kv heads; MLA latents have no head axis: ``[num_pages,
+page_size, H]``):
+
+* ``data``: the codes. ``int8`` (int8) and ``fp8`` (float8 e4m3) store one
+  value per byte; ``int4`` and ``int2`` pack 2 and 4 values per uint8 along
+  ``H``, little end first (byte ``j`` of an int4 row holds ``x[2j]`` in its
+  low and ``x[2j+1]`` in its high nibble), so ``data.shape[-1] = H // (8 // bits)``.
+* ``scale`` (and ``zero`` for the asymmetric int4/int2): one per group of
+  ``group_size`` values along ``group_axis``:
+
+  - ``"head_dim"``: groups of consecutive channels of one token and head,
+    ``scale [num_pages, page_size, K, H // group_size]``. ``group_size = H``
+    is the per-token-per-head scale (the int8/fp8 default).
+  - ``"token"``: groups of ``group_size`` consecutive tokens of one page, per
+    channel (KIVI's per-channel key quantization),
+    ``scale [num_pages, page_size // group_size, K, H]``.
+
+  Symmetric (int8, fp8):  ``x ≈ code · scale``, ``scale = amax / qmax``.
+  Asymmetric (int4, int2): ``x ≈ code · scale + zero``, ``zero = min``,
+  ``scale = (max - min) / (2^bits - 1)``, ``code ∈ [0, 2^bits)``.
+  Scales are rounded to ``scale_dtype`` *before* the codes are computed, so
+  dequantization is exactly what quantization assumed.
+* ``signs`` (optional rotation): ``±1 [H]``. Values are rotated before
+  quantization by ``R x = WHT(signs ⊙ x) / √H`` (random-sign Walsh–Hadamard;
+  orthogonal, so ``(R q)·(R k) = q·k``). Outliers concentrated in a few
+  channels are spread over all of them, so low-bit groups see a smaller range.
+  Attention rotates the query instead of un-rotating keys, and un-rotates the
+  output once (``Σ p R v = R Σ p v``).
+* ``window`` (optional, int2/int4 in practice): a full-precision copy of the
+  first ``sink_tokens`` and the last ``recent_tokens`` tokens of every
+  sequence, ``[max_seqs, sink_tokens + recent_tokens, K, H]``: slot ``p`` for
+  positions ``p < sink_tokens``, slot ``sink_tokens + p % recent_tokens`` for
+  the recent ring. Attention reads positions in the windows from here and the
+  rest from the quantized pages (as OSCAR and KIVI do). Window values are
+  stored rotated when rotation is on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Format name → (bits, symmetric, largest code magnitude / number of levels).
+_FORMATS = {
+    "int8": (8, True, 127.0),
+    "fp8": (8, True, 448.0),
+    "int4": (4, False, 15.0),
+    "int2": (2, False, 3.0),
+}
+_ALIASES = {"float8_e4m3fn": "fp8", "fp8_e4m3": "fp8", "e4m3": "fp8"}
+FORMATS = tuple(_FORMATS)
+GROUP_AXES = ("head_dim", "token")
+
+
+def canonical_format(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"format: expected a string, got {type(name).__name__}")
+    name = _ALIASES.get(name.lower(), name.lower())
+    if name not in _FORMATS:
+        raise ValueError(f"format: expected one of {list(FORMATS)} (or {sorted(_ALIASES)}), got {name!r}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class KVQuant:
+    """How one cache tensor (keys or values) is quantized (static, hashable).
+
+    Attributes:
+      format: ``"int8"``, ``"fp8"`` (e4m3), ``"int4"`` or ``"int2"``.
+      group_size: values per scale along ``group_axis``; ``None`` means the
+        whole head (``H``, per-token-per-head) on ``"head_dim"`` and 32 tokens
+        on ``"token"``. Must divide ``H`` (``head_dim``) or the page size
+        (``token``).
+      group_axis: ``"head_dim"`` (per token, groups of channels) or
+        ``"token"`` (per channel, groups of tokens within a page: KIVI keys).
+      scale_dtype: dtype of the stored scales and zero points; ``None`` is
+        float32 for int8/fp8 (one per token and head) and float16 for
+        int4/int2 (a zero point rounded to bfloat16 would lose too much of a
+        large channel offset against a 4-level step).
+      rotation: rotate with a random-sign Walsh–Hadamard transform before
+        quantizing (``H`` a power of two).
+      seed: seed of the rotation's signs.
+      sink_tokens, recent_tokens: full-precision windows (see the module doc).
+      window_dtype: dtype of the windows.
+    """
+
+    format: str = "int8"
+    group_size: int | None = None
+    group_axis: str = "head_dim"
+    scale_dtype: Any = None
+    rotation: bool = False
+    seed: int = 0
+    sink_tokens: int = 0
+    recent_tokens: int = 0
+    window_dtype: Any = jnp.bfloat16
+
+    def __post_init__(self):
+        object.__setattr__(self, "format", canonical_format(self.format))
+        if self.group_axis not in GROUP_AXES:
+            raise ValueError(f"KVQuant.group_axis: expected one of {list(GROUP_AXES)}, got {self.group_axis!r}")
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                            or self.group_size <= 0):
+            raise ValueError(f"KVQuant.group_size: expected a positive int or None, got {self.group_size!r}")
+        for name in ("sink_tokens", "recent_tokens", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"KVQuant.{name}: expected an int >= 0, got {value!r}")
+        if not isinstance(self.rotation, bool):
+            raise TypeError(f"KVQuant.rotation: expected a bool, got {type(self.rotation).__name__}")
+        scale_dtype = self.scale_dtype
+        if scale_dtype is None:
+            scale_dtype = jnp.float32 if self.symmetric else jnp.float16
+        scale_dtype = np.dtype(scale_dtype)
+        if scale_dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+            raise ValueError(f"KVQuant.scale_dtype: expected float32, bfloat16 or float16, got {scale_dtype.name}")
+        object.__setattr__(self, "scale_dtype", scale_dtype)
+        object.__setattr__(self, "window_dtype", np.dtype(self.window_dtype))
+
+    # -- derived ----------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        return _FORMATS[self.format][0]
+
+    @property
+    def symmetric(self) -> bool:
+        return _FORMATS[self.format][1]
+
+    @property
+    def qmax(self) -> float:
+        """Largest code magnitude (symmetric) or number of levels - 1."""
+        return _FORMATS[self.format][2]
+
+    @property
+    def per_byte(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def storage_dtype(self):
+        if self.format == "int8":
+            return np.dtype(jnp.int8)
+        if self.format == "fp8":
+            return np.dtype(jnp.float8_e4m3fn)
+        return np.dtype(jnp.uint8)
+
+    @property
+    def window(self) -> int:
+        return self.sink_tokens + self.recent_tokens
+
+    def group(self, head_dim: int) -> int:
+        if self.group_size is not None:
+            return self.group_size
+        return head_dim if self.group_axis == "head_dim" else 32
+
+    def check_shape(self, page_size: int, head_dim: int, what: str = "pages") -> None:
+        """Raise a ValueError when this format cannot store ``[.., page_size, .., head_dim]``."""
+        g = self.group(head_dim)
+        if head_dim % self.per_byte:
+            raise ValueError(f"{what}: {self.format} packs {self.per_byte} values per byte; head_dim "
+                             f"{head_dim} is not a multiple of {self.per_byte}")
+        if self.group_axis == "head_dim" and head_dim % g:
+            raise ValueError(f"{what}: group_size {g} must divide head_dim {head_dim}")
+        if self.group_axis == "token" and page_size % g:
+            raise ValueError(f"{what}: per-channel (token-axis) groups of {g} tokens must divide "
+                             f"page_size {page_size}")
+        if self.rotation and head_dim & (head_dim - 1):
+            raise ValueError(f"{what}: the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
+
+    def bytes_per_token(self, head_dim: int, num_heads: int = 1) -> float:
+        """Average cache bytes per token (all heads), windows excluded."""
+        g = self.group(head_dim)
+        data = head_dim / self.per_byte
+        per_scale = np.dtype(self.scale_dtype).itemsize * (1 if self.symmetric else 2)
+        scales = (head_dim / g if self.group_axis == "head_dim" else head_dim / g) * per_scale
+        return float(num_heads * (data + scales))
+
+
+# -- the Walsh–Hadamard rotation ---------------------------------------------------
+def hadamard(x, axis: int = -1):
+    """Orthonormal fast Walsh–Hadamard transform along ``axis`` (length a power
+    of two): ``WHT(x) / √n``, its own inverse. ``log2(n)`` butterfly stages."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, -1)
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"hadamard: the transformed axis must have a power-of-two length, got {n}")
+    lead = x.shape[:-1]
+    h = 1
+    y = x
+    while h < n:
+        y = y.reshape(*lead, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = jnp.stack([a + b, a - b], axis=-2)
+        h *= 2
+    y = y.reshape(*lead, n) * jnp.asarray(1.0 / math.sqrt(n), y.dtype)
+    return jnp.moveaxis(y, -1, axis)
+
+
+def rotation_signs(head_dim: int, seed: int = 0):
+    """The rotation's random signs: ``±1`` float32 ``[head_dim]``."""
+    return jax.random.rademacher(jax.random.PRNGKey(seed), (head_dim,), jnp.float32)
+
+
+def rotate(x, signs):
+    """``R x = WHT(signs ⊙ x) / √H`` along the last axis (float32 out)."""
+    return hadamard(x.astype(jnp.float32) * signs.astype(jnp.float32))
+
+
+def unrotate(y, signs):
+    """``Rᵀ y = signs ⊙ WHT(y) / √H`` (the inverse of `rotate`)."""
+    return hadamard(y.astype(jnp.float32)) * signs.astype(jnp.float32)
+
+
+# -- packing -----------------------------------------------------------------------
+def pack_codes(codes, bits: int):
+    """Unsigned codes ``[..., H]`` (values < 2^bits) → uint8 ``[..., H·bits/8]``."""
+    per = 8 // bits
+    if per == 1:
+        return codes.astype(jnp.uint8)
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = c[..., 0]
+    for j in range(1, per):
+        out = out | (c[..., j] << jnp.uint8(bits * j))
+    return out
+
+
+def unpack_codes(packed, bits: int):
+    """Inverse of `pack_codes`: uint8 ``[..., H·bits/8]`` → uint8 codes ``[..., H]``."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    mask = jnp.uint8((1 << bits) - 1)
+    parts = [(packed >> jnp.uint8(bits * j)) & mask for j in range(per)]
+    return jnp.stack(parts, axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+# -- quantize / dequantize ---------------------------------------------------------
+def quantize_rows(x, spec: KVQuant):
+    """Quantize float ``x [..., H]`` (already rotated if the spec rotates)
+    with head-axis groups → ``(data [..., H/per_byte], scale [..., H/g],
+    zero or None)``."""
+    x = x.astype(jnp.float32)
+    g = spec.group(x.shape[-1])
+    y = x.reshape(*x.shape[:-1], x.shape[-1] // g, g)
+    codes, scale, zero = _quantize_groups(y, spec, axis=-1)
+    codes = codes.reshape(x.shape)
+    return _store_codes(codes, spec), scale[..., 0], None if zero is None else zero[..., 0]
+
+
+def _quantize_groups(y, spec: KVQuant, axis: int):
+    """Quantize ``y`` with one scale per slice along ``axis`` (kept as size 1)."""
+    sdt = spec.scale_dtype
+    if spec.symmetric:
+        amax = jnp.max(jnp.abs(y), axis=axis, keepdims=True)
+        scale = (amax / spec.qmax).astype(sdt)
+        s = scale.astype(jnp.float32)
+        safe = jnp.where(s > 0, s, 1.0)
+        if spec.format == "int8":
+            codes = jnp.clip(jnp.round(y / safe), -spec.qmax, spec.qmax)
+        else:
+            codes = jnp.clip(y / safe, -spec.qmax, spec.qmax)
+        return codes, scale, None
+    lo = jnp.min(y, axis=axis, keepdims=True)
+    hi = jnp.max(y, axis=axis, keepdims=True)
+    return _codes_for_range(y, lo, hi, spec)
+
+
+def _codes_for_range(y, lo, hi, spec: KVQuant):
+    sdt = spec.scale_dtype
+    zero = lo.astype(sdt)
+    z = zero.astype(jnp.float32)
+    scale = ((hi - z) / spec.qmax).astype(sdt)
+    s = scale.astype(jnp.float32)
+    safe = jnp.where(s > 0, s, 1.0)
+    codes = jnp.clip(jnp.round((y - z) / safe), 0, spec.qmax)
+    return codes, scale, zero
+
+
+def _store_codes(codes, spec: KVQuant):
+    if spec.format == "int8":
+        return codes.astype(jnp.int8)
+    if spec.format == "fp8":
+        return codes.astype(jnp.float8_e4m3fn)
+    return pack_codes(codes.astype(jnp.uint8), spec.bits)
+
+
+def load_codes(data, spec: KVQuant):
+    """Stored data → float32 codes ``[..., H]``."""
+    if spec.per_byte == 1:
+        return data.astype(jnp.float32)
+    return unpack_codes(data, spec.bits).astype(jnp.float32)
+
+
+def dequantize_rows(data, scale, zero, spec: KVQuant):
+    """Inverse of `quantize_rows` (float32 out, still rotated)."""
+    codes = load_codes(data, spec)
+    h = codes.shape[-1]
+    g = spec.group(h)
+    c = codes.reshape(*codes.shape[:-1], h // g, g)
+    x = c * scale.astype(jnp.float32)[..., None]
+    if zero is not None:
+        x = x + zero.astype(jnp.float32)[..., None]
+    return x.reshape(codes.shape)
+
+
+# -- the page pool ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class QuantizedPages:
+    """A quantized page pool (a pytree; see the module doc for the layout).
+
+    Logical shape ``[num_pages, page_size, K, H]`` (or ``[num_pages,
+    page_size, H]`` for an MLA latent/rope cache).
+    """
+
+    data: Any
+    scale: Any
+    zero: Any
+    signs: Any
+    window: Any
+    spec: KVQuant
+    head_dim: int
+
+    # -- logical view ---------------------------------------------------------
+    @property
+    def shape(self) -> tuple:
+        return (*self.data.shape[:-1], self.head_dim)
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def dtype(self):
+        """The stored code dtype (int8 / float8_e4m3fn / uint8)."""
+        return self.data.dtype
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def has_heads(self) -> bool:
+        return self.data.ndim == 4
+
+    def with_heads(self) -> "QuantizedPages":
+        """The same pool with a unit head axis (MLA latents → ``[.., 1, H]``)."""
+        if self.has_heads:
+            return self
+        add = lambda a, axis: None if a is None else jnp.expand_dims(a, axis)
+        return dataclasses.replace(self, data=add(self.data, 2), scale=add(self.scale, 2),
+                                   zero=add(self.zero, 2), window=add(self.window, 2))
+
+    def without_heads(self) -> "QuantizedPages":
+        if not self.has_heads:
+            return self
+        sq = lambda a, axis: None if a is None else jnp.squeeze(a, axis)
+        return dataclasses.replace(self, data=sq(self.data, 2), scale=sq(self.scale, 2),
+                                   zero=sq(self.zero, 2), window=sq(self.window, 2))
+
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                   for a in (self.data, self.scale, self.zero, self.window) if a is not None)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedPages({self.spec.format}, shape={self.shape}, group={self.spec.group(self.head_dim)}"
+                f"/{self.spec.group_axis}, rotation={self.spec.rotation}, windows="
+                f"{self.spec.sink_tokens}+{self.spec.recent_tokens})")
+
+
+jax.tree_util.register_dataclass(
+    QuantizedPages, data_fields=["data", "scale", "zero", "signs", "window"], meta_fields=["spec", "head_dim"])
+
+
+def is_quantized(pages) -> bool:
+    return isinstance(pages, QuantizedPages)
+
+
+def init_quantized_pages(num_pages: int, page_size: int, num_heads: int | None, head_dim: int,
+                         spec: KVQuant, *, max_seqs: int | None = None) -> QuantizedPages:
+    """An empty (all-zero) quantized page pool. ``num_heads=None`` gives the
+    head-less MLA layout. ``max_seqs`` rows of windows when the spec has them."""
+    spec.check_shape(page_size, head_dim)
+    heads = () if num_heads is None else (num_heads,)
+    g = spec.group(head_dim)
+    data = jnp.zeros((num_pages, page_size, *heads, head_dim // spec.per_byte), spec.storage_dtype)
+    if spec.group_axis == "head_dim":
+        sshape = (num_pages, page_size, *heads, head_dim // g)
+    else:
+        sshape = (num_pages, page_size // g, *heads, head_dim)
+    scale = jnp.zeros(sshape, spec.scale_dtype)
+    zero = None if spec.symmetric else jnp.zeros(sshape, spec.scale_dtype)
+    signs = rotation_signs(head_dim, spec.seed) if spec.rotation else None
+    window = None
+    if spec.window:
+        if max_seqs is None:
+            raise ValueError("max_seqs: a cache with sink/recent windows needs the number of sequence rows")
+        window = jnp.zeros((max_seqs, spec.window, *heads, head_dim), spec.window_dtype)
+    return QuantizedPages(data, scale, zero, signs, window, spec, head_dim)
+
+
+def quantize_pages(pages, spec: KVQuant | str, *, max_seqs: int | None = None, block_tables=None,
+                   lengths=None) -> QuantizedPages:
+    """Quantize a dense page pool ``[num_pages, page_size, (K,) H]``.
+
+    With windows, ``block_tables`` and ``lengths`` (one row per sequence) say
+    which positions the windows hold; they are filled from ``pages``.
+    """
+    if isinstance(spec, str):
+        spec = KVQuant(spec)
+    pages = jnp.asarray(pages)
+    num_pages, page_size, head_dim = pages.shape[0], pages.shape[1], pages.shape[-1]
+    spec.check_shape(page_size, head_dim)
+    signs = rotation_signs(head_dim, spec.seed) if spec.rotation else None
+    x = pages.astype(jnp.float32)
+    if signs is not None:
+        x = rotate(x, signs)
+    if spec.group_axis == "head_dim":
+        data, scale, zero = quantize_rows(x, spec)
+    else:
+        data, scale, zero = quantize_token_groups(x, spec)
+    window = None
+    if spec.window:
+        if block_tables is None or lengths is None:
+            raise ValueError("quantize_pages: windows need block_tables and lengths to know the sequences")
+        rows = block_tables.shape[0] if max_seqs is None else max_seqs
+        window = _fill_windows(x, spec, block_tables, lengths, rows)
+    return QuantizedPages(data, scale, zero, signs, window, spec, head_dim)
+
+
+def quantize_token_groups(x, spec: KVQuant):
+    """Per-channel quantization of pages ``x [NP, PS, (K,) H]`` with groups of
+    ``g`` tokens of a page → ``(data, scale [NP, PS/g, (K,) H], zero)``."""
+    g = spec.group(x.shape[-1])
+    np_, ps = x.shape[:2]
+    y = x.reshape(np_, ps // g, g, *x.shape[2:])
+    codes, scale, zero = _quantize_groups(y, spec, axis=2)
+    codes = codes.reshape(x.shape)
+    return _store_codes(codes, spec), scale[:, :, 0], None if zero is None else zero[:, :, 0]
+
+
+def expand_token_groups(a, page_size: int):
+    """``[NP, PS/g, ...]`` → ``[NP, PS, ...]`` (repeat each group's row)."""
+    g = page_size // a.shape[1]
+    return jnp.repeat(a, g, axis=1)
+
+
+def dequantize_pages(pages: QuantizedPages, *, rotated: bool = False):
+    """Dense float32 pages ``[num_pages, page_size, (K,) H]`` of a quantized pool
+    (windows not applied). ``rotated=True`` leaves the values in the rotated
+    basis (what the kernels multiply the rotated query with)."""
+    spec = pages.spec
+    scale, zero = pages.scale, pages.zero
+    if spec.group_axis == "token":
+        ps = pages.page_size
+        codes = load_codes(pages.data, spec)
+        x = codes * expand_token_groups(scale, ps).astype(jnp.float32)
+        if zero is not None:
+            x = x + expand_token_groups(zero, ps).astype(jnp.float32)
+    else:
+        x = dequantize_rows(pages.data, scale, zero, spec)
+    if pages.signs is not None and not rotated:
+        x = unrotate(x, pages.signs)
+    return x
+
+
+# -- windows ------------------------------------------------------------------------
+def window_slots(positions, lengths, spec: KVQuant):
+    """For query-independent window bookkeeping: the window slot holding each
+    position, or -1 when the position is read from the quantized pages.
+
+    ``positions [..., T]``, ``lengths [...]`` (the sequence lengths)."""
+    sink, recent = spec.sink_tokens, spec.recent_tokens
+    lengths = jnp.asarray(lengths)[..., None]
+    in_sink = positions < sink
+    in_recent = (positions >= lengths - recent) & (positions >= sink) & (recent > 0)
+    ring = sink + (positions % max(recent, 1))
+    return jnp.where(in_sink, positions, jnp.where(in_recent, ring, -1))
+
+
+def _fill_windows(x, spec: KVQuant, block_tables, lengths, rows: int):
+    """Windows ``[rows, W, (K,) H]`` read from (rotated) dense pages ``x``."""
+    sink, recent, page_size = spec.sink_tokens, spec.recent_tokens, x.shape[1]
+    w = spec.window
+    slots = jnp.arange(w)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    # Position held by each slot of each sequence.
+    pos_sink = jnp.broadcast_to(slots[None, :], (lengths.shape[0], w))
+    r = slots - sink
+    last = lengths[:, None] - 1
+    pos_recent = last - jnp.mod(last - r[None, :], max(recent, 1))
+    pos = jnp.where(slots[None, :] < sink, pos_sink, pos_recent)
+    pos = jnp.clip(pos, 0, block_tables.shape[1] * page_size - 1)
+    page = jnp.take_along_axis(block_tables, pos // page_size, axis=1)
+    page = jnp.clip(page, 0, x.shape[0] - 1)
+    vals = x[page, pos % page_size].astype(spec.window_dtype)
+    out = jnp.zeros((rows, w, *x.shape[2:]), spec.window_dtype)
+    return out.at[: lengths.shape[0]].set(vals)
