@@ -57,7 +57,7 @@ def require_shape(name: str, value: Any, shape: Sequence[int | None], what: str 
     actual = tuple(value.shape)
     ok = len(actual) == len(shape) and all(e is None or e == a for e, a in zip(shape, actual))
     if not ok:
-        shown = tuple("*" if e is None else e for e in shape)
+        shown = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ("," if len(shape) == 1 else "") + ")"
         extra = f" ({what})" if what else ""
         raise ValueError(f"{name}: expected shape {shown}{extra}, got {actual}")
     return value

@@ -69,35 +69,47 @@ def check_op_lowering(op: Op, implementation: str, args: tuple, kwargs: dict | N
     if configs is None:
         configs = impl.config_space(call) or [None]
     backend_call = CUSTOM_CALL_OF_BACKEND.get(impl.backend)
+    array_kwargs = {k: v for k, v in kwargs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
+    static_kwargs = {k: v for k, v in kwargs.items() if k not in array_kwargs}
     n = 0
     for config in configs:
-        def forward(*a):
+        def forward(*a, **kw):
             table = {} if config is None else {(op.name, implementation): config}
             with use_configs(table):
-                return op(*a, implementation=implementation, **kwargs)
+                return op(*a, implementation=implementation, **kw, **static_kwargs)
 
-        lowered = lower_for_gpu(forward, *args, target=target)
+        lowered = lower_for_gpu(lambda a, kw: forward(*a, **kw), tuple(args), array_kwargs, target=target)
         if backend_call:
             assert_custom_call(lowered, backend_call)
         if grad:
-            float_positions = [i for i, a in enumerate(args)
-                               if a is not None and hasattr(a, "dtype")
-                               and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
-
-            def loss(*diff):
-                full = list(args)
-                for i, d in zip(float_positions, diff):
-                    full[i] = d
-                out = forward(*full)
+            def loss(diff):
+                out = forward(*diff[0], **diff[1])
                 return sum(jax.numpy.sum(l.astype(jax.numpy.float32))
-                           for l in jax.tree_util.tree_leaves(out))
+                           for l in jax.tree_util.tree_leaves(out)
+                           if jax.numpy.issubdtype(l.dtype, jax.numpy.inexact))
 
-            lowered_grad = lower_for_gpu(jax.grad(loss, argnums=tuple(range(len(float_positions)))),
-                                         *[args[i] for i in float_positions], target=target)
+            def grad_fn(a, kw):
+                # Differentiate float leaves only; integer operands stay closed over.
+                return jax.grad(lambda d: loss(_merge(d, (a, kw))))(_float_part((a, kw)))
+
+            lowered_grad = lower_for_gpu(grad_fn, tuple(args), array_kwargs, target=target)
             if backend_call:
                 assert_custom_call(lowered_grad, backend_call)
         n += 1
     return n
+
+
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+
+
+def _float_part(tree):
+    return jax.tree_util.tree_map(lambda x: x if _is_float(x) else None, tree)
+
+
+def _merge(floats, full):
+    return jax.tree_util.tree_map(lambda f, x: f if _is_float(x) else x, floats, full,
+                                  is_leaf=lambda x: x is None)
 
 
 # -- PTX tier -----------------------------------------------------------------

@@ -20,6 +20,25 @@ def gelu(x):
     return 0.5 * x * (1.0 + jax.lax.erf(x * _SQRT_HALF))
 
 
+def erf_polynomial(x):
+    """erf from exp only (Abramowitz & Stegun 7.1.26, |error| ≤ 1.5e-7), for
+    kernels: the Pallas Triton lowering has no erf primitive."""
+    z = jnp.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return jnp.sign(x) * (1.0 - poly * jnp.exp(-z * z))
+
+
+def _gelu_kernel(x):
+    return 0.5 * x * (1.0 + erf_polynomial(x * _SQRT_HALF))
+
+
+def _gelu_grad(x):
+    # d/dx x·Φ(x) = Φ(x) + x·φ(x)
+    cdf = 0.5 * (1.0 + erf_polynomial(x * _SQRT_HALF))
+    return cdf + x * jnp.exp(-0.5 * x * x) * (_SQRT_HALF / 1.7724538509055159)
+
+
 def gelu_tanh(x):
     """GELU with the tanh approximation (as in GPT-2 / Gemma)."""
     return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
@@ -38,15 +57,20 @@ ACTIVATIONS: dict[str, Callable] = {
 }
 
 
-def activation_fn(activation) -> Callable:
-    """The function for a name in `ACTIVATIONS` or a callable (used as is)."""
+def activation_fn(activation, *, in_kernel: bool = False) -> Callable:
+    """The function for a name in `ACTIVATIONS` or a callable (used as is).
+    ``in_kernel`` picks the forms built from primitives Triton can lower."""
     if callable(activation):
         return activation
+    if in_kernel and activation == "gelu":
+        return _gelu_kernel
     return ACTIVATIONS[activation]
 
 
-def activation_and_grad(activation, x):
+def activation_and_grad(activation, x, *, in_kernel: bool = False):
     """``(act(x), act'(x))`` elementwise (float32 in, float32 out)."""
+    if in_kernel and activation == "gelu":
+        return _gelu_kernel(x), _gelu_grad(x)
     value, vjp = jax.vjp(activation_fn(activation), x)
     (grad,) = vjp(jnp.ones_like(x))
     return value, grad

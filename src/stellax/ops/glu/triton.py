@@ -65,12 +65,12 @@ def _gate_up(x_ref, wg_ref, wu_ref, i, j, *, m, k, n, gate_col, up_col, cfg, pre
 
 def _forward_kernel(x_ref, wg_ref, wu_ref, y_ref, *, activation, **dims):
     gate, up = _gate_up(x_ref, wg_ref, wu_ref, pl.program_id(0), pl.program_id(1), **dims)
-    y_ref[...] = (activation_fn(activation)(gate) * up).astype(y_ref.dtype)
+    y_ref[...] = (activation_fn(activation, in_kernel=True)(gate) * up).astype(y_ref.dtype)
 
 
 def _act_grad_kernel(x_ref, wg_ref, wu_ref, dy_ref, dgate_ref, dup_ref, *, activation, **dims):
     gate, up = _gate_up(x_ref, wg_ref, wu_ref, pl.program_id(0), pl.program_id(1), **dims)
-    act, act_grad = activation_and_grad(activation, gate)
+    act, act_grad = activation_and_grad(activation, gate, in_kernel=True)
     dy = dy_ref[...].astype(jnp.float32)
     dgate_ref[...] = (dy * up * act_grad).astype(dgate_ref.dtype)
     dup_ref[...] = (dy * act).astype(dup_ref.dtype)
