@@ -1,0 +1,330 @@
+"""`quantized_matmul`: ``x @ w`` with `QArray` operands, fused dequantization.
+
+Supported pairs (anything else raises ``ValueError`` naming the pair):
+
+* weight-only: ``x`` float32/bfloat16/float16 ``[..., K]``, ``w`` a `QArray`
+  ``[K, N]`` quantized along axis 0 in any format (int8, int8_asym, int4,
+  int4_asym, fp8_e4m3, fp8_e5m2, mxfp8_*, mxfp4, nvfp4);
+* activation × weight: ``x`` a `QArray` ``[M, K]`` quantized along axis 1 and
+  ``w`` ``[K, N]`` along axis 0: (fp8_*, fp8_*), (int8, int8), (mxfp8_*, mxfp8_*).
+
+The golden is ``dequantize(x) @ dequantize(w)`` in float32 at highest
+precision. The Triton kernel applies the scales per K block inside the K loop
+or once in the epilogue (per-channel / per-tensor) and never writes the
+dequantized weights to memory; the XLA path dequantizes and calls ``dot``
+(XLA may or may not fuse the dequantization into the GEMM).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core import Call, Example, Implementation, Op, register
+from ...core import checks
+from . import formats as F
+from .configs import QMatmulConfig, qmatmul_heuristic, qmatmul_space
+from .qarray import QArray
+from .reference import dequantize_reference, expand_blocks
+
+WEIGHT_FORMATS = ("int8", "int8_asym", "int4", "int4_asym", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2",
+                  "mxfp4", "nvfp4")
+PAIRS = {("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "fp8_e5m2"), ("fp8_e5m2", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2"),
+         ("int8", "int8"), ("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"),
+         ("mxfp8_e4m3", "mxfp8_e5m2"), ("mxfp8_e5m2", "mxfp8_e4m3")}
+OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _flat(prefix, q: QArray):
+    arrays = {prefix + "values": q.values, prefix + "scales": q.scales, prefix + "zero_points": q.zero_points,
+              prefix + "tensor_scale": q.tensor_scale}
+    options = {prefix + "format": q.format, prefix + "shape": q.shape, prefix + "block_shape": q.block_shape,
+               prefix + "axis": q.axis, prefix + "rotation": q.rotation}
+    return arrays, options
+
+
+def _qarray(call: Call, prefix: str) -> QArray:
+    a, o = call.arrays, call.options
+    return QArray(a[prefix + "values"], a[prefix + "scales"], a[prefix + "zero_points"], a[prefix + "tensor_scale"],
+                  format=o[prefix + "format"], shape=o[prefix + "shape"], block_shape=o[prefix + "block_shape"],
+                  axis=o[prefix + "axis"], rotation=o[prefix + "rotation"], _validate=False)
+
+
+def _check(x_values, x_scales, x_zero_points, x_tensor_scale, w_values, w_scales, w_zero_points, w_tensor_scale, *,
+           x_format=None, x_shape=None, x_block_shape=None, x_axis=None, x_rotation=None, w_format, w_shape,
+           w_block_shape, w_axis, w_rotation=None, preferred_element_type="bfloat16") -> Call:
+    w = QArray(w_values, w_scales, w_zero_points, w_tensor_scale, format=w_format, shape=w_shape,
+               block_shape=w_block_shape, axis=w_axis, rotation=w_rotation)
+    if w.ndim != 2:
+        raise ValueError(f"w: expected a rank-2 QArray [K, N], got shape {w.shape}")
+    if w.axis != 0:
+        raise ValueError(f"w: expected a QArray quantized along axis 0 (the contraction axis K of [K, N]), "
+                         f"got axis {w.axis}; quantize the weights with axis=0")
+    k, n = w.shape
+    if x_format is None:
+        x = checks.require_float("x", x_values)
+        if x.ndim < 1 or x.shape[-1] != k:
+            raise ValueError(f"x: expected shape [..., {k}] (K = w.shape[0]), got {tuple(x.shape)}")
+        if w.format not in WEIGHT_FORMATS:
+            raise ValueError(f"quantized_matmul: unsupported weight format {w.format}")
+        m = int(np.prod(x.shape[:-1]))
+        x_group = None
+        if w.rotation is not None:
+            raise ValueError("quantized_matmul: w was quantized with rotate=...; rotate x the same way "
+                             "(quantize it with the same rotate, or hadamard_transform it) and pass a QArray x")
+    else:
+        xq = QArray(x_values, x_scales, x_zero_points, x_tensor_scale, format=x_format, shape=x_shape,
+                    block_shape=x_block_shape, axis=x_axis, rotation=x_rotation)
+        if (xq.format, w.format) not in PAIRS:
+            raise ValueError(f"quantized_matmul: unsupported pair x={xq.format} × w={w.format}; supported: weight-only "
+                             f"(float x, w in {list(WEIGHT_FORMATS)}) or {sorted(PAIRS)}")
+        if xq.ndim != 2 or xq.axis != 1:
+            raise ValueError(f"x: expected a rank-2 QArray [M, K] quantized along axis 1, got shape {xq.shape} "
+                             f"axis {xq.axis}")
+        if xq.shape[1] != k:
+            raise ValueError(f"x: expected K = {k} (w.shape[0]), got shape {xq.shape}")
+        if xq.rotation != w.rotation:
+            raise ValueError(f"quantized_matmul: x and w must share a rotation, got x.rotation={xq.rotation} "
+                             f"w.rotation={w.rotation}")
+        m = xq.shape[0]
+        x_group = xq.block_shape[1] if xq.scales.shape[1] > 1 else None
+    dtype = np.dtype(preferred_element_type)
+    if dtype not in [np.dtype(d) for d in OUT_DTYPES]:
+        raise TypeError(f"preferred_element_type: expected float32/bfloat16/float16, got {dtype.name}")
+    w_group = w.block_shape[0] if w.scales.shape[0] > 1 else None
+    arrays = {"x_values": x_values, "x_scales": x_scales, "x_zero_points": x_zero_points,
+              "x_tensor_scale": x_tensor_scale, "w_values": w_values, "w_scales": w_scales,
+              "w_zero_points": w_zero_points, "w_tensor_scale": w_tensor_scale}
+    options = {"x_format": x_format, "x_shape": None if x_shape is None else tuple(x_shape),
+               "x_block_shape": None if x_block_shape is None else tuple(x_block_shape), "x_axis": x_axis,
+               "x_rotation": x_rotation, "w_format": w.format, "w_shape": w.shape, "w_block_shape": w.block_shape,
+               "w_axis": w.axis, "w_rotation": w.rotation, "preferred_element_type": dtype.name,
+               "m": m, "n": n, "k": k, "x_group_k": x_group, "w_group_k": w_group}
+    return Call(arrays, options)
+
+
+def _operands(call: Call):
+    w = _qarray(call, "w_")
+    x = call.x_values if call.x_format is None else _qarray(call, "x_")
+    return x, w
+
+
+def _reference(call: Call):
+    x, w = _operands(call)
+    xd = x.astype(jnp.float32) if not isinstance(x, QArray) else dequantize_reference(x)
+    wd = dequantize_reference(w)
+    y = jnp.matmul(xd, wd, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(call.preferred_element_type)
+
+
+def _xla(call: Call, config=None):
+    del config
+    x, w = _operands(call)
+    out = jnp.dtype(call.preferred_element_type)
+    if not isinstance(x, QArray):
+        compute = x.dtype
+        wd = dequantize_reference(w, compute)
+        prec = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
+        return jnp.matmul(x, wd, precision=prec, preferred_element_type=jnp.float32).astype(out)
+    per_row = x.scales.shape[1] == 1 and w.scales.shape[0] == 1
+    if per_row and x.format == "int8":
+        acc = jnp.matmul(x.values, w.values, preferred_element_type=jnp.int32).astype(jnp.float32)
+        sx = expand_blocks(x.scales.astype(jnp.float32), x.block_shape, x.shape)[:, :1]
+        sw = expand_blocks(w.scales.astype(jnp.float32), w.block_shape, w.shape)[:1, :]
+        return (acc * sx * sw).astype(out)
+    xd = dequantize_reference(x)
+    wd = dequantize_reference(w)
+    return jnp.matmul(xd, wd, precision=jax.lax.Precision.HIGHEST).astype(out)
+
+
+# -- Triton ------------------------------------------------------------------------
+
+
+def _kernel_scales(s, block_shape, shape, along):
+    """Stored scales → the kernel layout: ``[M, KB]`` for x (``along=0``
+    expanded over rows) or ``[KB, N]`` for w (``along=1``); E8M0 → uint8."""
+    if block_shape[along] > 1 or s.shape[along] != shape[along]:
+        s = jnp.repeat(s, block_shape[along], axis=along, total_repeat_length=s.shape[along] * block_shape[along])
+        s = jax.lax.slice_in_dim(s, 0, shape[along], axis=along)
+    if np.dtype(s.dtype) == np.dtype(jnp.float8_e8m0fnu):
+        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
+    elif np.dtype(s.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        s = s.astype(jnp.float32)
+    return s
+
+
+def _kind(s) -> str:
+    return "e8m0" if np.dtype(s.dtype) == np.dtype(jnp.uint8) else "float"
+
+
+def _triton(call: Call, config: QMatmulConfig):
+    from . import triton as kernels
+    x, w = _operands(call)
+    wf = w.spec
+    m, n, k = call.m, call.n, call.k
+    sw = _kernel_scales(w.scales, w.block_shape, w.shape, 1)
+    zp = None if w.zero_points is None else _kernel_scales(w.zero_points, w.block_shape, w.shape, 1)
+    ts = None if w.tensor_scale is None else w.tensor_scale.astype(jnp.float32).reshape(1)
+    w_kind = _kind(sw)
+    if not isinstance(x, QArray):
+        lead = x.shape[:-1]
+        x2 = x.reshape(m, k)
+        y = kernels.quantized_matmul(
+            x2, None, w.values, sw, zp, ts, m=m, n=n, k=k, x_kind="float", w_format=w.format, x_scale_kind="float",
+            w_scale_kind=w_kind, gx=1, gw=call.w_group_k or k, x_in_loop=False, w_in_loop=call.w_group_k is not None,
+            out_dtype=jnp.dtype(call.preferred_element_type), config=config)
+        return y.reshape(*lead, n)
+    xf = x.spec
+    sx = _kernel_scales(x.scales, x.block_shape, x.shape, 0)
+    x_kind_s = _kind(sx)
+    return kernels.quantized_matmul(
+        x.values, sx, w.values, sw, zp, ts, m=m, n=n, k=k, x_kind="int" if xf.element.kind == "int" else "fp8",
+        w_format=w.format,
+        x_scale_kind=x_kind_s, w_scale_kind=w_kind, gx=call.x_group_k or k, gw=call.w_group_k or k,
+        x_in_loop=call.x_group_k is not None, w_in_loop=call.w_group_k is not None,
+        out_dtype=jnp.dtype(call.preferred_element_type), config=config)
+
+
+def _requirements(call: Call):
+    for name, g in (("x", call.x_group_k), ("w", call.w_group_k)):
+        if g is not None and g % 16:
+            return f"the Triton kernel needs K blocks that are multiples of 16; {name} has K blocks of {g}"
+    if call.x_format is not None:
+        for name, g in (("x", call.x_group_k), ("w", call.w_group_k)):
+            if g is not None and g % 32:
+                return f"int8/fp8 tensor-core dots need K steps of >= 32; {name} has K blocks of {g}"
+    return None
+
+
+# -- cost models, examples ---------------------------------------------------------------
+
+
+def _flops(call: Call) -> float:
+    return 2.0 * call.m * call.n * call.k
+
+
+def _bytes(call: Call) -> float:
+    total = 0.0
+    for a in call.arrays.values():
+        if a is not None:
+            total += float(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    return total + call.m * call.n * np.dtype(call.preferred_element_type).itemsize
+
+
+def flatten_operands(x, w):
+    """``(args, kwargs)`` of `quantized_matmul_op` for operands ``x``, ``w``."""
+    if not isinstance(w, QArray):
+        raise TypeError(f"w: expected a QArray (quantize the weights with axis=0), got {type(w).__name__}; "
+                        f"a float w with a QArray x is not supported (dequantize x or quantize w)")
+    wa, wo = _flat("w_", w)
+    if isinstance(x, QArray):
+        xa, xo = _flat("x_", x)
+    else:
+        xa = {"x_values": x, "x_scales": None, "x_zero_points": None, "x_tensor_scale": None}
+        xo = {}
+    arrays = {**xa, **wa}
+    return tuple(arrays.values()), {**xo, **wo}
+
+
+_WEIGHT_ONLY = (("int8", "channel"), ("int8_asym", 128), ("int4", 128), ("int4_asym", 64), ("fp8_e4m3", "channel"),
+                ("fp8_e5m2", (128, 128)), ("mxfp8_e4m3", 32), ("mxfp4", 32), ("nvfp4", 16), ("nvfp4", (16, 16)))
+_ACT_WEIGHT = ((("fp8_e4m3", 128), ("fp8_e4m3", (128, 128))), (("fp8_e4m3", "channel"), ("fp8_e5m2", "channel")),
+               (("int8", "channel"), ("int8", "channel")), (("int8", 64), ("int8", 64)),
+               (("mxfp8_e4m3", 32), ("mxfp8_e4m3", 32)))
+
+
+def example_operands(dtype, m=37, k=300, n=130, seed=0):
+    """Weight-only and activation×weight operand pairs (shapes not multiples of blocks)."""
+    from .api import quantize
+    out = []
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32)
+    w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+    for fmt, block in _WEIGHT_ONLY:
+        out.append((f"{fmt}[{block}] weights", x.astype(dtype), quantize(w, fmt, axis=0, block_size=block)))
+    for (xf, xb), (wf, wb) in _ACT_WEIGHT:
+        out.append((f"{xf}[{xb}] x {wf}[{wb}]", quantize(x, xf, axis=1, block_size=xb),
+                    quantize(w, wf, axis=0, block_size=wb)))
+    return out
+
+
+def _examples(dtype):
+    out = []
+    for label, x, w in example_operands(dtype):
+        args, kwargs = flatten_operands(x, w)
+        out.append(Example(label, args, {**kwargs, "preferred_element_type": np.dtype(dtype).name}))
+    return out
+
+
+def _benchmarks(platform):
+    from .api import quantize_op, resolve_block_shape
+    big = platform.backend == "gpu"
+    m, k, n = (4096, 8192, 8192) if big else (64, 512, 256)
+    out = []
+    xs = jnp.zeros((m, k), jnp.float32)
+    ws = jnp.zeros((k, n), jnp.float32)
+
+    def q(a, fmt, axis, block):
+        f = F.get_format(fmt)
+        bs = resolve_block_shape(f, a.shape, axis, block)
+        return jax.eval_shape(lambda a: quantize_op(a, format=fmt, axis=axis, block_shape=bs), a)
+
+    for fmt, block in (("int8", "channel"), ("int4", 128), ("fp8_e4m3", "channel"), ("mxfp4", 32), ("nvfp4", 16)):
+        args, kw = flatten_operands(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), q(ws, fmt, 0, block))
+        out.append(Example(f"bf16 x {fmt} weights {m}x{k}x{n}", args, {**kw, "preferred_element_type": "bfloat16"}))
+    for (xf, xb), (wf, wb) in ((("fp8_e4m3", 128), ("fp8_e4m3", (128, 128))), (("int8", "channel"), ("int8", "channel")),
+                               (("mxfp8_e4m3", 32), ("mxfp8_e4m3", 32))):
+        args, kw = flatten_operands(q(xs, xf, 1, xb), q(ws, wf, 0, wb))
+        out.append(Example(f"{xf} x {wf} {m}x{k}x{n}", args, {**kw, "preferred_element_type": "bfloat16"}))
+    return out
+
+
+def _bf16_peer(x_values, *args, **kwargs):
+    """bf16 matmul of the same shape (the speed baseline)."""
+    w_shape = kwargs["w_shape"]
+    x = x_values.astype(jnp.bfloat16) if x_values.ndim == 2 else x_values
+    w = jnp.ones(w_shape, jnp.bfloat16)
+    return jnp.matmul(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+quantized_matmul_op = register(Op(
+    "quantized_matmul",
+    family="quant",
+    check=_check,
+    reference=_reference,
+    implementations=[
+        Implementation("triton", _triton, backend="triton", config_type=QMatmulConfig, heuristic=qmatmul_heuristic,
+                       space=qmatmul_space, requirements=_requirements),
+        Implementation("xla", _xla),
+    ],
+    flops=_flops,
+    bytes_accessed=_bytes,
+    examples=_examples,
+    benchmarks=_benchmarks,
+    peers={"bf16_matmul": _bf16_peer},
+))
+
+
+def quantized_matmul(x, w, *, preferred_element_type=jnp.bfloat16, implementation=None, config=None):
+    """``x @ w`` with quantized operands, dequantization fused into the kernel.
+
+    Args:
+      x: float32/bfloat16/float16 ``[..., K]`` (weight-only), or a `QArray`
+        ``[M, K]`` quantized along axis 1 (activation × weight).
+      w: a `QArray` ``[K, N]`` quantized along axis 0.
+      preferred_element_type: the output dtype (float32/bfloat16/float16).
+      implementation: ``None`` (Triton on a GPU, else XLA), ``"triton"``, ``"xla"``.
+      config: a `QMatmulConfig` for the Triton kernel.
+
+    Returns:
+      ``[..., N]``: ``dequantize(x) @ dequantize(w)`` accumulated in float32
+      (int32 for int8 × int8 with per-channel scales).
+
+    Raises:
+      ValueError for unsupported format pairs, mismatched K, weights not
+      quantized along axis 0, or mismatched rotations.
+    """
+    args, kwargs = flatten_operands(x, w)
+    return quantized_matmul_op(*args, **kwargs, preferred_element_type=np.dtype(preferred_element_type).name,
+                               implementation=implementation, config=config)

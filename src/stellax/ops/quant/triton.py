@@ -1,0 +1,216 @@
+"""Pallas Triton kernels: blocked Hadamard transform and quantized matmul.
+
+Hadamard: the input is viewed as rows of one block ``[R, b]`` (16 ≤ b ≤ 256);
+each program multiplies ``block_rows`` rows by the ±1 matrix ``M`` (``b×b``,
+the Sylvester Hadamard matrix with the random signs folded in: ``diag(d)·H``
+forward, ``H·diag(d)`` inverse) on the tensor cores and scales by ``1/√b``.
+For b ≤ 256 this is memory-bound, like the butterfly form, with simpler code.
+
+Quantized matmul ``y[M, N] = x[M, K] @ w[K, N]``: one program per output tile
+``block_m × block_n``; the K loop steps ``block_k`` logical elements, which
+divides every operand's K block, so each step reads one scale row:
+
+    acc += dot(decode(x_k), decode(w_k)) · sx[:, kb] · sw[kb, :]     (in-loop scales)
+    y    = acc · sx · sw · tensor_scale                                (epilogue scales)
+
+``decode`` turns codes into the dot's input type in registers: int8/fp8
+codes are used as is (int8×int8 accumulates in int32; fp8×fp8 feeds the fp8
+tensor cores); weight-only decodes to the activation dtype (int4/e2m1
+nibbles unpacked with a join+reshape, minus zero points). Scales stay in
+their stored dtypes in memory (E8M0 codes decoded by bit construction).
+The dequantized weights never exist in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ...core.pallas import triton_call
+from . import formats as F
+from .hadamard import hadamard_matrix
+
+_ANY = pl.BlockSpec(memory_space=pl.ANY)
+
+
+# -- Hadamard ----------------------------------------------------------------------
+
+
+def _hadamard_kernel(x_ref, m_ref, o_ref, *, rows, block, scale):
+    br = o_ref.shape[0]
+    i = pl.program_id(0)
+    row = i * br + jax.lax.broadcasted_iota(jnp.int32, (br, block), 0)
+    x = plgpu.load(x_ref.at[pl.ds(i * br, br), :], mask=row < rows, other=jnp.zeros((), x_ref.dtype))
+    m = m_ref[...]
+    if x.dtype == jnp.float32:
+        y = jnp.dot(x, m, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    else:
+        y = jnp.dot(x, m.astype(x.dtype), preferred_element_type=jnp.float32)
+    o_ref[...] = (y * scale).astype(o_ref.dtype)
+
+
+def hadamard(x, signs, *, block: int, inverse: bool, config):
+    """Normalized (randomized) WHT over blocks of the last axis."""
+    shape = x.shape
+    rows = int(np.prod(shape)) // block
+    x2 = x.reshape(rows, block)
+    h = jnp.asarray(hadamard_matrix(block, np.float32) * math.sqrt(block))  # ±1
+    if signs is not None:
+        s = signs.astype(jnp.float32)
+        h = h * s[None, :] if inverse else s[:, None] * h
+    # Row-vector form: forward y = H·D·v ⇒ y_row = v_row·(D·H) (H symmetric);
+    # inverse y = D·H·w ⇒ y_row = w_row·(H·D). ``h`` is that right factor.
+    m = h
+    br = config.block_rows
+    out = triton_call(
+        functools.partial(_hadamard_kernel, rows=rows, block=block, scale=1.0 / math.sqrt(block)),
+        out_shape=jax.ShapeDtypeStruct((rows, block), x.dtype), grid=(pl.cdiv(rows, br),),
+        in_specs=[_ANY, pl.BlockSpec((block, block), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((br, block), lambda i: (i, 0)),
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_hadamard",
+    )(x2, m)
+    return out.reshape(shape)
+
+
+# -- quantized matmul -----------------------------------------------------------------
+
+
+def _decode_scale(s, kind):
+    if kind == "e8m0":
+        return F.e8m0_to_float(s)
+    return s.astype(jnp.float32)
+
+
+def _zero(ref):
+    return jnp.zeros((), ref.dtype)
+
+
+def _qmm_kernel(*refs, m, n, k, bm, bn, bk, x_kind, w_format, x_scale_kind, w_scale_kind, x_in_loop,
+                w_in_loop, gx, gw, has_x_scale, has_zp, has_ts, compute_dtype, acc_dtype):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    sx_ref = refs.pop(0) if has_x_scale else None
+    w_ref = refs.pop(0)
+    sw_ref = refs.pop(0)
+    zp_ref = refs.pop(0) if has_zp else None
+    ts_ref = refs.pop(0) if has_ts else None
+    o_ref = refs.pop(0)
+
+    fmt = F.get_format(w_format)
+    packed = fmt.packed
+    i, j = pl.program_id(0), pl.program_id(1)
+    rows = i * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
+    cols_n = j * bn + jax.lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+    row_ok = (i * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)) < m
+    kp = (k + 1) // 2
+    bkp = bk // 2
+
+    def load_x(s):
+        kcols = s * bk + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
+        return plgpu.load(x_ref.at[pl.ds(i * bm, bm), pl.ds(s * bk, bk)], mask=(rows < m) & (kcols < k),
+                          other=_zero(x_ref))
+
+    def load_w(s):
+        if packed:
+            krow = s * bkp + jax.lax.broadcasted_iota(jnp.int32, (bkp, bn), 0)
+            ncol = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bkp, bn), 1)
+            return plgpu.load(w_ref.at[pl.ds(s * bkp, bkp), pl.ds(j * bn, bn)], mask=(krow < kp) & (ncol < n),
+                              other=_zero(w_ref))
+        krow = s * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, bn), 0)
+        ncol = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bk, bn), 1)
+        return plgpu.load(w_ref.at[pl.ds(s * bk, bk), pl.ds(j * bn, bn)], mask=(krow < k) & (ncol < n),
+                          other=_zero(w_ref))
+
+    def w_scale_row(kb):
+        return plgpu.load(sw_ref.at[pl.ds(kb, 1), pl.ds(j * bn, bn)], mask=cols_n < n, other=_zero(sw_ref))
+
+    def x_scale_col(kb):
+        return plgpu.load(sx_ref.at[pl.ds(i * bm, bm), pl.ds(kb, 1)], mask=row_ok, other=_zero(sx_ref))
+
+    def step_product(s):
+        xt = load_x(s)
+        wt = load_w(s)
+        if x_kind == "float":  # weight-only: decode the weights into the activation dtype
+            if packed:
+                wt_t = wt.T  # [bn, bkp]
+                lo, hi = wt_t & 0xF, (wt_t >> 4) & 0xF
+                if fmt.element.kind == "int":
+                    lo, hi = F.int4_decode(lo).astype(jnp.float32), F.int4_decode(hi).astype(jnp.float32)
+                else:
+                    lo, hi = F.e2m1_decode(lo), F.e2m1_decode(hi)
+                wd = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)  # [bn, bk], K interleaved back
+                if has_zp:
+                    kb = (s * bk) // gw
+                    zp = plgpu.load(zp_ref.at[pl.ds(kb, 1), pl.ds(j * bn, bn)], mask=cols_n < n,
+                                    other=_zero(zp_ref)).astype(jnp.float32)
+                    wd = wd - zp.T
+                wd = wd.astype(compute_dtype)
+                return jax.lax.dot_general(xt.astype(compute_dtype), wd, (((1,), (1,)), ((), ())),
+                                           preferred_element_type=jnp.float32,
+                                           precision=_precision(compute_dtype))
+            wd = wt.astype(jnp.float32)
+            if has_zp:
+                kb = (s * bk) // gw
+                zp = plgpu.load(zp_ref.at[pl.ds(kb, 1), pl.ds(j * bn, bn)], mask=cols_n < n,
+                                other=_zero(zp_ref)).astype(jnp.float32)
+                wd = wd - zp
+            return jnp.dot(xt.astype(compute_dtype), wd.astype(compute_dtype), preferred_element_type=jnp.float32,
+                           precision=_precision(compute_dtype))
+        if x_kind == "int":
+            return jnp.dot(xt, wt, preferred_element_type=jnp.int32)
+        if xt.dtype == wt.dtype:
+            return jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+        return jnp.dot(xt.astype(jnp.bfloat16), wt.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+    def body(s, acc):
+        part = step_product(s)
+        if x_in_loop or w_in_loop:
+            part = part.astype(jnp.float32)
+            if x_in_loop:
+                part = part * _decode_scale(x_scale_col((s * bk) // gx), x_scale_kind)
+            if w_in_loop:
+                part = part * _decode_scale(w_scale_row((s * bk) // gw), w_scale_kind)
+        return acc + part.astype(acc.dtype)
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(k, bk), body, jnp.zeros((bm, bn), acc_dtype))
+    out = acc.astype(jnp.float32)
+    if has_x_scale and not x_in_loop:
+        out = out * _decode_scale(x_scale_col(0), x_scale_kind)
+    if not w_in_loop:
+        out = out * _decode_scale(w_scale_row(0), w_scale_kind)
+    if has_ts:
+        out = out * plgpu.load(ts_ref.at[pl.ds(0, 1)]).reshape(1, 1)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _precision(dtype):
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def quantized_matmul(x, sx, w, sw, zp, ts, *, m, n, k, x_kind, w_format, x_scale_kind, w_scale_kind, gx, gw,
+                     x_in_loop, w_in_loop, out_dtype, config):
+    """Launch the kernel. ``x [M, K]`` (float, or int8/fp8 codes), ``sx [M, KBx]``
+    or None, ``w [K or ceil(K/2), N]`` codes, ``sw [KBw, N]``, ``zp [KBw, N]`` or
+    None, ``ts [1]`` float32 or None; E8M0 scales as uint8 codes."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    # x_kind: "float" (activations, weight-only), "int" (int8 codes), "fp8" (fp8 codes).
+    compute_dtype = x.dtype if x_kind == "float" else jnp.float32
+    acc_dtype = jnp.int32 if (x_kind == "int" and not (x_in_loop or w_in_loop)) else jnp.float32
+    inputs = [x] + ([sx] if sx is not None else []) + [w, sw] + ([zp] if zp is not None else []) + (
+        [ts] if ts is not None else [])
+    kernel = functools.partial(
+        _qmm_kernel, m=m, n=n, k=k, bm=bm, bn=bn, bk=bk, x_kind=x_kind, w_format=w_format,
+        x_scale_kind=x_scale_kind, w_scale_kind=w_scale_kind, x_in_loop=x_in_loop, w_in_loop=w_in_loop,
+        gx=gx, gw=gw, has_x_scale=sx is not None, has_zp=zp is not None, has_ts=ts is not None,
+        compute_dtype=compute_dtype, acc_dtype=acc_dtype)
+    return triton_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
+        in_specs=[_ANY] * len(inputs), out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_quantized_matmul",
+    )(*inputs)
