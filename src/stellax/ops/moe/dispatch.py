@@ -1,0 +1,123 @@
+"""Token movement: sort token copies by expert (`permute`) and combine the
+expert outputs back per token (`unpermute`).
+
+``permute(x [T, D], expert_ids [T, k], E)``: copy ``i = t·k + j`` of token
+``t`` goes to expert ``expert_ids[t, j]``. The copies are sorted by expert
+with a *stable* sort (ties keep token order), so
+
+    rows[p]         = x[permutation[p] // k]
+    group_sizes[e]  = number of copies routed to e
+
+With ``capacity_factor`` each expert keeps at most
+``C = ceil(capacity_factor · T·k / E)`` copies (the first in token order);
+dropped copies are moved behind all kept rows (``rows`` there are zero, and
+past ``sum(group_sizes)`` a grouped matmul gives zeros), and
+``dropped[e]`` counts them.
+
+``unpermute(y [T·k, D], permutation, weights [T, k])``:
+
+    out[t] = Σ_j weights[t, j] · y[p(t, j)]   where permutation[p(t, j)] = t·k + j
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core import checks
+
+
+def _check_ids(expert_ids, tokens: int, num_experts):
+    expert_ids = checks.require_int("expert_ids", expert_ids)
+    checks.require_ndim("expert_ids", expert_ids, 2)
+    checks.require_shape("expert_ids", expert_ids, (tokens, None), "x.shape[0], k")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    return expert_ids
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Copies an expert keeps: ``ceil(capacity_factor · tokens · top_k / num_experts)``."""
+    return int(math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def sort_by_expert(flat_ids, num_experts: int, cap: int | None):
+    """``(order, group_sizes, dropped)`` of token copies with expert ids ``flat_ids``."""
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1, mode="drop")
+    if cap is None:
+        order = jnp.argsort(flat_ids, stable=True)
+        return order.astype(jnp.int32), counts, jnp.zeros_like(counts)
+    order = jnp.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    starts = jnp.cumsum(counts) - counts
+    rank = jnp.arange(flat_ids.shape[0], dtype=jnp.int32) - starts[sorted_ids]
+    # Kept copies first (by expert), dropped copies after them (stable again).
+    key = jnp.where(rank < cap, sorted_ids, num_experts)
+    order = order[jnp.argsort(key, stable=True)]
+    kept = jnp.minimum(counts, cap)
+    return order.astype(jnp.int32), kept, counts - kept
+
+
+def permute(x, expert_ids, num_experts, *, capacity_factor=None):
+    """Expert-sorted copies of the tokens.
+
+    Args:
+      x: ``[T, D]`` tokens.
+      expert_ids: ``[T, k]`` int expert of each copy (from `route`).
+      num_experts: ``E``.
+      capacity_factor: ``None`` (dropless) or a positive float: each expert
+        keeps at most ``ceil(capacity_factor · T·k / E)`` copies.
+
+    Returns:
+      ``(rows [T·k, D], group_sizes [E] int32, permutation [T·k] int32)``,
+      plus ``dropped [E] int32`` when ``capacity_factor`` is given.
+      ``permutation[p]`` is the copy index ``t·k + j`` of row ``p``.
+    """
+    x = checks.as_array("x", x)
+    checks.require_ndim("x", x, 2)
+    expert_ids = _check_ids(expert_ids, x.shape[0], num_experts)
+    top_k = expert_ids.shape[1]
+    cap = None
+    if capacity_factor is not None:
+        capacity_factor = checks.require_positive_float("capacity_factor", capacity_factor)
+        cap = capacity(x.shape[0], top_k, num_experts, capacity_factor)
+    order, group_sizes, dropped = sort_by_expert(expert_ids.reshape(-1).astype(jnp.int32), int(num_experts), cap)
+    rows = x[order // top_k]
+    if cap is not None:
+        kept = jnp.arange(order.shape[0]) < jnp.sum(group_sizes)
+        rows = jnp.where(kept[:, None], rows, jnp.zeros((), rows.dtype))
+        return rows, group_sizes, order, dropped
+    return rows, group_sizes, order
+
+
+def inverse_permutation(permutation):
+    """``inverse[permutation[p]] = p``."""
+    return jnp.zeros_like(permutation).at[permutation].set(
+        jnp.arange(permutation.shape[0], dtype=permutation.dtype))
+
+
+def unpermute(y, permutation, weights):
+    """Weighted combine of expert outputs back to tokens → ``[T, D]`` in ``y.dtype``.
+
+    Args:
+      y: ``[T·k, D]`` expert outputs in the order of `permute`'s rows.
+      permutation: ``[T·k]`` from `permute`.
+      weights: ``[T, k]`` routing weights (from `route`).
+    """
+    y = checks.as_array("y", y)
+    checks.require_ndim("y", y, 2)
+    permutation = checks.require_int("permutation", permutation)
+    checks.require_shape("permutation", permutation, (y.shape[0],), "y.shape[0]")
+    weights = checks.require_float("weights", weights)
+    checks.require_ndim("weights", weights, 2)
+    tokens, top_k = weights.shape
+    if tokens * top_k != y.shape[0]:
+        raise ValueError(f"weights: expected shape (T, k) with T·k = y.shape[0] = {y.shape[0]}, "
+                         f"got {tuple(weights.shape)}")
+    copies = y[inverse_permutation(permutation.astype(jnp.int32))].reshape(tokens, top_k, y.shape[1])
+    out = jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), copies.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(y.dtype)
