@@ -132,3 +132,14 @@ def test_ptx_compile_and_shared_memory():
         kernels = compile_triton_to_ptx(lower_for_gpu(jax.value_and_grad(loss, argnums=(0, 1)), x, w), "9.0")
         assert len(kernels) == 4
         assert_fits_smem(kernels, "9.0")
+
+
+def test_vmap_and_grad_of_kernel():
+    x = random_array(jax.random.PRNGKey(0), (3, 20, 16), jnp.float32)
+    _, w = _inputs(1, 16, 24, jnp.float32, seed=1)
+    run = lambda impl: lambda a: stellax.gated_linear_unit(a, w, implementation=impl, config=SMALL if impl == "triton" else None)
+    with stellax.interpret_mode():
+        y = jax.vmap(run("triton"))(x)
+        g = jax.vmap(jax.grad(lambda a: jnp.sum(run("triton")(a) ** 2)))(x)
+    assert_close(y, jax.vmap(run("xla"))(x), name="vmap y")
+    assert_close(g, jax.vmap(jax.grad(lambda a: jnp.sum(run("xla")(a) ** 2)))(x), gradient=True, name="vmap dx")
