@@ -17,3 +17,4 @@ from .glu import gated_linear_unit
 from .modules import GatedMLP, LayerNorm, RMSNorm
 from .attention import dot_product_attention
 from .hf import register_transformers_attention
+from .moe import MoE, moe_mlp, ragged_dot, route

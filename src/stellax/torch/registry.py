@@ -24,6 +24,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -236,7 +237,9 @@ class TorchOp:
                         full[slot] = a
                     return f(*full)
                 outs, pullback = jax.vjp(g, *[arrays[s] for s in diff_slots])
-                cts = tuple(c.astype(o.dtype) for c, o in zip(cotangents, outs))
+                cts = tuple(c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact)
+                            else np.zeros(o.shape, jax.dtypes.float0)  # integer outputs (ids) have no gradient
+                            for c, o in zip(cotangents, outs))
                 return pullback(cts)
             return jax.jit(vjp)
 
@@ -257,6 +260,8 @@ class TorchOp:
         ctx.opts = opts
         ctx.n = len(tensors)
         ctx.save_for_backward(*[tensors[i] for i in present])
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
 
     def _autograd_backward(self, ctx, *grads):
         saved = ctx.saved_tensors
@@ -267,7 +272,9 @@ class TorchOp:
         result: list[Any] = [None] * (ctx.n + len(self.options))
         if not diff:
             return tuple(result)
-        # Output grads never arrive as None: autograd materializes zeros for unused outputs.
+        # Unused float outputs arrive as materialized zeros; integer outputs (ids) may arrive as None.
+        grads = [torch.zeros(shape, dtype=dtype if dtype.is_floating_point else torch.float32, device=device)
+                 if g is None else g for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
         dgrads = self.backward_op(*tensors, *ctx.opts.values(), *grads)
         for i, g in zip(diff, dgrads):
             result[i] = g
