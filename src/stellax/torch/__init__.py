@@ -18,3 +18,4 @@ from .modules import GatedMLP, LayerNorm, RMSNorm
 from .attention import dot_product_attention
 from .hf import register_transformers_attention
 from .moe import MoE, moe_mlp, ragged_dot, route
+from .linear_attention import GatedDeltaNet, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

@@ -1,0 +1,153 @@
+"""Torch front ends of Gated DeltaNet (`chunk_gated_delta_rule`,
+`fused_recurrent_gated_delta_rule`) and the `GatedDeltaNet` mixer module.
+
+The flash-linear-attention contract: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+g (log-space decay) and beta ``[B, T, HV]``, states ``[N, HV, K, V]`` (float32),
+``cu_seqlens [N+1]`` for packed batches (B = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import norm as _norm
+from .registry import define_op
+
+_OPTIONS = {"scale": "float?", "use_qk_l2norm": "bool", "chunk_size": "int", "implementation": "str?"}
+
+
+def _gdn(fn_name):
+    def run(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2norm, chunk_size, implementation):
+        import stellax
+        fn = getattr(stellax, fn_name)
+        o, state = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                      use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                      implementation=implementation)
+        return o, state
+    return run
+
+
+def _fake(q, k, v, g, beta, initial_state, cu_seqlens, **_):
+    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = q.new_empty((n, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
+    return torch.empty_like(v), state
+
+
+_TENSORS = ("q", "k", "v", "g", "beta", "initial_state?", "cu_seqlens?!")
+chunk_gated_delta_rule_op = define_op("chunk_gated_delta_rule", _gdn("chunk_gated_delta_rule"), tensors=_TENSORS,
+                                      options=_OPTIONS, outputs=2, fake=_fake)
+fused_recurrent_gated_delta_rule_op = define_op(
+    "fused_recurrent_gated_delta_rule", _gdn("fused_recurrent_gated_delta_rule"), tensors=_TENSORS,
+    options=_OPTIONS, outputs=2, fake=_fake)
+
+
+def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
+          implementation):
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    o, state = op(q, k, v, g, beta, initial_state, cu, None if scale is None else float(scale),
+                  bool(use_qk_l2norm), int(chunk_size), implementation)
+    return o, (state if output_final_state else None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm=False, cu_seqlens=None, chunk_size=64, implementation=None,
+                           use_qk_l2norm_in_kernel=None):
+    """Gated DeltaNet, chunked (training / prefill): per value head, with state
+    ``S [K, V]``: ``S ← exp(g_t)·S``, ``S ← S + k_t ⊗ β_t (v_t − Sᵀk_t)``,
+    ``o_t = Sᵀ(scale·q_t)``. Returns ``(o [B, T, HV, V], final_state or None)``.
+    Differentiable in q, k, v, g, beta and initial_state."""
+    if use_qk_l2norm_in_kernel is not None:
+        use_qk_l2norm = use_qk_l2norm_in_kernel
+    return _call(chunk_gated_delta_rule_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                 use_qk_l2norm, cu_seqlens, chunk_size, implementation)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                                     use_qk_l2norm=False, cu_seqlens=None, implementation=None,
+                                     use_qk_l2norm_in_kernel=None):
+    """Gated DeltaNet token by token (decode); as `chunk_gated_delta_rule`."""
+    if use_qk_l2norm_in_kernel is not None:
+        use_qk_l2norm = use_qk_l2norm_in_kernel
+    return _call(fused_recurrent_gated_delta_rule_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                 use_qk_l2norm, cu_seqlens, 64, implementation)
+
+
+class _ShortConv(nn.Module):
+    """Causal depthwise conv1d over time followed by SiLU, ``[B, T, C]`` in and out."""
+
+    def __init__(self, channels: int, kernel_size: int, **factory):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.randn(channels, 1, kernel_size, **factory) * kernel_size ** -0.5)
+
+    def forward(self, x):
+        y = F.conv1d(F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0)), self.weight, groups=x.shape[-1])
+        return F.silu(y).transpose(1, 2)
+
+
+class GatedDeltaNet(nn.Module):
+    """The Gated DeltaNet token mixer (as in Qwen3-Next / fla's ``GatedDeltaNet``):
+
+        q, k, v = SiLU(causal short conv(x W_q | x W_k | x W_v))
+        g = −exp(A_log) · softplus(x W_a + dt_bias),   β = sigmoid(x W_b)
+        o = chunk_gated_delta_rule(q, k, v, g, β, use_qk_l2norm=True)
+        y = (RMSNorm(o) · SiLU(x W_z)) W_o
+
+    ``num_heads`` query/key heads of size ``head_k_dim``, ``num_v_heads``
+    (default ``num_heads``, a multiple of it) value heads of size
+    ``head_v_dim``. ``forward(x, initial_state=None, output_final_state=False)``
+    returns ``y`` or ``(y, state [B, HV, K, V])``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_k_dim: int, head_v_dim: int | None = None,
+                 num_v_heads: int | None = None, *, conv_size: int = 4, norm_eps: float = 1e-6,
+                 implementation: str | None = None, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.hidden_size, self.num_heads, self.head_k_dim = hidden_size, num_heads, head_k_dim
+        self.head_v_dim = head_v_dim or head_k_dim
+        self.num_v_heads = num_v_heads or num_heads
+        if self.num_v_heads % num_heads:
+            raise ValueError(f"num_v_heads: expected a multiple of num_heads = {num_heads}, got {self.num_v_heads}")
+        self.norm_eps, self.implementation = norm_eps, implementation
+        key_dim, value_dim = num_heads * head_k_dim, self.num_v_heads * self.head_v_dim
+        self.q_proj = nn.Linear(hidden_size, key_dim, bias=False, **factory)
+        self.k_proj = nn.Linear(hidden_size, key_dim, bias=False, **factory)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False, **factory)
+        self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False, **factory)
+        self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False, **factory)
+        self.g_proj = nn.Linear(hidden_size, value_dim, bias=False, **factory)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False, **factory)
+        self.q_conv = _ShortConv(key_dim, conv_size, **factory)
+        self.k_conv = _ShortConv(key_dim, conv_size, **factory)
+        self.v_conv = _ShortConv(value_dim, conv_size, **factory)
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads, **factory).uniform_(1, 16)))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, **factory).uniform_(-4, -1))
+        self.o_norm_weight = nn.Parameter(torch.ones(self.head_v_dim, **factory))
+
+    def project(self, x):
+        """``(q, k, v, g, beta)`` of the recurrence for ``x [B, T, D]``."""
+        b, t, _ = x.shape
+        q = self.q_conv(self.q_proj(x)).view(b, t, self.num_heads, self.head_k_dim)
+        k = self.k_conv(self.k_proj(x)).view(b, t, self.num_heads, self.head_k_dim)
+        v = self.v_conv(self.v_proj(x)).view(b, t, self.num_v_heads, self.head_v_dim)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(self.b_proj(x))
+        return q, k, v, g.to(x.dtype), beta
+
+    def output(self, o, x):
+        """Gated RMSNorm of the recurrence output and the output projection."""
+        b, t = x.shape[:2]
+        gate = self.g_proj(x).view(b, t, self.num_v_heads, self.head_v_dim)
+        o = _norm.rms_norm(o, self.o_norm_weight, eps=self.norm_eps) * F.silu(gate)
+        return self.o_proj(o.reshape(b, t, -1))
+
+    def forward(self, x: torch.Tensor, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+        q, k, v, g, beta = self.project(x)
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                          output_final_state=output_final_state, use_qk_l2norm=True,
+                                          implementation=self.implementation)
+        y = self.output(o, x)
+        return (y, state) if output_final_state else y

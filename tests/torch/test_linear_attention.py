@@ -1,0 +1,104 @@
+"""Gated DeltaNet front ends vs a plain torch recurrence, and the mixer module."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="stellax.torch needs PyTorch (pip install 'stellax[torch]')")
+import torch.nn.functional as F  # noqa: E402
+
+import stellax.torch as st  # noqa: E402
+from stellax.torch import linear_attention as st_la  # noqa: E402
+
+
+def gdn_recurrence(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2norm=False):
+    """Token-by-token Gated DeltaNet in float64 torch (the fla contract)."""
+    b, t, h, kd = q.shape
+    hv, vd = v.shape[2], v.shape[3]
+    q, k, v, g, beta = (a.double() for a in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q = q / (q.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+        k = k / (k.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+    q = q.repeat_interleave(hv // h, dim=2)
+    k = k.repeat_interleave(hv // h, dim=2)
+    scale = kd ** -0.5 if scale is None else scale
+    state = torch.zeros(b, hv, kd, vd, dtype=torch.float64) if initial_state is None else initial_state.double()
+    outs = []
+    for i in range(t):
+        state = state * g[:, i].exp()[..., None, None]
+        kv_old = torch.einsum("bhkv,bhk->bhv", state, k[:, i])
+        delta = beta[:, i][..., None] * (v[:, i] - kv_old)
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, i], delta)
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, scale * q[:, i]))
+    return torch.stack(outs, 1), state
+
+
+def _inputs(b=2, t=13, h=2, hv=4, kd=8, vd=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, kd, generator=gen)
+    k = torch.randn(b, t, h, kd, generator=gen)
+    v = torch.randn(b, t, hv, vd, generator=gen)
+    g = -F.softplus(torch.randn(b, t, hv, generator=gen))
+    beta = torch.rand(b, t, hv, generator=gen)
+    s0 = torch.randn(b, hv, kd, vd, generator=gen) * 0.1
+    return [a.requires_grad_() for a in (q, k, v, g, beta, s0)]
+
+
+@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
+def test_gated_delta_rule_matches_torch_recurrence_forward_and_backward(fn):
+    q, k, v, g, beta, s0 = _inputs()
+    op = st.chunk_gated_delta_rule if fn == "chunk" else st.fused_recurrent_gated_delta_rule
+    kwargs = {"chunk_size": 8} if fn == "chunk" else {}
+    o, state = op(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm=True, **kwargs)
+    ro, rstate = gdn_recurrence(q, k, v, g, beta, initial_state=s0, use_qk_l2norm=True)
+    torch.testing.assert_close(o.double(), ro, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.double(), rstate, atol=1e-4, rtol=1e-4)
+    go, gs = torch.randn_like(o), torch.randn_like(state)
+    args = (q, k, v, g, beta, s0)
+    got = torch.autograd.grad((o * go).sum() + (state * gs).sum(), args)
+    want = torch.autograd.grad((ro * go.double()).sum() + (rstate * gs.double()).sum(), args)
+    for name, a, b in zip("q k v g beta s0".split(), got, want):
+        rel = ((a.double() - b).norm() / b.norm()).item()
+        assert rel < 1e-4, (name, rel)
+
+
+def test_packed_sequences_and_decode_continuation():
+    q, k, v, g, beta, _ = _inputs(b=1, t=12, seed=1)
+    cu = torch.tensor([0, 5, 12])
+    o, states = st.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True)
+    for n, (lo, hi) in enumerate([(0, 5), (5, 12)]):
+        ro, rs = gdn_recurrence(*(a[:, lo:hi] for a in (q, k, v, g, beta)))
+        torch.testing.assert_close(o[:, lo:hi].double(), ro, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(states[n:n + 1].double(), rs, atol=1e-4, rtol=1e-4)
+    # prefill 9 tokens with the chunked kernel, then decode 3 steps with the recurrent one
+    _, s = st.chunk_gated_delta_rule(*(a[:, :9] for a in (q, k, v, g, beta)), output_final_state=True)
+    steps = []
+    for i in range(9, 12):
+        oi, s = st.fused_recurrent_gated_delta_rule(*(a[:, i:i + 1] for a in (q, k, v, g, beta)),
+                                                    initial_state=s, output_final_state=True)
+        steps.append(oi)
+    full, _ = gdn_recurrence(q, k, v, g, beta)
+    torch.testing.assert_close(torch.cat(steps, 1).double(), full[:, 9:], atol=1e-4, rtol=1e-4)
+
+
+def test_gated_delta_rule_opcheck():
+    q, k, v, g, beta, s0 = _inputs(b=1, t=6, h=1, hv=2, kd=4, vd=4)
+    torch.library.opcheck(st_la.chunk_gated_delta_rule_op.op, (q, k, v, g, beta, s0, None, None, False, 4, None))
+    torch.library.opcheck(st_la.fused_recurrent_gated_delta_rule_op.op,
+                          (q, k, v, g, beta, None, None, 0.5, True, 64, None))
+
+
+def test_gated_delta_net_module_matches_a_torch_recurrence_mixer():
+    torch.manual_seed(2)
+    mixer = st.GatedDeltaNet(32, num_heads=2, head_k_dim=8, head_v_dim=8, num_v_heads=4)
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    y, state = mixer(x, output_final_state=True)
+    q, k, v, g, beta = mixer.project(x)
+    ro, rstate = gdn_recurrence(q, k, v, g, beta, use_qk_l2norm=True)
+    gate = mixer.g_proj(x).view(2, 10, 4, 8)
+    ref = mixer.o_proj((F.rms_norm(ro.float(), (8,), mixer.o_norm_weight, 1e-6) * F.silu(gate)).reshape(2, 10, -1))
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.double(), rstate, atol=1e-4, rtol=1e-4)
+    g_out = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, mixer.A_log, mixer.q_proj.weight), g_out)
+    want = torch.autograd.grad(ref, (x, mixer.A_log, mixer.q_proj.weight), g_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
