@@ -1,0 +1,227 @@
+"""``stellax autotune``: tune benchmark suites or shapes from a JSON file and
+write the configs to the user cache.
+
+Shapes file (``--shapes``): a JSON list of calls, each
+``{"op": "layer_norm", "args": [{"shape": [4096, 4096], "dtype": "bfloat16"},
+{"shape": [4096], "dtype": "bfloat16"}, null], "kwargs": {"subtract_mean": false},
+"backward": true}``: an object with ``shape`` and ``dtype`` is a random array,
+anything else is passed as it is; ``backward`` (default true for
+differentiable ops) tunes the backward ops too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stellax autotune",
+                                description="Tune the kernels of benchmark suites (op families) or of shapes "
+                                            "from a JSON file; results go to the user autotuning cache.")
+    p.add_argument("suites", nargs="*", help="op families to tune on their benchmark shapes (default: all)")
+    p.add_argument("--shapes", metavar="FILE.json", help="tune these calls instead of suites")
+    p.add_argument("--implementations", default=None, help="comma list of kernel implementations to tune")
+    p.add_argument("--max-configs", type=int, default=None, help="at most this many configs per call")
+    p.add_argument("--max-cases", type=int, default=None, help="at most this many shapes per op")
+    p.add_argument("--no-backward", action="store_true", help="do not tune backward ops")
+    p.add_argument("--force", action="store_true", help="re-tune calls that are already cached")
+    p.add_argument("--interpret", action="store_true",
+                   help="tune interpreted kernels (on a CPU; for testing: the timings mean nothing)")
+    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti"))
+    p.add_argument("--cache-dir", metavar="DIR", help="the cache directory (default: $STELLAX_CACHE_DIR or the "
+                                                      "user cache dir)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the user cache")
+    p.add_argument("--out", metavar="RESULT.json", help="also write the result (configs and searches) as JSON")
+    p.add_argument("--export", metavar="CACHE.json",
+                   help="also write the configs as a cache file (e.g. to ship in stellax/autotune/shipped/)")
+    p.add_argument("--show", action="store_true", help="print the user cache of this device and exit")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _array_from_spec(spec, key):
+    import jax.numpy as jnp
+
+    from ..testing.numerics import random_array
+
+    if isinstance(spec, dict) and "shape" in spec:
+        dtype = jnp.dtype(spec.get("dtype", "float32"))
+        shape = tuple(int(d) for d in spec["shape"])
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return random_array(key, shape, dtype)
+        if "value" in spec:
+            return jnp.asarray(spec["value"], dtype).reshape(shape)
+        return jnp.zeros(shape, dtype)
+    return spec
+
+
+def load_shapes(path: str):
+    """``[(op, args, kwargs, backward, label)]`` from a shapes file."""
+    import jax
+
+    from ..core.op import registered_ops
+
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        data = data.get("calls", [])
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of calls")
+    ops = registered_ops()
+    out = []
+    for i, item in enumerate(data):
+        name = item.get("op")
+        if name not in ops:
+            raise ValueError(f"{path}[{i}].op: unknown op {name!r}; known: {sorted(ops)}")
+        key = jax.random.PRNGKey(i)
+        keys = jax.random.split(key, len(item.get("args", [])) + len(item.get("kwargs", {})) + 1)
+        args = tuple(_array_from_spec(a, k) for a, k in zip(item.get("args", []), keys))
+        kwargs = {k: _array_from_spec(v, kk) for (k, v), kk in zip(item.get("kwargs", {}).items(),
+                                                                    keys[len(args):])}
+        out.append((ops[name], args, kwargs, item.get("backward", True), item.get("label", f"{name}[{i}]")))
+    return out
+
+
+def suite_calls(suites, max_cases=None):
+    from ..bench.suites import families
+
+    known = families()
+    unknown = [s for s in suites if s not in known]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; known suites: {list(known)}")
+    out = []
+    for family in (suites or list(known)):
+        for op in known[family]:
+            examples = op.benchmarks()
+            if max_cases is not None:
+                examples = examples[:max_cases]
+            for ex in examples:
+                out.append((op, ex.args, dict(ex.kwargs), True, f"{op.name} {ex.label}"))
+    return out
+
+
+def tuning_function(op, impl_name: str, args, kwargs, backward: bool):
+    """The function autotuned for one call: the op (and, for differentiable
+    ops, its gradient, so backward ops are tuned too)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..bench.suites import grad_spec
+    from ..core.op import Example
+
+    def forward(*a, **k):
+        return op(*a, implementation=impl_name, **k)
+
+    positions, grad_kw = grad_spec(op, Example("", tuple(args), dict(kwargs))) if backward else ([], [])
+    if not positions and not grad_kw:
+        return forward
+
+    def with_grad(*a, **k):
+        def loss(diff_a, diff_k):
+            full = list(a)
+            for i, v in zip(positions, diff_a):
+                full[i] = v
+            out = forward(*full, **{**k, **diff_k})
+            return sum(jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree_util.tree_leaves(out)
+                       if jnp.issubdtype(leaf.dtype, jnp.inexact))
+        return jax.grad(loss, argnums=(0, 1))(tuple(a[i] for i in positions), {n: k[n] for n in grad_kw})
+
+    return with_grad
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.cache_dir:
+        os.environ["STELLAX_CACHE_DIR"] = args.cache_dir
+    from rich.console import Console
+
+    import stellax  # noqa: F401  (registers the ops)
+
+    from ..core.platform import current_platform, interpret_mode
+    from . import cache as cache_lib
+    from . import keys as keys_lib
+    from .api import AutotuneResult, _progress_printer, autotune
+
+    console = Console(width=max(Console().width, 140))
+    err = Console(stderr=True)
+    platform = current_platform()
+    with interpret_mode(True) if args.interpret else _Null():
+        device = keys_lib.device_slug(platform)
+        if args.show:
+            c = cache_lib.user_cache(device)
+            console.print(f"{c.path}: {len(c)} entries")
+            for entry in c.entries().values():
+                console.print(f"  {entry.op}/{entry.implementation} {keys_lib.describe_signature(entry.signature)}: "
+                              f"{entry.config} ({entry.time_ms} ms, stellax {entry.stellax_version}, "
+                              f"jax {entry.jax_version})", highlight=False)
+            return 0
+        try:
+            calls = load_shapes(args.shapes) if args.shapes else suite_calls(args.suites, args.max_cases)
+        except (OSError, ValueError) as e:
+            err.print(f"stellax autotune: {e}")
+            return 2
+        wanted = args.implementations.split(",") if args.implementations else None
+        native_kernels = platform.backend != "cpu" or args.interpret
+        if not native_kernels:
+            err.print("stellax autotune: kernels do not run natively on a CPU, so there is nothing to tune here "
+                      "(use --interpret to tune interpreted kernels for testing)")
+            return 0
+        results = AutotuneResult(device=device, device_kind=platform.device_kind)
+        progress = None if args.quiet else _progress_printer()
+        started = time.monotonic()
+        for n, (op, call_args, call_kwargs, backward, label) in enumerate(calls):
+            kernel_impls = [name for name, impl in op.implementations.items()
+                            if impl.is_kernel and impl.config_type is not None and (not wanted or name in wanted)]
+            for impl_name in kernel_impls:
+                impl = op.implementations[impl_name]
+                try:
+                    support = impl.supported(op.check(*call_args, **call_kwargs))
+                except Exception as e:  # noqa: BLE001
+                    err.print(f"{label}: {type(e).__name__}: {e}")
+                    continue
+                if not support:
+                    if not args.quiet:
+                        err.print(f"[dim]{label} / {impl_name}: skipped ({support.reason})")
+                    continue
+                fn = tuning_function(op, impl_name, call_args, call_kwargs, backward and not args.no_backward)
+
+                def step(stage, done, total, _label=f"[{n + 1}/{len(calls)}] {label} / {impl_name}"):
+                    if progress:
+                        progress(f"{_label}: {stage}", done, total)
+
+                r = autotune(fn, *call_args, max_configs=args.max_configs, timer=args.timer, force=args.force,
+                             cache=not args.no_cache, use_shipped=not args.no_cache, progress=step, **call_kwargs)
+                results.entries.extend(r.entries)
+                results.failures.extend(r.failures)
+        if progress:
+            progress.close()
+        results = AutotuneResult(results.entries, device=device, device_kind=platform.device_kind,
+                                 failures=results.failures)
+        console.print(results.summary(), highlight=False, markup=False)
+        console.print(f"{len(results.entries)} config(s) ({len(results.tuned)} tuned) in "
+                      f"{time.monotonic() - started:.1f} s; cache: "
+                      f"{'not written' if args.no_cache else cache_lib.user_cache(device).path}", highlight=False)
+        if args.out:
+            results.save(args.out)
+            console.print(f"wrote {args.out}")
+        if args.export:
+            exported = cache_lib.ConfigCache(args.export, device=device, device_kind=platform.device_kind)
+            exported.put([e.entry for e in results.entries])
+            console.print(f"wrote {args.export}")
+        return 1 if results.failures and not results.entries else 0
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
