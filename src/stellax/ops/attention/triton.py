@@ -1,0 +1,257 @@
+"""Pallas Triton flash attention, forward kernel (SM80+).
+
+One program per (query block ``i``, batch ``b``, query head ``n``); it reads
+kv head ``n // G`` (GQA without repeating K/V) and walks only the key blocks
+of its row of the mask's `visit_schedule`:
+
+    [lo, full_lo)       partial blocks: evaluate the mask on the tile
+    [full_lo, full_hi)  full blocks: no mask evaluation
+    [full_hi, hi)       partial blocks
+    (blocks outside [lo, hi) are empty and never loaded)
+
+Online softmax in the log2 domain (``exp2``; ``LOG2E`` folded into the
+logits), per key block ``j`` with ``s`` the float32 logits tile:
+
+    s   = scale · q·k_jᵀ;  s = cap·tanh(s/cap);  s = s + bias;  s₂ = s·log2(e)
+    m'  = max(m, rowmax(s₂));  α = 2^(m - m');  p = 2^(s₂ - m')
+    l   = α·l + rowsum(p);  acc = α·acc + p·v_j
+    end: sinks join l (σ₂ = σ·log2 e), out = acc / l, lse = (m + log2 l)·ln 2
+
+A row with no visible key (and no sink) gets ``out = 0`` and ``lse = -inf``.
+Head dims are padded to a power of two in-kernel (masked loads/stores);
+sequence lengths are padded to block multiples by the wrapper (padded keys
+are masked, padded query rows dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ...core.pallas import triton_call
+from .masks import MaskSpec, classify_blocks, mask_fn, visit_schedule
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_dim(d: int) -> int:
+    return max(16, 1 << (int(d) - 1).bit_length())
+
+
+def pad_axis(x, axis: int, length: int, value=0):
+    extra = length - x.shape[axis]
+    if extra <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileMath:
+    """Static description of the logits tile math, shared by all kernels."""
+
+    spec: MaskSpec
+    scale: float
+    cap: float | None
+    s_len: int           # true key length (keys >= s_len are padding)
+    has_bias: bool
+    has_mask: bool
+    allow_tf32: bool
+
+    def dot(self, a, b, *, trans_a=False, trans_b=False):
+        return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=self.allow_tf32)
+
+    def logits(self, q, k, bias):
+        """Natural-log logits tile (float32) and the soft-cap tanh (or None)."""
+        s = self.dot(q, k, trans_b=True) * jnp.float32(self.scale)
+        tanh = None
+        if self.cap is not None:
+            tanh = jnp.tanh(s / jnp.float32(self.cap))
+            s = jnp.float32(self.cap) * tanh
+        if bias is not None:
+            s = s + bias.astype(jnp.float32)
+        return s, tanh
+
+    def valid(self, masked: bool, q_pos, kv_pos, q_seg, kv_seg, k_start, block_k: int, dense):
+        """Visibility of the tile (None = all visible)."""
+        ok = None
+        if masked:
+            qs = None if q_seg is None else q_seg[:, None]
+            ks = None if kv_seg is None else kv_seg[None, :]
+            ok = mask_fn(self.spec, q_pos[:, None], kv_pos[None, :], qs, ks)
+            in_range = (k_start + jnp.arange(block_k, dtype=jnp.int32) < self.s_len)[None, :]
+            ok = in_range if ok is None else jnp.logical_and(ok, in_range)
+        if dense is not None:
+            d = dense != 0
+            ok = d if ok is None else jnp.logical_and(ok, d)
+        return ok
+
+
+def _schedule(spec, q_pos, kv_pos, q_seg, kv_seg, block_q, block_k, *, kv_major=False):
+    classes = classify_blocks(spec, q_pos, kv_pos, q_seg, kv_seg, block_q=block_q, block_k=block_k)
+    if kv_major:
+        classes = jnp.swapaxes(classes, 1, 2)
+    return visit_schedule(classes)
+
+
+def bcast_index(size: int):
+    """Index-map helper: the batch/head index, or 0 for a broadcast (size-1) dim."""
+    return (lambda x: x) if size > 1 else (lambda x: 0)
+
+
+def prepare_dense(x, tp: int, sp: int, dtype=None):
+    """``[Bx, Nx, T|1, S|1]`` → ``[Bx, Nx, Tp, Sp]`` (broadcast, padded) or None."""
+    if x is None:
+        return None
+    bx, nx, tx, sx = x.shape
+    t = tp if tx == 1 else tx
+    s = sp if sx == 1 else sx
+    x = jnp.broadcast_to(x, (bx, nx, t, s))
+    if dtype is not None:
+        x = x.astype(dtype)
+    return pad_axis(pad_axis(x, 2, tp), 3, sp)
+
+
+def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, has_sinks, debug, reverse):
+    refs = list(refs)
+    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    bias_ref = refs.pop(0) if math_.has_bias else None
+    mask_ref = refs.pop(0) if math_.has_mask else None
+    sink_ref = refs.pop(0) if has_sinks else None
+    qpos_ref, kvpos_ref = refs.pop(0), refs.pop(0)
+    qseg_ref = refs.pop(0) if segments else None
+    kvseg_ref = refs.pop(0) if segments else None
+    sched_ref = refs.pop(0)
+    o_ref, lse_ref = refs.pop(0), refs.pop(0)
+    count_ref = refs.pop(0) if debug else None
+
+    hp, hvp = q_ref.shape[-1], v_ref.shape[-1]
+    head_mask = (jnp.arange(hp) < h)[None, :]
+    vhead_mask = (jnp.arange(hvp) < hv)[None, :]
+    q = plgpu.load(q_ref, mask=head_mask, other=0.0)
+    q_pos = qpos_ref[...]
+    q_seg = qseg_ref[...] if segments else None
+    lo, full_lo, full_hi, hi = sched_ref[0], sched_ref[1], sched_ref[2], sched_ref[3]
+
+    def step(masked):
+        def body(j, carry):
+            acc, m, l, visits = carry
+            ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+            k = plgpu.load(k_ref.at[ks, :], mask=head_mask, other=0.0)
+            bias = bias_ref[:, ks] if bias_ref is not None else None
+            s, _ = math_.logits(q, k, bias)
+            s = s * jnp.float32(LOG2E)
+            ok = math_.valid(masked, q_pos, kvpos_ref[ks], q_seg, kvseg_ref[ks] if segments else None,
+                             j * block_k, block_k, mask_ref[:, ks] if mask_ref is not None else None)
+            if ok is not None:
+                s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp2(s - m_use[:, None])
+            alpha = jnp.exp2(m - m_use)
+            v = plgpu.load(v_ref.at[ks, :], mask=vhead_mask, other=0.0)
+            acc = acc * alpha[:, None] + math_.dot(p.astype(v.dtype), v)
+            return acc, m_new, l * alpha + jnp.sum(p, axis=1), visits + 1
+        return body
+
+    carry = (jnp.zeros((block_q, hvp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32), jnp.int32(0))
+    carry = lax.fori_loop(lo, full_lo, step(True), carry)
+    masked_visits = carry[3]
+    carry = lax.fori_loop(full_lo, full_hi, step(False), carry)
+    unmasked_visits = carry[3] - masked_visits
+    acc, m, l, visits = lax.fori_loop(full_hi, hi, step(True), carry)
+    if has_sinks:
+        sink = sink_ref[0].astype(jnp.float32) * jnp.float32(LOG2E)
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp2(m - m_new)
+        acc, l, m = acc * alpha[:, None], l * alpha + jnp.exp2(sink - m_new), m_new
+    l_safe = jnp.where(l > 0, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = jnp.where(l > 0, (jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe)) * jnp.float32(LN2), -jnp.inf)
+    plgpu.store(o_ref, out.astype(o_ref.dtype), mask=vhead_mask)
+    lse_ref[...] = lse
+    if debug:
+        count_ref[...] = jnp.full((block_q,), visits * 65536 + unmasked_visits, jnp.int32)
+
+
+def forward(c, config, *, debug: bool = False):
+    """``(out [B, T, N, Hv], lse [B, N, T])``; with ``debug`` also the per-row
+    visit counts ``[B, N, T]`` int32 (``visited·65536 + unmasked``)."""
+    q, k, v = c.q, c.k, c.v
+    b, t, n, h = q.shape
+    s, kh = k.shape[1:3]
+    hv = v.shape[-1]
+    g = n // kh
+    bq, bk = config.block_q, config.block_k
+    nq, nk = cdiv(t, bq), cdiv(s, bk)
+    tp, sp = nq * bq, nk * bk
+    hp, hvp = padded_dim(h), padded_dim(hv)
+    spec = c.spec
+    segments = spec.segments
+    sched = _schedule(spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, bq, bk)  # [Bc, nq, 4]
+    math_ = TileMath(spec, c.scale, c.logits_soft_cap, s, c.bias is not None, c.mask is not None,
+                     allow_tf32=q.dtype != jnp.float32)
+    reverse = spec.causal  # heavy (late) query blocks first
+
+    def qi(i):
+        return nq - 1 - i if reverse else i
+
+    inputs = [pad_axis(q, 1, tp), pad_axis(k, 1, sp), pad_axis(v, 1, sp)]
+    in_specs = [
+        pl.BlockSpec((None, bq, None, hp), lambda i, bb, nn: (bb, qi(i), nn, 0)),
+        pl.BlockSpec((None, sp, None, hp), lambda i, bb, nn: (bb, 0, nn // g, 0)),
+        pl.BlockSpec((None, sp, None, hvp), lambda i, bb, nn: (bb, 0, nn // g, 0)),
+    ]
+    for dense, dtype in ((c.bias, None), (c.mask, jnp.int8)):
+        if dense is not None:
+            x = prepare_dense(dense, tp, sp, dtype)
+            fb, fn = bcast_index(x.shape[0]), bcast_index(x.shape[1])
+            inputs.append(x)
+            in_specs.append(pl.BlockSpec((None, None, bq, sp),
+                                         lambda i, bb, nn, fb=fb, fn=fn: (fb(bb), fn(nn), qi(i), 0)))
+    if c.sinks is not None:
+        inputs.append(c.sinks.astype(jnp.float32))
+        in_specs.append(pl.BlockSpec((1,), lambda i, bb, nn: (nn,)))
+    fp = bcast_index(c.q_pos.shape[0])
+    inputs += [pad_axis(c.q_pos, 1, tp), pad_axis(c.kv_pos, 1, sp)]
+    in_specs += [pl.BlockSpec((None, bq), lambda i, bb, nn: (fp(bb), qi(i))),
+                 pl.BlockSpec((None, sp), lambda i, bb, nn: (fp(bb), 0))]
+    if segments:
+        fs = bcast_index(max(c.q_seg.shape[0], c.kv_seg.shape[0]))
+        segb = max(c.q_seg.shape[0], c.kv_seg.shape[0])
+        inputs += [pad_axis(jnp.broadcast_to(c.q_seg, (segb, t)), 1, tp),
+                   pad_axis(jnp.broadcast_to(c.kv_seg, (segb, s)), 1, sp)]
+        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, nn: (fs(bb), qi(i))),
+                     pl.BlockSpec((None, sp), lambda i, bb, nn: (fs(bb), 0))]
+    fc = bcast_index(sched.shape[0])
+    inputs.append(sched)
+    in_specs.append(pl.BlockSpec((None, None, 4), lambda i, bb, nn: (fc(bb), qi(i), 0)))
+    out_shape = [jax.ShapeDtypeStruct((b, tp, n, hv), q.dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, bq, None, hvp), lambda i, bb, nn: (bb, qi(i), nn, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, qi(i)))]
+    if debug:
+        out_shape.append(jax.ShapeDtypeStruct((b, n, tp), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, qi(i))))
+    kernel = functools.partial(_forward_kernel, math_=math_, block_q=bq, block_k=bk, h=h, hv=hv,
+                               segments=segments, has_sinks=c.sinks is not None, debug=debug, reverse=reverse)
+    outs = triton_call(kernel, out_shape=out_shape, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs,
+                       num_warps=config.num_warps, num_stages=config.num_stages,
+                       name="stellax_flash_attention_forward")(*inputs)
+    out, lse = outs[0][:, :t], outs[1][:, :, :t]
+    if debug:
+        return out, lse, outs[2][:, :, :t]
+    return out, lse
