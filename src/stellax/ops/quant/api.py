@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -87,14 +88,17 @@ def _check_quantize(x, key=None, *, format="int8", axis=-1, block_shape=None, sc
                                        "scale_dtype": scale_dtype, "rotation": rotation})
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "block_shape", "axis", "scale_dtype", "rotation"))
+def _quantize_jit(x, key, *, fmt, block_shape, axis, scale_dtype, rotation):
+    noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+    sd = None if scale_dtype is None else jnp.dtype(scale_dtype)
+    return quantize_reference(x, fmt, block_shape, axis, scale_dtype=sd, noise=noise, rotation=rotation)
+
+
 def _quantize_run(call: Call, config=None):
     del config
-    noise = None
-    if call.key is not None:
-        noise = jax.random.uniform(call.key, call.x.shape, jnp.float32)
-    sd = None if call.scale_dtype is None else jnp.dtype(call.scale_dtype)
-    return quantize_reference(call.x, call.format, call.block_shape, call.axis, scale_dtype=sd, noise=noise,
-                              rotation=call.rotation)
+    return _quantize_jit(call.x, call.key, fmt=call.format, block_shape=call.block_shape, axis=call.axis,
+                         scale_dtype=call.scale_dtype, rotation=call.rotation)
 
 
 def _quantize_bytes(call: Call) -> float:
@@ -227,9 +231,12 @@ def qarray_of(call: Call, prefix: str = "") -> QArray:
                   axis=o[prefix + "axis"], rotation=o.get(prefix + "rotation"), _validate=False)
 
 
+_dequantize_jit = jax.jit(dequantize_reference, static_argnums=(1,))
+
+
 def _dequantize_run(call: Call, config=None):
     del config
-    return dequantize_reference(qarray_of(call), jnp.dtype(call.dtype))
+    return _dequantize_jit(qarray_of(call), jnp.dtype(call.dtype))
 
 
 def _dequantize_bytes(call: Call) -> float:

@@ -8,6 +8,10 @@ Per format, for one block ``B`` with ``amax = max |x|`` over its finite
 elements (all arithmetic float32, ``round`` = round half to even, ``sat`` =
 round-to-nearest-even onto the element grid with saturation to ±max):
 
+Elements are scaled by multiplying with the per-block reciprocal ``r = 1/s``
+(float32, correctly rounded): ``x / s`` below means ``x · r``. Scale
+formulas (``amax / qmax`` ...) are true float32 divisions.
+
 * ``int8`` / ``int4`` (symmetric, ``qmax`` = 127 / 7):
   ``s = amax / qmax`` (1 if amax = 0), ``q = clip(round(x / s), -qmax, qmax)``.
 * ``int8_asym`` / ``int4_asym`` (codes [-128, 127] / [-8, 7]):
@@ -44,6 +48,26 @@ import numpy as np
 
 from . import formats as F
 from .qarray import QArray, scale_shape
+
+
+# -- exact arithmetic ------------------------------------------------------------
+
+
+def div(a, b):
+    """IEEE ``a / b`` in float32 for small (per-block) arrays. XLA rewrites a
+    division by a broadcast or constant into a multiply by its reciprocal
+    (1 ulp off); an optimization barrier on the full-shape divisor keeps the
+    true division."""
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape)
+    return a / jax.lax.optimization_barrier(b)
+
+
+def reciprocal(s):
+    """Per-block ``1 / s`` (float32, IEEE division). Elements are scaled by
+    multiplying with it: ``v = x · (1/s)`` is the spec, identical in XLA, in
+    kernels and in numpy (a true ``x / s`` would be rewritten by XLA anyway)."""
+    return div(jnp.ones(s.shape, jnp.float32), s)
 
 
 # -- block helpers ----------------------------------------------------------------
@@ -143,12 +167,13 @@ def quantize_reference(x, fmt: F.Format, block_shape, axis: int, *, scale_dtype=
     elif fmt.scale == "e4m3":  # nvfp4
         finite = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
         gmax = jnp.max(finite)
-        tensor_scale = jnp.where(gmax > 0, gmax / jnp.float32(6.0 * 448.0), jnp.float32(1.0))
+        tensor_scale = jnp.where(gmax > 0, div(gmax, 6.0 * 448.0), jnp.float32(1.0))
         bamax = _finite_amax(x, block_shape)
-        sb = F.round_to_element(bamax / jnp.float32(6.0) / tensor_scale, F.E4M3)
+        sb = F.round_to_element(div(div(bamax, 6.0), tensor_scale), F.E4M3)
         nan_block = _any(jnp.isnan(x), block_shape)
-        denom = expand(sb * tensor_scale)
-        v = jnp.where(denom == 0, 0.0, x / jnp.where(denom == 0, 1.0, denom))
+        denom = sb * tensor_scale
+        inv = expand(jnp.where(denom == 0, 0.0, reciprocal(jnp.where(denom == 0, 1.0, denom))))
+        v = x * inv
         v = jnp.where(jnp.isnan(x), 0.0, v)
         codes = _elements(v, fmt, noise)
         scales = F.to_float8(jnp.where(nan_block, jnp.float32(np.nan), sb), F.E4M3)
@@ -159,20 +184,20 @@ def quantize_reference(x, fmt: F.Format, block_shape, axis: int, *, scale_dtype=
         if fmt.zero_point:
             lo = jnp.minimum(block_reduce(finite_x, block_shape, jnp.min), 0.0)
             hi = jnp.maximum(block_reduce(finite_x, block_shape, jnp.max), 0.0)
-            s = (hi - lo) / jnp.float32(qmax - qmin)
+            s = div(hi - lo, qmax - qmin)
             s = jnp.where(s > 0, s, jnp.float32(1.0))
             s = _cast_scale(s, scale_dtype)
             s32 = s.astype(jnp.float32)
-            zp = jnp.clip(jnp.round(jnp.float32(qmin) - lo / s32), qmin, qmax)
+            zp = jnp.clip(jnp.round(jnp.float32(qmin) - div(lo, s32)), qmin, qmax)
             zero_points = zp.astype(jnp.int8)
             zp_e = expand(zp)
         else:
             amax = _finite_amax(x, block_shape)
-            s = jnp.where(amax > 0, amax / jnp.float32(qmax), jnp.float32(1.0))
+            s = jnp.where(amax > 0, div(amax, qmax), jnp.float32(1.0))
             s = _cast_scale(s, scale_dtype)
             s32 = s.astype(jnp.float32)
             zp_e = 0.0
-        t = x / expand(s32)
+        t = x * expand(reciprocal(s32))
         if noise is None:
             r = jnp.round(t)
         else:
@@ -183,9 +208,9 @@ def quantize_reference(x, fmt: F.Format, block_shape, axis: int, *, scale_dtype=
             jnp.float8_e8m0fnu) else F.e8m0_from_exponent(F.floor_log2(s.astype(jnp.float32)), nan_block)
     else:  # fp8 with float scales
         amax = _finite_amax(x, block_shape)
-        s = jnp.where(amax > 0, amax / jnp.float32(el.max_value), jnp.float32(1.0))
+        s = jnp.where(amax > 0, div(amax, el.max_value), jnp.float32(1.0))
         s = _cast_scale(s, scale_dtype)
-        v = x / expand(s.astype(jnp.float32))
+        v = x * expand(reciprocal(s.astype(jnp.float32)))
         codes = _elements(v, fmt, noise)
         scales = s
     values = _store(codes, fmt, axis)
