@@ -1,0 +1,198 @@
+"""Torch front ends of the quantization family: `quantize` -> `QTensor`,
+`dequantize`, weight-only `quantized_matmul` and `hadamard_transform`.
+
+A `QTensor` is the torch twin of `stellax.ops.quant.QArray`: the same fields
+and layout (4-bit codes packed two per ``uint8`` byte along ``axis``, low
+nibble first; per-block scales in float32 / ``float8_e8m0fnu`` (MX) /
+``float8_e4m3fn`` (NVFP4); optional ``int8`` zero points and a float32 tensor
+scale), so every component crosses DLPack as is, zero-copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import torch
+
+from . import bridge
+from .registry import _cached, define_op
+
+
+def _quant():
+    from stellax.ops import quant
+    return quant
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A quantized tensor (see the module docstring)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor | None
+    tensor_scale: torch.Tensor | None
+    format: str
+    shape: tuple
+    block_shape: tuple
+    axis: int
+    rotation: int | None = None
+
+    def to_qarray(self):
+        """The JAX `QArray` with the same buffers (zero-copy)."""
+        conv = lambda t: None if t is None else bridge.to_jax(t)
+        return _quant().QArray(conv(self.values), conv(self.scales), conv(self.zero_points),
+                               conv(self.tensor_scale), format=self.format, shape=self.shape,
+                               block_shape=self.block_shape, axis=self.axis, rotation=self.rotation)
+
+    @classmethod
+    def from_qarray(cls, q) -> "QTensor":
+        conv = lambda a: None if a is None else bridge.to_torch(a)
+        return cls(conv(q.values), conv(q.scales), conv(q.zero_points), conv(q.tensor_scale), q.format,
+                   tuple(q.shape), tuple(q.block_shape), int(q.axis), q.rotation)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+
+def _block_size(spec: str | None):
+    if spec is None or spec in ("tensor", "channel"):
+        return spec
+    if "x" in spec:
+        rows, cols = spec.split("x")
+        return int(rows), int(cols)
+    return int(spec)
+
+
+def _encode_block_size(block_size) -> str | None:
+    if block_size is None or isinstance(block_size, str):
+        return block_size
+    if isinstance(block_size, (tuple, list)):
+        return f"{int(block_size[0])}x{int(block_size[1])}"
+    return str(int(block_size))
+
+
+_EMPTY = {"zero_points": np.int8, "tensor_scale": np.float32}
+
+
+def _quantize(x, *, format, axis, block_size, scale_dtype, rotate):
+    q = _quant().quantize(x, format, axis=axis, block_size=_block_size(block_size), scale_dtype=scale_dtype,
+                          rotate=rotate)
+    zp = q.zero_points if q.zero_points is not None else jax.numpy.zeros((0,), np.int8)
+    ts = q.tensor_scale if q.tensor_scale is not None else jax.numpy.zeros((0,), np.float32)
+    return q.values, q.scales, zp, ts
+
+
+quantize_op = define_op("quantize", _quantize, tensors=("x",),
+                        options={"format": "str", "axis": "int", "block_size": "str?", "scale_dtype": "str?",
+                                 "rotate": "int?"},
+                        outputs=4, differentiable=False)
+
+
+def quantize(x: torch.Tensor, format: str, *, axis: int = -1, block_size=None, scale_dtype=None,
+             rotate=None) -> QTensor:
+    """`stellax.quantize` on a torch tensor: formats ``int8``, ``int8_asym``,
+    ``int4``, ``int4_asym``, ``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_e4m3``,
+    ``mxfp8_e5m2``, ``mxfp4``, ``nvfp4``; ``block_size`` ``None`` / ``"tensor"`` /
+    ``"channel"`` / int / ``(rows, cols)``; ``rotate`` ``None`` / ``True`` / a
+    Hadamard block size. Returns a `QTensor` (not differentiable)."""
+    axis = axis % x.ndim
+    if rotate is True:
+        rotate = int(x.shape[axis])
+    sd = None if scale_dtype is None else (str(scale_dtype).replace("torch.", "") if isinstance(
+        scale_dtype, torch.dtype) else np.dtype(scale_dtype).name)
+    opts = dict(format=str(format), axis=int(axis), block_size=_encode_block_size(block_size), scale_dtype=sd,
+                rotate=None if rotate is None else int(rotate))
+    values, scales, zp, ts = quantize_op(x, *opts.values())
+    key = ("quantize", "aux", tuple(x.shape), x.dtype, tuple(opts.items()))
+
+    def aux():
+        struct = jax.ShapeDtypeStruct(tuple(x.shape), bridge.jax_dtype(x.dtype))
+        q = jax.eval_shape(lambda a: _quant().quantize(a, format, axis=axis, block_size=_block_size(
+            opts["block_size"]), scale_dtype=sd, rotate=opts["rotate"]), struct)
+        return (q.format, tuple(q.shape), tuple(q.block_shape), int(q.axis), q.rotation,
+                q.zero_points is not None, q.tensor_scale is not None)
+    fmt, shape, block_shape, qaxis, rotation, has_zp, has_ts = _cached(key, aux)
+    return QTensor(values, scales, zp if has_zp else None, ts if has_ts else None, fmt, shape, block_shape, qaxis,
+                   rotation)
+
+
+def _qarray(values, scales, zero_points, tensor_scale, fmt, shape, block_shape, axis, rotation):
+    return _quant().QArray(values, scales, zero_points, tensor_scale, format=fmt, shape=tuple(shape),
+                           block_shape=tuple(block_shape), axis=axis, rotation=rotation, _validate=False)
+
+
+_QOPTS = {"format": "str", "shape": "int[]", "block_shape": "int[]", "axis": "int", "rotation": "int?"}
+
+
+def _dequantize(values, scales, zero_points, tensor_scale, *, format, shape, block_shape, axis, rotation, dtype):
+    q = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
+    return _quant().dequantize(q, np.dtype(dtype))
+
+
+dequantize_op = define_op("dequantize", _dequantize,
+                          tensors=("values!", "scales!", "zero_points?!", "tensor_scale?!"),
+                          options={**_QOPTS, "dtype": "str"}, differentiable=False,
+                          fake=lambda values, *r, shape, dtype, **_: values.new_empty(
+                              tuple(shape), dtype=bridge.torch_dtype(np.dtype(dtype))))
+
+
+def _q_args(q: QTensor):
+    return (q.values, q.scales, q.zero_points, q.tensor_scale, q.format, list(q.shape), list(q.block_shape),
+            int(q.axis), q.rotation)
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(bridge.jax_dtype(dtype)).name
+
+
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of a `QTensor` in ``dtype`` (float32/bfloat16/float16)."""
+    if not isinstance(q, QTensor):
+        raise TypeError(f"q: expected a QTensor, got {type(q).__name__}")
+    return dequantize_op(*_q_args(q), _dtype_name(dtype))
+
+
+def _qmatmul(x, values, scales, zero_points, tensor_scale, *, format, shape, block_shape, axis, rotation, dtype,
+             implementation):
+    w = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
+    return _quant().quantized_matmul(x, w, preferred_element_type=np.dtype(dtype), implementation=implementation)
+
+
+quantized_matmul_op = define_op(
+    "quantized_matmul", _qmatmul, tensors=("x", "w_values!", "w_scales!", "w_zero_points?!", "w_tensor_scale?!"),
+    options={**_QOPTS, "dtype": "str", "implementation": "str?"},
+    fake=lambda x, *r, shape, dtype, **_: x.new_empty((*x.shape[:-1], shape[1]),
+                                                       dtype=bridge.torch_dtype(np.dtype(dtype))))
+
+
+def quantized_matmul(x: torch.Tensor, w: QTensor, *, out_dtype: torch.dtype | None = None,
+                     implementation: str | None = None) -> torch.Tensor:
+    """Weight-only quantized matmul ``x [..., K] @ dequantize(w [K, N])`` with
+    the dequantization fused (``w`` quantized along axis 0). Output dtype
+    ``out_dtype`` (default ``x.dtype``). Differentiable in ``x``."""
+    if not isinstance(w, QTensor):
+        raise TypeError(f"w: expected a QTensor (quantize the weights with axis=0), got {type(w).__name__}")
+    return quantized_matmul_op(x, *_q_args(w), _dtype_name(out_dtype or x.dtype), implementation)
+
+
+def _hadamard(x, *, block_size, inverse, seed, implementation):
+    key = None if seed is None else jax.random.PRNGKey(seed)
+    return _quant().hadamard_transform(x, block_size=block_size, random_signs_key=key, inverse=inverse,
+                                       implementation=implementation)
+
+
+hadamard_transform_op = define_op("hadamard_transform", _hadamard, tensors=("x",),
+                                  options={"block_size": "int?", "inverse": "bool", "seed": "int?",
+                                           "implementation": "str?"},
+                                  fake=lambda x, **_: torch.empty_like(x))
+
+
+def hadamard_transform(x: torch.Tensor, *, block_size: int | None = None, seed: int | None = None,
+                       inverse: bool = False, implementation: str | None = None) -> torch.Tensor:
+    """Normalized (blockwise) fast Walsh–Hadamard transform over the last
+    dimension; ``seed`` gives random ±1 signs (``jax.random.PRNGKey(seed)``).
+    Differentiable."""
+    return hadamard_transform_op(x, None if block_size is None else int(block_size), bool(inverse),
+                                 None if seed is None else int(seed), implementation)
