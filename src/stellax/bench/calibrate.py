@@ -14,7 +14,7 @@ def sizes(backend: str, quick: bool = False) -> dict:
     if quick:
         return {"matmul_n": 256, "matmul_dtype": "float32", "copy_bytes": 4 << 20}
     if backend == "cpu":
-        return {"matmul_n": 1024, "matmul_dtype": "float32", "copy_bytes": 64 << 20}
+        return {"matmul_n": 768, "matmul_dtype": "float32", "copy_bytes": 32 << 20}
     return {"matmul_n": 8192, "matmul_dtype": "bfloat16", "copy_bytes": 2 << 30}
 
 

@@ -52,8 +52,8 @@ def _list(console) -> int:
 
     for family, ops in families().items():
         console.print(f"{family}: " + ", ".join(
-            f"{op.name} ({len(op.benchmarks())} shapes; implementations {', '.join(op.implementations)}"
-            + (f"; peers {', '.join(op.peers)}" if op.peers else "") + ")" for op in ops))
+            f"{op.name} (implementations {', '.join(op.implementations)}"
+            + (f"; peers {', '.join(op.peers)}" if op.peers else "") + ")" for op in ops), highlight=False)
     return 0
 
 
