@@ -20,3 +20,4 @@ from .hf import register_transformers_attention
 from .moe import MoE, moe_mlp, ragged_dot, route
 from .linear_attention import GatedDeltaNet, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
+from .paged import paged_attention, ragged_paged_attention
