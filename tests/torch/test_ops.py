@@ -194,3 +194,18 @@ def test_attention_opcheck():
     seg = torch.ones(2, 5, dtype=torch.int32), torch.tensor([[1, 1, 1, 1, 0, 0]] * 2, dtype=torch.int32)
     bias = torch.randn(2, 4, 5, 6, requires_grad=True)
     torch.library.opcheck(op, (q, k, v, bias, None, *seg, None, None, None, 0.5, False, None, None, None))
+
+
+def test_attention_varlen_matches_per_sequence_calls():
+    torch.manual_seed(8)
+    cu = torch.tensor([0, 3, 10, 12])
+    q, k, v = _leaf(torch.randn(12, 4, 8)), _leaf(torch.randn(12, 2, 8)), _leaf(torch.randn(12, 2, 8))
+    out = st.dot_product_attention_varlen(q, k, v, cu, cu, 7, 7, is_causal=True)
+    ref = torch.cat([_sdpa_reference(q[None, a:b], k[None, a:b], v[None, a:b], is_causal=True)[0]
+                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(_grads(out, (q, k, v), g), _grads(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
+    torch.library.opcheck(st_attention.dot_product_attention_varlen_op.op,
+                          (q, k, v, cu.to(torch.int32), cu.to(torch.int32), None, 7, 7, None, True, None, None, None))

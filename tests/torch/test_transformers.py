@@ -145,3 +145,16 @@ def test_dropout_in_training_is_refused():
         hf.stellax_attention_forward(module, q, kv, kv, None, dropout=0.1)
     out, weights = hf.stellax_attention_forward(module, q, kv, kv, None, scaling=0.25)
     assert out.shape == (1, 3, 4, 16) and weights is None
+
+
+@pytest.mark.slow
+def test_tiny_llama_with_stellax_attention_compiles_fullgraph():
+    eager, ours = _tiny_llama()
+    ids = torch.randint(1, 96, (3, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    compiled = torch.compile(lambda i, m: ours(input_ids=i, attention_mask=m).logits, fullgraph=True,
+                             backend="aot_eager")
+    out = compiled(ids, mask)
+    ref = eager(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=2e-5)

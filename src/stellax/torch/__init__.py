@@ -15,7 +15,7 @@ from .registry import TorchOp, cache_info, clear_cache, define_op, registered_to
 from .norm import layer_norm, rms_norm
 from .glu import gated_linear_unit
 from .modules import GatedMLP, LayerNorm, RMSNorm
-from .attention import dot_product_attention
+from .attention import dot_product_attention, dot_product_attention_varlen
 from .hf import register_transformers_attention
 from .moe import MoE, moe_mlp, ragged_dot, route
 from .linear_attention import GatedDeltaNet, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

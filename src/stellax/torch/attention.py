@@ -155,3 +155,44 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         _int32(query_seq_lengths), _int32(key_value_seq_lengths), sinks,
         None if scale is None else float(scale), bool(is_causal), window,
         None if logits_soft_cap is None else float(logits_soft_cap), implementation)
+
+
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *, max_seqlen_q, max_seqlen_k, scale, is_causal,
+            local_window_size, logits_soft_cap, implementation):
+    window = None
+    if local_window_size is not None:
+        left, right = local_window_size
+        window = (None if left < 0 else left, None if right < 0 else right)
+    return stellax.dot_product_attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, is_causal=is_causal,
+        local_window_size=window, logits_soft_cap=logits_soft_cap, sinks=sinks, implementation=implementation)
+
+
+dot_product_attention_varlen_op = define_op(
+    "dot_product_attention_varlen", _varlen,
+    tensors=("q", "k", "v", "cu_seqlens_q!", "cu_seqlens_k!", "sinks?"),
+    options={"max_seqlen_q": "int", "max_seqlen_k": "int", "scale": "float?", "is_causal": "bool",
+             "local_window_size": "int[]?", "logits_soft_cap": "float?", "implementation": "str?"},
+    fake=lambda q, k, v, *r, **_: q.new_empty((*q.shape[:-1], v.shape[-1])))
+
+
+def dot_product_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                                 scale: float | None = None, is_causal: bool = False, local_window_size=None,
+                                 logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                                 implementation: str | None = None) -> torch.Tensor:
+    """FlashAttention's varlen form: packed ``q [total_q, N, H]``,
+    ``k``/``v [total_kv, K, H]``, ``cu_seqlens_q``/``cu_seqlens_k [S + 1]``.
+    Masks align per sequence; returns ``[total_q, N, Hv]``. Differentiable in
+    q, k, v and sinks."""
+    window = None
+    if local_window_size is not None:
+        if isinstance(local_window_size, int):
+            window = [int(local_window_size), int(local_window_size)]
+        else:
+            left, right = local_window_size
+            window = [-1 if left is None else int(left), -1 if right is None else int(right)]
+    return dot_product_attention_varlen_op(
+        q, k, v, _int32(cu_seqlens_q), _int32(cu_seqlens_k), sinks, int(max_seqlen_q), int(max_seqlen_k),
+        None if scale is None else float(scale), bool(is_causal), window,
+        None if logits_soft_cap is None else float(logits_soft_cap), implementation)
