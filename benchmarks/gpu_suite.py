@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--real-cases", type=int, default=2, help="benchmark shapes per op checked for numerics")
     p.add_argument("--bench-cases", type=int, default=3, help="benchmark shapes per op timed")
     p.add_argument("--tune-cases", type=int, default=1, help="benchmark shapes per op autotuned")
-    p.add_argument("--max-configs", type=int, default=None, help="configs per tuned call (default: all)")
+    p.add_argument("--max-configs", type=int, default=24, help="configs per tuned call (default 24)")
     return p.parse_args(argv)
 
 
@@ -154,40 +154,56 @@ def _check_record(r) -> dict:
 
 
 def check_stage(result: dict, deadline: float) -> None:
+    """Numerics of every (op, implementation): first one float32 example and
+    one real shape each (so every op is covered early), then the remaining
+    examples (bfloat16, float32, more real shapes) while time is left."""
     import jax.numpy as jnp
 
     from stellax.core.platform import interpret_mode
     from stellax.testing.validation import CheckResult, check_example
 
     records = result.setdefault("check", [])
+    tasks = []  # (tier, order, op, impl_name, label, example, dtype)
+    order = 0
     for family, ops in _families().items():
         for op in ops:
-            for impl_name, impl in op.implementations.items():
-                dtypes = (jnp.float32,) if ARGS.dry_run else (jnp.float32, jnp.bfloat16)
-                cases = []
-                for dtype in dtypes:
-                    examples = op.examples(dtype)
-                    cases += [(f"example {e.label}", e, dtype) for e in (examples[:1] if ARGS.dry_run else examples)]
-                if not ARGS.dry_run:
-                    cases += [(f"real {e.label}", e, _dtype_of(e)) for e in op.benchmarks()[: ARGS.real_cases]]
-                for label, example, dtype in cases:
-                    if time.monotonic() > deadline:
-                        records.append({"op": op.name, "implementation": impl_name, "example": label,
-                                        "passed": None, "skipped": "time budget exhausted"})
-                        continue
-                    try:
-                        with interpret_mode(True) if ARGS.dry_run and impl.is_kernel else _null():
-                            r = check_example(op, impl_name, example, dtype, gradients=not ARGS.dry_run)
-                    except Exception as e:  # noqa: BLE001 - a crash is a failure, recorded
-                        r = CheckResult(op.name, impl_name, str(jnp.dtype(dtype)), example.label, False, None,
-                                        detail=f"{type(e).__name__}: {e}"[:400])
-                    rec = _check_record(r)
-                    rec["example"] = label
-                    records.append(rec)
-                    status = "skip" if r.skipped else ("ok" if r.passed else "FAIL")
-                    worst = "" if r.worst is None else f" rel_l2={r.worst.rel_l2:.1e}"
-                    log(f"  check {op.name}/{impl_name} {rec['dtype']} {label}: {status}{worst} {r.detail or ''}"
-                        f"{(' ' + r.skipped[:80]) if r.skipped else ''}")
+            f32 = op.examples(jnp.float32)
+            real = [] if ARGS.dry_run else op.benchmarks()[: ARGS.real_cases]
+            bf16 = [] if ARGS.dry_run else op.examples(jnp.bfloat16)
+            for impl_name in op.implementations:
+                for i, e in enumerate(f32[:1] if ARGS.dry_run else f32):
+                    tasks.append((0 if i == 0 else 3, order, op, impl_name, f"example {e.label}", e, jnp.float32))
+                for i, e in enumerate(real):
+                    tasks.append((1 if i == 0 else 3, order, op, impl_name, f"real {e.label}", e, _dtype_of(e)))
+                for i, e in enumerate(bf16):
+                    tasks.append((2, order, op, impl_name, f"example {e.label}", e, jnp.bfloat16))
+                order += 1
+    tasks.sort(key=lambda t: (t[0], t[1]))
+    for n, (tier, _, op, impl_name, label, example, dtype) in enumerate(tasks):
+        impl = op.implementations[impl_name]
+        if time.monotonic() > deadline:
+            records.append({"op": op.name, "implementation": impl_name, "example": label, "passed": None,
+                            "skipped": "time budget exhausted"})
+            continue
+        log(f"  check {op.name}/{impl_name} {jnp.dtype(dtype).name} {label} ...")
+        try:
+            with interpret_mode(True) if ARGS.dry_run and impl.is_kernel else _null():
+                r = check_example(op, impl_name, example, dtype, gradients=not ARGS.dry_run)
+        except Exception as e:  # noqa: BLE001 - a crash is a failure, recorded
+            r = CheckResult(op.name, impl_name, str(jnp.dtype(dtype)), example.label, False, None,
+                            detail=f"{type(e).__name__}: {e}"[:400])
+        rec = _check_record(r)
+        rec["example"] = label
+        records.append(rec)
+        status = "skip" if r.skipped else ("ok" if r.passed else "FAIL")
+        worst = "" if r.worst is None else f" rel_l2={r.worst.rel_l2:.1e}"
+        log(f"    {status}{worst} {r.detail or ''}{(' ' + r.skipped[:80]) if r.skipped else ''}")
+        if n % 10 == 9:
+            SAVE()
+
+
+def SAVE():  # replaced in main(): rewrite the result file
+    pass
 
 
 class _null:
@@ -354,6 +370,8 @@ def main() -> int:
         finally:
             write(result, path)
 
+    global SAVE
+    SAVE = lambda: write(result, path)  # noqa: E731
     stage("environment", environment_stage, result)
     stage("calibrate", calibrate_stage, result)
     # Share what is left: numerics 35%, tuning 20%, benchmarks the rest (minus a reserve to write).

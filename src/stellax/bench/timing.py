@@ -218,7 +218,7 @@ def default_budget() -> dict:
     """Timing budget per measurement: short on the CPU, longer on accelerators."""
     if current_platform().backend == "cpu":
         return {"min_time": 0.05, "max_time": 1.0, "min_iterations": 5, "max_iterations": 200}
-    return {"min_time": 0.2, "max_time": 2.0, "min_iterations": 10, "max_iterations": 500}
+    return {"min_time": 0.1, "max_time": 1.0, "min_iterations": 10, "max_iterations": 300}
 
 
 def measure(fn, sets: Sequence[tuple], timer: Timer) -> tuple[list[float], str]:
