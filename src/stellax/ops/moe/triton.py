@@ -14,7 +14,8 @@ rows past the group end are masked on load and store. Zero-fill tiles
 experts' rows, rows past ``sum(group_sizes)``), so every output element is
 written exactly once (checked by the NaN-poisoned outputs in interpret mode).
 Programs past the real tile count return at once; an empty group has no tile.
-With ``transpose_rhs`` the weights are ``[G, N, K]`` (``dlhs = dy @ rhs^T``).
+With ``transpose_rhs`` the weights are ``[G, N, K]`` (``dlhs = dy @ rhs^T``). A gated
+``rhs [G, K, 2, N]`` is read as ``[G, K, 2N]`` (gate columns, then up columns).
 
 ``tgmm`` — grid ``(L, ceil(K / block_k), ceil(N / block_n))``; program
 ``(g, i, j)`` loops over the group's rows in steps of ``block_m`` (a loop
@@ -89,9 +90,10 @@ def _gmm_kernel(group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, *out_refs, bm,
                                   mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 return (accs[0] + _dot(a, b, ((1,), (1,)), precision),)
             b_mask = k_ok[:, None] & col_ok[None, :]
-            if gated:
-                gate = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), 0, col_block], mask=b_mask, other=0.0)
-                up = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), 1, col_block], mask=b_mask, other=0.0)
+            if gated:  # rhs viewed as [G, K, 2N]: gate columns, then up columns
+                gate = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), col_block], mask=b_mask, other=0.0)
+                up = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(n_dim + col0, bn)], mask=b_mask,
+                                   other=0.0)
                 return (accs[0] + _dot(a, gate, ((1,), (0,)), precision),
                         accs[1] + _dot(a, up, ((1,), (0,)), precision))
             b = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), col_block], mask=b_mask, other=0.0)
@@ -103,24 +105,18 @@ def _gmm_kernel(group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, *out_refs, bm,
             y = _epilogue(accs, activation=activation, gated=gated)
             pltriton.store(out_ref.at[row_block, col_block], y.astype(out_ref.dtype), mask=out_mask)
         if write_pre:
-            if gated:
-                for half, acc in enumerate(accs):
-                    pltriton.store(pre_ref.at[row_block, half, col_block], acc.astype(pre_ref.dtype),
-                                   mask=out_mask)
-            else:
-                pltriton.store(pre_ref.at[row_block, col_block], accs[0].astype(pre_ref.dtype), mask=out_mask)
+            for half, acc in enumerate(accs):  # pre-activation [M, N] or [M, 2N]
+                pltriton.store(pre_ref.at[row_block, pl.ds(half * n_dim + col0, bn)], acc.astype(pre_ref.dtype),
+                               mask=out_mask)
 
     @pl.when((rows > 0) & (group < 0))
     def _zero_fill():
         if write_out:
             pltriton.store(out_ref.at[row_block, col_block], jnp.zeros((bm, bn), out_ref.dtype), mask=out_mask)
         if write_pre:
-            zeros = jnp.zeros((bm, bn), pre_ref.dtype)
-            if gated:
-                for half in range(2):
-                    pltriton.store(pre_ref.at[row_block, half, col_block], zeros, mask=out_mask)
-            else:
-                pltriton.store(pre_ref.at[row_block, col_block], zeros, mask=out_mask)
+            for half in range(2 if gated else 1):
+                pltriton.store(pre_ref.at[row_block, pl.ds(half * n_dim + col0, bn)],
+                               jnp.zeros((bm, bn), pre_ref.dtype), mask=out_mask)
 
 
 def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation, precision, out_dtype,
@@ -140,7 +136,9 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
 
     bounds = group_bounds(group_sizes, group_offset, num_local, m)
     sched = tile_schedule(bounds, m, bm, fill=True)
-    pre_shape = (m, 2, n_dim) if gated else (m, n_dim)
+    pre_shape = (m, 2 * n_dim) if gated else (m, n_dim)
+    if gated:
+        rhs = rhs.reshape(num_local, k, 2 * n_dim)
     out_shape = []
     if fused:
         out_shape.append(jax.ShapeDtypeStruct((m, n_dim), out_dtype))
@@ -156,7 +154,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
         name="stellax_ragged_dot",
     )(sched.group, sched.start, sched.rows, lhs, rhs)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    pre = outs[-1] if write_pre else None
+    pre = outs[-1].reshape((m, 2, n_dim) if gated else (m, n_dim)) if write_pre else None
     if fused:
         out = outs[0]
     else:
