@@ -5,11 +5,13 @@ communication/memory accounting. See ``docs/parallel.md``."""
 from .attention import STRATEGIES, context_parallel_attention
 from .layout import (load_balance_permutation, reorder_for_load_balance, restore_from_load_balance,
                      shard_positions)
+from .linear import context_parallel_gated_delta_rule, context_parallel_kda
 from .local import LocalAttention, add_sinks, merge_partials
 from .ring import ring_attention_shard
 
 __all__ = [
-    "STRATEGIES", "LocalAttention", "add_sinks", "context_parallel_attention", "load_balance_permutation",
+    "STRATEGIES", "LocalAttention", "add_sinks", "context_parallel_attention", "context_parallel_gated_delta_rule",
+    "context_parallel_kda", "load_balance_permutation",
     "merge_partials", "reorder_for_load_balance", "restore_from_load_balance", "ring_attention_shard",
     "shard_positions",
 ]
