@@ -173,3 +173,19 @@ def test_malformed_entries_are_skipped(tmp_path):
     with pytest.warns(cache_lib.CacheWarning, match="malformed"):
         entries = cache_lib.ConfigCache(path).entries()
     assert list(entries) == [good.key_string]
+
+
+def test_shipped_cache_files_are_valid():
+    """Every cache file shipped in the package parses and names tunable
+    implementations with valid configs (a guard for committed GPU results)."""
+    from stellax.core.op import registered_ops
+
+    files = sorted(cache_lib.shipped_dir().glob("*.json"))
+    for path in files:
+        entries, header, problems = cache_lib.parse_cache_text(path.read_text(), str(path))
+        assert not problems, (path, problems)
+        assert header["device"] == path.stem
+        for entry in entries.values():
+            impl = registered_ops()[entry.op].implementations[entry.implementation]
+            assert impl.config_type is not None
+            impl.config_type.from_dict(entry.config)
