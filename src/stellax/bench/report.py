@@ -97,7 +97,7 @@ def _fmt(value, spec: str, empty: str = "-") -> str:
 
 
 COLUMNS = ("suite", "op", "case", "impl", "mode", "median ms", "IQR ms", "min ms", "TFLOP/s", "GB/s",
-           "% roof", "vs xla", "compile s", "peak MiB")
+           "% roof", "vs xla", "compile s", "peak MiB", "note")
 
 
 def rows(records: Sequence[BenchmarkRecord]) -> list[list[str]]:
@@ -107,7 +107,7 @@ def rows(records: Sequence[BenchmarkRecord]) -> list[list[str]]:
         if not r.ok:
             status = f"error: {r.error}" if r.error else f"skipped: {r.skipped}"
             out.append([r.suite or "", r.op or r.name, r.case or "", r.implementation or "", r.mode,
-                        status[:70], "", "", "", "", "", "", "", ""])
+                        "", "", "", "", "", "", "", "", "", status[:120]])
             continue
         roof = r.roofline or {}
         out.append([
@@ -116,7 +116,7 @@ def rows(records: Sequence[BenchmarkRecord]) -> list[list[str]]:
             _fmt(roof.get("tflops"), ".3g"), _fmt(roof.get("gbps"), ".4g"), _fmt(roof.get("pct_roofline"), ".0f"),
             _fmt(fast.get(r.key), ".2f") + ("x" if r.key in fast else ""),
             _fmt(r.compile_time_s, ".2f"),
-            _fmt(r.peak_memory_bytes / 2**20 if r.peak_memory_bytes else None, ".1f"),
+            _fmt(r.peak_memory_bytes / 2**20 if r.peak_memory_bytes else None, ".1f"), "",
         ])
     return out
 
@@ -125,12 +125,18 @@ def print_table(records: Sequence[BenchmarkRecord], *, title: str = "", console=
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(width=max(Console().width, 160))
-    table = Table(title=title or None)
-    for column in COLUMNS:
-        table.add_column(column, overflow="fold")
+    console = console or Console(width=max(Console().width, 180))
+    table = Table(title=title or None, padding=(0, 1))
+    for column in COLUMNS[1:]:
+        if column == "case":
+            table.add_column(column, overflow="fold", min_width=24, max_width=40)
+        elif column == "note":
+            table.add_column(column, overflow="ellipsis", no_wrap=True, max_width=50)
+        else:
+            table.add_column(column, no_wrap=True,
+                             justify="left" if column in ("op", "impl", "mode") else "right")
     for row in rows(records):
-        table.add_row(*row)
+        table.add_row(*row[1:])
     console.print(table)
 
 
