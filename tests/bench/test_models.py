@@ -94,3 +94,20 @@ def test_measured_peaks_override_the_datasheet(monkeypatch, tmp_path):
     peaks = roofline.device_peaks(plat)
     assert peaks.flops_for(jnp.float32) == 2e11 and peaks.memory_bandwidth == 3e10
     assert peaks.source_of("float32") == "measured"
+
+
+def test_cost_models_see_concrete_operands():
+    """A data-dependent model (e.g. ragged group sizes) gets the input's values, not a tracer."""
+    import numpy as np
+
+    from stellax.core import Call, Implementation, Op
+
+    def flops(call):
+        return 2.0 * float(np.asarray(call.sizes).sum()) * call.x.shape[1]
+
+    op = Op("fake_ragged", check=lambda x, sizes: Call({"x": x, "sizes": sizes}, {}),
+            reference=lambda call: call.x, implementations=[Implementation("xla", lambda call, config: call.x * 2)],
+            flops=flops, bytes_accessed=lambda call: 1.0)
+    x = random_array(jax.random.PRNGKey(5), (10, 8))
+    r = benchmark(lambda a, s: op(a, s), x, jnp.array([3, 0, 5]), iterations=3)
+    assert r.cost_source == "model" and r.flops == 2.0 * 8 * 8

@@ -161,15 +161,38 @@ def _cost_stats(compiled) -> tuple[float | None, float | None]:
 
 
 class _OpRecorder:
+    """Records the stellax op calls of a traced function. Operands that are
+    inputs of the timed function are mapped back to their concrete values, so
+    cost models can read data-dependent sizes (ragged group sizes, segment
+    ids, masks)."""
+
     def __init__(self):
         self.calls = []
+        self.concrete: dict[int, Any] = {}
+        self._keep: list = []
 
     def __call__(self, op, implementation, call, config):
         self.calls.append((op, implementation, call, config))
 
+    def bind(self, traced_args, concrete_args) -> None:
+        for t, c in zip(jax.tree_util.tree_leaves(traced_args), jax.tree_util.tree_leaves(concrete_args)):
+            self.concrete[id(t)] = c
+            self._keep.append(t)
+
+    def _concrete_call(self, call):
+        found = {k: self.concrete[id(v)] for k, v in call.arrays.items() if v is not None and id(v) in self.concrete}
+        return call.replace_arrays(**found) if found else call
+
+    def _model(self, op, call, which: str) -> float:
+        model = op.flops if which == "flops" else op.bytes_accessed
+        try:
+            return model(self._concrete_call(call))
+        except Exception:  # noqa: BLE001 - a model that needs values it cannot see
+            return model(call)
+
     def cost(self) -> tuple[float, float]:
-        flops = sum(op.flops(call) for op, _, call, _ in self.calls)
-        nbytes = sum(op.bytes_accessed(call) for op, _, call, _ in self.calls)
+        flops = sum(self._model(op, call, "flops") for op, _, call, _ in self.calls)
+        nbytes = sum(self._model(op, call, "bytes") for op, _, call, _ in self.calls)
         return flops, nbytes
 
     def names(self) -> list:
@@ -268,13 +291,20 @@ def prepare(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
 
             timed_sets = [(p, ct) for p, ct in zip(pullbacks, cts)]
 
+    def traced(*a):
+        recorder.bind(a, timed_sets[0])
+        return target(*a)
+
     t0 = time.perf_counter()
     with observe_calls(recorder):
-        lowered = jax.jit(target).lower(*timed_sets[0])
+        lowered = jax.jit(traced).lower(*timed_sets[0])
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    flops, nbytes = recorder.cost()
+    try:
+        flops, nbytes = recorder.cost()
+    except Exception:  # noqa: BLE001 - no usable model: XLA's cost analysis is used instead
+        flops, nbytes, recorder.calls = 0.0, 0.0, []
     return Prepared(compiled, timed_sets, t1 - t0, t2 - t0, recorder.names(), flops, nbytes, dtype)
 
 
