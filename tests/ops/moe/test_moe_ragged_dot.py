@@ -281,3 +281,30 @@ def test_default_is_xla_on_cpu_and_triton_needs_gpu():
     assert ragged_dot_op.select(call).name == "xla"
     with pytest.raises(stellax.UnsupportedError, match="GPU"):
         ragged_dot(lhs, rhs, sizes([4, 4]), implementation="triton")
+
+
+_L, _R = jnp.zeros((10, 8)), jnp.zeros((3, 8, 4))
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: ragged_dot(_L, _R, sizes([5, 5])), ValueError, "group_sizes: expected length 3"),
+    (lambda: ragged_dot(_L, _R, jnp.asarray([5.0, 5.0, 0.0])), TypeError, "group_sizes: expected an integer"),
+    (lambda: ragged_dot(_L, _R, sizes([[5, 5, 0]])), ValueError, "group_sizes: expected rank 1"),
+    (lambda: ragged_dot(_L, _R, sizes([6, -1, 5])), ValueError, "non-negative"),
+    (lambda: ragged_dot(_L, _R, sizes([6, 4, 1])), ValueError, r"sum\(group_sizes\) <= 10"),
+    (lambda: ragged_dot(_L, jnp.zeros((3, 7, 4)), sizes([5, 5, 0])), ValueError, "rhs: expected shape"),
+    (lambda: ragged_dot(_L, _R.astype(jnp.bfloat16), sizes([5, 5, 0])), TypeError, "rhs: expected dtype float32"),
+    (lambda: ragged_dot(_L.astype(jnp.int32), _R, sizes([5, 5, 0])), TypeError, "lhs"),
+    (lambda: ragged_dot(_L, _R, sizes([1, 2, 3, 4]), group_offset=2), ValueError, "group_offset: expected a value in"),
+    (lambda: ragged_dot(_L, _R, sizes([1, 2, 3, 4]), group_offset=1.0), TypeError, "group_offset"),
+    (lambda: ragged_dot(_L, _R, sizes([5, 5, 0]), activation="tanhh"), ValueError, "activation"),
+    (lambda: ragged_dot(_L, _R, sizes([5, 5, 0]), preferred_element_type=jnp.int8), TypeError,
+     "preferred_element_type"),
+    (lambda: ragged_dot_tgmm(_L, jnp.zeros((10, 4)), sizes([5, 5]), transpose_lhs=True, group_offset=0), ValueError,
+     "num_local_groups"),
+    (lambda: ragged_dot_general(_L, _R, sizes([5, 5, 0]), _dims(([1], [1]), [1], [0])), ValueError,
+     "ragged_dot_dimension_numbers"),
+])
+def test_bad_inputs(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

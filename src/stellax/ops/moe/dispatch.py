@@ -47,10 +47,9 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) 
 def sort_by_expert(flat_ids, num_experts: int, cap: int | None):
     """``(order, group_sizes, dropped)`` of token copies with expert ids ``flat_ids``."""
     counts = jnp.zeros((num_experts,), jnp.int32).at[flat_ids].add(1, mode="drop")
+    order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)
     if cap is None:
-        order = jnp.argsort(flat_ids, stable=True)
-        return order.astype(jnp.int32), counts, jnp.zeros_like(counts)
-    order = jnp.argsort(flat_ids, stable=True)
+        return order, counts, jnp.zeros_like(counts)
     sorted_ids = flat_ids[order]
     starts = jnp.cumsum(counts) - counts
     rank = jnp.arange(flat_ids.shape[0], dtype=jnp.int32) - starts[sorted_ids]
@@ -58,7 +57,7 @@ def sort_by_expert(flat_ids, num_experts: int, cap: int | None):
     key = jnp.where(rank < cap, sorted_ids, num_experts)
     order = order[jnp.argsort(key, stable=True)]
     kept = jnp.minimum(counts, cap)
-    return order.astype(jnp.int32), kept, counts - kept
+    return order, kept, counts - kept
 
 
 def permute(x, expert_ids, num_experts, *, capacity_factor=None):
