@@ -23,7 +23,8 @@ def gdn_recurrence(q, k, v, g, beta, scale=None, initial_state=None, use_qk_l2no
     state = torch.zeros(b, hv, kd, vd, dtype=torch.float64) if initial_state is None else initial_state.double()
     outs = []
     for i in range(t):
-        state = state * g[:, i].exp()[..., None, None]
+        decay = g[:, i].exp()
+        state = state * (decay[..., None] if decay.ndim == 3 else decay[..., None, None])  # KDA: per channel
         kv_old = torch.einsum("bhkv,bhk->bhv", state, k[:, i])
         delta = beta[:, i][..., None] * (v[:, i] - kv_old)
         state = state + torch.einsum("bhk,bhv->bhkv", k[:, i], delta)
@@ -128,3 +129,55 @@ def test_gated_delta_net_from_hf_qwen3_next_mixer():
     exp = torch.autograd.grad(want, (x, ref.A_log, ref.dt_bias), g)
     for a, b in zip(got, exp):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+def test_kda_matches_torch_recurrence_and_opcheck():
+    q, k, v, _, beta, s0 = _inputs(b=1, t=9, seed=3)
+    g = (-F.softplus(torch.randn(1, 9, 4, 8, generator=torch.Generator().manual_seed(4)))).requires_grad_()
+    o, state = st.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=4)
+    ro, rstate = gdn_recurrence(q, k, v, g, beta, initial_state=s0)
+    torch.testing.assert_close(o.double(), ro, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.double(), rstate, atol=1e-4, rtol=1e-4)
+    go = torch.randn_like(o)
+    got = torch.autograd.grad((o * go).sum(), (q, g, s0))
+    want = torch.autograd.grad((ro * go.double()).sum(), (q, g, s0))
+    for a, b in zip(got, want):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
+    o1, _ = st.fused_recurrent_kda(q, k, v, g, beta, initial_state=s0)
+    torch.testing.assert_close(o1.double(), ro, atol=1e-4, rtol=1e-4)
+    torch.library.opcheck(st_la.chunk_kda_op.op, (q, k, v, g, beta, s0, None, None, None, None, False, 4, None,
+                                                  None, False, False))
+
+
+def ssd_recurrence(x, dt, A, B, C, D):
+    b, t, h, p = x.shape
+    rep = h // B.shape[2]
+    Bh, Ch = B.repeat_interleave(rep, 2).double(), C.repeat_interleave(rep, 2).double()
+    x, dt, A, D = x.double(), dt.double(), A.double(), D.double()
+    state = torch.zeros(b, h, p, B.shape[3], dtype=torch.float64)
+    ys = []
+    for i in range(t):
+        state = state * (dt[:, i] * A).exp()[..., None, None] + \
+            (dt[:, i][..., None, None] * x[:, i][..., None]) * Bh[:, i][:, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, i]) + D[None, :, None] * x[:, i])
+    return torch.stack(ys, 1), state
+
+
+def test_ssd_matches_torch_recurrence_and_opcheck():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 10, 4, 8, generator=gen, requires_grad=True)
+    dt = (0.5 * torch.rand(1, 10, 4, generator=gen)).requires_grad_()
+    A = (-torch.rand(4, generator=gen) - 0.1).requires_grad_()
+    B = torch.randn(1, 10, 2, 6, generator=gen, requires_grad=True)
+    C = torch.randn(1, 10, 2, 6, generator=gen, requires_grad=True)
+    D = torch.randn(4, generator=gen, requires_grad=True)
+    y, state = st.ssd(x, dt, A, B, C, D=D, chunk_size=4, return_final_states=True)
+    ry, rstate = ssd_recurrence(x, dt, A, B, C, D)
+    torch.testing.assert_close(y.double(), ry, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.double(), rstate, atol=1e-4, rtol=1e-4)
+    gy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad((y * gy).sum(), (x, dt, A, B)),
+                    torch.autograd.grad((ry * gy.double()).sum(), (x, dt, A, B))):
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
+    torch.library.opcheck(st_la.ssd_op.op, (x, dt, A, B, C, D, None, None, None, None, 4, False,
+                                            [0.0, float("inf")], None))

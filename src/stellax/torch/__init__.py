@@ -18,6 +18,7 @@ from .modules import GatedMLP, LayerNorm, RMSNorm
 from .attention import dot_product_attention, dot_product_attention_varlen
 from .hf import register_transformers_attention
 from .moe import MoE, moe_mlp, ragged_dot, route
-from .linear_attention import GatedDeltaNet, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from .linear_attention import (GatedDeltaNet, chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,
+                               fused_recurrent_kda, ssd)
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
 from .paged import paged_attention, ragged_paged_attention

@@ -74,6 +74,100 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
                  use_qk_l2norm, cu_seqlens, 64, implementation)
 
 
+# -- Kimi Delta Attention (per-channel decay) -------------------------------------------------
+_KDA_OPTIONS = {**_OPTIONS, "lower_bound": "float?", "use_gate_in_kernel": "bool",
+                "use_beta_sigmoid_in_kernel": "bool"}
+
+
+def _kda(fn_name):
+    def run(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *, scale, use_qk_l2norm, chunk_size,
+            implementation, lower_bound, use_gate_in_kernel, use_beta_sigmoid_in_kernel):
+        import stellax
+        return tuple(getattr(stellax, fn_name)(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, A_log=A_log,
+            dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, implementation=implementation))
+    return run
+
+
+_KDA_TENSORS = _TENSORS + ("A_log?", "dt_bias?")
+chunk_kda_op = define_op("chunk_kda", _kda("chunk_kda"), tensors=_KDA_TENSORS, options=_KDA_OPTIONS, outputs=2,
+                         fake=lambda q, k, v, g, beta, s0, cu, *r, **kw: _fake(q, k, v, g, beta, s0, cu))
+fused_recurrent_kda_op = define_op("fused_recurrent_kda", _kda("fused_recurrent_kda"), tensors=_KDA_TENSORS,
+                                   options=_KDA_OPTIONS, outputs=2,
+                                   fake=lambda q, k, v, g, beta, s0, cu, *r, **kw: _fake(q, k, v, g, beta, s0, cu))
+
+
+def _kda_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
+              A_log, dt_bias, lower_bound, use_gate_in_kernel, use_beta_sigmoid_in_kernel, implementation):
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    o, state = op(q, k, v, g, beta, initial_state, cu, A_log, dt_bias, None if scale is None else float(scale),
+                  bool(use_qk_l2norm), int(chunk_size), implementation,
+                  None if lower_bound is None else float(lower_bound), bool(use_gate_in_kernel),
+                  bool(use_beta_sigmoid_in_kernel))
+    return o, (state if output_final_state else None)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
+              cu_seqlens=None, chunk_size=64, A_log=None, dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, implementation=None, use_qk_l2norm_in_kernel=None):
+    """Kimi Delta Attention, chunked: `chunk_gated_delta_rule` with a
+    per-channel decay ``g [B, T, HV, K]`` (``S ← diag(exp(g_t))·S``); with
+    ``use_gate_in_kernel`` the decay is computed from raw ``g`` with ``A_log``
+    / ``dt_bias`` as in Kimi Linear. Returns ``(o, final_state or None)``."""
+    if use_qk_l2norm_in_kernel is not None:
+        use_qk_l2norm = use_qk_l2norm_in_kernel
+    return _kda_call(chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                     cu_seqlens, chunk_size, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+                     use_beta_sigmoid_in_kernel, implementation)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
+                        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, implementation=None,
+                        use_qk_l2norm_in_kernel=None):
+    """Kimi Delta Attention token by token (decode); as `chunk_kda`."""
+    if use_qk_l2norm_in_kernel is not None:
+        use_qk_l2norm = use_qk_l2norm_in_kernel
+    return _kda_call(fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                     use_qk_l2norm, cu_seqlens, 64, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+                     use_beta_sigmoid_in_kernel, implementation)
+
+
+# -- Mamba2 SSD --------------------------------------------------------------------------------
+def _ssd(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens, *, chunk_size, dt_softplus, dt_limit,
+         implementation):
+    import stellax
+    return tuple(stellax.ssd(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
+                             dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), initial_states=initial_states,
+                             cu_seqlens=cu_seqlens, return_final_states=True, implementation=implementation))
+
+
+def _ssd_fake(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens, **_):
+    n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return torch.empty_like(x), x.new_empty((n, x.shape[2], x.shape[3], B.shape[3]), dtype=torch.float32)
+
+
+ssd_op = define_op("ssd", _ssd, tensors=("x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?", "initial_states?",
+                                         "cu_seqlens?!"),
+                   options={"chunk_size": "int", "dt_softplus": "bool", "dt_limit": "float[]",
+                            "implementation": "str?"},
+                   outputs=2, fake=_ssd_fake)
+
+
+def ssd(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
+        dt_limit=(0.0, float("inf")), initial_states=None, cu_seqlens=None, return_final_states=False,
+        implementation=None):
+    """Mamba2 SSD scan (``mamba_chunk_scan_combined``): ``x [B, T, H, P]``,
+    ``dt [B, T, H]``, ``A [H]``, ``B``/``C [B, T, G, N]``; returns ``y`` or
+    ``(y, final_states [N_seq, H, P, N])``. Differentiable in every float input."""
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    y, state = ssd_op(x, dt, A, B, C, D, z, dt_bias, initial_states, cu, int(chunk_size), bool(dt_softplus),
+                      [float(dt_limit[0]), float(dt_limit[1])], implementation)
+    return (y, state) if return_final_states else y
+
+
 class _ShortConv(nn.Module):
     """Causal depthwise conv1d over time followed by SiLU, ``[B, T, C]`` in and out."""
 
