@@ -1,7 +1,7 @@
 """PyTorch front ends of stellax: every op as a ``stellax::`` torch custom op
-(autograd, fake implementations for ``torch.compile``), zero-copy DLPack
-exchange, ``nn.Module`` drop-ins and a Hugging Face transformers attention
-backend. See docs/torch.md."""
+(autograd through the JAX VJP, fake implementations for ``torch.compile``),
+zero-copy DLPack exchange, ``nn.Module`` drop-ins and a Hugging Face
+transformers attention backend. See docs/torch.md."""
 
 from __future__ import annotations
 
@@ -12,13 +12,23 @@ except ImportError as e:  # pragma: no cover
 
 from .bridge import PackedTensor, jax_dtype, to_jax, to_torch, torch_dtype
 from .registry import TorchOp, cache_info, clear_cache, define_op, registered_torch_ops
-from .norm import layer_norm, rms_norm
-from .glu import gated_linear_unit
-from .modules import GatedMLP, LayerNorm, RMSNorm
+
 from .attention import dot_product_attention, dot_product_attention_varlen
-from .hf import register_transformers_attention
-from .moe import MoE, moe_mlp, ragged_dot, route
+from .glu import gated_linear_unit
 from .linear_attention import (GatedDeltaNet, chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,
                                fused_recurrent_kda, ssd)
-from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
+from .moe import MoE, moe_mlp, ragged_dot, route
+from .norm import layer_norm, rms_norm
 from .paged import paged_attention, ragged_paged_attention
+from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
+from .modules import GatedMLP, LayerNorm, RMSNorm
+from .hf import register_transformers_attention
+
+__all__ = [
+    "GatedDeltaNet", "GatedMLP", "LayerNorm", "MoE", "PackedTensor", "QTensor", "RMSNorm", "TorchOp", "cache_info",
+    "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dot_product_attention",
+    "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
+    "hadamard_transform", "jax_dtype", "layer_norm", "moe_mlp", "paged_attention", "quantize", "quantized_matmul",
+    "ragged_dot", "ragged_paged_attention", "register_transformers_attention", "registered_torch_ops", "rms_norm",
+    "route", "ssd", "to_jax", "to_torch", "torch_dtype",
+]
