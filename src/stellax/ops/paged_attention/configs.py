@@ -208,7 +208,7 @@ def paged_space(call: Call) -> list[PagedConfig]:
     geo = geometry(call, "paged")
     return product_space(PagedConfig, pages_per_block=_ppb_choices(geo, (32, 64, 128)),
                          num_splits=(1, 4, 16), block_rows=_row_choices(geo, 64),
-                         num_warps=(4, 8), num_stages=(1, 2))
+                         num_warps=(4, 8), num_stages=(2,))
 
 
 def ragged_space(call: Call) -> list[RaggedConfig]:
@@ -218,7 +218,7 @@ def ragged_space(call: Call) -> list[RaggedConfig]:
     for block_q in sorted({base.block_q, max(1, base.block_q // 2)}):
         configs += product_space(RaggedConfig, pages_per_block=_ppb_choices(geo, (32, 64, 128)),
                                  num_splits=(1, 4), block_rows=(_block_rows(geometry(call, "ragged", block_q), 128),),
-                                 block_q=(block_q,), num_warps=(4, 8), num_stages=(1, 2))
+                                 block_q=(block_q,), num_warps=(4, 8), num_stages=(2,))
     return configs
 
 
@@ -226,4 +226,4 @@ def mla_space(call: Call) -> list[MlaConfig]:
     geo = geometry(call, "mla")
     return product_space(MlaConfig, pages_per_block=_ppb_choices(geo, (16, 32, 64)),
                          num_splits=(1, 4, 16), block_rows=_row_choices(geo, 32),
-                         num_warps=(4, 8), num_stages=(1, 2))
+                         num_warps=(4, 8), num_stages=(2,))
