@@ -24,6 +24,7 @@ from .ops.attention import MaskSpec, dot_product_attention, dot_product_attentio
 from .ops.glu import GluConfig, gated_linear_unit
 from .ops.moe import (GroupedMatmulConfig, XlaGroupedMatmulConfig, load_balancing_loss, moe_mlp, moe_mlp_expert_parallel, moe_mlp_shard, permute, ragged_dot, ragged_dot_general, ragged_dot_tgmm, route, router_z_loss, unpermute)
 from .ops.norm import NormConfig, layer_norm, rms_norm
+from .paged import (KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, init_kv_cache, mla_decode, paged_attention, ragged_paged_attention, update_kv_cache)
 from .ops.quant import HadamardConfig, QArray, QMatmulConfig, dequantize, hadamard_transform, quantize, quantized_matmul
 
 # Autotuning and benchmarking (`stellax.autotune(fn, *args)` is callable).
