@@ -103,6 +103,10 @@ def environment_stage(result: dict) -> None:
     if not ARGS.dry_run:
         env["nvidia_smi"] = run_cmd(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
                                      "clocks.max.sm,temperature.gpu,power.draw", "--format=csv"])
+    from stellax.bench.timing import cupti_available, default_timer_name
+
+    env["timer"] = default_timer_name()
+    env["cupti"] = "ok" if cupti_available()[0] else cupti_available()[1]
     env["dry_run"] = ARGS.dry_run
     result["environment"] = env
     for key, value in env.items():
@@ -241,7 +245,8 @@ def autotune_stage(result: dict, deadline: float, out_dir: Path):
                             continue
                         fn = tuning_function(op, impl_name, example.args, example.kwargs, backward=not ARGS.dry_run)
                         r = autotune(fn, *example.args, max_configs=2 if ARGS.dry_run else ARGS.max_configs,
-                                     force=True, cache=False, use_shipped=False, **example.kwargs)
+                                     force=True, cache=False, use_shipped=False, deadline=deadline,
+                                     **example.kwargs)
                     except Exception as e:  # noqa: BLE001
                         records["failures"].append({"op": op.name, "implementation": impl_name,
                                                     "call": example.label, "error": f"{type(e).__name__}: {e}"[:400]})

@@ -203,7 +203,7 @@ def autotune(fn: Callable[..., Any], *args, implementations: Sequence[str] | Non
              max_configs: int | None = None, timer: str = "auto", force: bool = False,
              cache: bool | cache_lib.ConfigCache = True, use_shipped: bool = True,
              progress: Callable[[str, int, int], None] | bool | None = None, input_sets: int = 2,
-             **kwargs) -> AutotuneResult:
+             deadline: float | None = None, **kwargs) -> AutotuneResult:
     """Tune every stellax op called inside ``fn(*args, **kwargs)``.
 
     The ops are found by tracing ``fn`` (under ``jax.grad`` too: backward ops
@@ -224,6 +224,8 @@ def autotune(fn: Callable[..., Any], *args, implementations: Sequence[str] | Non
       use_shipped: consult the shipped cache for already-tuned calls.
       progress: ``True`` for a console progress line, or
         ``callback(stage, done, total)``.
+      deadline: a ``time.monotonic()`` time after which no further call is
+        tuned (those left are reported as failures with the reason).
 
     Returns:
       an `AutotuneResult` (``with result: ...`` applies its configs).
@@ -258,6 +260,10 @@ def autotune(fn: Callable[..., Any], *args, implementations: Sequence[str] | Non
                     report(f"{item.op.name}/{item.implementation} cached", n + 1, len(calls))
                 continue
         label = f"{item.op.name}/{item.implementation} {item.call.describe()}"
+        if deadline is not None and time.monotonic() > deadline:
+            failures.append({"op": item.op.name, "implementation": item.implementation,
+                             "call": item.call.describe(), "error": "skipped: deadline reached"})
+            continue
 
         def step(stage, done, total, _label=label):
             if report:
