@@ -13,7 +13,7 @@ import pytest
 
 from stellax.parallel import context_parallel_attention
 
-from .cp_cases import attention_inputs, check_against_single, mesh_1d, mesh_2d
+from .cp_cases import attention_inputs, check_against_single, mesh_1d, mesh_2d, need_devices
 
 
 @pytest.mark.parametrize("strategy,size,load_balance,causal", [
@@ -21,10 +21,17 @@ from .cp_cases import attention_inputs, check_against_single, mesh_1d, mesh_2d
     ("ulysses", 4, "striped", True),  # 2 kv heads repeated for 4 devices
     ("ring", 4, None, True),  # causal steps skipped
     ("ring", 8, "zigzag", True),
-    ("ring", 2, None, False),
 ])
 def test_strategy_matches_single_device(strategy, size, load_balance, causal):
     check_against_single(strategy, mesh_1d(size), size, load_balance=load_balance, is_causal=causal)
+
+
+def test_explicit_axis_mesh_non_causal():
+    """A `jax.make_mesh` mesh (explicit axes, used under `jax.set_mesh`)."""
+    need_devices(2)
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        check_against_single("ring", mesh, 2, is_causal=False)
 
 
 def test_usp_2x4_matches_single_device():
