@@ -158,7 +158,12 @@ def _jax_device(t: torch.Tensor):
         platform = {"cpu": "cpu", "cuda": "gpu"}.get(t.device.type)
         if platform is None:
             raise TypeError(f"tensor: device {t.device} is not supported (cpu or cuda)")
-        dev = jax.devices(platform)[key[1]] if platform == "gpu" else jax.devices("cpu")[0]
+        try:
+            dev = jax.devices(platform)[key[1]] if platform == "gpu" else jax.devices("cpu")[0]
+        except (RuntimeError, IndexError) as e:
+            raise RuntimeError(f"tensor: on {t.device}, but JAX has no matching {platform} device "
+                               f"(JAX devices: {jax.devices()}); install a CUDA-enabled jax or move the "
+                               f"tensor to the CPU") from e
         _DEVICE_CACHE[key] = dev
     return dev
 
