@@ -158,3 +158,36 @@ def test_tiny_llama_with_stellax_attention_compiles_fullgraph():
     out = compiled(ids, mask)
     ref = eager(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=2e-5)
+
+
+def test_sliding_window_mistral_uses_the_dense_mask_and_matches_eager():
+    from transformers import AttentionInterface, MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+                        pad_token_id=0)
+    torch.manual_seed(6)
+    eager = MistralForCausalLM(cfg).eval()
+    eager.set_attn_implementation("eager")
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation(NAME)
+    ids = torch.randint(1, 96, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    seen = []
+    orig = hf.stellax_attention_forward
+
+    def spy(module, q, k, v, m, **kw):
+        seen.append(None if m is None else tuple(m.shape))
+        return orig(module, q, k, v, m, **kw)
+
+    AttentionInterface.register(NAME, spy)
+    try:
+        with torch.no_grad():
+            got = ours(input_ids=ids, attention_mask=mask).logits
+    finally:
+        AttentionInterface.register(NAME, orig)
+    assert seen == [(2, 1, 10, 10)] * 2  # a sliding window is not a plain mask function: dense fallback
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=2e-5)
