@@ -59,3 +59,21 @@ def test_ragged_paged_attention_mixed_step():
     torch.library.opcheck(st_paged.ragged_paged_attention_op.op,
                           (q, k_pages, v_pages, kv_lens, tables, cu, torch.tensor([3], dtype=torch.int32), None,
                            None, None, None, None))
+
+
+def test_mla_decode_matches_dense_latent_attention():
+    gen = torch.Generator().manual_seed(2)
+    r, p = 16, 8
+    latent = torch.randn(PAGES, PAGE, r, generator=gen)
+    pe = torch.randn(PAGES, PAGE, p, generator=gen)
+    tables = torch.randperm(PAGES, generator=gen)[:8].reshape(2, 4).to(torch.int32)
+    lengths = torch.tensor([6, 13], dtype=torch.int32)
+    q_nope, q_pe = torch.randn(2, N, r, generator=gen), torch.randn(2, N, p, generator=gen)
+    out = st.mla_decode(q_nope, q_pe, latent, pe, tables, lengths, scale=0.2)
+    for b in range(2):
+        c = latent[tables[b].long()].reshape(-1, r)[: int(lengths[b])]
+        rope = pe[tables[b].long()].reshape(-1, p)[: int(lengths[b])]
+        s = 0.2 * (q_nope[b] @ c.t() + q_pe[b] @ rope.t())
+        torch.testing.assert_close(out[b], torch.softmax(s, -1) @ c, atol=2e-5, rtol=2e-5)
+    torch.library.opcheck(st_paged.mla_decode_op.op, (q_nope, q_pe, latent, pe, tables, lengths, 0.2, None, None,
+                                                      None))

@@ -86,3 +86,30 @@ def ragged_paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
                                      i32(num_seqs).reshape(1), sinks, None if scale is None else float(scale),
                                      None if logits_soft_cap is None else float(logits_soft_cap),
                                      _window(local_window_size), implementation)
+
+
+def _mla(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, scale, logits_soft_cap, local_window_size,
+         implementation):
+    return _paged().mla_decode(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, scale=scale,
+                               logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
+                               implementation=implementation)
+
+
+mla_decode_op = define_op(
+    "mla_decode", _mla, tensors=("q_nope", "q_pe", "latent_pages", "pe_pages", "block_tables!", "lengths!"),
+    options={"scale": "float", "logits_soft_cap": "float?", "local_window_size": "int?", "implementation": "str?"},
+    differentiable=False, fake=lambda q_nope, *r, **_: torch.empty_like(q_nope))
+
+
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_pages: torch.Tensor, pe_pages: torch.Tensor,
+               block_tables: torch.Tensor, lengths: torch.Tensor, *, scale: float,
+               logits_soft_cap: float | None = None, local_window_size=None,
+               implementation: str | None = None) -> torch.Tensor:
+    """DeepSeek multi-head latent attention decode (weight-absorbed):
+    ``q_nope [B, (Q,) N, R]``, ``q_pe [B, (Q,) N, P]`` against the shared
+    latent cache ``latent_pages [num_pages, page_size, R]`` and
+    ``pe_pages [num_pages, page_size, P]``. Returns ``[B, (Q,) N, R]``."""
+    return mla_decode_op(q_nope, q_pe, latent_pages, pe_pages, block_tables.to(torch.int32),
+                         lengths.to(torch.int32), float(scale),
+                         None if logits_soft_cap is None else float(logits_soft_cap), _window(local_window_size),
+                         implementation)
