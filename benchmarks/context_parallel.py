@@ -2,7 +2,7 @@
 and per-device memory per strategy vs sequence length.
 
 Nothing runs: every configuration is lowered and compiled for the simulated
-devices; collective traffic is read from the lowered program
+devices; collective traffic is read from the jaxpr
 (`stellax.parallel.collective_traffic`), per-device memory from
 ``compiled.memory_analysis()`` (`stellax.parallel.memory_report`). Writes a
 markdown table (stdout, and ``--out``).
@@ -79,7 +79,7 @@ def main():
 
             start = time.perf_counter()
             lowered = jax.jit(fn).lower(q, k, k)
-            fwd_traffic = collective_traffic(lowered)
+            fwd_traffic = collective_traffic(fn, q, k, k)
             fwd_mem = memory_report(lowered.compile())
             row = {"strategy": strategy, "T": t, "fwd_comm": mib(fwd_traffic.total), "fwd_peak": mib(fwd_mem["peak"])}
             if strategy != "single":
@@ -88,7 +88,7 @@ def main():
                 row["model_fwd"] = mib(attention_traffic_model(strategy, **model_kw))
             if not args.no_train:
                 lowered_t = jax.jit(train).lower(q, k, k, q)
-                row["train_comm"] = mib(collective_traffic(lowered_t).total)
+                row["train_comm"] = mib(collective_traffic(train, q, k, k, q).total)
                 row["train_peak"] = mib(memory_report(lowered_t.compile())["peak"])
             row["compile_s"] = time.perf_counter() - start
             rows.append(row)
@@ -96,7 +96,7 @@ def main():
 
     header = (f"Causal self-attention, zigzag layout, {args.dtype}, B={b}, N={n}, K={kh}, H={h}, "
               f"{p} simulated devices (usp: {p // uly} ring × {uly} Ulysses); local attention `xla_chunked`. "
-              f"Communication is per device (from the lowered collectives); memory is the per-device peak "
+              f"Communication is per device (from the collectives in the jaxpr); memory is the per-device peak "
               f"(arguments + outputs + temporaries, `memory_analysis`).\n")
     cols = ["strategy", "T", "fwd comm (MiB)", "model (MiB)", "fwd peak mem (MiB)"]
     if not args.no_train:

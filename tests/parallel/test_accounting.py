@@ -26,12 +26,13 @@ def test_collective_traffic_counts_bytes_per_device():
         inner = jax.shard_map(body, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"), check_vma=False)
         return inner(x) + inner(2 * x)  # the shard_map body is called twice
 
-    traffic = collective_traffic(f.lower(jax.ShapeDtypeStruct((32, 16), jnp.float32)))
-    per_call = {"all_gather": 1536, "collective_permute": 512, "all_to_all": 384, "all_reduce": 768}
+    x = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    traffic = collective_traffic(f, x)
+    per_call = {"all_gather": 1536, "ppermute": 512, "all_to_all": 384, "all_reduce": 768}
     for kind, nbytes in per_call.items():
         assert traffic.bytes_by_kind.get(kind, 0) == 2 * nbytes, (kind, traffic)
     assert traffic.total == 2 * sum(per_call.values())
-    report = memory_report(f.lower(jax.ShapeDtypeStruct((32, 16), jnp.float32)).compile())
+    report = memory_report(f.lower(x).compile())
     assert report["argument"] == 512 and report["output"] == 512 and report["peak"] >= 1024
 
 
@@ -43,3 +44,18 @@ def test_traffic_model_scaling():
     uly = [attention_traffic_model("ulysses", seq_len=4096, axis_size=p, **kw) for p in (2, 8)]
     ag = [attention_traffic_model("all_gather", seq_len=4096, axis_size=p, **kw) for p in (2, 8)]
     assert uly[1] < uly[0] and ag[1] > ag[0]
+
+
+def test_scan_and_grad_are_counted():
+    mesh = mesh_1d(2)
+
+    def body(x):
+        def step(c, _):
+            return lax.ppermute(c, "cp", [(0, 1), (1, 0)]) * 2.0, None
+        return lax.scan(step, x, None, length=3)[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("cp"), out_specs=P("cp"), check_vma=False)
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)  # [2, 8] per device: 64 B
+    assert collective_traffic(f, x).bytes_by_kind == {"ppermute": 3 * 64}
+    grad = jax.grad(lambda x: f(x).sum())
+    assert collective_traffic(grad, x).bytes_by_kind == {"ppermute": 6 * 64}

@@ -1,19 +1,20 @@
 """Communication and memory accounting for sharded programs.
 
-`collective_traffic` reads the collectives of a lowered program (StableHLO
-text of ``jax.jit(f).lower(...)``; inside ``shard_map`` the shapes are
-per-device) and returns bytes moved per device, with the usual ring-algorithm
-models (``G`` = replica-group size, ``X`` = the per-device result in bytes):
+`collective_traffic` walks the jaxpr of a function (``jax.make_jaxpr``:
+inside ``shard_map`` the shapes are per-device) and adds up the bytes each
+device moves, with the usual ring-algorithm models (``G`` = the collective's
+group size, ``X`` = its per-device result in bytes):
 
     all_gather          X·(G−1)/G          (receive the other G−1 pieces)
     all_to_all          X·(G−1)/G          (keep 1/G, exchange the rest)
-    collective_permute  X                  (send one block, receive one)
+    ppermute            X                  (send one block, receive one)
     reduce_scatter      X·(G−1)            (operand X·G, ring reduce-scatter)
-    all_reduce          2·X·(G−1)/G        (reduce-scatter + all-gather)
+    psum (all-reduce)   2·X·(G−1)/G        (reduce-scatter + all-gather)
 
-Functions called several times (``func.call``) are counted once per call;
-loops (``while``) are counted once per textual occurrence — the context
-parallel code unrolls its ring, so the counts are exact for it.
+A ``scan`` body counts ``length`` times, a ``cond`` its most expensive
+branch, a ``while`` body once (its trip count is unknown; `Traffic.while_loops`
+says how many were seen). Differentiate first (``jax.grad``) to count a
+training step: the custom VJPs' backward passes are then in the jaxpr.
 
 `memory_report` turns ``compiled.memory_analysis()`` into per-device bytes.
 """
@@ -22,33 +23,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 
+import jax
+import jax.extend
 import numpy as np
 
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "f8E4M3FN": 1, "f8E5M2": 1, "i64": 8, "i32": 4,
-                "ui32": 4, "i16": 2, "i8": 1, "ui8": 1, "i1": 1, "complex<f32>": 8}
-_OPS = ("all_gather", "all_to_all", "collective_permute", "reduce_scatter", "all_reduce")
-_OP_RE = re.compile(r'"?stablehlo\.(' + "|".join(_OPS) + r')"?')
-_FUNC_RE = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@([\w.$-]+)")
-_CALL_RE = re.compile(r"(?:func\.)?call\s+@([\w.$-]+)")
-_TENSOR_RE = re.compile(r"tensor<([^>]*)>")
-_GROUPS_RE = re.compile(r"replica_groups\s*=\s*dense<[^>]*>\s*:\s*tensor<(\d+)x(\d+)xi64>")
-
-
-def _tensor_bytes(spec: str) -> int:
-    parts = spec.split("x")
-    dtype = parts[-1]
-    dims = [int(d) for d in parts[:-1] if d.isdigit()]
-    return int(np.prod(dims, dtype=np.int64)) * _DTYPE_BYTES.get(dtype, 4)
+_KINDS = {"all_gather": "all_gather", "all_gather_invariant": "all_gather", "all_to_all": "all_to_all",
+          "ppermute": "ppermute", "psum": "all_reduce", "psum_invariant": "all_reduce", "psum2": "all_reduce",
+          "reduce_scatter": "reduce_scatter"}
 
 
 @dataclasses.dataclass
 class Traffic:
-    """Bytes moved per device, by collective kind, and the op counts."""
+    """Bytes moved per device, by collective kind, and the op counts (executions)."""
 
     bytes_by_kind: dict
     counts: dict
+    while_loops: int = 0
 
     @property
     def total(self) -> int:
@@ -59,72 +50,76 @@ class Traffic:
         return f"{self.total / 2**20:.2f} MiB per device ({kinds})"
 
 
-def _op_bytes(kind: str, text: str) -> int:
-    arrow = text.rfind("->")
-    results = _TENSOR_RE.findall(text[arrow:]) if arrow >= 0 else []
-    x = sum(_tensor_bytes(r) for r in results)
-    groups = _GROUPS_RE.search(text)
-    g = int(groups.group(2)) if groups else 1
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _group_size(axis_name, sizes) -> int:
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    return int(np.prod([sizes.get(a, 1) for a in names]))
+
+
+def _eqn_bytes(kind, eqn, sizes) -> int:
+    x = sum(_nbytes(v.aval) for v in eqn.outvars)
+    g = _group_size(eqn.params.get("axis_name", eqn.params.get("axes", ())), sizes)
     if kind in ("all_gather", "all_to_all"):
         return x * (g - 1) // max(g, 1)
-    if kind == "collective_permute":
+    if kind == "ppermute":
         return x
     if kind == "reduce_scatter":
         return x * (g - 1)
     return 2 * x * (g - 1) // max(g, 1)
 
 
-def collective_traffic(lowered_or_text) -> Traffic:
-    """Per-device collective traffic of a lowered program (or its StableHLO text)."""
-    text = lowered_or_text if isinstance(lowered_or_text, str) else lowered_or_text.as_text()
-    lines = text.splitlines()
-    own = collections.defaultdict(lambda: collections.Counter())  # func -> Counter of (kind, bytes)
-    calls = collections.defaultdict(collections.Counter)  # func -> Counter of callee
-    func = "main"
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        m = _FUNC_RE.search(line)
-        if m:
-            func = m.group(1)
-        else:
-            for callee in _CALL_RE.findall(line):
-                calls[func][callee] += 1
-            op = _OP_RE.search(line)
-            if op:
-                chunk, j = line, i
-                # Ops with a reduction region close on a later line "}) : (...) -> ...".
-                while "->" not in chunk[op.end():] and j + 1 < len(lines):
-                    j += 1
-                    chunk += "\n" + lines[j]
-                    if lines[j].lstrip().startswith("})") and "->" in lines[j]:
-                        break
-                own[func][(op.group(1), _op_bytes(op.group(1), chunk))] += 1
-                i = j
-        i += 1
+def _sub_jaxprs(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, jax.extend.core.Jaxpr):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in _sub_jaxprs(v)]
+    return []
 
-    memo = {}
 
-    def totals(f, depth=0):
-        if f in memo:
-            return memo[f]
-        acc = collections.Counter()
-        cnt = collections.Counter()
-        for (kind, nbytes), n in own[f].items():
-            acc[kind] += nbytes * n
-            cnt[kind] += n
-        if depth < 64:
-            for callee, n in calls[f].items():
-                sub_acc, sub_cnt = totals(callee, depth + 1)
-                for kind in sub_acc:
-                    acc[kind] += sub_acc[kind] * n
-                for kind in sub_cnt:
-                    cnt[kind] += sub_cnt[kind] * n
-        memo[f] = (acc, cnt)
-        return memo[f]
+def _walk(jaxpr, sizes, acc, cnt, mult, state):
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        kind = _KINDS.get(name)
+        if kind is not None:
+            acc[kind] += mult * _eqn_bytes(kind, eqn, sizes)
+            cnt[kind] += mult
+            continue
+        inner_sizes = sizes
+        mesh = eqn.params.get("mesh")
+        if mesh is not None and hasattr(mesh, "shape"):
+            inner_sizes = {**sizes, **dict(mesh.shape)}
+        if name == "cond":
+            best = None
+            for branch in eqn.params["branches"]:
+                a, c = collections.Counter(), collections.Counter()
+                _walk(branch.jaxpr, inner_sizes, a, c, mult, state)
+                if best is None or sum(a.values()) > sum(best[0].values()):
+                    best = (a, c)
+            if best:
+                acc.update(best[0])
+                cnt.update(best[1])
+            continue
+        inner = mult * (int(eqn.params["length"]) if name == "scan" else 1)
+        if name == "while":
+            state["while"] += 1
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                _walk(sub, inner_sizes, acc, cnt, inner, state)
 
-    acc, cnt = totals("main")
-    return Traffic(dict(acc), dict(cnt))
+
+def collective_traffic(fn, *args, **kwargs) -> Traffic:
+    """Per-device collective traffic of ``fn(*args, **kwargs)`` (args may be
+    ``jax.ShapeDtypeStruct``); see the module docstring for the model."""
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    acc, cnt = collections.Counter(), collections.Counter()
+    state = {"while": 0}
+    _walk(closed.jaxpr, {}, acc, cnt, 1, state)
+    return Traffic(dict(acc), dict(cnt), state["while"])
 
 
 def memory_report(compiled) -> dict:

@@ -47,11 +47,26 @@ def _maybe(pred, true_fn, false_fn, *operands):
     return lax.cond(pred, true_fn, false_fn, *operands)
 
 
+def _ring_loop(step, carry, block, axis_name, axis_size):
+    """Run ``carry = step(carry, block)`` for the ``P`` blocks of the ring.
+
+    ``lax.scan`` over the first ``P − 1`` steps, each sending its block on
+    before computing on it (one block in flight: memory O(T/P)), then the last
+    step without a send."""
+    if axis_size > 1:
+        def body(state, _):
+            carry, block = state
+            nxt = rotate(block, axis_name, axis_size)
+            return (step(carry, block), nxt), None
+
+        (carry, block), _ = lax.scan(body, (carry, block), None, length=axis_size - 1)
+    return step(carry, block)
+
+
 def _forward(local: LocalAttention, axis_name, axis_size, q, k, v, q_pos, kv_pos, q_seg, kv_seg):
     b, t, n, _ = q.shape
     out = jnp.zeros((b, t, n, v.shape[-1]), F32)
     lse = jnp.full((b, n, t), -jnp.inf, F32)
-    block = (k, v, kv_pos, kv_seg)
 
     def attend(kb, vb, kp, ks):
         o, l = local(q, kb, vb, q_pos, kp, q_seg, ks)
@@ -60,13 +75,12 @@ def _forward(local: LocalAttention, axis_name, axis_size, q, k, v, q_pos, kv_pos
     def skip(kb, vb, kp, ks):
         return jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf)
 
-    for step in range(axis_size):
-        nxt = rotate(block, axis_name, axis_size) if step + 1 < axis_size else None
+    def step(carry, block):
         kb, vb, kp, ks = block
         o_s, l_s = _maybe(local.any_visible(q_pos, kp, q_seg, ks), attend, skip, kb, vb, kp, ks)
-        out, lse = merge_partials(out, lse, o_s, l_s)
-        block = nxt
-    return out, lse
+        return merge_partials(*carry, o_s, l_s)
+
+    return _ring_loop(step, (out, lse), (k, v, kv_pos, kv_seg), axis_name, axis_size)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -101,16 +115,18 @@ def _ring_bwd(local, axis_name, axis_size, residuals, cotangents):
     def skip(kb, vb, kp, ks):
         return (jnp.zeros(q.shape, F32), jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
 
-    dq = jnp.zeros(q.shape, F32)
-    acc = (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
-    block = (k, v, kv_pos, kv_seg)
-    for step in range(axis_size):
-        nxt = rotate(block, axis_name, axis_size) if step + 1 < axis_size else None
+    def step(carry, block):
+        dq, dk_acc, dv_acc = carry
         kb, vb, kp, ks = block
         dq_s, dk_s, dv_s = _maybe(local.any_visible(q_pos, kp, q_seg, ks), grads, skip, kb, vb, kp, ks)
-        dq = dq + dq_s
-        acc = rotate((acc[0] + dk_s, acc[1] + dv_s), axis_name, axis_size)
-        block = nxt
+        # The accumulators travel with their block: one hop after every step,
+        # so after the last step they are back on the block's owner.
+        dk_acc, dv_acc = rotate((dk_acc + dk_s, dv_acc + dv_s), axis_name, axis_size)
+        return dq + dq_s, dk_acc, dv_acc
+
+    carry = (jnp.zeros(q.shape, F32), jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
+    dq, dk, dv = _ring_loop(step, carry, (k, v, kv_pos, kv_seg), axis_name, axis_size)
+    acc = (dk, dv)
     return (dq.astype(q.dtype), acc[0].astype(k.dtype), acc[1].astype(v.dtype), None, None, None, None)
 
 
