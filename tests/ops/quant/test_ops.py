@@ -17,6 +17,7 @@ def test_check_op_passes(op):
     assert results and not failed, failed
 
 
+@pytest.mark.slow
 def test_check_quantized_matmul_xla():
     results = check_op(quantized_matmul_op, implementations=["xla"])
     failed = [r for r in results if not r.passed]

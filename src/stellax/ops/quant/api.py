@@ -316,9 +316,12 @@ def _check_hadamard(x, signs=None, *, block=None, inverse=False) -> Call:
     return Call({"x": x, "signs": signs}, {"block": block, "inverse": bool(inverse)})
 
 
+_hadamard_xla_jit = jax.jit(H.hadamard_xla, static_argnames=("block", "inverse"))
+
+
 def _hadamard_xla(call: Call, config=None):
     del config
-    return H.hadamard_xla(call.x, block=call.block, signs=call.signs, inverse=call.inverse)
+    return _hadamard_xla_jit(call.x, block=call.block, signs=call.signs, inverse=call.inverse)
 
 
 def _hadamard_triton(call: Call, config):

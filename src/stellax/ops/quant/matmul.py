@@ -17,6 +17,8 @@ dequantized weights to memory; the XLA path dequantizes and calls ``dot``
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,7 +123,11 @@ def _reference(call: Call):
 def _xla(call: Call, config=None):
     del config
     x, w = _operands(call)
-    out = jnp.dtype(call.preferred_element_type)
+    return _xla_jit(x, w, out=jnp.dtype(call.preferred_element_type))
+
+
+@functools.partial(jax.jit, static_argnames=("out",))
+def _xla_jit(x, w, *, out):
     if not isinstance(x, QArray):
         compute = x.dtype
         wd = dequantize_reference(w, compute)
