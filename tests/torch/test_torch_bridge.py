@@ -89,3 +89,31 @@ def test_bad_input_types():
         st.to_jax(np.zeros(3))
     with pytest.raises(TypeError, match="no torch equivalent"):
         bridge.torch_dtype(jnp.int4)
+
+
+#: Every stellax:: custom op and the test that runs torch.library.opcheck on it.
+OPCHECKED = {
+    "layer_norm": "test_torch_ops", "layer_norm_residual": "test_torch_ops", "gated_linear_unit": "test_torch_ops",
+    "dot_product_attention": "test_torch_ops", "dot_product_attention_varlen": "test_torch_ops",
+    "ragged_dot": "test_torch_moe", "route": "test_torch_moe", "moe_mlp": "test_torch_moe",
+    "chunk_gated_delta_rule": "test_torch_linear_attention",
+    "fused_recurrent_gated_delta_rule": "test_torch_linear_attention",
+    "chunk_kda": "test_torch_linear_attention", "fused_recurrent_kda": "test_torch_linear_attention",
+    "ssd": "test_torch_linear_attention", "quantize": "test_torch_quant", "dequantize": "test_torch_quant",
+    "quantized_matmul": "test_torch_quant", "hadamard_transform": "test_torch_quant",
+    "paged_attention": "test_torch_paged_attention", "ragged_paged_attention": "test_torch_paged_attention",
+    "mla_decode": "test_torch_paged_attention", "test_identity": "test_torch_bridge",
+}
+
+
+def test_every_custom_op_is_opchecked():
+    """A new front end must get an opcheck test (and an entry here)."""
+    import pathlib
+
+    ops = set(registry.registered_torch_ops())
+    assert ops - set(OPCHECKED) == set(), "custom ops without an opcheck test"
+    here = pathlib.Path(__file__).parent
+    for name, module in OPCHECKED.items():
+        if name in ops:
+            text = (here / f"{module}.py").read_text()
+            assert "opcheck" in text and f"{name}_op" in text or name == "test_identity", (name, module)

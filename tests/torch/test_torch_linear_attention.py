@@ -145,8 +145,9 @@ def test_kda_matches_torch_recurrence_and_opcheck():
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
     o1, _ = st.fused_recurrent_kda(q, k, v, g, beta, initial_state=s0)
     torch.testing.assert_close(o1.double(), ro, atol=1e-4, rtol=1e-4)
-    torch.library.opcheck(st_la.chunk_kda_op.op, (q, k, v, g, beta, s0, None, None, None, None, False, 4, None,
-                                                  None, False, False))
+    for op in (st_la.chunk_kda_op, st_la.fused_recurrent_kda_op):
+        torch.library.opcheck(op.op, (q, k, v, g, beta, s0, None, None, None, None, False, 4, None, None, False,
+                                      False))
 
 
 def ssd_recurrence(x, dt, A, B, C, D):
