@@ -1,5 +1,7 @@
 """The public API and the golden: jax.nn equivalence, mask semantics, bad inputs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,16 @@ import stellax
 from stellax.ops.attention import dot_product_attention_varlen
 from stellax.testing import assert_close
 
+def jitted(fn):
+    """``fn`` (an attention function) under ``jax.jit``: arrays traced, the rest static."""
+    def call(*args, **kwargs):
+        arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
+        static = {k: v for k, v in kwargs.items() if k not in arrays}
+        return jax.jit(functools.partial(fn, **static))(*args, **arrays)
+    return call
+
+
+dpa = jitted(stellax.dot_product_attention)
 IMPLS = tuple(i for i in ("xla", "xla_chunked") if i in stellax.ops.attention.attention_op.implementations)
 
 
@@ -67,7 +79,7 @@ def allowed_matrix(t, s, *, causal=False, window=None, chunk=None):
 def test_matches_jax_nn(impl, kwargs):
     q, k, v = qkv(0, 2, 40, 40, 8, 2, 32)
     with jax.default_matmul_precision("highest"):
-        ours = stellax.dot_product_attention(q, k, v, implementation=impl, **kwargs)
+        ours = dpa(q, k, v, implementation=impl, **kwargs)
         theirs = jax.nn.dot_product_attention(q, k, v, **kwargs)
     assert_close(ours, theirs, rel_l2_tolerance=1e-5)
 
@@ -79,7 +91,7 @@ def test_matches_jax_nn_bias_mask_lengths(impl):
     mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.9, (1, 4, 24, 24)) | jnp.eye(24, dtype=bool)
     ql, kl = jnp.array([20, 24], jnp.int32), jnp.array([24, 11], jnp.int32)
     with jax.default_matmul_precision("highest"):
-        ours = stellax.dot_product_attention(q, k, v, bias, mask, query_seq_lengths=ql, key_value_seq_lengths=kl,
+        ours = dpa(q, k, v, bias, mask, query_seq_lengths=ql, key_value_seq_lengths=kl,
                                              implementation=impl)
         theirs = jax.nn.dot_product_attention(q, k, v, bias, mask, query_seq_lengths=ql, key_value_seq_lengths=kl)
     assert_close(ours, theirs, rel_l2_tolerance=1e-5)
@@ -88,11 +100,11 @@ def test_matches_jax_nn_bias_mask_lengths(impl):
 def test_causal_alignment_differs_from_jax_when_t_ne_s():
     """Ours is bottom-right aligned (FlashAttention); jax.nn's tril is top-left."""
     q, k, v = qkv(2, 1, 4, 10, 2, 2, 8)
-    ours = stellax.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    ours = dpa(q, k, v, is_causal=True, implementation="xla")
     ref, _ = naive(q, k, v, allowed_matrix(4, 10, causal=True))
     assert_close(ours, ref.astype(np.float32), rel_l2_tolerance=1e-5)
     # The last query row sees every key (as in FlashAttention), not only the first 4.
-    full = stellax.dot_product_attention(q, k, v, implementation="xla")
+    full = dpa(q, k, v, implementation="xla")
     np.testing.assert_allclose(ours[:, -1], full[:, -1], rtol=1e-5, atol=1e-6)
 
 
@@ -107,7 +119,7 @@ def test_masks_against_numpy(impl, t, s, mask_kind):
         None if "local_window_size" not in opts else opts["local_window_size"]), chunk=opts.get("chunk_size"))
     if mask_kind == "window_causal":
         allowed = allowed & allowed_matrix(t, s, causal=True)
-    out, lse = stellax.dot_product_attention(q, k, v, return_residuals=True, implementation=impl, **opts)
+    out, lse = dpa(q, k, v, return_residuals=True, implementation=impl, **opts)
     ref, ref_lse = naive(q, k, v, allowed)
     assert_close(out, ref.astype(np.float32), rel_l2_tolerance=2e-5)
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
@@ -119,7 +131,7 @@ def test_softcap_sinks_bias(impl):
     q, k, v = qkv(5, 2, 19, 23, 4, 1, 16)
     bias = jax.random.normal(jax.random.PRNGKey(6), (1, 4, 19, 23))
     sinks = jax.random.normal(jax.random.PRNGKey(7), (4,))
-    out, lse = stellax.dot_product_attention(q, k, v, bias, logits_soft_cap=2.0, sinks=sinks, is_causal=True,
+    out, lse = dpa(q, k, v, bias, logits_soft_cap=2.0, sinks=sinks, is_causal=True,
                                              return_residuals=True, implementation=impl)
     ref, ref_lse = naive(q, k, v, allowed_matrix(19, 23, causal=True), bias=bias, cap=2.0, sinks=sinks)
     assert_close(out, ref.astype(np.float32), rel_l2_tolerance=2e-5)
@@ -130,7 +142,7 @@ def test_softcap_sinks_bias(impl):
 def test_segments(impl):
     q, k, v = qkv(8, 2, 30, 30, 2, 2, 16)
     seg = jnp.asarray(np.sort(np.random.default_rng(0).integers(0, 4, (2, 30)), axis=1), jnp.int32)
-    out = stellax.dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, is_causal=True,
+    out = dpa(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, is_causal=True,
                                         implementation=impl)
     allowed = (np.asarray(seg)[:, None, :, None] == np.asarray(seg)[:, None, None, :]) & allowed_matrix(
         30, 30, causal=True)
@@ -145,7 +157,7 @@ def test_fully_masked_rows_zero_output_and_grads(impl):
     ql = jnp.array([6], jnp.int32)
 
     def f(q, k, v):
-        out, lse = stellax.dot_product_attention(q, k, v, mask=mask, query_seq_lengths=ql, return_residuals=True,
+        out, lse = dpa(q, k, v, mask=mask, query_seq_lengths=ql, return_residuals=True,
                                                  implementation=impl)
         return out, lse
 
@@ -164,15 +176,15 @@ def test_fully_masked_rows_zero_output_and_grads(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gqa_equals_repeated_heads_and_extra_batch_dims(impl):
     q, k, v = qkv(10, 6, 12, 12, 8, 2, 16, 8)
-    grouped = stellax.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    repeated = stellax.dot_product_attention(q, jnp.repeat(k, 4, 2), jnp.repeat(v, 4, 2), is_causal=True,
+    grouped = dpa(q, k, v, is_causal=True, implementation=impl)
+    repeated = dpa(q, jnp.repeat(k, 4, 2), jnp.repeat(v, 4, 2), is_causal=True,
                                              implementation=impl)
     assert_close(grouped, repeated, rel_l2_tolerance=1e-6)
-    batched = stellax.dot_product_attention(q.reshape(2, 3, 12, 8, 16), k.reshape(2, 3, 12, 2, 16),
+    batched = dpa(q.reshape(2, 3, 12, 8, 16), k.reshape(2, 3, 12, 2, 16),
                                             v.reshape(2, 3, 12, 2, 8), is_causal=True, implementation=impl)
     assert batched.shape == (2, 3, 12, 8, 8)
     assert_close(batched.reshape(grouped.shape), grouped, rel_l2_tolerance=1e-6)
-    unbatched = stellax.dot_product_attention(q[0], k[0], v[0], is_causal=True, implementation=impl)
+    unbatched = dpa(q[0], k[0], v[0], is_causal=True, implementation=impl)
     assert_close(unbatched, grouped[0], rel_l2_tolerance=1e-6)
 
 
@@ -186,13 +198,14 @@ def test_varlen_matches_per_sequence(impl, causal):
     q = jax.random.normal(jax.random.PRNGKey(0), (sum(lens_q) + 3, n, h))  # 3 padding tokens
     k = jax.random.normal(jax.random.PRNGKey(1), (sum(lens_k), kh, h))
     v = jax.random.normal(jax.random.PRNGKey(2), (sum(lens_k), kh, h))
-    out, lse = dot_product_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=causal,
+    out, lse = jitted(dot_product_attention_varlen)(q, k, v, cu_q, cu_k, max_seqlen_q=max(lens_q),
+                                                    max_seqlen_k=max(lens_k), is_causal=causal,
                                             local_window_size=(7, None), return_residuals=True,
                                             implementation=impl)
     assert out.shape == q.shape and lse.shape == (n, q.shape[0])
     for i in range(len(lens_q)):
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        ref = stellax.dot_product_attention(q[None, qs], k[None, ks], v[None, ks], is_causal=causal,
+        ref = dpa(q[None, qs], k[None, ks], v[None, ks], is_causal=causal,
                                             local_window_size=(7, None), implementation="xla")
         assert_close(out[qs], ref[0], rel_l2_tolerance=1e-5)
     np.testing.assert_array_equal(np.asarray(out[-3:]), 0)
@@ -230,11 +243,11 @@ def _bad(**over):
 ])
 def test_bad_inputs(over, exc, match):
     with pytest.raises(exc, match=match):
-        stellax.dot_product_attention(**_bad(**over))
+        dpa(**_bad(**over))
 
 
 def test_triton_on_cpu_without_interpret_explains():
     if "triton" not in stellax.ops.attention.attention_op.implementations:
         pytest.skip("no triton implementation registered")
     with pytest.raises(stellax.UnsupportedError, match="GPU"):
-        stellax.dot_product_attention(*qkv(0, 1, 8, 8, 2, 2, 16), implementation="triton")
+        dpa(*qkv(0, 1, 8, 8, 2, 2, 16), implementation="triton")

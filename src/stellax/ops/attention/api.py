@@ -374,29 +374,32 @@ def attention_with_vjp(name: str, config, c: Canonical):
     from . import registry
     forward_kernel = registry.FORWARD_KERNELS[name]
     statics = c.statics
-    mask, q_pos, kv_pos, q_seg, kv_seg = c.mask, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg
 
-    def run_forward(q, k, v, bias, sinks):
-        cc = dataclasses.replace(c, q=q, k=k, v=v, bias=bias, sinks=sinks)
+    # Integer/bool operands are arguments (not closed over: they may be tracers);
+    # their cotangents are None.
+    def run_forward(q, k, v, bias, sinks, mask, q_pos, kv_pos, q_seg, kv_seg):
+        cc = dataclasses.replace(c, q=q, k=k, v=v, bias=bias, sinks=sinks, mask=mask, q_pos=q_pos,
+                                 kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg)
         return forward_kernel(cc, config)
 
     @jax.custom_vjp
-    def attend(q, k, v, bias, sinks):
-        return run_forward(q, k, v, bias, sinks)
+    def attend(*operands):
+        return run_forward(*operands)
 
-    def fwd(q, k, v, bias, sinks):
-        out, lse = run_forward(q, k, v, bias, sinks)
-        return (out, lse), (q, k, v, bias, sinks, out, lse)
+    def fwd(*operands):
+        out, lse = run_forward(*operands)
+        return (out, lse), (operands, out, lse)
 
     def bwd(res, cotangents):
-        q, k, v, bias, sinks, out, lse = res
+        (q, k, v, bias, sinks, mask, q_pos, kv_pos, q_seg, kv_seg), out, lse = res
         d_out, d_lse = cotangents
-        return attention_backward_op(
+        dq, dk, dv, dbias, dsinks = attention_backward_op(
             q, k, v, bias, mask, sinks, out, lse, d_out.astype(out.dtype), d_lse, q_pos, kv_pos, q_seg,
             kv_seg, **statics, implementation=backward_implementation(attention_backward_op, name))
+        return dq, dk, dv, dbias, dsinks, None, None, None, None, None
 
     attend.defvjp(fwd, bwd)
-    return attend(c.q, c.k, c.v, c.bias, c.sinks)
+    return attend(c.q, c.k, c.v, c.bias, c.sinks, c.mask, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg)
 
 
 def _forward_runner(name):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from ...core import Call, KernelConfig, TritonConfig, next_power_of_two, product_space
 from ...core.config import require_positive, require_power_of_two
 
@@ -98,9 +100,15 @@ def _fits(block_q: int, block_k: int, h: int, hv: int, num_stages: int, itemsize
     return smem <= 160 * 1024 and block_q * max(hp, hvp) <= 128 * 256
 
 
+def _itemsize(call: Call) -> int:
+    return 4 if call.query.dtype == jnp.float32 else 2
+
+
 def flash_heuristic(call: Call) -> FlashConfig:
     h, hv = head_dims(call)
     d = max(_padded(h), _padded(hv))
+    if _itemsize(call) == 4 and d > 64:
+        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
     if d <= 64:
         return FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if d <= 128:
@@ -112,12 +120,14 @@ def flash_space(call: Call) -> list[FlashConfig]:
     h, hv = head_dims(call)
     space = product_space(FlashConfig, block_q=(64, 128), block_k=(32, 64, 128), num_warps=(4, 8),
                           num_stages=(2, 3))
-    return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages)]
+    return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages, _itemsize(call))]
 
 
 def flash_backward_heuristic(call: Call) -> FlashBackwardConfig:
     h, hv = head_dims(call)
     d = max(_padded(h), _padded(hv))
+    if _itemsize(call) == 4 and d > 64:
+        return FlashBackwardConfig(block_q=32, block_k=32, num_warps=4, num_stages=1)
     if d <= 64:
         return FlashBackwardConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
     if d <= 128:
@@ -127,7 +137,8 @@ def flash_backward_heuristic(call: Call) -> FlashBackwardConfig:
 
 def flash_backward_space(call: Call) -> list[FlashBackwardConfig]:
     h, hv = head_dims(call)
-    space = product_space(FlashBackwardConfig, block_q=(32, 64, 128), block_k=(32, 64, 128), num_warps=(4, 8),
+    space = product_space(FlashBackwardConfig, block_q=(32, 64), block_k=(32, 64), num_warps=(4, 8),
                           num_stages=(1, 2))
-    return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages)
-            and _fits(c.block_k, c.block_q, h, hv, c.num_stages)]
+    size = _itemsize(call)
+    return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages, size)
+            and _fits(c.block_k, c.block_q, h, hv, c.num_stages, size)]
