@@ -191,3 +191,25 @@ def test_sliding_window_mistral_uses_the_dense_mask_and_matches_eager():
     with torch.no_grad():
         want = eager(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=2e-5)
+
+
+def test_decode_steps_share_one_key_length_bucket(monkeypatch):
+    eager, ours = _tiny_llama()
+    key_lengths = []
+    inner = hf.dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        key_lengths.append((q.shape[1], k.shape[1]))
+        return inner(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "dot_product_attention", spy)
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        gs = ours.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        ge = eager.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(gs, ge)
+    # prefill (9 queries) and decode steps with 10..13 keys all padded to 16 keys: one compiled shape each
+    assert set(key_lengths) == {(9, 16), (1, 16)}
+    assert hf.kv_bucket(16) == 16 and hf.kv_bucket(17) == 32 and hf.kv_bucket(129) == 256 and hf.kv_bucket(300) == 384

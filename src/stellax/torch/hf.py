@@ -36,6 +36,7 @@ from .attention import dot_product_attention
 __all__ = ["register_transformers_attention", "stellax_attention_forward", "stellax_attention_mask"]
 
 _IMPLEMENTATION: dict[str, str | None] = {}
+_BUCKET_KV: dict[str, bool] = {}
 
 
 def _is_tracing(t) -> bool:
@@ -70,6 +71,35 @@ def stellax_attention_mask(batch_size: int, q_length: int, kv_length: int, q_off
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
+
+
+def kv_bucket(length: int) -> int:
+    """The key length a call is padded to: a power of two up to 128 (at least
+    16), then a multiple of 128 — so a decode loop compiles one XLA program
+    per bucket instead of one per step."""
+    if length <= 16:
+        return 16
+    if length <= 128:
+        return 1 << (length - 1).bit_length()
+    return -(-length // 128) * 128
+
+
+def _pad_keys_to_bucket(q, k, v, extra):
+    """Left-pad keys/values to `kv_bucket` with masked-out entries. Padding on
+    the left keeps the bottom-right causal alignment (and sliding windows)
+    exact; the padded keys get segment id 0, which no query has."""
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    pad = kv_bucket(s) - s
+    if pad <= 0:
+        return k, v
+    k = torch.nn.functional.pad(k, (0, 0, 0, 0, pad, 0))
+    v = torch.nn.functional.pad(v, (0, 0, 0, 0, pad, 0))
+    seg = extra.get("kv_segment_ids")
+    if seg is None:
+        seg = torch.ones((b, s), dtype=torch.int32, device=q.device)
+    extra["kv_segment_ids"] = torch.nn.functional.pad(seg, (pad, 0))
+    extra.setdefault("q_segment_ids", torch.ones((b, t), dtype=torch.int32, device=q.device))
+    return k, v
 
 
 def stellax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -111,21 +141,26 @@ def stellax_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         extra["local_window_size"] = (int(window) - 1, 0)  # HF: keep keys with q - k < sliding_window
     sinks = kwargs.get("s_aux")
     softcap = kwargs.get("softcap")
-    impl = implementation if implementation is not None else _IMPLEMENTATION.get(
-        getattr(getattr(module, "config", None), "_attn_implementation", None))
+    name = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    impl = implementation if implementation is not None else _IMPLEMENTATION.get(name)
+    if mask is None and bias is None and _BUCKET_KV.get(name, True):
+        k, v = _pad_keys_to_bucket(q, k, v, extra)
     out = dot_product_attention(q, k, v, bias, mask, scale=scaling, is_causal=bool(causal) and t > 1,
                                 logits_soft_cap=softcap, sinks=sinks, implementation=impl, **extra)
     return out, None
 
 
-def register_transformers_attention(name: str = "stellax", *, implementation: str | None = None) -> str:
+def register_transformers_attention(name: str = "stellax", *, implementation: str | None = None,
+                                    bucket_kv: bool = True) -> str:
     """Register stellax attention with transformers under ``name``.
 
     After it, ``AutoModel.from_pretrained(path, attn_implementation=name)``
     (or ``model.set_attn_implementation(name)``) runs every attention layer of
     the model through `stellax.dot_product_attention`, with the matching mask
     builder. ``implementation`` pins the stellax implementation (``None``:
-    the best available). Returns ``name``.
+    the best available). ``bucket_kv`` left-pads keys/values to `kv_bucket`
+    lengths (masked out, results unchanged) so generation compiles one XLA
+    program per bucket rather than one per decode step. Returns ``name``.
     """
     try:
         from transformers import AttentionInterface
@@ -133,6 +168,7 @@ def register_transformers_attention(name: str = "stellax", *, implementation: st
     except ImportError as e:  # pragma: no cover
         raise ImportError("register_transformers_attention needs transformers (pip install transformers)") from e
     _IMPLEMENTATION[name] = implementation
+    _BUCKET_KV[name] = bool(bucket_kv)
     AttentionInterface.register(name, stellax_attention_forward)
     AttentionMaskInterface.register(name, stellax_attention_mask)
     return name
