@@ -48,13 +48,14 @@ def test_segments_and_window_across_shard_boundaries():
     # Documents end at tokens 11 and 24, not at the 8-token shard boundaries; the
     # window (5 back) reaches into the previous shard.
     seg = jnp.asarray([[0] * 11 + [1] * 13 + [2] * 8], jnp.int32)
-    check_against_single("ring", mesh_1d(4), 4, segment_ids=seg, is_causal=True, local_window_size=(5, 0))
+    check_against_single("ring", mesh_1d(4), 4, segment_ids=seg, is_causal=True, local_window_size=(5, 0),
+                         implementation="xla_chunked")
 
 
 def test_sinks_and_soft_cap_ring():
     sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
     check_against_single("ring", mesh_1d(2), 2, load_balance="zigzag", sinks=sinks, logits_soft_cap=3.0,
-                         is_causal=True)
+                         is_causal=True, implementation="xla_chunked")
 
 
 def test_lse_is_returned_in_layout():
@@ -144,4 +145,5 @@ def test_sinks_all_strategies(strategy):
 @pytest.mark.slow
 def test_bfloat16_ring():
     inputs = attention_inputs(5, dtype=jnp.bfloat16)
-    check_against_single("ring", mesh_1d(4), 4, load_balance="zigzag", inputs=inputs, is_causal=True)
+    check_against_single("ring", mesh_1d(4), 4, load_balance="zigzag", inputs=inputs, is_causal=True,
+                         implementation="xla_chunked")

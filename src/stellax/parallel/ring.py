@@ -14,14 +14,18 @@ segments alike, decided by `LocalAttention.any_visible`) is skipped with
 Backward (``jax.custom_vjp``; residuals: inputs, merged ``out`` and ``lse``):
 the blocks travel around the ring again, each with float32 ``dK/dV``
 accumulators that move with it, so after the last step one more hop brings
-every accumulator home. Per step the block's partial is recomputed and
-differentiated through the local attention's own VJP with the merge's chain
-rule, ``w_s = exp(lse_s − lse)``:
+every accumulator home. Per step:
 
-    dO_s   = w_s · dO
-    dlse_s = w_s · (Σ_h dO·(O_s − O) + dlse)
+* flash implementations (``triton``, ``xla_chunked``): the ``attention_backward``
+  op is called on the block with the *merged* ``out``/``lse`` — its
+  ``p = exp(s − lse)`` and ``delta = rowsum(dO·O) − dlse`` are then exactly
+  the merged softmax's, so it returns this block's share of the gradients;
+* otherwise (the ``xla`` golden): the block's partial is recomputed and
+  differentiated through the local attention's own VJP with the merge's
+  chain rule, ``w_s = exp(lse_s − lse)``:
 
-which is the flash-attention backward of the merged softmax.
+      dO_s   = w_s · dO
+      dlse_s = w_s · (Σ_h dO·(O_s − O) + dlse)
 """
 
 from __future__ import annotations
@@ -45,6 +49,28 @@ def _maybe(pred, true_fn, false_fn, *operands):
     if pred is None:
         return true_fn(*operands)
     return lax.cond(pred, true_fn, false_fn, *operands)
+
+
+#: Attention implementations whose backward kernels take the merged softmax
+#: statistics (out, lse) as inputs — FlashAttention-2 style — in dispatch order.
+FLASH_BACKWARDS = ("triton", "xla_chunked")
+
+
+def _flash_backward_chain(implementation):
+    """The backward implementations to call directly for a forward
+    ``implementation``, or ``()`` to differentiate through the block's VJP
+    (the ``xla`` golden recomputes its own softmax, so it must not get the
+    merged statistics)."""
+    if implementation is None:
+        names = FLASH_BACKWARDS
+    elif isinstance(implementation, str):
+        names = (implementation,)
+    else:
+        names = tuple(implementation)
+    if any(n not in FLASH_BACKWARDS for n in names):
+        return ()
+    from ..ops.attention.registry import BACKWARD_KERNELS
+    return tuple(n for n in names if n in BACKWARD_KERNELS)
 
 
 def _ring_loop(step, carry, block, axis_name, axis_size):
@@ -96,12 +122,31 @@ def _ring_fwd(local, axis_name, axis_size, q, k, v, q_pos, kv_pos, q_seg, kv_seg
 
 def _ring_bwd(local, axis_name, axis_size, residuals, cotangents):
     q, k, v, q_pos, kv_pos, q_seg, kv_seg, out, lse = residuals
-    d_out, d_lse = cotangents
-    d_out = d_out.astype(F32)
+    d_out_raw, d_lse = cotangents
+    d_out = d_out_raw.astype(F32)
     d_lse = d_lse.astype(F32)
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
-    def grads(kb, vb, kp, ks):
+    flash = _flash_backward_chain(local.implementation)
+    b = q.shape[0]
+    q_pos_b = jnp.broadcast_to(q_pos, (b, q.shape[1])).astype(jnp.int32)
+
+    def grads_flash(kb, vb, kp, ks):
+        # Flash-style backward kernels take the softmax statistics as inputs:
+        # with the merged (out, lse) they give this block's share of the exact
+        # gradients directly (p = exp(s − lse), delta = rowsum(dO·O) − dlse).
+        from ..ops.attention import attention_backward_op
+        scale = local.scale if local.scale is not None else 1.0 / float(q.shape[-1]) ** 0.5
+        dq, dk, dv, _, _ = attention_backward_op(
+            q, kb, vb, None, None, None, out.astype(q.dtype), lse, d_out_raw, d_lse, q_pos_b,
+            jnp.broadcast_to(kp, (b, kb.shape[1])).astype(jnp.int32), q_seg if local.segments else None,
+            ks if local.segments else None, spec=local.spec, scale=scale, logits_soft_cap=local.logits_soft_cap,
+            precision=local.precision, implementation=flash)
+        return dq.astype(F32), dk.astype(F32), dv.astype(F32)
+
+    def grads_vjp(kb, vb, kp, ks):
+        # Any implementation: recompute the block and differentiate it through
+        # its own VJP with the merge's chain rule (module docstring).
         def f(q_, k_, v_):
             return local(q_, k_, v_, q_pos, kp, q_seg, ks)
 
@@ -111,6 +156,8 @@ def _ring_bwd(local, axis_name, axis_size, residuals, cotangents):
         dl_s = w * (jnp.einsum("btnh,btnh->bnt", d_out, o_s.astype(F32) - out) + d_lse)
         dq, dk, dv = vjp((do_s.astype(o_s.dtype), dl_s.astype(l_s.dtype)))
         return dq.astype(F32), dk.astype(F32), dv.astype(F32)
+
+    grads = grads_flash if flash else grads_vjp
 
     def skip(kb, vb, kp, ks):
         return (jnp.zeros(q.shape, F32), jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
