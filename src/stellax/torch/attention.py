@@ -6,74 +6,11 @@ value ``[B, S, K, Hv]`` (GQA when ``N % K == 0``, keys never repeated).
 
 from __future__ import annotations
 
-import math
-
-import jax
-import jax.numpy as jnp
 import torch
 
 import stellax
 
 from .registry import define_op
-
-
-def _stellax_attention():
-    """`stellax.dot_product_attention` once the attention family is in the
-    tree; until then `fallback_attention` (same contract, plain XLA)."""
-    return getattr(stellax, "dot_product_attention", None)
-
-
-def fallback_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                       local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
-                       query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None,
-                       implementation=None):
-    """The stellax attention contract in plain XLA (float32 softmax): used only
-    when `stellax.dot_product_attention` is not available. Fully masked rows
-    give zeros; causal is bottom-right aligned."""
-    del implementation
-    b, t, n, h = query.shape
-    s, k = key.shape[1], key.shape[2]
-    g = n // k
-    scale = 1.0 / math.sqrt(h) if scale is None else scale
-    q = query.astype(jnp.float32).reshape(b, t, k, g, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", q, key.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST) * scale
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-    if bias is not None:
-        bias4 = jnp.broadcast_to(bias.astype(jnp.float32), (b, n, t, s)).reshape(b, k, g, t, s)
-        logits = logits + bias4
-    keep = jnp.ones((b, 1, 1, t, s), bool)
-    qi = jnp.arange(t)[:, None] + (s - t)
-    ki = jnp.arange(s)[None, :]
-    if is_causal:
-        keep = keep & (ki <= qi)
-    if local_window_size is not None:
-        left, right = local_window_size
-        if left is not None:
-            keep = keep & (ki >= qi - left)
-        if right is not None:
-            keep = keep & (ki <= qi + right)
-    if mask is not None:
-        keep = keep & jnp.broadcast_to(mask, (b, n, t, s)).reshape(b, k, g, t, s)
-    if q_segment_ids is not None:
-        keep = keep & (q_segment_ids[:, None, None, :, None] == kv_segment_ids[:, None, None, None, :])
-    if query_seq_lengths is not None:
-        keep = keep & (jnp.arange(t)[None, :] < query_seq_lengths[:, None])[:, None, None, :, None]
-    if key_value_seq_lengths is not None:
-        keep = keep & (jnp.arange(s)[None, :] < key_value_seq_lengths[:, None])[:, None, None, None, :]
-    logits = jnp.where(keep, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(1, k, g, 1, 1))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(logits - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, k, g, 1, 1) - m)
-    p = p / jnp.where(denom == 0, 1.0, denom)
-    out = jnp.einsum("bkgts,bskh->btkgh", p, value.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(b, t, n, value.shape[-1]).astype(query.dtype)
 
 
 def _attention(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, query_seq_lengths,
@@ -83,14 +20,11 @@ def _attention(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, que
     if local_window_size is not None:
         left, right = local_window_size
         window = (None if left < 0 else left, None if right < 0 else right)
-    fn = _stellax_attention()
-    kwargs = dict(scale=scale, is_causal=is_causal, local_window_size=window, q_segment_ids=q_segment_ids,
-                  kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
-                  key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                  implementation=implementation)
-    if fn is None:
-        return fallback_attention(query, key, value, bias, mask, **kwargs)
-    return fn(query, key, value, bias, mask, **kwargs)
+    return stellax.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=window,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        implementation=implementation)
 
 
 def _fake(query, key, value, *rest, **_):
