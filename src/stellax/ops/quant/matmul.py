@@ -27,6 +27,7 @@ from ...core import Call, Example, Implementation, Op, register
 from ...core import checks
 from . import formats as F
 from .configs import QMatmulConfig, qmatmul_heuristic, qmatmul_space
+from .kernel import kernel_operands
 from .qarray import QArray
 from .reference import dequantize_reference, expand_blocks
 
@@ -147,19 +148,6 @@ def _xla_jit(x, w, *, out):
 # -- Triton ------------------------------------------------------------------------
 
 
-def _kernel_scales(s, block_shape, shape, along):
-    """Stored scales → the kernel layout: ``[M, KB]`` for x (``along=0``
-    expanded over rows) or ``[KB, N]`` for w (``along=1``); E8M0 → uint8."""
-    if block_shape[along] > 1 or s.shape[along] != shape[along]:
-        s = jnp.repeat(s, block_shape[along], axis=along, total_repeat_length=s.shape[along] * block_shape[along])
-        s = jax.lax.slice_in_dim(s, 0, shape[along], axis=along)
-    if np.dtype(s.dtype) == np.dtype(jnp.float8_e8m0fnu):
-        s = jax.lax.bitcast_convert_type(s, jnp.uint8)
-    elif np.dtype(s.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
-        s = s.astype(jnp.float32)
-    return s
-
-
 def _kind(s) -> str:
     return "e8m0" if np.dtype(s.dtype) == np.dtype(jnp.uint8) else "float"
 
@@ -169,9 +157,8 @@ def _triton(call: Call, config: QMatmulConfig):
     x, w = _operands(call)
     wf = w.spec
     m, n, k = call.m, call.n, call.k
-    sw = _kernel_scales(w.scales, w.block_shape, w.shape, 1)
-    zp = None if w.zero_points is None else _kernel_scales(w.zero_points, w.block_shape, w.shape, 1)
-    ts = None if w.tensor_scale is None else w.tensor_scale.astype(jnp.float32).reshape(1)
+    wk = kernel_operands(w)
+    sw, zp, ts = wk.scales, wk.zero_points, wk.tensor_scale
     w_kind = _kind(sw)
     if not isinstance(x, QArray):
         lead = x.shape[:-1]
@@ -182,7 +169,7 @@ def _triton(call: Call, config: QMatmulConfig):
             out_dtype=jnp.dtype(call.preferred_element_type), config=config)
         return y.reshape(*lead, n)
     xf = x.spec
-    sx = _kernel_scales(x.scales, x.block_shape, x.shape, 0)
+    sx = kernel_operands(x).scales
     x_kind_s = _kind(sx)
     return kernels.quantized_matmul(
         x.values, sx, w.values, sw, zp, ts, m=m, n=n, k=k, x_kind="int" if xf.element.kind == "int" else "fp8",

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...core.pallas import triton_call
 from . import formats as F
+from . import kernel as K
 from .hadamard import hadamard_matrix
 
 _ANY = pl.BlockSpec(memory_space=pl.ANY)
@@ -82,9 +83,8 @@ def hadamard(x, signs, *, block: int, inverse: bool, config):
 
 
 def _decode_scale(s, kind):
-    if kind == "e8m0":
-        return F.e8m0_to_float(s)
-    return s.astype(jnp.float32)
+    del kind  # the dtype says it: uint8 tiles are E8M0 codes
+    return K.decode_scale(s)
 
 
 def _zero(ref):
@@ -137,28 +137,20 @@ def _qmm_kernel(*refs, m, n, k, bm, bn, bk, x_kind, w_format, x_scale_kind, w_sc
         xt = load_x(s)
         wt = load_w(s)
         if x_kind == "float":  # weight-only: decode the weights into the activation dtype
-            if packed:
-                wt_t = wt.T  # [bn, bkp]
-                lo, hi = wt_t & 0xF, (wt_t >> 4) & 0xF
-                if fmt.element.kind == "int":
-                    lo, hi = F.int4_decode(lo).astype(jnp.float32), F.int4_decode(hi).astype(jnp.float32)
-                else:
-                    lo, hi = F.e2m1_decode(lo), F.e2m1_decode(hi)
-                wd = jnp.stack([lo, hi], axis=-1).reshape(bn, bk)  # [bn, bk], K interleaved back
-                if has_zp:
-                    kb = (s * bk) // gw
-                    zp = plgpu.load(zp_ref.at[pl.ds(kb, 1), pl.ds(j * bn, bn)], mask=cols_n < n,
-                                    other=_zero(zp_ref)).astype(jnp.float32)
-                    wd = wd - zp.T
-                wd = wd.astype(compute_dtype)
-                return jax.lax.dot_general(xt.astype(compute_dtype), wd, (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32,
-                                           precision=_precision(compute_dtype))
-            wd = wt.astype(jnp.float32)
+            zp = None
             if has_zp:
                 kb = (s * bk) // gw
                 zp = plgpu.load(zp_ref.at[pl.ds(kb, 1), pl.ds(j * bn, bn)], mask=cols_n < n,
                                 other=_zero(zp_ref)).astype(jnp.float32)
+            if packed:
+                wd = K.decode_packed_pairs(wt.T, w_format)  # [bn, bk], K interleaved back
+                if zp is not None:
+                    wd = wd - zp.T
+                return jax.lax.dot_general(xt.astype(compute_dtype), wd.astype(compute_dtype),
+                                           (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                           precision=_precision(compute_dtype))
+            wd = K.decode_codes(wt, w_format)
+            if zp is not None:
                 wd = wd - zp
             return jnp.dot(xt.astype(compute_dtype), wd.astype(compute_dtype), preferred_element_type=jnp.float32,
                            precision=_precision(compute_dtype))
