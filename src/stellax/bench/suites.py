@@ -104,15 +104,22 @@ def _op_fn(op: Op, impl_name: str):
 
 
 def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable[Op] | None = None,
-              progress: Callable[[str], None] | None = None, deadline: float | None = None) -> list[bench_lib.BenchmarkRecord]:
-    """Benchmark one family; returns one record per (op, case, implementation, mode)."""
+              progress: Callable[[str], None] | None = None, deadline: float | None = None,
+              guarantee_one: bool = True) -> list[bench_lib.BenchmarkRecord]:
+    """Benchmark one family; returns one record per (op, case, implementation, mode).
+
+    With a ``deadline``, the work runs in priority order so a short budget
+    still covers every op: first each op's first case forward with its own
+    implementations, then the peers and other modes of that case, then the
+    other cases; what the deadline cuts off is recorded as skipped. The
+    family's very first measurement runs even past the deadline
+    (``guarantee_one``). Records come back in the natural order."""
     options = options or SuiteOptions()
     platform = current_platform()
     ops = list(ops) if ops is not None else families().get(family, [])
     if not ops:
         raise ValueError(f"suite {family!r}: no registered op of that family has benchmarks; "
                          f"known suites: {suite_names()}")
-    records: list[bench_lib.BenchmarkRecord] = []
     peaks = roofline_lib.device_peaks(platform)
     timer_kwargs = {"warmup": 0 if platform.backend == "cpu" else 1}
     if platform.backend == "cpu":
@@ -121,7 +128,11 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
         timer_kwargs["min_time"] = options.min_time
     timer = timing_lib.make_timer(options.timer, **timer_kwargs)
     input_sets = options.input_sets or (2 if platform.backend == "cpu" else 3)
-    for op in ops:
+
+    # Work items: (priority, natural order, group, op, example, label, mode, target).
+    items = []
+    order = 0
+    for op_index, op in enumerate(ops):
         if options.use_examples:
             import jax.numpy as jnp
             examples = op.examples(jnp.float32)
@@ -130,7 +141,7 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
         if options.max_cases is not None:
             examples = examples[: options.max_cases]
         seen_labels: dict[str, int] = {}
-        for example in examples:
+        for case_index, example in enumerate(examples):
             label = example.label
             if label in seen_labels:
                 seen_labels[label] += 1
@@ -140,41 +151,56 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
             positions, kw = grad_spec(op, example)
             modes = [m for m in (options.modes or default_modes(op, example))
                      if m == "forward" or positions or kw]
-            for mode in modes:
-                case_records = []
-                for impl_label, peer_fn, impl in _targets(op, options, platform):
-                    meta = dict(suite=family, op=op.name, case=label, implementation=impl_label)
-                    name = f"{op.name} {label} {impl_label}"
-                    if deadline is not None and time.monotonic() > deadline:
-                        case_records.append(bench_lib.BenchmarkRecord(
-                            name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend,
-                            skipped="time budget exhausted", **meta))
-                        continue
-                    if impl is not None:
-                        try:
-                            support = impl.supported(op.check(*example.args, **example.kwargs))
-                        except Exception as e:  # noqa: BLE001
-                            support = None
-                            case_records.append(bench_lib.BenchmarkRecord(
-                                name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend,
-                                error=f"check: {type(e).__name__}: {e}"[:300], **meta))
-                            continue
-                        if not support:
-                            case_records.append(bench_lib.BenchmarkRecord(
-                                name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend,
-                                skipped=support.reason[:300], **meta))
-                            continue
-                    fn = _op_fn(op, impl.name) if impl is not None else peer_fn
-                    if progress:
-                        progress(f"{family}: {name} [{mode}]")
-                    record = _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platform, name,
-                                      meta, interpret=options.interpret and impl is not None and impl.is_kernel)
-                    if impl is None and record.error:
-                        # A peer that cannot run here (library or backend missing) is not a stellax failure.
-                        record.skipped, record.error = f"peer unavailable: {record.error}"[:300], None
-                    case_records.append(record)
-                _share_cost_model(case_records, peaks)
-                records.extend(case_records)
+            for mode_index, mode in enumerate(modes):
+                for target in _targets(op, options, platform):
+                    own = target[2] is not None
+                    if case_index == 0 and mode_index == 0 and own:
+                        priority = 0
+                    elif case_index == 0:
+                        priority = 1
+                    else:
+                        priority = 2 + case_index
+                    group = (op_index, case_index, mode_index)
+                    items.append((priority, order, group, op, example, label, mode, positions, kw, target))
+                    order += 1
+
+    done: dict[int, bench_lib.BenchmarkRecord] = {}
+    first = True
+    for priority, order, group, op, example, label, mode, positions, kw, target in sorted(items, key=lambda t: t[:2]):
+        impl_label, peer_fn, impl = target
+        meta = dict(suite=family, op=op.name, case=label, implementation=impl_label)
+        name = f"{op.name} {label} {impl_label}"
+        base = dict(name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend, **meta)
+        if deadline is not None and time.monotonic() > deadline and not (first and guarantee_one):
+            done[order] = bench_lib.BenchmarkRecord(skipped="time budget exhausted", **base)
+            continue
+        if impl is not None:
+            try:
+                support = impl.supported(op.check(*example.args, **example.kwargs))
+            except Exception as e:  # noqa: BLE001
+                done[order] = bench_lib.BenchmarkRecord(error=f"check: {type(e).__name__}: {e}"[:300], **base)
+                continue
+            if not support:
+                done[order] = bench_lib.BenchmarkRecord(skipped=support.reason[:300], **base)
+                continue
+        fn = _op_fn(op, impl.name) if impl is not None else peer_fn
+        if progress:
+            progress(f"{family}: {name} [{mode}]")
+        record = _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platform, name, meta,
+                          interpret=options.interpret and impl is not None and impl.is_kernel)
+        if impl is None and record.error:
+            # A peer that cannot run here (library or backend missing) is not a stellax failure.
+            record.skipped, record.error = f"peer unavailable: {record.error}"[:300], None
+        done[order] = record
+        first = False
+
+    records: list[bench_lib.BenchmarkRecord] = []
+    by_group: dict[tuple, list] = {}
+    for item in items:
+        by_group.setdefault(item[2], []).append(done[item[1]])
+    for group in sorted(by_group):
+        _share_cost_model(by_group[group], peaks)
+        records.extend(by_group[group])
     return records
 
 
