@@ -11,8 +11,8 @@ from .local import LocalAttention, add_sinks, merge_partials
 from .ring import ring_attention_shard
 
 __all__ = [
-    "STRATEGIES", "LocalAttention", "add_sinks", "attention_traffic_model", "collective_traffic", "context_parallel_attention", "context_parallel_gated_delta_rule",
-    "context_parallel_kda", "load_balance_permutation",
-    "memory_report", "merge_partials", "reorder_for_load_balance", "restore_from_load_balance", "ring_attention_shard",
-    "shard_positions",
+    "STRATEGIES", "LocalAttention", "add_sinks", "attention_traffic_model", "collective_traffic",
+    "context_parallel_attention", "context_parallel_gated_delta_rule", "context_parallel_kda",
+    "load_balance_permutation", "memory_report", "merge_partials", "reorder_for_load_balance",
+    "restore_from_load_balance", "ring_attention_shard", "shard_positions",
 ]

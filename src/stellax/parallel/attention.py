@@ -210,7 +210,7 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name=None, strat
     sizes = dict(mesh.shape)
     shards = int(np.prod([sizes[a] for a in seq_axes]))
     b, t, n, _ = query.shape
-    check_divisible(t, shards, load_balance, what=f"query: sequence length T")
+    check_divisible(t, shards, load_balance, what="query: sequence length T")
     kv_rep = _kv_repeat(n, key.shape[2], sizes[uly], strategy) if uly is not None else 1
     if segment_ids is not None:
         if q_segment_ids is not None or kv_segment_ids is not None:

@@ -108,7 +108,7 @@ def _context_parallel(op, per_channel, q, k, v, g, beta, *, mesh, axis_name, ini
     fn = jax.shard_map(_body(op, axis_name, p_size, op_kwargs, names), mesh=mesh, in_specs=specs,
                        out_specs=(seq, rep), check_vma=False)
     args = (q, k, v, g, beta, tiled(s0), param_arrays)
-    placed = place(mesh, args[:6], specs[:6]) + (param_arrays,)
+    placed = place(mesh, args[:6], specs[:6]) + (place(mesh, param_arrays, specs[6]),)
     o, states = fn(*placed)
     return o, (states[-1] if output_final_state else None)
 
