@@ -135,6 +135,23 @@ def test_windows_follow_appends_and_attention_reads_them():
     assert float(jnp.linalg.norm(out - exact)) < 0.8 * float(jnp.linalg.norm(no_win - exact))
 
 
+def test_mla_latent_update_quantized_and_dense():
+    rng = np.random.default_rng(4)
+    latent, pe = init_kv_cache(3, 4, None, 32, quant=KVQuant("int8"), value_quant=None, value_head_dim=8,
+                               dtype=jnp.float32)
+    assert latent.shape == (3, 4, 32) and latent.spec.format == "int8" and pe.shape == (3, 4, 8)
+    latent, pe = init_kv_cache(3, 4, None, 32, dtype=jnp.float32, value_head_dim=8)
+    q_latent = quantize_pages(latent, "int8")
+    new_c = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32)
+    new_pe = jnp.asarray(rng.normal(size=(5, 8)), jnp.float32)
+    slots = jnp.asarray([0, 5, -1, 11, 2], jnp.int32)
+    q_latent, pe = update_kv_cache(q_latent, pe, new_c, new_pe, slots)
+    dense = np.asarray(dequantize_pages(q_latent)).reshape(12, 32)
+    live = np.asarray(slots) >= 0
+    np.testing.assert_allclose(dense[np.asarray(slots)[live]], np.asarray(new_c)[live], atol=0.02)
+    np.testing.assert_array_equal(np.asarray(pe).reshape(12, 8)[np.asarray(slots)[live]], np.asarray(new_pe)[live])
+
+
 def test_update_needs_positions_for_windows_and_checks_shapes():
     k, v = init_kv_cache(2, 4, 1, 16, quant=KVQuant("int4", group_size=16, recent_tokens=2), max_seqs=1)
     with pytest.raises(ValueError, match="positions and seq_ids"):

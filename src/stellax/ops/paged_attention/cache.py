@@ -117,7 +117,7 @@ def pages_dtype(pages):
 # -- creation -------------------------------------------------------------------------
 def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head_dim: int, *,
                   dtype=jnp.bfloat16, quant: KVQuant | str | None = None,
-                  value_quant: KVQuant | str | None = None, value_head_dim: int | None = None,
+                  value_quant: KVQuant | str | None = "same", value_head_dim: int | None = None,
                   max_seqs: int | None = None, combined: bool = False):
     """An empty (zero) paged cache ``(k_pages, v_pages)``.
 
@@ -126,7 +126,8 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
         (``num_kv_heads=None`` gives the head-less MLA layout).
       dtype: the dtype of dense pools.
       quant: a `KVQuant` (or format name) for keys; ``None`` keeps them dense.
-      value_quant: the same for values (default: ``quant``).
+      value_quant: the same for values (default ``"same"``: as ``quant``;
+        ``None``: dense values).
       value_head_dim: head dim of the values (default ``head_dim``).
       max_seqs: sequence rows of the full-precision windows (when a spec has them).
       combined: one ``kv_pages [num_pages, page_size, 2, K, H]`` array
@@ -134,7 +135,7 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
     """
     if isinstance(quant, str):
         quant = KVQuant(quant)
-    if value_quant is None:
+    if isinstance(value_quant, str) and value_quant == "same":
         value_quant = quant
     elif isinstance(value_quant, str):
         value_quant = KVQuant(value_quant)
