@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Example, Implementation, Op, checks, register
+from ...core import Call, Implementation, Op, checks, register
 from . import examples as examples_mod
 from . import triton as triton_kernels
 from . import xla as xla_kernels

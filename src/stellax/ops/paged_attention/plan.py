@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from ...core import Call
 from .cache import Source, as_source, pool_from_call
-from .quant_cache import expand_token_groups, load_codes, rotate, unrotate, window_slots
+from .quant_cache import expand_token_groups, load_codes, rotate, unrotate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -418,7 +418,7 @@ def quantize_pages(pages, spec: KVQuant | str, *, max_seqs: int | None = None, b
     if isinstance(spec, str):
         spec = KVQuant(spec)
     pages = jnp.asarray(pages)
-    num_pages, page_size, head_dim = pages.shape[0], pages.shape[1], pages.shape[-1]
+    page_size, head_dim = pages.shape[1], pages.shape[-1]
     spec.check_shape(page_size, head_dim)
     signs = rotation_signs(head_dim, spec.seed) if spec.rotation else None
     x = pages.astype(jnp.float32)
