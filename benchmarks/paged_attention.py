@@ -10,7 +10,8 @@ attention on the bf16 cache, on keys and values with outlier channels (4 of
 128 channels 20x larger), and the cache bytes per token and kv head.
 
 ``decode`` times bf16 and quantized decode at 8k–128k context with the
-Triton kernels and the XLA path, converts the bytes the step must read
+Triton kernels, the XLA path and (bf16) jax's own Pallas GPU paged attention
+on the same data in its head-major layout, converts the bytes the step must read
 (`Op.bytes_accessed`) into GB/s and compares with a measured device-to-device
 copy bandwidth. It needs a GPU.
 """
@@ -119,6 +120,20 @@ def decode(out_path=None):
                 results["rows"].append(row)
                 print(f"B={batch:2d} ctx={context:6d} {row['format']:5s} {impl:6s} {row['us']:9.1f} us "
                       f"{row['GBps']:7.0f} GB/s {row['pct_copy']:5.1f}% of copy")
+            if quant is None:  # what the machine offers: jax's own Pallas GPU paged attention (head-major pages)
+                try:
+                    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged
+                    q, kp, vp, tables, lengths = args
+                    kt, vt = kp.transpose(2, 0, 1, 3), vp.transpose(2, 0, 1, 3)  # layout change, not timed
+                    fn = jax.jit(lambda q, k, v, t, l: jax_paged(q, k, v, t, l))
+                    t = _time(fn, q, kt, vt, tables, lengths)
+                    row = dict(batch=batch, context=context, format="bf16", impl="jax.pallas.gpu", us=t * 1e6,
+                               GBps=nbytes / t / 1e9, pct_copy=100 * nbytes / t / bw)
+                    results["rows"].append(row)
+                    print(f"B={batch:2d} ctx={context:6d} bf16  jax-pallas {row['us']:9.1f} us {row['GBps']:7.0f} GB/s "
+                          f"{row['pct_copy']:5.1f}% of copy")
+                except Exception as e:  # not installed / layout limits
+                    print(f"jax.experimental.pallas.ops.gpu.paged_attention unavailable: {type(e).__name__}: {str(e)[:160]}")
     if out_path:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
