@@ -97,9 +97,10 @@ def _examples(dtype):
     logits = jax.random.normal(keys[0], (37, 16), jnp.float32).astype(dtype)
     bias = (0.1 * jax.random.normal(keys[1], (16,))).astype(jnp.float32)
     return [
-        Example("T=37 E=16 top-2 softmax", (logits, 2)),
-        Example("T=37 E=16 top-4 sigmoid bias, 4 groups keep 2", (logits, 4),
-                {"scoring": "sigmoid", "bias": bias, "num_groups": 4, "top_k_groups": 2, "routed_scaling": 2.5}),
+        Example("T=37 E=16 top-2 softmax", (logits,), {"top_k": 2}),
+        Example("T=37 E=16 top-4 sigmoid bias, 4 groups keep 2", (logits,),
+                {"top_k": 4, "scoring": "sigmoid", "bias": bias, "num_groups": 4, "top_k_groups": 2,
+                 "routed_scaling": 2.5}),
     ]
 
 
