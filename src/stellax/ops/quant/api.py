@@ -15,7 +15,8 @@ from ...core import checks
 from ...core.config import is_power_of_two
 from . import formats as F
 from . import hadamard as H
-from .configs import HadamardConfig, hadamard_heuristic, hadamard_space
+from .configs import (DequantConfig, HadamardConfig, dequant_heuristic, dequant_space, hadamard_heuristic,
+                      hadamard_space)
 from .qarray import QArray, scale_shape
 from .reference import dequantize_reference, quantize_reference
 
@@ -272,12 +273,43 @@ def _dequantize_benchmarks(platform):
     return out
 
 
+def _dequantize_requirements(call: Call):
+    ndim = len(call.shape)
+    if call.axis != ndim - 1 or any(b != 1 for b in call.block_shape[:-1]):
+        return ("the Triton dequantize kernel takes 1-D blocks along the last axis (quantize with axis=-1); "
+                f"got axis {call.axis}, block_shape {call.block_shape}")
+    g = call.block_shape[-1]
+    if -(-call.shape[-1] // g) > 1 and (g & (g - 1)):
+        return f"the Triton dequantize kernel needs a power-of-two block along the axis, got {g}"
+    return None
+
+
+def _dequantize_triton(call: Call, config):
+    from . import triton as kernels
+    from .kernel import kernel_operands
+    q = qarray_of(call)
+    ops = kernel_operands(q)
+    k = q.shape[-1]
+    rows = int(np.prod(q.shape[:-1]))
+    lead = q.shape[:-1]
+    values = ops.values.reshape(rows, ops.values.shape[-1])
+    scales = ops.scales.reshape(rows, ops.scales.shape[-1])
+    zp = None if ops.zero_points is None else ops.zero_points.reshape(rows, -1)
+    out = kernels.dequantize(values, scales, zp, ops.tensor_scale, rows=rows, k=k, group=ops.group,
+                             one_block=scales.shape[-1] == 1, fmt=q.format, out_dtype=jnp.dtype(call.dtype),
+                             config=config)
+    return out.reshape(*lead, k)
+
+
 dequantize_op = register(Op(
     "dequantize",
     family="quant",
     check=_check_dequantize,
     reference=lambda call: _dequantize_run(call),
-    implementations=[Implementation("xla", _dequantize_run)],
+    implementations=[
+        Implementation("triton", _dequantize_triton, backend="triton", config_type=DequantConfig,
+                       heuristic=dequant_heuristic, space=dequant_space, requirements=_dequantize_requirements),
+        Implementation("xla", _dequantize_run)],
     flops=lambda call: float(np.prod(call.shape)) * 3,
     bytes_accessed=_dequantize_bytes,
     examples=_dequantize_examples,
@@ -285,13 +317,17 @@ dequantize_op = register(Op(
 ))
 
 
-def dequantize(qx: QArray, dtype=jnp.float32, *, implementation=None):
+def dequantize(qx: QArray, dtype=jnp.float32, *, implementation=None, config=None):
     """Values of a `QArray`: ``(code - zero_point) * scale * tensor_scale``
-    computed in float32, returned in ``dtype`` (float32/bfloat16/float16)."""
+    computed in float32, returned in ``dtype`` (float32/bfloat16/float16).
+
+    ``implementation``: ``None`` (the Triton kernel on a GPU when the blocks
+    are 1-D along the last axis, else XLA), ``"triton"`` or ``"xla"``;
+    ``config``: a `DequantConfig`."""
     if not isinstance(qx, QArray):
         raise TypeError(f"qx: expected a QArray, got {type(qx).__name__}")
     args, kw = _flat(qx)
-    return dequantize_op(*args, **kw, dtype=np.dtype(dtype).name, implementation=implementation)
+    return dequantize_op(*args, **kw, dtype=np.dtype(dtype).name, implementation=implementation, config=config)
 
 
 # -- hadamard op ---------------------------------------------------------------------

@@ -77,3 +77,35 @@ def qmatmul_space(call: Call) -> list[QMatmulConfig]:
                         num_warps=(4,), num_stages=(2,))
     out = [c for c in out if _allowed_k(call, c.block_k)]
     return out or [qmatmul_heuristic(call)]
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantConfig(TritonConfig):
+    """``block_rows × block_k`` output elements per Triton program."""
+
+    block_rows: int = 16
+    block_k: int = 256
+
+    def validate(self) -> None:
+        super().validate()
+        require_power_of_two("DequantConfig", "block_rows", self.block_rows)
+        require_in("DequantConfig", "block_k", self.block_k, (32, 64, 128, 256, 512, 1024))
+
+
+def _dequant_ok(call: Call, c: DequantConfig) -> bool:
+    g = call.block_shape[call.axis]
+    one_block = -(-call.shape[call.axis] // g) == 1
+    return one_block or g % c.block_k == 0 or c.block_k % g == 0
+
+
+def dequant_heuristic(call: Call) -> DequantConfig:
+    for bk in (256, 128, 512, 64, 1024, 32):
+        c = DequantConfig(block_rows=16, block_k=bk, num_warps=4, num_stages=1)
+        if _dequant_ok(call, c):
+            return c
+    return DequantConfig(num_stages=1)
+
+
+def dequant_space(call: Call) -> list[DequantConfig]:
+    out = product_space(DequantConfig, block_rows=(8, 32), block_k=(128, 512), num_warps=(4,), num_stages=(1,))
+    return [c for c in out if _dequant_ok(call, c)] or [dequant_heuristic(call)]

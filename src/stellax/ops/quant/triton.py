@@ -206,3 +206,65 @@ def quantized_matmul(x, sx, w, sw, zp, ts, *, m, n, k, x_kind, w_format, x_scale
         in_specs=[_ANY] * len(inputs), out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_quantized_matmul",
     )(*inputs)
+
+
+# -- dequantize --------------------------------------------------------------------
+
+
+def _dequant_kernel(*refs, rows, k, br, bk, group, one_block, packed, fmt, has_zp, has_ts):
+    refs = list(refs)
+    v_ref, s_ref = refs.pop(0), refs.pop(0)
+    zp_ref = refs.pop(0) if has_zp else None
+    ts_ref = refs.pop(0) if has_ts else None
+    o_ref = refs.pop(0)
+    i, j = pl.program_id(0), pl.program_id(1)
+    row_ok = (i * br + jax.lax.broadcasted_iota(jnp.int32, (br, 1), 0)) < rows
+    if packed:
+        bkp = bk // 2
+        col = j * bkp + jax.lax.broadcasted_iota(jnp.int32, (br, bkp), 1)
+        codes = plgpu.load(v_ref.at[pl.ds(i * br, br), pl.ds(j * bkp, bkp)], mask=row_ok & (col < (k + 1) // 2),
+                           other=_zero(v_ref))
+        vals = K.decode_packed_pairs(codes, fmt)
+    else:
+        col = j * bk + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 1)
+        codes = plgpu.load(v_ref.at[pl.ds(i * br, br), pl.ds(j * bk, bk)], mask=row_ok & (col < k),
+                           other=_zero(v_ref))
+        vals = K.decode_codes(codes, fmt)
+    nbk = s_ref.shape[1]
+
+    def per_element(ref):
+        if one_block or group >= bk:
+            c = 0 if one_block else (j * bk) // group
+            return plgpu.load(ref.at[pl.ds(i * br, br), pl.ds(c, 1)], mask=row_ok, other=_zero(ref))
+        nb = bk // group
+        c = j * nb + jax.lax.broadcasted_iota(jnp.int32, (br, nb), 1)
+        t = plgpu.load(ref.at[pl.ds(i * br, br), pl.ds(j * nb, nb)], mask=row_ok & (c < nbk), other=_zero(ref))
+        return t
+
+    def expand(t):
+        if one_block or group >= bk:
+            return t
+        nb = bk // group
+        return jnp.broadcast_to(t.reshape(br, nb, 1), (br, nb, group)).reshape(br, bk)
+
+    s = K.decode_scale(per_element(s_ref))
+    if has_ts:  # (scale · tensor_scale) first, as `dequantize_reference` does: bitwise equal results
+        s = s * plgpu.load(ts_ref.at[pl.ds(0, 1)]).reshape(1, 1)
+    if has_zp:
+        vals = vals - expand(per_element(zp_ref).astype(jnp.float32))
+    o_ref[...] = (vals * expand(s)).astype(o_ref.dtype)
+
+
+def dequantize(values, scales, zero_points, tensor_scale, *, rows, k, group, one_block, fmt, out_dtype, config):
+    """Rows ``[R, K]`` (values packed along K for 4-bit), scales ``[R, ceil(K/group)]``."""
+    br, bk = config.block_rows, config.block_k
+    inputs = [values, scales] + ([zero_points] if zero_points is not None else []) + (
+        [tensor_scale] if tensor_scale is not None else [])
+    kernel = functools.partial(
+        _dequant_kernel, rows=rows, k=k, br=br, bk=bk, group=group, one_block=one_block,
+        packed=F.get_format(fmt).packed, fmt=fmt, has_zp=zero_points is not None, has_ts=tensor_scale is not None)
+    return triton_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((rows, k), out_dtype), grid=(pl.cdiv(rows, br), pl.cdiv(k, bk)),
+        in_specs=[_ANY] * len(inputs), out_specs=pl.BlockSpec((br, bk), lambda i, j: (i, j)),
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_dequantize",
+    )(*inputs)
