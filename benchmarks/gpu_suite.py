@@ -163,6 +163,7 @@ def check_stage(result: dict, deadline: float) -> None:
     examples (bfloat16, float32, more real shapes) while time is left."""
     import jax.numpy as jnp
 
+    from stellax.bench.inputs import materialize_example
     from stellax.core.platform import interpret_mode
     from stellax.testing.validation import CheckResult, check_example
 
@@ -172,7 +173,7 @@ def check_stage(result: dict, deadline: float) -> None:
     for family, ops in _families().items():
         for op in ops:
             f32 = op.examples(jnp.float32)
-            real = [] if ARGS.dry_run else op.benchmarks()[: ARGS.real_cases]
+            real = [] if ARGS.dry_run else [materialize_example(e) for e in op.benchmarks()[: ARGS.real_cases]]
             bf16 = [] if ARGS.dry_run else op.examples(jnp.bfloat16)
             for impl_name in op.implementations:
                 for i, e in enumerate(f32[:1] if ARGS.dry_run else f32):
@@ -222,6 +223,7 @@ def autotune_stage(result: dict, deadline: float, out_dir: Path):
     import jax.numpy as jnp
 
     from stellax.autotune import AutotuneResult, autotune, device_slug
+    from stellax.bench.inputs import materialize_example
     from stellax.autotune.cli import tuning_function
 
     combined = AutotuneResult(device=device_slug())
@@ -233,6 +235,7 @@ def autotune_stage(result: dict, deadline: float, out_dir: Path):
             if not kernels or op._benchmarks is None:
                 continue
             examples = op.examples(jnp.float32)[:1] if ARGS.dry_run else op.benchmarks()[: ARGS.tune_cases]
+            examples = [materialize_example(e) for e in examples]
             for example in examples:
                 for impl_name in kernels:
                     if time.monotonic() > deadline or (ARGS.dry_run and tuned_any):

@@ -71,3 +71,19 @@ def test_stats_and_timers():
         assert len(times) == 5 and all(t > 0 for t in times)
     ok, reason = timing.cupti_available()
     assert not ok and "NVIDIA" in reason
+
+
+def test_shape_dtype_struct_operands_are_materialized():
+    """Benchmark examples may give operands by shape and dtype only."""
+    codes = jax.ShapeDtypeStruct((64, 32), jnp.int8)
+    scales = jax.ShapeDtypeStruct((64, 1), jnp.float32)
+    seen = {}
+
+    def dequant(q, s):
+        seen["types"] = (q.dtype, s.dtype)
+        return q.astype(jnp.float32) * s
+
+    r = stellax.benchmark(dequant, codes, scales, iterations=3)
+    assert r.ok and seen["types"] == (jnp.int8, jnp.float32)
+    q, s = inputs.input_sets((codes, scales), 1)[0]
+    assert np.unique(np.asarray(q)).size > 100 and np.all(np.asarray(s) != 0)  # random codes, no zeros

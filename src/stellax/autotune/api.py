@@ -61,7 +61,8 @@ def find_calls(fn: Callable[..., Any], *args, implementations: Sequence[str] | N
 
     def observer(op, implementation, call, config):
         concrete = {name: concrete_by_id[id(v)] for name, v in call.arrays.items()
-                    if v is not None and id(v) in concrete_by_id and not inputs_lib.is_float(v)}
+                    if v is not None and id(v) in concrete_by_id and not inputs_lib.is_float(v)
+                    and not isinstance(concrete_by_id[id(v)], jax.ShapeDtypeStruct)}
         names = [implementation.name] + [n for n in (implementations or ()) if n != implementation.name]
         abstract = call.abstract()
         for name in names:

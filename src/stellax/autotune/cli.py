@@ -87,6 +87,7 @@ def load_shapes(path: str):
 
 
 def suite_calls(suites, max_cases=None):
+    from ..bench.inputs import materialize_example
     from ..bench.suites import families
 
     known = families()
@@ -100,6 +101,7 @@ def suite_calls(suites, max_cases=None):
             if max_cases is not None:
                 examples = examples[:max_cases]
             for ex in examples:
+                ex = materialize_example(ex)
                 out.append((op, ex.args, dict(ex.kwargs), True, f"{op.name} {ex.label}"))
     return out
 

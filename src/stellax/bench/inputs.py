@@ -32,12 +32,34 @@ def fill_like(x):
     return jnp.zeros(tuple(x.shape), x.dtype)
 
 
-def randomize_tree(tree, key):
-    """Replace every floating array leaf of ``tree`` by fresh random values;
+def materialize(struct, key):
+    """A concrete array for a `jax.ShapeDtypeStruct` operand: random floats;
+    random codes over the whole range for 8-bit (and narrower) integers
+    (quantized data); `fill_like` for wider integers (indices) and booleans."""
+    dtype = jnp.dtype(struct.dtype)
+    shape = tuple(struct.shape)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return random_array(key, shape, dtype)
+    if jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize == 1:
+        info = jnp.iinfo(dtype)
+        return jax.random.randint(key, shape, int(info.min), int(info.max) + 1, jnp.int32).astype(dtype)
+    return fill_like(struct)
+
+
+def randomize_tree(tree, key, *, randomize: bool = True):
+    """Replace every floating array leaf of ``tree`` by fresh random values
+    and every `jax.ShapeDtypeStruct` by a concrete array (`materialize`);
     other leaves are kept as they are."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     keys = jax.random.split(key, max(1, len(leaves)))
-    out = [random_like(k, leaf) if is_float(leaf) else leaf for k, leaf in zip(keys, leaves)]
+    out = []
+    for k, leaf in zip(keys, leaves):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            out.append(materialize(leaf, k))
+        elif randomize and is_float(leaf):
+            out.append(random_like(k, leaf))
+        else:
+            out.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -49,10 +71,7 @@ def input_sets(tree, count: int, *, seed: int = 0, randomize: bool = True) -> li
     base = jax.random.PRNGKey(seed)
     sets = []
     for i in range(count):
-        if i == 0 and not randomize:
-            sets.append(tree)
-        else:
-            sets.append(randomize_tree(tree, jax.random.fold_in(base, i)))
+        sets.append(randomize_tree(tree, jax.random.fold_in(base, i), randomize=randomize or i > 0))
     return sets
 
 
@@ -67,8 +86,17 @@ def arrays_from_abstract(abstract: Mapping[str, Any], key, concrete: Mapping[str
         struct = abstract[name]
         if jnp.issubdtype(struct.dtype, jnp.inexact):
             out[name] = random_like(k, struct)
-        elif name in concrete and concrete[name] is not None:
+        elif name in concrete and concrete[name] is not None and not isinstance(concrete[name], jax.ShapeDtypeStruct):
             out[name] = jnp.asarray(concrete[name])
         else:
-            out[name] = fill_like(struct)
+            out[name] = materialize(struct, k)
     return out
+
+
+def materialize_example(example, seed: int = 0):
+    """The example with every `jax.ShapeDtypeStruct` operand made concrete
+    (benchmark examples may give operands by shape and dtype only)."""
+    import dataclasses
+
+    args, kwargs = randomize_tree((example.args, example.kwargs), jax.random.PRNGKey(seed), randomize=False)
+    return dataclasses.replace(example, args=tuple(args), kwargs=dict(kwargs))
