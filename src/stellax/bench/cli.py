@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also benchmark kernel implementations interpreted on the CPU (testing only)")
     p.add_argument("--max-cases", type=int, default=None, help="at most this many shapes per op")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole run, shared among suites (default: 100 on a CPU, none elsewhere)")
+                   help="seconds for the whole run, shared among suites (default: 90 on a CPU, none elsewhere)")
     p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti"))
     p.add_argument("--min-time", type=float, default=None, help="seconds of timed iterations per measurement")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             if bad:
                 err.print(f"--modes: unknown {bad}; expected some of {MODES}")
                 return 2
-        budget = args.budget if args.budget is not None else (100.0 if platform.backend == "cpu" else None)
+        budget = args.budget if args.budget is not None else (90.0 if platform.backend == "cpu" else None)
         options = SuiteOptions(
             modes=modes, implementations=args.implementations.split(",") if args.implementations else None,
             peers=not args.no_peers, interpret=args.interpret, timer="wall" if (args.profile and args.timer in

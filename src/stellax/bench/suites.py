@@ -132,7 +132,15 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
     # Work items: (priority, natural order, group, op, example, label, mode, target).
     items = []
     order = 0
+    unbuilt: list[bench_lib.BenchmarkRecord] = []
     for op_index, op in enumerate(ops):
+        if deadline is not None and op_index > 0 and time.monotonic() > deadline:
+            # Building the inputs costs time too: past the deadline, skip the op whole.
+            unbuilt.append(bench_lib.BenchmarkRecord(
+                name=f"{op.name} (all cases)", mode="*", device_kind=platform.device_kind,
+                backend=platform.backend, suite=family, op=op.name, case="(all cases)", implementation="*",
+                skipped="time budget exhausted"))
+            continue
         if options.use_examples:
             import jax.numpy as jnp
             examples = op.examples(jnp.float32)
@@ -201,7 +209,7 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
     for group in sorted(by_group):
         _share_cost_model(by_group[group], peaks)
         records.extend(by_group[group])
-    return records
+    return records + unbuilt
 
 
 def _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platform, name, meta, *, interpret):
