@@ -13,13 +13,13 @@ and accumulator ``acc`` (float32):
 Nothing of size T×S is materialized: peak memory is O(block_q·block_k) for
 the logits plus the O(T) inputs and outputs.
 
-Backward (the custom VJP recomputes; FlashAttention-2 style), for each key
-block (``lax.scan``) over the query blocks that see it, with
-``delta = rowsum(dO·O) - dlse``:
+Backward (the custom VJP recomputes), with ``delta = rowsum(dO·O) - dlse``
+and per visible block (i, j):
 
-    p  = exp(s - lse);  dv_j += pᵀ·dO_i;  dp = dO_i·v_jᵀ;  ds = p·(dp - delta)
-    dbias += ds;  ds *= scale · (1 - tanh²) [soft cap]
-    dk_j += dsᵀ·q_i;  dq_i += ds·k_j   (dq carried, updated in place)
+    p  = exp(s - lse);  dp = dO_i·v_jᵀ;  ds = p·(dp - delta);  dbias_ij = ds
+    ds *= scale · (1 - tanh²) [soft cap]
+    pass 1, per query block over its key blocks:   dq_i += ds·k_j
+    pass 2, per key block over its query blocks:   dv_j += pᵀ·dO_i;  dk_j += dsᵀ·q_i
     dsinks = -Σ exp(sink - lse)·delta
 
 Every sum runs in a fixed order: the result is deterministic.
@@ -218,10 +218,12 @@ def forward(c, config):
 
 
 def backward(c, out, lse, d_out, d_lse, config):
-    """``(dq, dk, dv, dbias, dsinks)`` in the operands' dtypes."""
+    """``(dq, dk, dv, dbias, dsinks)`` in the operands' dtypes.
+
+    Two passes (each recomputes the probabilities of its blocks): dq and dbias
+    per query block over its key blocks, then dk/dv per key block over its
+    query blocks; no scattered accumulation."""
     L = _Layout(c, config.block_q, config.block_k)
-    lo, hi = _bounds(visit_schedule(jnp.swapaxes(L.classes, 1, 2)))
-    rows = L.bq * L.g
     f32 = jnp.float32
     delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # [B, T, N]
     if d_lse is not None:
@@ -236,54 +238,87 @@ def backward(c, out, lse, d_out, d_lse, config):
     has_bias = L.bias is not None
     bias_shape = L.bias.shape if has_bias else None
 
-    def reduce_to_bias(ds):  # ds [B, K, bq, G, bk] → the bias block's shape
-        axes = tuple(a for a, (full, got) in enumerate(zip(ds.shape, bias_shape)) if got == 1 and full > 1)
-        ds = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
-        return ds
+    def probs(qi, doi, i, j, vj):
+        """``p``, ``ds`` (before scale/soft cap) and the soft-cap tanh of block (i, j)."""
+        s, tanh = L.logits(qi, i, j)
+        p = jnp.exp(L.flat(s) - L.stat_rows(lse_r, i)[..., None])  # [B, K, rows, bk]
+        dp = jnp.einsum("bkqh,bksh->bkqs", doi, vj, precision=L.precision, preferred_element_type=f32)
+        ds = p * (dp - L.stat_rows(delta_r, i)[..., None])
+        return p, ds, tanh
 
-    def k_block(carry, j):
-        dq, dbias = carry
+    def scaled(ds, tanh):
+        if tanh is not None:
+            ds = ds * L.flat(1.0 - tanh * tanh)
+        return ds * f32(L.scale)
+
+    # -- pass 1: dq (and dbias), per query block over its visible key blocks.
+    lo, hi = _bounds(visit_schedule(L.classes))
+    dbias_rows = None
+    if has_bias:
+        dbias_rows = (bias_shape[0], bias_shape[1], L.bq if bias_shape[2] > 1 else 1, bias_shape[3],
+                      bias_shape[4])
+
+    def q_block(i):
+        qi = L.q_rows(L.q, i, L.h)
+        doi = L.q_rows(do_r, i, L.hv)
+
+        def body(j, carry):
+            dq, dbias = carry
+            kj = lax.dynamic_slice_in_dim(L.k, j * L.bk, L.bk, axis=2)
+            vj = lax.dynamic_slice_in_dim(L.v, j * L.bk, L.bk, axis=2)
+            _, ds, tanh = probs(qi, doi, i, j, vj)
+            if has_bias:
+                blk = ds.reshape(L.b, L.kh, L.bq, L.g, L.bk)
+                axes = tuple(a for a, (full, got) in enumerate(zip(blk.shape, dbias_rows)) if got == 1 and full > 1)
+                blk = jnp.sum(blk, axis=axes, keepdims=True) if axes else blk
+                if bias_shape[4] > 1:
+                    cur = lax.dynamic_slice_in_dim(dbias, j * L.bk, L.bk, axis=4)
+                    dbias = lax.dynamic_update_slice_in_dim(dbias, cur + blk, j * L.bk, axis=4)
+                else:
+                    dbias = dbias + blk
+            dq = dq + jnp.einsum("bkqs,bksh->bkqh", scaled(ds, tanh), kj, precision=L.precision,
+                                 preferred_element_type=f32)
+            return dq, dbias
+
+        init = (jnp.zeros((L.b, L.kh, L.bq * L.g, L.h), f32),
+                jnp.zeros(dbias_rows, f32) if has_bias else None)
+        dq, dbias = lax.fori_loop(lo[i], hi[i], body, init)
+        return dq.reshape(L.b, L.kh, L.bq, L.g, L.h), dbias
+
+    dq, dbias = lax.map(q_block, jnp.arange(L.nq, dtype=jnp.int32))  # [nq, ...]
+    dq = L.from_rows(jnp.moveaxis(dq, 0, 2).reshape(L.b, L.kh, L.tp, L.g, L.h))
+
+    # -- pass 2: dk/dv, per key block over the query blocks that see it.
+    lo, hi = _bounds(visit_schedule(jnp.swapaxes(L.classes, 1, 2)))
+
+    def k_block(j):
         kj = lax.dynamic_slice_in_dim(L.k, j * L.bk, L.bk, axis=2)
         vj = lax.dynamic_slice_in_dim(L.v, j * L.bk, L.bk, axis=2)
 
-        def body(i, inner):
-            dk, dv, dq, dbias = inner
+        def body(i, carry):
+            dk, dv = carry
             qi = L.q_rows(L.q, i, L.h)
             doi = L.q_rows(do_r, i, L.hv)
-            s, tanh = L.logits(qi, i, j)
-            p = jnp.exp(L.flat(s) - L.stat_rows(lse_r, i)[..., None])  # [B, K, rows, bk]
-            dv = dv + jnp.einsum("bkqs,bkqh->bksh", p, doi, precision=L.precision,
+            p, ds, tanh = probs(qi, doi, i, j, vj)
+            dv = dv + jnp.einsum("bkqs,bkqh->bksh", p, doi, precision=L.precision, preferred_element_type=f32)
+            dk = dk + jnp.einsum("bkqs,bkqh->bksh", scaled(ds, tanh), qi, precision=L.precision,
                                  preferred_element_type=f32)
-            dp = jnp.einsum("bkqh,bksh->bkqs", doi, vj, precision=L.precision, preferred_element_type=f32)
-            ds = p * (dp - L.stat_rows(delta_r, i)[..., None])
-            if has_bias:
-                blk = reduce_to_bias(ds.reshape(L.b, L.kh, L.bq, L.g, L.bk))
-                starts = [0, 0, i * L.bq if bias_shape[2] > 1 else 0, 0, j * L.bk if bias_shape[4] > 1 else 0]
-                cur = lax.dynamic_slice(dbias, starts, blk.shape)
-                dbias = lax.dynamic_update_slice(dbias, cur + blk, starts)
-            if tanh is not None:
-                ds = ds * L.flat(1.0 - tanh * tanh)
-            ds = ds * f32(L.scale)
-            dk = dk + jnp.einsum("bkqs,bkqh->bksh", ds, qi, precision=L.precision, preferred_element_type=f32)
-            dqi = jnp.einsum("bkqs,bksh->bkqh", ds, kj, precision=L.precision, preferred_element_type=f32)
-            cur = lax.dynamic_slice_in_dim(dq, i * L.bq, L.bq, axis=2)
-            dq = lax.dynamic_update_slice_in_dim(
-                dq, cur + dqi.reshape(L.b, L.kh, L.bq, L.g, L.h), i * L.bq, axis=2)
-            return dk, dv, dq, dbias
+            return dk, dv
 
-        init = (jnp.zeros((L.b, L.kh, L.bk, L.h), f32), jnp.zeros((L.b, L.kh, L.bk, L.hv), f32), dq, dbias)
-        dk, dv, dq, dbias = lax.fori_loop(lo[j], hi[j], body, init)
-        return (dq, dbias), (dk, dv)
+        init = (jnp.zeros((L.b, L.kh, L.bk, L.h), f32), jnp.zeros((L.b, L.kh, L.bk, L.hv), f32))
+        return lax.fori_loop(lo[j], hi[j], body, init)
 
-    dq0 = jnp.zeros((L.b, L.kh, L.tp, L.g, L.h), f32)
-    dbias0 = jnp.zeros(bias_shape, f32) if has_bias else None
-    (dq, dbias), (dk, dv) = lax.scan(k_block, (dq0, dbias0), jnp.arange(L.nk, dtype=jnp.int32))
+    dk, dv = lax.map(k_block, jnp.arange(L.nk, dtype=jnp.int32))
     # dk/dv: [nk, B, K, bk, D] → [B, S, K, D]
     dk = jnp.moveaxis(dk, 0, 2).reshape(L.b, L.kh, L.sp, L.h)[:, :, :L.s].transpose(0, 2, 1, 3)
     dv = jnp.moveaxis(dv, 0, 2).reshape(L.b, L.kh, L.sp, L.hv)[:, :, :L.s].transpose(0, 2, 1, 3)
-    dq = L.from_rows(dq)
     dbias_out = None
     if has_bias:
+        # [nq, Bb, K|1, bq|1, G|1, Sp|1] → [Bb, K|1, Tp|1, G|1, Sp|1]
+        if bias_shape[2] > 1:
+            dbias = jnp.moveaxis(dbias, 0, 2).reshape(bias_shape)
+        else:
+            dbias = jnp.sum(dbias, axis=0)
         bx, nx, tx, sx = c.bias.shape
         db = dbias.transpose(0, 1, 3, 2, 4)[..., :tx, :sx]  # [Bb, K|1, G|1, Tb, Sb]
         dbias_out = db.reshape(bx, nx, tx, sx).astype(c.bias.dtype)
