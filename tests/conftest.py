@@ -12,6 +12,10 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "stellax-tests-jax-cache")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# A user's autotuning cache must not change the configs the tests run with.
+import tempfile  # noqa: E402
+
+os.environ["STELLAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="stellax-test-cache-")
 
 import jax  # noqa: E402
 
