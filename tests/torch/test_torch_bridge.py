@@ -76,7 +76,9 @@ def test_compiled_function_cache_hits_and_keys():
 
 def test_custom_op_schema_and_outputs_never_alias_inputs():
     op = registry.define_op("test_identity", lambda x, *, k: x, tensors=("x",), options={"k": "int"})
-    assert "stellax::test_identity" in str(op.op._qualname if hasattr(op.op, "_qualname") else "stellax::test_identity")
+    assert str(torch.ops.stellax.test_identity.default._schema) == "stellax::test_identity(Tensor x, int k) -> Tensor"
+    assert str(torch.ops.stellax.layer_norm.default._schema).startswith(
+        "stellax::layer_norm(Tensor x, Tensor? scale, Tensor? offset, float epsilon, bool subtract_mean")
     x = torch.randn(3, 4)
     y = op(x, 1)
     torch.testing.assert_close(y, x)
