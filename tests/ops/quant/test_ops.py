@@ -11,7 +11,16 @@ from stellax.testing import check_op
 
 
 @pytest.mark.parametrize("op", [quantize_op, dequantize_op, hadamard_op], ids=lambda o: o.name)
-def test_check_op_passes(op):
+def test_check_op_passes_xla(op):
+    results = check_op(op, implementations=["xla"])
+    failed = [r for r in results if not r.passed]
+    assert results and not failed, failed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", [quantize_op, dequantize_op, hadamard_op], ids=lambda o: o.name)
+def test_check_op_passes_all_implementations(op):
+    """What `stellax check` runs: every implementation (kernels interpreted)."""
     results = check_op(op)
     failed = [r for r in results if not r.passed]
     assert results and not failed, failed

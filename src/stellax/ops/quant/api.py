@@ -15,8 +15,8 @@ from ...core import checks
 from ...core.config import is_power_of_two
 from . import formats as F
 from . import hadamard as H
-from .configs import (DequantConfig, HadamardConfig, dequant_heuristic, dequant_space, hadamard_heuristic,
-                      hadamard_space)
+from .configs import (DequantConfig, HadamardConfig, QuantizeConfig, dequant_heuristic, dequant_space,
+                      hadamard_heuristic, hadamard_space, quantize_heuristic, quantize_space)
 from .qarray import QArray, scale_shape
 from .reference import dequantize_reference, quantize_reference
 
@@ -139,12 +139,44 @@ def _quantize_benchmarks(platform):
     return out
 
 
+def _quantize_requirements(call: Call):
+    fmt = F.get_format(call.format)
+    ndim = call.x.ndim
+    if not fmt.is_mx:
+        return f"the Triton quantize kernel covers the MX formats (exact power-of-two scaling); got {fmt.name}"
+    if call.key is not None:
+        return "the Triton quantize kernel rounds to nearest-even only (no stochastic_rounding_key)"
+    if call.axis != ndim - 1:
+        return f"the Triton quantize kernel quantizes along the last axis, got axis {call.axis} of rank {ndim}"
+    if call.x.shape[-1] < 32:
+        return f"the Triton quantize kernel needs at least one whole block of 32, got {call.x.shape[-1]}"
+    return None
+
+
+def _quantize_triton(call: Call, config):
+    from . import triton as kernels
+    fmt = F.get_format(call.format)
+    x = call.x
+    shape = x.shape
+    rows = int(np.prod(shape[:-1]))
+    values, codes = kernels.mx_quantize(x.reshape(rows, shape[-1]), fmt=fmt.name, config=config)
+    values = values.reshape(*shape[:-1], values.shape[-1])
+    if not fmt.packed:
+        values = jax.lax.bitcast_convert_type(values, fmt.element.dtype)
+    scales = jax.lax.bitcast_convert_type(codes, jnp.float8_e8m0fnu).reshape(*shape[:-1], codes.shape[-1])
+    return QArray(values, scales, format=fmt.name, shape=shape, block_shape=call.block_shape, axis=call.axis,
+                  rotation=call.rotation, _validate=False)
+
+
 quantize_op = register(Op(
     "quantize",
     family="quant",
     check=_check_quantize,
     reference=lambda call: _quantize_run(call),
-    implementations=[Implementation("xla", _quantize_run)],
+    implementations=[
+        Implementation("triton", _quantize_triton, backend="triton", config_type=QuantizeConfig,
+                       heuristic=quantize_heuristic, space=quantize_space, requirements=_quantize_requirements),
+        Implementation("xla", _quantize_run)],
     flops=_quantize_flops,
     bytes_accessed=_quantize_bytes,
     examples=_quantize_examples,

@@ -109,3 +109,25 @@ def dequant_heuristic(call: Call) -> DequantConfig:
 def dequant_space(call: Call) -> list[DequantConfig]:
     out = product_space(DequantConfig, block_rows=(8, 32), block_k=(128, 512), num_warps=(4,), num_stages=(1,))
     return [c for c in out if _dequant_ok(call, c)] or [dequant_heuristic(call)]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig(TritonConfig):
+    """``block_rows × block_k`` input elements per Triton program (block_k a
+    multiple of the format's block of 32)."""
+
+    block_rows: int = 16
+    block_k: int = 256
+
+    def validate(self) -> None:
+        super().validate()
+        require_power_of_two("QuantizeConfig", "block_rows", self.block_rows)
+        require_in("QuantizeConfig", "block_k", self.block_k, (64, 128, 256, 512))
+
+
+def quantize_heuristic(call: Call) -> QuantizeConfig:
+    return QuantizeConfig(block_rows=16, block_k=256, num_warps=4, num_stages=1)
+
+
+def quantize_space(call: Call) -> list[QuantizeConfig]:
+    return product_space(QuantizeConfig, block_rows=(8, 32), block_k=(128, 512), num_warps=(4,), num_stages=(1,))

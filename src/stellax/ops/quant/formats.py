@@ -162,17 +162,27 @@ def floor_log2(x):
     return jnp.where(biased == 0, -127, biased - 127)
 
 
-def _quantum(a, element: Element):
-    """Spacing of ``element``'s value grid around magnitude ``a`` (float32):
-    ``2^(max(floor(log2 a), emin) - mantissa_bits)``."""
+def _quantum_exponent(a, element: Element):
+    """Exponent of the spacing of ``element``'s value grid around magnitude
+    ``a`` (float32): ``max(floor(log2 a), emin) - mantissa_bits`` (int32)."""
     e = jnp.maximum(floor_log2(jnp.maximum(a, jnp.float32(2.0 ** element.min_exponent))),
                     element.min_exponent)
-    return exp2_int(e - element.mantissa_bits)
+    return e - element.mantissa_bits
 
 
 def exp2_int(e):
     """``2^e`` as float32 for int32 ``e`` in [-126, 127] (exact, bit-built)."""
     return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
+def rne(t):
+    """Round half to even for float32 ``|t| < 2^22`` with floor only (Pallas
+    Triton has no round): ``floor(t + 0.5)``, minus 1 on an exact tie that
+    landed on an odd integer. ``t + 0.5`` is exact in that range."""
+    up = t + 0.5
+    r = jnp.floor(up)
+    odd = (r - 2.0 * jnp.floor(r * 0.5)) == 1.0
+    return jnp.where((up == r) & odd, r - 1.0, r)
 
 
 def round_to_element(v, element: Element, noise=None):
@@ -184,26 +194,26 @@ def round_to_element(v, element: Element, noise=None):
     unbiased. Saturates to ±max (±Inf included); NaN stays NaN.
     """
     v = v.astype(jnp.float32)
-    top = jnp.float32(element.max_value)
+    top = float(element.max_value)  # Python floats: a negated jnp constant does not lower in Triton
     if element.kind == "int":
-        c = jnp.clip(v, element.min_code, top)
+        c = jnp.clip(v, float(element.min_code), top)
         if noise is None:
             r = jnp.round(c)  # half to even
         else:
             r = jnp.floor(c + noise)
-        return jnp.clip(r, element.min_code, top)
+        return jnp.clip(r, float(element.min_code), top)
     c = jnp.clip(v, -top, top)
     a = jnp.abs(c)
-    q = _quantum(a, element)
+    qe = _quantum_exponent(a, element)
+    q, inv_q = exp2_int(qe), exp2_int(-qe)  # powers of two: scaling by them is exact
     if noise is None:
-        # a/q and the rounding are exact: q is a power of two and a has at
-        # most 24 significant bits.
-        r = jnp.round(a / q) * q
+        # a/q ≤ 2^(mantissa_bits + 1), so `rne` is exact; so is the rescale.
+        r = rne(a * inv_q) * q
         r = jnp.where(c < 0, -r, r)
         r = jnp.where(c == 0, c, r)  # keep the sign of zero
     else:
-        lo = jnp.floor(c / q) * q
-        r = lo + jnp.where(noise < (c - lo) / q, q, jnp.float32(0))
+        lo = jnp.floor(c * inv_q) * q
+        r = lo + jnp.where(noise < (c - lo) * inv_q, q, jnp.float32(0))
     r = jnp.clip(r, -top, top)
     return jnp.where(jnp.isnan(v), v, r)
 

@@ -268,3 +268,55 @@ def dequantize(values, scales, zero_points, tensor_scale, *, rows, k, group, one
         in_specs=[_ANY] * len(inputs), out_specs=pl.BlockSpec((br, bk), lambda i, j: (i, j)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_dequantize",
     )(*inputs)
+
+
+# -- MX quantize -----------------------------------------------------------------------
+
+
+def _mx_quantize_kernel(x_ref, v_ref, s_ref, *, rows, k, br, bk, fmt):
+    """One ``br × bk`` tile: per block of 32 the OCP MX scale from the amax
+    bits, elements ``sat(x · 2^-e)``; exact arithmetic only (no division)."""
+    f = F.get_format(fmt)
+    el = f.element
+    i, j = pl.program_id(0), pl.program_id(1)
+    row = i * br + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 0)
+    col = j * bk + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 1)
+    x = plgpu.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bk, bk)], mask=(row < rows) & (col < k),
+                   other=_zero(x_ref)).astype(jnp.float32)
+    nb = bk // 32
+    xb = x.reshape(br, nb, 32)
+    finite = jnp.isfinite(xb)
+    amax = jnp.max(jnp.where(finite, jnp.abs(xb), 0.0), axis=2)
+    bad = jnp.max(jnp.where(finite, 0, 1), axis=2) > 0
+    e = jnp.clip(jnp.where(amax > 0, F.floor_log2(amax) - el.emax, -127), -127, 127)
+    s_ref[...] = jnp.where(bad, 255, e + 127).astype(jnp.uint8)
+    inv = F.exp2_int(jnp.clip(-e, -126, 127))
+    v = jnp.where(bad[:, :, None], 0.0, xb * inv[:, :, None]).reshape(br, bk)
+    r = F.round_to_element(v, el)
+    if el.bits == 4:
+        codes = F.e2m1_encode(jnp.where(jnp.isnan(r), 0.0, r)).astype(jnp.int32)
+        pairs = codes.reshape(br, bk // 2, 2)
+        weight = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (br, bk // 2, 2), 2) == 0, 1, 16)
+        v_ref[...] = jnp.sum(pairs * weight, axis=2).astype(jnp.uint8)
+    else:
+        bits = jax.lax.bitcast_convert_type(r.astype(el.dtype), jnp.uint8)
+        v_ref[...] = jnp.where(jnp.isnan(r), jnp.uint8(F.NAN_CODE), bits)
+
+
+def mx_quantize(x, *, fmt, config):
+    """Rows ``x [R, K]`` → ``(codes, e8m0 codes [R, ceil(K/32)])`` (uint8;
+    4-bit codes packed two per byte)."""
+    rows, k = x.shape
+    br, bk = config.block_rows, config.block_k
+    packed = F.get_format(fmt).packed
+    vk = (k + 1) // 2 if packed else k
+    vbk = bk // 2 if packed else bk
+    nbk = -(-k // 32)
+    kernel = functools.partial(_mx_quantize_kernel, rows=rows, k=k, br=br, bk=bk, fmt=fmt)
+    return triton_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((rows, vk), jnp.uint8), jax.ShapeDtypeStruct((rows, nbk), jnp.uint8)],
+        grid=(pl.cdiv(rows, br), pl.cdiv(k, bk)), in_specs=[_ANY],
+        out_specs=[pl.BlockSpec((br, vbk), lambda i, j: (i, j)), pl.BlockSpec((br, bk // 32), lambda i, j: (i, j))],
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_mx_quantize",
+    )(x)
