@@ -182,3 +182,19 @@ def test_ssd_matches_torch_recurrence_and_opcheck():
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
     torch.library.opcheck(st_la.ssd_op.op, (x, dt, A, B, C, D, None, None, None, None, 4, False,
                                             [0.0, float("inf")], None))
+
+
+def test_ssd_step_continues_the_scan():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 6, 4, 8, generator=gen)
+    dt = 0.5 * torch.rand(1, 6, 4, generator=gen)
+    A = -torch.rand(4, generator=gen) - 0.1
+    B, C = torch.randn(1, 6, 2, 6, generator=gen), torch.randn(1, 6, 2, 6, generator=gen)
+    D = torch.randn(4, generator=gen)
+    _, state = st.ssd(x[:, :5], dt[:, :5], A, B[:, :5], C[:, :5], D=D, chunk_size=4, return_final_states=True)
+    y, new_state = st.ssd_step(state, x[:, 5], dt[:, 5], A, B[:, 5], C[:, 5], D=D)
+    ry, rstate = ssd_recurrence(x, dt, A, B, C, D)
+    torch.testing.assert_close(y.double(), ry[:, 5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(new_state.double(), rstate, atol=1e-4, rtol=1e-4)
+    torch.library.opcheck(st_la.ssd_step_op.op, (state, x[:, 5], dt[:, 5], A, B[:, 5], C[:, 5], D, None, None, False,
+                                                 [0.0, float("inf")], None))

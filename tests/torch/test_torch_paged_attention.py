@@ -77,3 +77,16 @@ def test_mla_decode_matches_dense_latent_attention():
         torch.testing.assert_close(out[b], torch.softmax(s, -1) @ c, atol=2e-5, rtol=2e-5)
     torch.library.opcheck(st_paged.mla_decode_op.op, (q_nope, q_pe, latent, pe, tables, lengths, 0.2, None, None,
                                                       None))
+
+
+def test_update_kv_cache_in_place_then_decode():
+    k_pages, v_pages, tables = _cache(3)
+    new_k, new_v = torch.randn(3, K, H), torch.randn(3, K, H)
+    page = int(tables[0, 1])
+    slots = torch.tensor([page * PAGE + 1, -1, page * PAGE + 3])  # the middle token is padding
+    before = k_pages.clone()
+    st.update_kv_cache_(k_pages, v_pages, new_k, new_v, slots)
+    torch.testing.assert_close(k_pages[page, 1], new_k[0])
+    torch.testing.assert_close(v_pages[page, 3], new_v[2])
+    changed = (k_pages != before).any(-1).any(-1)
+    assert int(changed.sum()) == 2

@@ -16,10 +16,10 @@ from .registry import TorchOp, cache_info, clear_cache, define_op, registered_to
 from .attention import dot_product_attention, dot_product_attention_varlen
 from .glu import gated_linear_unit
 from .linear_attention import (GatedDeltaNet, chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,
-                               fused_recurrent_kda, ssd)
+                               fused_recurrent_kda, ssd, ssd_step)
 from .moe import MoE, moe_mlp, ragged_dot, route
 from .norm import layer_norm, rms_norm
-from .paged import mla_decode, paged_attention, ragged_paged_attention
+from .paged import mla_decode, paged_attention, ragged_paged_attention, update_kv_cache_
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
 from .modules import GatedMLP, LayerNorm, RMSNorm
 from .hf import register_transformers_attention
@@ -30,5 +30,5 @@ __all__ = [
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
     "hadamard_transform", "jax_dtype", "layer_norm", "mla_decode", "moe_mlp", "paged_attention", "quantize", "quantized_matmul",
     "ragged_dot", "ragged_paged_attention", "register_transformers_attention", "registered_torch_ops", "rms_norm",
-    "route", "ssd", "to_jax", "to_torch", "torch_dtype",
+    "route", "ssd", "ssd_step", "to_jax", "update_kv_cache_", "to_torch", "torch_dtype",
 ]

@@ -168,6 +168,26 @@ def ssd(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_soft
     return (y, state) if return_final_states else y
 
 
+def _ssd_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus, dt_limit, implementation):
+    import stellax
+    return tuple(stellax.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                  dt_limit=tuple(dt_limit), implementation=implementation))
+
+
+ssd_step_op = define_op("ssd_step", _ssd_step, tensors=("state", "x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?"),
+                        options={"dt_softplus": "bool", "dt_limit": "float[]", "implementation": "str?"}, outputs=2,
+                        fake=lambda state, x, *r, **_: (torch.empty_like(x), torch.empty_like(state)))
+
+
+def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), implementation=None):
+    """One Mamba2 decode step (``selective_state_update``): ``state [B, H, P, N]``,
+    ``x [B, H, P]``, ``dt [B, H]``, ``B``/``C [B, G, N]``; returns
+    ``(y [B, H, P], new_state)``."""
+    return ssd_step_op(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
+                       [float(dt_limit[0]), float(dt_limit[1])], implementation)
+
+
 class _ShortConv(nn.Module):
     """Causal depthwise conv1d over time followed by SiLU, ``[B, T, C]`` in and out."""
 

@@ -113,3 +113,17 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_pages: torch.Ten
                          lengths.to(torch.int32), float(scale),
                          None if logits_soft_cap is None else float(logits_soft_cap), _window(local_window_size),
                          implementation)
+
+
+def update_kv_cache_(k_pages: torch.Tensor, v_pages: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    """Write new tokens into dense page pools **in place** (pure torch, the
+    torch counterpart of `stellax.paged.update_kv_cache`): row ``i`` of
+    ``new_k``/``new_v [T_new, K, H]`` goes to slot ``slot_mapping[i] = page *
+    page_size + offset``; negative slots are padding and skipped."""
+    slots = slot_mapping.to(torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, new_k, new_v = slots[keep], new_k[keep], new_v[keep]
+    k_pages.view(-1, *k_pages.shape[2:]).index_copy_(0, slots, new_k.to(k_pages.dtype))
+    v_pages.view(-1, *v_pages.shape[2:]).index_copy_(0, slots, new_v.to(v_pages.dtype))
