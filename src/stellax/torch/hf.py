@@ -89,6 +89,8 @@ def _pad_keys_to_bucket(q, k, v, extra):
     the left keeps the bottom-right causal alignment (and sliding windows)
     exact; the padded keys get segment id 0, which no query has."""
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    if not isinstance(s, int):  # a symbolic (dynamic-shape) length under torch.compile: leave it
+        return k, v
     pad = kv_bucket(s) - s
     if pad <= 0:
         return k, v
