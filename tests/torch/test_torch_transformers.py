@@ -154,10 +154,16 @@ def test_tiny_llama_with_stellax_attention_compiles_fullgraph():
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[0, :4] = 0
     compiled = torch.compile(lambda i, m: ours(input_ids=i, attention_mask=m).logits, fullgraph=True,
-                             backend="aot_eager")
-    out = compiled(ids, mask)
-    ref = eager(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=2e-5)
+                             backend="aot_eager", dynamic=True)
+    for length in (9, 12):  # dynamic shapes: the fake implementations trace symbolic sizes
+        ids_l, mask_l = ids[:, :length], mask[:, :length]
+        if length == 12:
+            ids_l = torch.randint(1, 96, (3, 12), generator=torch.Generator().manual_seed(8))
+            mask_l = torch.ones(3, 12, dtype=torch.long)
+            mask_l[1, :5] = 0
+        out = compiled(ids_l, mask_l)
+        ref = eager(input_ids=ids_l, attention_mask=mask_l).logits
+        torch.testing.assert_close(out[mask_l.bool()], ref[mask_l.bool()], atol=2e-5, rtol=2e-5)
 
 
 def test_sliding_window_mistral_uses_the_dense_mask_and_matches_eager():
