@@ -267,11 +267,12 @@ def test_xla_block_sizes_agree_and_are_deterministic():
                              lhs, rhs)
 
 
-def test_vmap_xla():
-    lhs, rhs = inputs(13, [(3, 20, 8), (3, 2, 8, 12)])
-    gs = sizes([[9, 11], [0, 20], [15, 2]])
-    out = jax.vmap(lambda a, b, g: ragged_dot(a, b, g))(lhs, rhs, gs)
-    for i in range(3):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap(impl):
+    lhs, rhs = inputs(13, [(2, 20, 16), (2, 2, 16, 16)])
+    gs = sizes([[9, 11], [0, 15]])
+    out = _run(impl, lambda a, b, g, **kw: jax.vmap(lambda x, y, z: ragged_dot(x, y, z, **kw))(a, b, g), lhs, rhs, gs)
+    for i in range(2):
         assert_close(out[i], numpy_ragged_dot(lhs[i], rhs[i], np.asarray(gs[i])))
 
 
@@ -308,3 +309,13 @@ _L, _R = jnp.zeros((10, 8)), jnp.zeros((3, 8, 4))
 def test_bad_inputs(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_cost_models_count_local_rows():
+    lhs, rhs = jnp.zeros((40, 8)), jnp.zeros((2, 8, 6))
+    call = ragged_dot_op.check(lhs, rhs, sizes([3, 10, 12, 5]), group_offset=1)
+    assert ragged_dot_op.flops(call) == 2.0 * (10 + 12) * 8 * 6
+    gated = ragged_dot_op.check(lhs, jnp.zeros((4, 8, 2, 6)), sizes([3, 10, 12, 5]), activation="silu")
+    assert ragged_dot_op.flops(gated) == 2.0 * 30 * 8 * 12 + 30 * 12
+    tgmm = stellax.ops.moe.ragged_dot_tgmm_op.check(jnp.zeros((8, 40)), jnp.zeros((40, 6)), sizes([3, 10, 0, 5]))
+    assert stellax.ops.moe.ragged_dot_tgmm_op.flops(tgmm) == 2.0 * 18 * 8 * 6
