@@ -139,11 +139,22 @@ def _quantize_benchmarks(platform):
     return out
 
 
+BLOCK_KERNEL_FORMATS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
+
+
 def _quantize_requirements(call: Call):
     fmt = F.get_format(call.format)
     ndim = call.x.ndim
+    if not fmt.is_mx and fmt.name not in BLOCK_KERNEL_FORMATS:
+        return (f"the Triton quantize kernels cover the MX formats and {list(BLOCK_KERNEL_FORMATS)}; "
+                f"got {fmt.name}")
     if not fmt.is_mx:
-        return f"the Triton quantize kernel covers the MX formats (exact power-of-two scaling); got {fmt.name}"
+        g = call.block_shape[-1]
+        if any(b != 1 for b in call.block_shape[:-1]) or g not in (32, 64, 128, 256):
+            return (f"the Triton quantize kernel for {fmt.name} takes 1-D blocks of 32–256 (a power of two) along "
+                    f"the last axis; got block_shape {call.block_shape}")
+        if call.scale_dtype not in (None, "float32"):
+            return f"the Triton quantize kernel writes float32 scales; got scale_dtype {call.scale_dtype}"
     if call.key is not None:
         return "the Triton quantize kernel rounds to nearest-even only (no stochastic_rounding_key)"
     if call.axis != ndim - 1:
@@ -159,6 +170,15 @@ def _quantize_triton(call: Call, config):
     x = call.x
     shape = x.shape
     rows = int(np.prod(shape[:-1]))
+    if not fmt.is_mx:
+        g = call.block_shape[-1]
+        config = config if config.block_k % g == 0 else config.replace(block_k=max(g, config.block_k))
+        values, scales = kernels.block_quantize(x.reshape(rows, shape[-1]), fmt=fmt.name, group=g, config=config)
+        values = values.reshape(*shape[:-1], values.shape[-1])
+        if fmt.element.kind == "float":
+            values = jax.lax.bitcast_convert_type(values, fmt.element.dtype)
+        return QArray(values, scales.reshape(*shape[:-1], scales.shape[-1]), format=fmt.name, shape=shape,
+                      block_shape=call.block_shape, axis=call.axis, rotation=call.rotation, _validate=False)
     values, codes = kernels.mx_quantize(x.reshape(rows, shape[-1]), fmt=fmt.name, config=config)
     values = values.reshape(*shape[:-1], values.shape[-1])
     if not fmt.packed:

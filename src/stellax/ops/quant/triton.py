@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...core.pallas import triton_call
+from ...core.platform import interpret_enabled
 from . import formats as F
 from . import kernel as K
 from .hadamard import hadamard_matrix
@@ -319,4 +320,71 @@ def mx_quantize(x, *, fmt, config):
         grid=(pl.cdiv(rows, br), pl.cdiv(k, bk)), in_specs=[_ANY],
         out_specs=[pl.BlockSpec((br, vbk), lambda i, j: (i, j)), pl.BlockSpec((br, bk // 32), lambda i, j: (i, j))],
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_mx_quantize",
+    )(x)
+
+
+# -- block quantize (int8 / int4 / fp8 with float32 scales) -------------------------
+
+
+def _div_rn(a, b):
+    """Correctly rounded float32 ``a / b`` (same shapes). Triton's ``/`` is an
+    approximate division on NVIDIA GPUs, so the kernel uses ``div.rn.f32``;
+    interpreted (XLA), the divisor is made data-dependent (``b + 0·a``, ``a``
+    finite) so XLA keeps a true division instead of a reciprocal multiply."""
+    if interpret_enabled():
+        return a / (b + a * 0.0)
+    return plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def _block_quantize_kernel(x_ref, v_ref, s_ref, *, rows, k, br, bk, group, fmt):
+    f = F.get_format(fmt)
+    el = f.element
+    i, j = pl.program_id(0), pl.program_id(1)
+    row = i * br + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 0)
+    col = j * bk + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 1)
+    x = plgpu.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bk, bk)], mask=(row < rows) & (col < k),
+                   other=_zero(x_ref)).astype(jnp.float32)
+    nb = bk // group
+    xb = x.reshape(br, nb, group)
+    amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=2)
+    nan_block = jnp.max(jnp.where(jnp.isnan(xb), 1, 0), axis=2) > 0
+    top = float(el.max_value)
+    s = jnp.where(amax > 0, _div_rn(amax, jnp.full(amax.shape, top, jnp.float32)), 1.0)
+    r = _div_rn(jnp.ones(s.shape, jnp.float32), s)
+    t = (xb * r.reshape(br, nb, 1)).reshape(br, bk)
+    if el.kind == "int":
+        q = F.rne(jnp.clip(t, -top, top))
+        codes = jnp.where(jnp.isnan(t), 0.0, q).astype(jnp.int32)
+        s = jnp.where(nan_block, jnp.float32(np.nan), s)
+        if el.bits == 4:
+            pairs = (codes & 0xF).reshape(br, bk // 2, 2)
+            weight = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (br, bk // 2, 2), 2) == 0, 1, 16)
+            v_ref[...] = jnp.sum(pairs * weight, axis=2).astype(jnp.uint8)
+        else:
+            v_ref[...] = codes.astype(jnp.int8)
+    else:
+        rr = F.round_to_element(t, el)
+        bits = jax.lax.bitcast_convert_type(rr.astype(el.dtype), jnp.uint8)
+        v_ref[...] = jnp.where(jnp.isnan(rr), jnp.uint8(F.NAN_CODE), bits)
+    s_ref[...] = s
+
+
+def block_quantize(x, *, fmt, group, config):
+    """Rows ``x [R, K]`` → ``(codes, float32 scales [R, ceil(K/group)])``;
+    int8 codes, uint8 packed int4 codes or uint8 fp8 bits."""
+    rows, k = x.shape
+    br, bk = config.block_rows, config.block_k
+    f = F.get_format(fmt)
+    vk, vbk = ((k + 1) // 2, bk // 2) if f.packed else (k, bk)
+    vdtype = jnp.int8 if (f.element.kind == "int" and not f.packed) else jnp.uint8
+    kernel = functools.partial(_block_quantize_kernel, rows=rows, k=k, br=br, bk=bk, group=group, fmt=fmt)
+    return triton_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((rows, vk), vdtype), jax.ShapeDtypeStruct((rows, -(-k // group)), jnp.float32)],
+        grid=(pl.cdiv(rows, br), pl.cdiv(k, bk)), in_specs=[_ANY],
+        out_specs=[pl.BlockSpec((br, vbk), lambda i, j: (i, j)),
+                   pl.BlockSpec((br, bk // group), lambda i, j: (i, j))],
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_block_quantize",
     )(x)
