@@ -11,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stellax.parallel import context_parallel_attention
+from jax.sharding import PartitionSpec as P
+
+from stellax.parallel import (LocalAttention, context_parallel_attention, context_parallel_attention_shard,
+                              reorder_for_load_balance, restore_from_load_balance, shard_positions)
 
 from .cp_cases import attention_inputs, check_against_single, mesh_1d, mesh_2d, need_devices, run_cp
 
@@ -74,6 +77,25 @@ def test_lse_is_returned_in_layout():
     ref, ref_lse = stellax.dot_product_attention(q, k, v, is_causal=True, implementation="xla", return_residuals=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+def test_shard_level_api_inside_user_shard_map(strategy):
+    q, k, v, _ = attention_inputs(3)
+    mesh = mesh_1d(2)
+    local = LocalAttention(is_causal=True, implementation="xla")
+    pos = jnp.asarray(shard_positions(q.shape[1], 2, "striped").reshape(1, -1))
+    lay = lambda x: reorder_for_load_balance(x, 2, "striped")
+
+    def body(q, k, v, pos):
+        return context_parallel_attention_shard(q, k, v, pos, local=local, strategy=strategy, axis_name="cp")[0]
+
+    spec = P(None, "cp")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec, check_vma=False))
+    out = restore_from_load_balance(f(lay(q), lay(k), lay(v), pos), 2, "striped")
+    import stellax
+    ref = stellax.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 # -- errors ---------------------------------------------------------------------------

@@ -133,38 +133,63 @@ def _head_slice(x, axis, count):
     return lax.dynamic_slice_in_dim(x, idx * count, count, axis=-1)
 
 
-def _body(strategy, local, seq_axes, uly, ring, sizes, kv_rep, has_sinks):
-    def body(q, k, v, pos, q_seg, kv_seg, sinks):
-        sinks = None if not has_sinks else sinks[0]
-        if strategy == "all_gather":
-            a = seq_axes[0]
-            k_all, v_all = _gather_seq(k, a), _gather_seq(v, a)
-            return local(q, k_all, v_all, pos, _gather_seq(pos, a), q_seg, _gather_seq(kv_seg, a), sinks)
-        if strategy == "ring":
-            out, lse = ring_attention_shard(q, k, v, pos, pos, q_seg, kv_seg, local=local, axis_name=ring,
-                                            axis_size=sizes[ring])
-            if sinks is not None:
-                out, lse = add_sinks(out.astype(F32), lse, sinks)
-            return out.astype(q.dtype), lse
-        # ulysses / usp: to head-sharded
-        if kv_rep > 1:
-            k, v = jnp.repeat(k, kv_rep, axis=2), jnp.repeat(v, kv_rep, axis=2)
-        qh, kh, vh = (_seq_to_heads(x, uly) for x in (q, k, v))
-        pos_g = _gather_seq(pos, uly)
-        q_seg_g, kv_seg_g = _gather_seq(q_seg, uly), _gather_seq(kv_seg, uly)
+def context_parallel_attention_shard(q, k, v, positions, *, local: LocalAttention, strategy: str, axis_name=None,
+                                     ulysses_axis=None, ring_axis=None, q_segment_ids=None, kv_segment_ids=None,
+                                     sinks=None):
+    """One device's part of `context_parallel_attention`, for use inside your own
+    ``shard_map`` (the sequence sharded over ``axis_name``, or over
+    ``(ring_axis, ulysses_axis)`` for ``usp``).
+
+    Args:
+      q, k, v: the local shards ``[B, L, N, H]``, ``[B, L, K, H]``, ``[B, L, K, Hv]``.
+      positions: ``[B|1, L]`` int32 original positions of the local tokens
+        (``shard_positions(T, P, layout)[shard_index]``).
+      local: the per-device attention (`LocalAttention`: mask, scale, soft cap,
+        implementation; ``segments=True`` when segment ids are passed).
+      q_segment_ids, kv_segment_ids: ``[B, L]`` or ``None``.
+      sinks: ``[N]`` sink logits (all heads, replicated) or ``None``.
+    Returns ``(out [B, L, N, Hv], lse [B, N, L] float32)``.
+    """
+    pos, q_seg, kv_seg = positions, q_segment_ids, kv_segment_ids
+    if strategy == "all_gather":
+        k_all, v_all = _gather_seq(k, axis_name), _gather_seq(v, axis_name)
+        return local(q, k_all, v_all, pos, _gather_seq(pos, axis_name), q_seg, _gather_seq(kv_seg, axis_name),
+                     sinks)
+    if strategy == "ring":
+        out, lse = ring_attention_shard(q, k, v, pos, pos, q_seg, kv_seg, local=local, axis_name=axis_name,
+                                        axis_size=lax.axis_size(axis_name))
         if sinks is not None:
-            sinks = _head_slice(sinks, uly, qh.shape[2])
-        if strategy == "ulysses":
-            out, lse = local(qh, kh, vh, pos_g, pos_g, q_seg_g, kv_seg_g, sinks)
-        else:
-            out, lse = ring_attention_shard(qh, kh, vh, pos_g, pos_g, q_seg_g, kv_seg_g, local=local,
-                                            axis_name=ring, axis_size=sizes[ring])
-            if sinks is not None:
-                out, lse = add_sinks(out.astype(F32), lse, sinks)
-                out = out.astype(q.dtype)
-        out = _heads_to_seq(out, uly)
-        lse = lax.all_to_all(lse, uly, 2, 1, tiled=True)  # [B, N/U, U·L] → [B, N, L]
-        return out, lse
+            out, lse = add_sinks(out.astype(F32), lse, sinks)
+        return out.astype(q.dtype), lse
+    if strategy not in ("ulysses", "usp"):
+        raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
+    uly = axis_name if strategy == "ulysses" else ulysses_axis
+    kv_rep = _kv_repeat(q.shape[2], k.shape[2], lax.axis_size(uly), strategy)
+    if kv_rep > 1:  # GQA/MQA with fewer kv heads than devices: repeat them
+        k, v = jnp.repeat(k, kv_rep, axis=2), jnp.repeat(v, kv_rep, axis=2)
+    qh, kh, vh = (_seq_to_heads(x, uly) for x in (q, k, v))
+    pos_g = _gather_seq(pos, uly)
+    q_seg_g, kv_seg_g = _gather_seq(q_seg, uly), _gather_seq(kv_seg, uly)
+    if sinks is not None:
+        sinks = _head_slice(sinks, uly, qh.shape[2])
+    if strategy == "ulysses":
+        out, lse = local(qh, kh, vh, pos_g, pos_g, q_seg_g, kv_seg_g, sinks)
+    else:
+        out, lse = ring_attention_shard(qh, kh, vh, pos_g, pos_g, q_seg_g, kv_seg_g, local=local,
+                                        axis_name=ring_axis, axis_size=lax.axis_size(ring_axis))
+        if sinks is not None:
+            out, lse = add_sinks(out.astype(F32), lse, sinks)
+        out = out.astype(q.dtype)
+    out = _heads_to_seq(out, uly)
+    lse = lax.all_to_all(lse, uly, 2, 1, tiled=True)  # [B, N/U, U·L] → [B, N, L]
+    return out, lse
+
+
+def _body(strategy, local, axis_name, uly, ring, has_sinks):
+    def body(q, k, v, pos, q_seg, kv_seg, sinks):
+        return context_parallel_attention_shard(
+            q, k, v, pos, local=local, strategy=strategy, axis_name=axis_name, ulysses_axis=uly, ring_axis=ring,
+            q_segment_ids=q_seg, kv_segment_ids=kv_seg, sinks=sinks[0] if has_sinks else None)
 
     return body
 
@@ -211,7 +236,8 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name=None, strat
     shards = int(np.prod([sizes[a] for a in seq_axes]))
     b, t, n, _ = query.shape
     check_divisible(t, shards, load_balance, what="query: sequence length T")
-    kv_rep = _kv_repeat(n, key.shape[2], sizes[uly], strategy) if uly is not None else 1
+    if uly is not None:
+        _kv_repeat(n, key.shape[2], sizes[uly], strategy)  # raises when the heads do not split
     if segment_ids is not None:
         if q_segment_ids is not None or kv_segment_ids is not None:
             raise ValueError("segment_ids: pass either segment_ids or q_segment_ids/kv_segment_ids, not both")
@@ -242,7 +268,7 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name=None, strat
     pos = jnp.asarray(load_balance_permutation(t, shards, load_balance))[None, :]
     x_spec, s_spec = P(None, seq, None, None), P(None, seq)
     tiled_sinks = None if sinks is None else jnp.broadcast_to(sinks[None], (shards, n))
-    body = _body(strategy, local, seq_axes, uly, ring, sizes, kv_rep, sinks is not None)
+    body = _body(strategy, local, seq_axes[0] if strategy != "usp" else None, uly, ring, sinks is not None)
     fn_specs = (x_spec, x_spec, x_spec, s_spec, s_spec, s_spec, P(seq, None))
     fn = jax.shard_map(body, mesh=mesh, in_specs=fn_specs, out_specs=(x_spec, P(None, None, seq)), check_vma=False)
     args = (query, key, value, pos, q_segment_ids, kv_segment_ids, tiled_sinks)
