@@ -28,7 +28,8 @@ from .activations import activation_grad, check_activation
 from .checks import (check_group_offset, check_group_sizes, check_group_values, check_out_dtype,
                      check_precision, concrete)
 from .configs import (GroupedMatmulConfig, XlaGroupedMatmulConfig, gmm_dims, gmm_heuristic, gmm_space,
-                      tgmm_dims, tgmm_heuristic, tgmm_space, xla_heuristic, xla_space)
+                      tgmm_dims, tgmm_heuristic, tgmm_space, gmm_xla_heuristic, tgmm_xla_heuristic,
+                      xla_space)
 from .reference import ragged_dot_backward_reference, ragged_dot_reference, ragged_dot_tgmm_reference
 
 FAMILY = "moe"
@@ -382,7 +383,7 @@ def _triton_requirements(call: Call) -> str | None:
     return None
 
 
-def _implementations(runner, heuristic, space):
+def _implementations(runner, heuristic, space, xla_heuristic):
     return [
         Implementation("triton", runner("triton"), backend="triton", config_type=GroupedMatmulConfig,
                        heuristic=heuristic, space=space, requirements=_triton_requirements),
@@ -393,7 +394,7 @@ def _implementations(runner, heuristic, space):
 
 ragged_dot_tgmm_op = register(Op(
     "ragged_dot_tgmm", family=FAMILY, check=_check_tgmm, reference=ragged_dot_tgmm_reference,
-    implementations=_implementations(_tgmm_runner, tgmm_heuristic, tgmm_space),
+    implementations=_implementations(_tgmm_runner, tgmm_heuristic, tgmm_space, tgmm_xla_heuristic),
     flops=_tgmm_flops, bytes_accessed=_tgmm_bytes, examples=_tgmm_examples, benchmarks=_tgmm_benchmarks,
     peers={"jax.lax.ragged_dot_general": _peer_tgmm_ragged_dot_general,
            "dense matmul (same FLOPs)": _peer_tgmm_dense},
@@ -411,7 +412,7 @@ ragged_dot_backward_op = register(Op(
 
 ragged_dot_op = register(Op(
     "ragged_dot", family=FAMILY, check=_check_ragged_dot, reference=ragged_dot_reference,
-    implementations=_implementations(_forward_runner, gmm_heuristic, gmm_space),
+    implementations=_implementations(_forward_runner, gmm_heuristic, gmm_space, gmm_xla_heuristic),
     flops=_gmm_flops, bytes_accessed=_gmm_bytes, examples=_forward_examples, benchmarks=_forward_benchmarks,
     peers={"jax.lax.ragged_dot": _peer_ragged_dot, "dense matmul (same FLOPs)": _peer_dense},
     differentiable=("lhs", "rhs"),

@@ -138,15 +138,21 @@ def tgmm_space(call: Call) -> list[GroupedMatmulConfig]:
 
 
 # -- XLA loop -----------------------------------------------------------------------------
-def xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
+def _xla_block(m: int, g: int) -> XlaGroupedMatmulConfig:
     """Row tile ≈ rows per group (capped at 128, measured best on CPU): the
     last tile of a group is padding, so small groups want small tiles."""
-    if "transpose_lhs" in call.options:
-        m, _, _, g = tgmm_dims(call)
-    else:
-        m, _, _, g, _ = gmm_dims(call)
     rows_per_group = max(1, m // max(g, 1))
     return XlaGroupedMatmulConfig(block_m=int(min(128, max(16, next_power_of_two(rows_per_group)))))
+
+
+def gmm_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
+    m, _, _, g, _ = gmm_dims(call)
+    return _xla_block(m, g)
+
+
+def tgmm_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
+    m, _, _, g = tgmm_dims(call)
+    return _xla_block(m, g)
 
 
 def xla_space(call: Call) -> list[XlaGroupedMatmulConfig]:

@@ -22,7 +22,7 @@ from .activations import activation_fn, check_activation
 from .api import ragged_dot
 from .checks import check_precision
 from .dispatch import capacity, permute, unpermute
-from .routing import _check_route, _route
+from .routing import check_route, compute_route
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -35,7 +35,7 @@ def check_moe_mlp(x, router_logits, w_gate_up, w_down, *, top_k, scoring="softma
     x = checks.require_float("x", x)
     checks.require_ndim("x", x, 2)
     tokens, d_model = x.shape
-    route_call = _check_route(router_logits, top_k, scoring=scoring, bias=bias, num_groups=num_groups,
+    route_call = check_route(router_logits, top_k, scoring=scoring, bias=bias, num_groups=num_groups,
                               top_k_groups=top_k_groups, normalize_weights=normalize_weights,
                               routed_scaling=routed_scaling)
     checks.require_shape("router_logits", router_logits, (tokens, None), "x.shape[0], E")
@@ -63,7 +63,7 @@ def route_call_of(call: Call) -> Call:
 
 def moe_mlp_reference(call: Call):
     """Dense per-token loop over experts (float32)."""
-    weights, ids = _route(route_call_of(call))
+    weights, ids = compute_route(route_call_of(call))
     x = call.x.astype(jnp.float32)
     experts = call.router_logits.shape[1]
     tokens, top_k = ids.shape
@@ -96,7 +96,7 @@ def local_experts(rows, group_sizes, w_gate_up, w_down, *, activation, precision
 def _runner(name: str):
     def run(call: Call, config):
         del config
-        weights, ids = _route(route_call_of(call))
+        weights, ids = compute_route(route_call_of(call))
         experts = call.router_logits.shape[1]
         permuted = permute(call.x, ids, experts, capacity_factor=call.capacity_factor)
         rows, sizes, order = permuted[:3]

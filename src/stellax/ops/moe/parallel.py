@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 from ...core import current_platform
 from .dispatch import capacity, permute, unpermute
 from .mlp import check_moe_mlp, local_experts, route_call_of
-from .routing import _route
+from .routing import compute_route
 
 _DISPATCHES = ("all_to_all", "all_gather")
 _COLLECTIVES = ("auto", "ragged", "padded")
@@ -132,7 +132,7 @@ def moe_mlp_shard(x, router_logits, w_gate_up, w_down, *, axis_name, top_k, scor
     if dispatch == "all_gather":
         gathered = call.replace_arrays(x=jax.lax.all_gather(x, axis_name, tiled=True),
                                        router_logits=jax.lax.all_gather(router_logits, axis_name, tiled=True))
-        weights, ids = _route(route_call_of(gathered))
+        weights, ids = compute_route(route_call_of(gathered))
         rows, sizes, order = permute(gathered.x, ids, experts, capacity_factor=call.capacity_factor)[:3]
         y = experts_of(rows, sizes, group_offset=me * local)
         partial = unpermute(y.astype(jnp.float32), order, weights)
@@ -142,7 +142,7 @@ def moe_mlp_shard(x, router_logits, w_gate_up, w_down, *, axis_name, top_k, scor
         collective = "padded" if current_platform().backend == "cpu" else "ragged"
     tokens = x.shape[0]
     copies = tokens * top_k
-    weights, ids = _route(route_call_of(call))
+    weights, ids = compute_route(route_call_of(call))
     rows, sizes, order = permute(x, ids, experts)
     counts = jax.lax.all_gather(sizes, axis_name)                        # [P(src), E]
     if call.capacity_factor is None:

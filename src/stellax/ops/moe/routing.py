@@ -31,7 +31,7 @@ def _scores(logits, scoring: str):
     return jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
 
 
-def _check_route(logits, top_k, *, scoring="softmax", bias=None, num_groups=None, top_k_groups=None,
+def check_route(logits, top_k, *, scoring="softmax", bias=None, num_groups=None, top_k_groups=None,
                  normalize_weights=True, routed_scaling=1.0) -> Call:
     logits = checks.require_float("logits", logits)
     checks.require_ndim("logits", logits, 2)
@@ -68,7 +68,7 @@ def _check_route(logits, top_k, *, scoring="softmax", bias=None, num_groups=None
                  "normalize_weights": normalize_weights, "routed_scaling": float(routed_scaling)})
 
 
-def _route(call: Call):
+def compute_route(call: Call):
     scores = _scores(call.logits, call.scoring)
     choice = scores if call.bias is None else scores + call.bias.astype(jnp.float32)[None, :]
     choice = jax.lax.stop_gradient(choice)
@@ -89,7 +89,7 @@ def _route(call: Call):
 
 def _run(call: Call, config):
     del config
-    return _route(call)
+    return compute_route(call)
 
 
 def _examples(dtype):
@@ -105,7 +105,7 @@ def _examples(dtype):
 
 
 route_op = register(Op(
-    "moe_route", family="moe", check=_check_route, reference=_route,
+    "moe_route", family="moe", check=check_route, reference=compute_route,
     implementations=[Implementation("xla", _run)],
     flops=lambda call: 8.0 * float(np.prod(call.logits.shape)),
     examples=_examples, differentiable=("logits",),
