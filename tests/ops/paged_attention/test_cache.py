@@ -77,8 +77,9 @@ def test_token_axis_groups_decode_appends_track_the_values():
     x = jnp.asarray(rng.normal(size=(8, 1, 16)) + 5.0 * (np.arange(16) == 3), jnp.float32)
     pool = init_kv_cache(2, 8, 1, 16, quant=spec)[0]
     pool = pool.__class__(pool.data, pool.scale + 3.0, pool.zero - 9.0, None, None, spec, 16)  # stale contents
+    update = jax.jit(update_kv_cache)
     for i in range(8):
-        pool, _ = update_kv_cache(pool, pool, x[i:i + 1], x[i:i + 1], jnp.asarray([8 + i], jnp.int32))
+        pool, _ = update(pool, pool, x[i:i + 1], x[i:i + 1], jnp.asarray([8 + i], jnp.int32))
     got = dequantize_pages(pool)[1]
     rng_per_group = jnp.ptp(x.reshape(2, 4, 1, 16), axis=1)
     err = jnp.abs(got - x).reshape(2, 4, 1, 16).max(axis=1)
@@ -100,6 +101,7 @@ def test_windows_follow_appends_and_attention_reads_them():
     tables = jnp.asarray([[3, 0, 5, 1], [2, 7, 4, 6]], jnp.int32)
     dense_k = np.zeros((8, page_size, kv_heads, h), np.float32)
     dense_v = np.zeros_like(dense_k)
+    update = jax.jit(update_kv_cache)
     # prefill the first 5 tokens of sequence 0 in one call, then decode both sequences token by token
     steps = [[(0, p) for p in range(5)]] + [[(0, 5 + i), (1, i)] for i in range(6)]
     for step in steps:
@@ -113,7 +115,7 @@ def test_windows_follow_appends_and_attention_reads_them():
             dense_k[slot // page_size, slot % page_size] = vals_k[i]
             dense_v[slot // page_size, slot % page_size] = vals_v[i]
         junk = np.full((1, kv_heads, h), 99.0, np.float32)  # one padding row per step
-        k, v = update_kv_cache(k, v, jnp.asarray(np.concatenate([vals_k, junk])),
+        k, v = update(k, v, jnp.asarray(np.concatenate([vals_k, junk])),
                                jnp.asarray(np.concatenate([vals_v, junk])), jnp.asarray(slots + [-1], jnp.int32),
                                positions=jnp.asarray(pos + [0], jnp.int32), seq_ids=jnp.asarray(seqs + [0], jnp.int32))
     lens = jnp.asarray(lengths, jnp.int32)

@@ -130,6 +130,16 @@ def test_mla_bfloat16_multi_token_triton():
     assert_close(out, mla_golden(*args, scale=0.1))
 
 
+def test_mla_quantized_latent_and_rope_triton():
+    from stellax.ops.paged_attention import KVQuant, quantize_pages
+    qn, qp, c, pe, t, l = mla_inputs(4, lengths=[1, 20, 64], page_size=16, heads=16, latent_dim=128, rope_dim=32,
+                                     dtype=jnp.bfloat16, quant=KVQuant("int8", rotation=True))
+    pe = quantize_pages(pe, KVQuant("int4", group_size=32))
+    with stellax.interpret_mode():
+        out = mla_decode(qn, qp, c, pe, t, l, scale=0.1, implementation="triton")
+    assert_close(out, mla_golden(qn, qp, c, pe, t, l, scale=0.1))
+
+
 def test_mla_needs_scale_and_matching_dims():
     args = mla_inputs(3, lengths=[3], page_size=4, heads=2, latent_dim=16, rope_dim=8, dtype=jnp.float32)
     with pytest.raises(TypeError, match="scale"):
