@@ -319,3 +319,46 @@ def test_cost_models_count_local_rows():
     assert ragged_dot_op.flops(gated) == 2.0 * 30 * 8 * 12 + 30 * 12
     tgmm = stellax.ops.moe.ragged_dot_tgmm_op.check(jnp.zeros((8, 40)), jnp.zeros((40, 6)), sizes([3, 10, 0, 5]))
     assert stellax.ops.moe.ragged_dot_tgmm_op.flops(tgmm) == 2.0 * 18 * 8 * 6
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_general_layouts(impl):
+    m, k, n = 37, 24, 20
+    group_sizes = [0, 20, 11]
+    gs = sizes(group_sizes)
+    a, w_t, b = inputs(15, [(m, k), (3, n, k), (m, n)], jnp.bfloat16)
+    layouts = [(_dims(([1], [2]), [0], [0]), a, w_t), (_dims(([1], [0]), [1], []), a.T, b),
+               (_dims(([0], [0]), [0], []), a, b)]
+    for dims, lhs, rhs in layouts:
+        out = _run(impl, lambda x, y, **kw: ragged_dot_general(x, y, gs, dims, **kw), lhs, rhs)
+        assert out.dtype == jnp.bfloat16
+        ref = golden(jax.jit(lambda x, y: jax.lax.ragged_dot_general(x, y, gs, dims)), lhs, rhs)
+        assert_close(out, ref, dtype=jnp.bfloat16, name=str(dims.dot_dimension_numbers))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_random_group_sizes_sweep(impl, dtype):
+    """Random sizes (many empty groups, sum ≤ M), several tile configs, forward and gradients."""
+    from stellax.ops.moe import GroupedMatmulConfig
+    rng = np.random.default_rng(0)
+    m, k, n, g = 75, 40, 36, 6
+    lhs, rhs, cot = inputs(16, [(m, k), (g, k, n), (m, n)], dtype)
+    configs = ([GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk) for bm, bn, bk in
+                ((16, 16, 16), (32, 64, 16), (64, 32, 32))] if impl == "triton"
+               else [XlaGroupedMatmulConfig(block_m=b) for b in (8, 16, 64)])
+    for config in configs:
+        run = _jit(impl, ragged_dot, config=config)
+        grad = _grad_fn(impl, ragged_dot, config=config)
+        for _ in range(4):
+            group_sizes = rng.multinomial(rng.integers(0, m + 1), rng.dirichlet(np.full(g, 0.3)))
+            gs = sizes(group_sizes)
+            assert_close(run(lhs, rhs, gs), numpy_ragged_dot(lhs, rhs, group_sizes), dtype=dtype,
+                         name=f"{config} {group_sizes}")
+            dlhs, drhs = grad(lhs, rhs, gs, cot.astype(jnp.float32))
+            ref = golden_grad((lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, gs) * cot.astype(jnp.float32)), (0, 1)),
+                              lhs, rhs)
+            if group_sizes.sum():
+                assert_close(dlhs, ref[0], dtype=dtype, gradient=True, name=f"dlhs {config} {group_sizes}")
+                assert_close(drhs, ref[1], dtype=dtype, gradient=True, name=f"drhs {config} {group_sizes}")
