@@ -208,3 +208,19 @@ def test_attention_varlen_matches_per_sequence_calls():
         torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
     torch.library.opcheck(st_attention.dot_product_attention_varlen_op.op,
                           (q, k, v, cu.to(torch.int32), cu.to(torch.int32), None, 7, 7, None, True, None, None, None))
+
+
+def test_backward_computes_only_the_gradients_autograd_asks_for():
+    from stellax.torch import registry
+
+    torch.manual_seed(9)
+    x = _leaf(torch.randn(4, 17))
+    w = torch.randn(17)  # frozen: no gradient wanted
+    y = st.rms_norm(x, w)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    torch.testing.assert_close(gx, torch.autograd.grad(F.rms_norm(x, (17,), w, 1e-6), x, torch.ones_like(y))[0],
+                               atol=2e-5, rtol=2e-5)
+    wanted = [key[-1] for key in list(registry._cache)
+              if key[:2] == ("layer_norm", "vjp") and key[2][0][0] == (4, 17)]
+    assert wanted == [(0,)]  # the VJP was built for x (position 0) only
+    torch.library.opcheck(st_norm.layer_norm_op.op, (x, w, None, 1e-6, False, None))

@@ -10,7 +10,8 @@
   `torch.library.opcheck` trace through it without running JAX;
 * autograd through `torch.library.register_autograd`: the backward is a
   second custom op, ``stellax::<name>_backward``, which runs the JAX VJP
-  (``jax.vjp`` of the same function, jitted and cached the same way). The
+  (``jax.vjp`` of the same function with respect to the inputs autograd asks
+  for, jitted and cached the same way). The
   VJP recomputes the forward inside the backward's XLA program (as
   FlashAttention does) instead of carrying JAX residuals across the bridge,
   so nothing but the inputs is saved for backward.
@@ -96,15 +97,13 @@ class TorchOp:
     """A stellax op as a torch custom op; see `define_op`."""
 
     def __init__(self, name: str, jax_fn: Callable, *, tensors: Sequence[str], options: dict[str, str],
-                 outputs: int = 1, fake: Callable | None = None, differentiable: bool = True,
-                 integer_outputs: Sequence[int] = ()):
+                 outputs: int = 1, fake: Callable | None = None, differentiable: bool = True):
         self.name = name
         self.jax_fn = jax_fn
         self.tensors = [_parse_tensor(s) for s in tensors]
         self.options = dict(options)
         self.outputs = int(outputs)
         self._fake = fake
-        self.integer_outputs = tuple(integer_outputs)
         self.n_tensors = len(self.tensors)
         params = [f"Tensor{'?' if a.optional else ''} {a.name}" for a in self.tensors]
         params += [f"{typ} {opt}" for opt, typ in self.options.items()]
@@ -116,7 +115,7 @@ class TorchOp:
         self.backward_op = None
         if differentiable and any(a.differentiable for a in self.tensors):
             grads = [f"Tensor grad_{i}" for i in range(self.outputs)]
-            bschema = "(" + ", ".join(params + grads) + ") -> Tensor[]"
+            bschema = "(" + ", ".join(params + grads + ["int[] wanted"]) + ") -> Tensor[]"
             self.backward_op = torch.library.custom_op(
                 f"{qualname}_backward", self._backward_impl, mutates_args=(), schema=bschema)
             self.backward_op.register_fake(self._backward_fake)
@@ -217,16 +216,17 @@ class TorchOp:
 
     # -- backward -----------------------------------------------------------------------
     def _backward_impl(self, *args):
+        """Gradients of the inputs at positions ``wanted`` (the last argument)."""
         tensors, opts = self._split(args)
-        grads = list(args[self.n_tensors + len(self.options):])
+        grads = list(args[self.n_tensors + len(self.options):-1])
+        wanted = [int(i) for i in args[-1]]
         present = [i for i, t in enumerate(tensors) if t is not None]
-        diff = self._diff_positions(tensors)
         key = (self.name, "vjp", tuple(_signature(t) for t in tensors),
-               tuple(_signature(g) for g in grads), self._opts_key(opts))
+               tuple(_signature(g) for g in grads), self._opts_key(opts), tuple(wanted))
 
         def build():
             f = self._call_jax(present, opts)
-            diff_slots = [present.index(i) for i in diff]
+            diff_slots = [present.index(i) for i in wanted]
 
             def vjp(arrays, cotangents):
                 arrays = list(arrays)
@@ -251,7 +251,7 @@ class TorchOp:
 
     def _backward_fake(self, *args):
         tensors, _ = self._split(args)
-        return [torch.empty_like(tensors[i]) for i in self._diff_positions(tensors)]
+        return [torch.empty_like(tensors[int(i)]) for i in args[-1]]
 
     def _setup_context(self, ctx, inputs, output):
         tensors, opts = self._split(inputs)
@@ -268,14 +268,15 @@ class TorchOp:
         tensors = [None] * ctx.n
         for i, t in zip(ctx.present, saved):
             tensors[i] = t
-        diff = self._diff_positions(tensors)
+        # Only the inputs autograd asks for: XLA drops the rest of the VJP.
+        diff = [i for i in self._diff_positions(tensors) if ctx.needs_input_grad[i]]
         result: list[Any] = [None] * (ctx.n + len(self.options))
         if not diff:
             return tuple(result)
         # Unused float outputs arrive as materialized zeros; integer outputs (ids) may arrive as None.
         grads = [torch.zeros(shape, dtype=dtype if dtype.is_floating_point else torch.float32, device=device)
                  if g is None else g for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
-        dgrads = self.backward_op(*tensors, *ctx.opts.values(), *grads)
+        dgrads = self.backward_op(*tensors, *ctx.opts.values(), *grads, diff)
         for i, g in zip(diff, dgrads):
             result[i] = g
         return tuple(result)
