@@ -14,7 +14,7 @@ import stellax
 from stellax.ops.quant import quantize, quantize_op
 from stellax.testing import (assert_fits_smem, check_op_lowering, compile_triton_to_ptx, lower_for_gpu,
                              triton_compiler_available)
-from test_formats import KINDS, _bits, _data
+from test_quant_formats import KINDS, _bits, _data
 
 MX = [("mxfp8_e4m3", "e4m3"), ("mxfp8_e5m2", "e5m2"), ("mxfp4", "e2m1")]
 
