@@ -432,7 +432,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         ``group_sizes[g]`` rows. Rows past ``sum(group_sizes)`` give zeros.
         Eagerly, negative sizes or ``sum > M`` raise; under ``jit`` sizes are
         clamped (negative → 0, a group running past row M is cut at M).
-      precision: as for ``jax.lax.dot`` (``None``/``"highest"``/...).
+      precision: as for ``jax.lax.dot`` (``None``/``"highest"``/...); ``None``
+        with float32 operands means full float32 dots (``HIGHEST``, not TF32).
       preferred_element_type: output dtype (default: ``lhs.dtype``);
         accumulation is always float32.
       group_offset: an int (or int array of shape ``()``/``(1,)``) for

@@ -99,3 +99,11 @@ def check_group_values(group_sizes, group_offset, num_local: int, rows: int, row
         if not 0 <= int(offset) <= length - num_local:
             raise ValueError(f"group_offset: expected a value in [0, {length - num_local}] "
                              f"(len(group_sizes) - local groups), got {int(offset)}")
+
+
+def kernel_precision(precision, dtype):
+    """float32 operands default to full float32 dots (the numerics policy's
+    1e-5 tolerance; GPUs would otherwise use TF32); callers may ask for less."""
+    if precision is None and np.dtype(dtype) == np.dtype(jnp.float32):
+        return jax.lax.Precision.HIGHEST
+    return precision

@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ...core.pallas import triton_call
 from .activations import activation_fn, fusable_in_kernel, kernel_activation_fn
+from .checks import kernel_precision
 from .configs import GroupedMatmulConfig
 from .schedule import group_bounds, tile_schedule
 
@@ -129,6 +130,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     m, k = lhs.shape
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
+    precision = kernel_precision(precision, lhs.dtype)
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[-1]
     fused = fusable_in_kernel(activation)
     write_pre = save_preactivation or not fused
@@ -202,6 +204,7 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     else:
         k, m = lhs.shape
     n = rhs.shape[1]
+    precision = kernel_precision(precision, lhs.dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     bounds = group_bounds(group_sizes, group_offset, num_local, m)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, k_dim=k, n_dim=n, transpose_lhs=transpose_lhs,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .activations import activation_fn
+from .checks import kernel_precision
 from .schedule import group_bounds, tile_schedule
 
 
@@ -42,6 +43,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     m, _ = lhs.shape
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
+    precision = kernel_precision(precision, lhs.dtype)
     if gated:
         n = rhs.shape[-1]
         rhs = rhs.reshape(num_local, rhs.shape[1], 2 * n)
@@ -87,6 +89,7 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     """
     a = lhs if transpose_lhs else lhs.T
     m, k = a.shape
+    precision = kernel_precision(precision, lhs.dtype)
     n = rhs.shape[1]
     bounds = group_bounds(group_sizes, group_offset, num_local, m)
     sched = tile_schedule(bounds, m, block_m, fill=False)
