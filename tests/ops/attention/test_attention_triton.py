@@ -209,17 +209,28 @@ def test_ptx_compiles_and_fits_smem(dtype, h):
 
 
 @pytest.mark.ptx
-def test_ptx_forward_space_fits_smem():
+@pytest.mark.parametrize("h", [64, 128, 256])
+def test_ptx_every_config_fits_smem(h):
+    """Every config of both autotuning spaces compiles to PTX (sm_90) within shared memory."""
     ok, reason = lowering.triton_compiler_available()
     if not ok:
         pytest.skip(reason)
-    q = jnp.zeros((1, 512, 4, 128), jnp.bfloat16)
-    k = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
+    q = jnp.zeros((1, 512, 4, h), jnp.bfloat16)
+    k = jnp.zeros((1, 512, 2, h), jnp.bfloat16)
     call = attention_op.check(q, k, k)
     for config in attention_op.implementations["triton"].config_space(call):
         low = lowering.lower_for_gpu(
             lambda q, k, v, config=config: stellax.dot_product_attention(q, k, v, implementation="triton",
                                                                          config=config), q, k, k)
+        lowering.assert_fits_smem(lowering.compile_triton_to_ptx(low, "9.0"), "9.0")
+    out, lse = stellax.dot_product_attention(q, k, k, return_residuals=True, implementation="xla")
+    args = (q, k, k, None, None, None, out, lse, out, None) + default_positions(512, 512)
+    statics = dict(spec=MaskSpec(causal=True), scale=0.125)
+    bcall = attention_backward_op.check(*args, **statics)
+    for config in attention_backward_op.implementations["triton"].config_space(bcall):
+        low = lowering.lower_for_gpu(
+            lambda *a, config=config: attention_backward_op(*a, implementation="triton", config=config, **statics),
+            *args)
         lowering.assert_fits_smem(lowering.compile_triton_to_ptx(low, "9.0"), "9.0")
 
 
