@@ -448,9 +448,20 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         ``"xla"`` or a sequence tried in order.
       config: a `GroupedMatmulConfig` (Triton) or `XlaGroupedMatmulConfig`.
 
+    Quantized weights: ``rhs`` may be a `stellax.QArray` ``[G, K, N]``
+    quantized along axis 1 (K) in int8/int8_asym/int4/int4_asym/fp8_e4m3/
+    fp8_e5m2/mxfp8_*/mxfp4/nvfp4 (no gated rhs); decoding is fused into the
+    Triton kernel's K loop, gradients flow to ``lhs`` only (the weights are
+    frozen). See `stellax.ops.moe.quantized` and docs/moe.md.
+
     Returns:
       ``[M, N]`` in ``preferred_element_type``.
     """
+    from ..quant.qarray import QArray
+    if isinstance(rhs, QArray):
+        from .quantized import ragged_dot_quantized
+        return ragged_dot_quantized(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
+                                    activation=activation, implementation=implementation, config=config)
     return ragged_dot_op(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
                          activation=activation, implementation=implementation, config=config)
 
