@@ -265,6 +265,96 @@ def triton_gmm(lhs, rhs: QArray, group_sizes, group_offset, *, activation, preci
     )(*inputs)
 
 
+def _gmm_qt_kernel(*refs, bm, bo, bc, k_dim, n_dim, fmt, packed, group_k, has_zp, has_ts, compute_dtype,
+                   precision):
+    """dlhs: ``out[rows, K-block] = dz[rows, :] @ W[g][K-block, :]^T`` with ``W`` decoded
+    in registers. The output K block (``bo`` ≤ the scales' K block) has one
+    scale row, which varies along the contraction (N), so the scales multiply
+    the decoded weight tile before the dot."""
+    refs = list(refs)
+    group_ref, start_ref, rows_ref, dz_ref, v_ref, s_ref = refs[:6]
+    refs = refs[6:]
+    zp_ref = refs.pop(0) if has_zp else None
+    ts_ref = refs.pop(0) if has_ts else None
+    out_ref = refs.pop(0)
+    t, j = pl.program_id(0), pl.program_id(1)
+    group, start, rows = group_ref[t], start_ref[t], rows_ref[t]
+    row_ok = _iota(bm) < rows
+    k0 = j * bo
+    ko_ok = k0 + _iota(bo) < k_dim
+    out_mask = row_ok[:, None] & ko_ok[None, :]
+    row_block = pl.ds(start, bm)
+    sb = k0 // group_k
+    kp = (k_dim + 1) // 2
+
+    @pl.when((rows > 0) & (group >= 0))
+    def _compute():
+        def step(cb, acc):
+            c0 = cb * bc
+            c_ok = c0 + _iota(bc) < n_dim
+            a = pltriton.load(dz_ref.at[row_block, pl.ds(c0, bc)], mask=row_ok[:, None] & c_ok[None, :],
+                              other=0.0).astype(compute_dtype)
+            s = decode_scale(pltriton.load(s_ref.at[group, pl.ds(sb, 1), pl.ds(c0, bc)], mask=c_ok[None, :],
+                                           other=jnp.zeros((), s_ref.dtype)))  # [1, bc]
+            zp = None
+            if has_zp:
+                zp = pltriton.load(zp_ref.at[group, pl.ds(sb, 1), pl.ds(c0, bc)], mask=c_ok[None, :],
+                                   other=jnp.zeros((), zp_ref.dtype)).astype(jnp.float32)
+            if packed:  # bytes [bo/2, bc] → [bc, bo]
+                kb_ok = k0 // 2 + _iota(bo // 2) < kp
+                codes = pltriton.load(v_ref.at[group, pl.ds(k0 // 2, bo // 2), pl.ds(c0, bc)],
+                                      mask=kb_ok[:, None] & c_ok[None, :], other=jnp.zeros((), v_ref.dtype))
+                w = decode_packed_pairs(codes.T, fmt)
+                if zp is not None:
+                    w = w - zp.T
+                w = w * s.T  # [bc, bo]
+                dims = (((1,), (0,)), ((), ()))
+            else:
+                codes = pltriton.load(v_ref.at[group, pl.ds(k0, bo), pl.ds(c0, bc)],
+                                      mask=ko_ok[:, None] & c_ok[None, :], other=jnp.zeros((), v_ref.dtype))
+                w = decode_codes(codes, fmt)
+                if zp is not None:
+                    w = w - zp
+                w = w * s  # [bo, bc]
+                dims = (((1,), (1,)), ((), ()))
+            return acc + jax.lax.dot_general(a, w.astype(compute_dtype), dims, precision=precision,
+                                             preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, pl.cdiv(n_dim, bc), step, jnp.zeros((bm, bo), jnp.float32))
+        if has_ts:
+            acc = acc * pltriton.load(ts_ref.at[pl.ds(0, 1)]).reshape(1, 1)
+        pltriton.store(out_ref.at[row_block, pl.ds(k0, bo)], acc.astype(out_ref.dtype), mask=out_mask)
+
+    @pl.when((rows > 0) & (group < 0))
+    def _zero_fill():
+        pltriton.store(out_ref.at[row_block, pl.ds(k0, bo)], jnp.zeros((bm, bo), out_ref.dtype), mask=out_mask)
+
+
+def triton_gmm_transposed(dz, rhs: QArray, group_sizes, group_offset, *, precision, out_dtype, k_block,
+                          config: GroupedMatmulConfig):
+    """``dlhs [M, K]``: ``dz [M, N] @ dequantize(rhs[g])^T`` per group (zeros outside).
+    Output K blocks of ``min(block_n, K block)``, contraction steps of ``block_k``."""
+    m, n = dz.shape
+    num_local, k, _ = rhs.shape
+    ops = kernel_operands(rhs)
+    bm, bc = config.block_m, config.block_k
+    bo = config.block_n if k_block is None else min(config.block_n, k_block)
+    precision = kernel_precision(precision, dz.dtype)
+    sched = tile_schedule(group_bounds(group_sizes, group_offset, num_local, m), m, bm, fill=True)
+    inputs = [sched.group, sched.start, sched.rows, dz, ops.values, ops.scales]
+    inputs += [a for a in (ops.zero_points, ops.tensor_scale) if a is not None]
+    kernel = functools.partial(
+        _gmm_qt_kernel, bm=bm, bo=bo, bc=bc, k_dim=k, n_dim=n, fmt=rhs.format, packed=ops.packed,
+        group_k=k_block or k, has_zp=ops.zero_points is not None, has_ts=ops.tensor_scale is not None,
+        compute_dtype=dz.dtype, precision=precision)
+    full = pl.BlockSpec()
+    return triton_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((m, k), out_dtype), grid=(sched.max_tiles, pl.cdiv(k, bo)),
+        in_specs=[full] * len(inputs), out_specs=full, num_warps=config.num_warps, num_stages=config.num_stages,
+        name="stellax_ragged_dot_quantized_dlhs",
+    )(*inputs)
+
+
 # -- implementations ------------------------------------------------------------------------
 def _runner(name: str):
     def run(call: Call, config):
@@ -304,9 +394,12 @@ def _runner(name: str):
             rhs, z = residuals
             dz = dy if z is None else activation_grad(act_name, dy, z, False)
             dz = dz.astype(call.lhs.dtype)
-            block = _xla_block(m, rhs.shape[0]).block_m
-            dlhs = xla_gmm(dz, rhs, call.group_sizes, call.group_offset, transpose=True, precision=call.precision,
-                           out_dtype=call.lhs.dtype, block_m=block)
+            if name == "triton":
+                dlhs = triton_gmm_transposed(dz, rhs, call.group_sizes, call.group_offset, precision=call.precision,
+                                             out_dtype=call.lhs.dtype, k_block=k_block, config=config)
+            else:
+                dlhs = xla_gmm(dz, rhs, call.group_sizes, call.group_offset, transpose=True,
+                               precision=call.precision, out_dtype=call.lhs.dtype, block_m=config.block_m)
             return dlhs, None  # frozen quantized weights: zero cotangents
 
         grouped.defvjp(forward, backward)
