@@ -174,9 +174,14 @@ def test_ptx_compile_and_shared_memory(fmt, block):
     args, kwargs = flatten(lhs, w, sizes([32] * 8), None, None, None, None)
     call = ragged_dot_quantized_op.check(*args, **kwargs)
     for config in ragged_dot_quantized_op.implementations["triton"].config_space(call):
-        lowered = lower_for_gpu(lambda l, q: stellax.ragged_dot(l, q, sizes([32] * 8), implementation="triton",
-                                                                config=config), lhs, w)
-        assert_fits_smem(compile_triton_to_ptx(lowered, "9.0"), "9.0")
+        def dlhs(l, q):  # forward and the transposed-decode backward kernel
+            f = lambda x: stellax.ragged_dot(x, q, sizes([32] * 8), implementation="triton",  # noqa: E731
+                                             config=config).astype(jnp.float32).sum()
+            return jax.grad(f)(l)
+
+        kernels = compile_triton_to_ptx(lower_for_gpu(dlhs, lhs, w), "9.0")
+        assert len(kernels) == 2
+        assert_fits_smem(kernels, "9.0")
 
 
 # -- bad inputs -------------------------------------------------------------------------
