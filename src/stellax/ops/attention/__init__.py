@@ -13,3 +13,4 @@ __all__ = [
     "classify_blocks", "default_positions", "dot_product_attention", "dot_product_attention_varlen", "mask_fn",
     "visit_schedule",
 ]
+from .fp8 import attention_fp8_op, quantize_for_attention

@@ -437,7 +437,8 @@ attention_op = register(Op(
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           local_window_size=None, chunk_size=None, q_segment_ids=None, kv_segment_ids=None,
                           query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None,
-                          precision=None, return_residuals=False, implementation=None, config=None):
+                          precision=None, return_residuals=False, implementation=None, config=None,
+                          preferred_element_type=None):
     """Scaled dot-product attention with the full mask family (flash attention).
 
     Shapes: ``B...`` is any number (≥ 0) of leading batch dims, ``T``/``S``
@@ -479,6 +480,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         ``xla_chunked``, ending in ``xla``), ``"triton"``, ``"xla_chunked"``,
         ``"xla"`` or a sequence tried in order.
       config: an explicit kernel config for the chosen implementation.
+      preferred_element_type: fp8 attention only: the output dtype
+        (bfloat16 by default; float16 or float32).
+
+    FP8 attention: any of ``query``/``key``/``value`` may be a `QArray` in
+    ``fp8_e4m3``/``fp8_e5m2`` with per-tensor, per-(batch,)head or
+    per-token-and-head scales (see `stellax.ops.attention.fp8`); this runs
+    the ``attention_fp8`` op (the quantized operands are constants under
+    differentiation).
 
     All masks combine by AND. A fully masked row returns zeros and zero
     gradients, never NaN.
@@ -487,6 +496,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       ``out [B..., T, N, Hv]`` in the input dtype, or ``(out, lse)`` with
       ``return_residuals``.
     """
+    from . import fp8
+    if fp8.is_quantized(query, key, value):
+        return fp8.attention_fp8_op(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+            chunk_size=chunk_size, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            logits_soft_cap=logits_soft_cap, sinks=sinks, precision=precision, return_residuals=return_residuals,
+            preferred_element_type=preferred_element_type, implementation=implementation, config=config)
+    if preferred_element_type is not None:
+        raise ValueError("preferred_element_type: only for fp8 attention (QArray query/key/value); float "
+                         f"attention returns the input dtype, got {preferred_element_type!r}")
     return attention_op(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                         local_window_size=local_window_size, chunk_size=chunk_size, q_segment_ids=q_segment_ids,
                         kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,

@@ -74,9 +74,13 @@ class TileMath:
     def dot(self, a, b, *, trans_a=False, trans_b=False):
         return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=self.allow_tf32)
 
-    def logits(self, q, k, bias):
-        """Natural-log logits tile (float32) and the soft-cap tanh (or None)."""
-        s = self.dot(q, k, trans_b=True) * jnp.float32(self.scale)
+    def logits(self, q, k, bias, qk_scale=None):
+        """Natural-log logits tile (float32) and the soft-cap tanh (or None).
+        ``qk_scale``: an optional float32 tile multiplying ``q·kᵀ`` (fp8 scales)."""
+        s = self.dot(q, k, trans_b=True)
+        if qk_scale is not None:
+            s = s * qk_scale
+        s = s * jnp.float32(self.scale)
         tanh = None
         if self.cap is not None:
             tanh = jnp.tanh(s / jnp.float32(self.cap))
@@ -125,9 +129,14 @@ def prepare_dense(x, tp: int, sp: int, dtype=None):
     return pad_axis(pad_axis(x, 2, tp), 3, sp)
 
 
-def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, has_sinks, debug, reverse):
+def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, has_sinks, debug, reverse,
+                    quantized=False):
     refs = list(refs)
     q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    # fp8 attention (see fp8.py): q/k/v tiles are codes, decoded to bf16 in
+    # registers; per-row float32 scales multiply the logits (s_q·s_k) and p (s_v).
+    qs_ref, ks_ref, vs_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if quantized else (None, None, None)
+    decode = (lambda x: x.astype(jnp.float32).astype(jnp.bfloat16)) if quantized else (lambda x: x)
     bias_ref = refs.pop(0) if math_.has_bias else None
     mask_ref = refs.pop(0) if math_.has_mask else None
     sink_ref = refs.pop(0) if has_sinks else None
@@ -141,7 +150,8 @@ def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, h
     hp, hvp = q_ref.shape[-1], v_ref.shape[-1]
     head_mask = (jnp.arange(hp) < h)[None, :]
     vhead_mask = (jnp.arange(hvp) < hv)[None, :]
-    q = plgpu.load(q_ref, mask=head_mask, other=0.0)
+    q = decode(plgpu.load(q_ref, mask=head_mask, other=0.0))
+    q_scale = qs_ref[...] if quantized else None
     q_pos = qpos_ref[...]
     q_seg = qseg_ref[...] if segments else None
     lo, full_lo, full_hi, hi = sched_ref[0], sched_ref[1], sched_ref[2], sched_ref[3]
@@ -150,9 +160,10 @@ def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, h
         def body(j, carry):
             acc, m, l, visits = carry
             ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-            k = plgpu.load(k_ref.at[ks, :], mask=head_mask, other=0.0)
+            k = decode(plgpu.load(k_ref.at[ks, :], mask=head_mask, other=0.0))
             bias = bias_ref[:, ks] if bias_ref is not None else None
-            s, _ = math_.logits(q, k, bias)
+            qk_scale = q_scale[:, None] * ks_ref[ks][None, :] if quantized else None
+            s, _ = math_.logits(q, k, bias, qk_scale)
             s = s * jnp.float32(LOG2E)
             ok = math_.valid(masked, q_pos, kvpos_ref[ks], q_seg, kvseg_ref[ks] if segments else None,
                              j * block_k, block_k, mask_ref[:, ks] if mask_ref is not None else None)
@@ -162,8 +173,9 @@ def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, h
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp2(s - m_use[:, None])
             alpha = jnp.exp2(m - m_use)
-            v = plgpu.load(v_ref.at[ks, :], mask=vhead_mask, other=0.0)
-            acc = acc * alpha[:, None] + math_.dot(p.astype(v.dtype), v)
+            v = decode(plgpu.load(v_ref.at[ks, :], mask=vhead_mask, other=0.0))
+            pv = p * vs_ref[ks][None, :] if quantized else p
+            acc = acc * alpha[:, None] + math_.dot(pv.astype(v.dtype), v)
             return acc, m_new, l * alpha + jnp.sum(p, axis=1), visits + 1
         return body
 
@@ -188,9 +200,13 @@ def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, h
         count_ref[...] = jnp.full((block_q,), visits * 65536 + unmasked_visits, jnp.int32)
 
 
-def forward(c, config, *, debug: bool = False):
+def forward(c, config, *, debug: bool = False, scales=None, out_dtype=None):
     """``(out [B, T, N, Hv], lse [B, N, T])``; with ``debug`` also the per-row
-    visit counts ``[B, N, T]`` int32 (``visited·65536 + unmasked``)."""
+    visit counts ``[B, N, T]`` int32 (``visited·65536 + unmasked``).
+
+    fp8 attention (`fp8.py`): ``c.q/k/v`` hold fp8 codes (or floats) and
+    ``scales = (s_q [B, T, N], s_k [B, S, K], s_v [B, S, K])`` float32 per-row
+    scales; ``out_dtype`` is the output dtype (default ``q.dtype``)."""
     q, k, v = c.q, c.k, c.v
     b, t, n, h = q.shape
     s, kh = k.shape[1:3]
@@ -203,8 +219,10 @@ def forward(c, config, *, debug: bool = False):
     spec = c.spec
     segments = spec.segments
     sched = _schedule(spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, bq, bk)  # [Bc, nq, 4]
+    quantized = scales is not None
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     math_ = TileMath(spec, c.scale, c.logits_soft_cap, s, c.bias is not None, c.mask is not None,
-                     allow_tf32=q.dtype != jnp.float32)
+                     allow_tf32=quantized or q.dtype != jnp.float32)
     reverse = spec.causal  # heavy (late) query blocks first
 
     def qi(i):
@@ -216,6 +234,12 @@ def forward(c, config, *, debug: bool = False):
         pl.BlockSpec((None, sp, None, hp), lambda i, bb, nn: (bb, 0, nn // g, 0)),
         pl.BlockSpec((None, sp, None, hvp), lambda i, bb, nn: (bb, 0, nn // g, 0)),
     ]
+    if quantized:
+        sq, sk, sv = (x.astype(jnp.float32) for x in scales)
+        inputs += [pad_axis(sq, 1, tp, 1.0), pad_axis(sk, 1, sp, 1.0), pad_axis(sv, 1, sp, 1.0)]
+        in_specs += [pl.BlockSpec((None, bq, None), lambda i, bb, nn: (bb, qi(i), nn)),
+                     pl.BlockSpec((None, sp, None), lambda i, bb, nn: (bb, 0, nn // g)),
+                     pl.BlockSpec((None, sp, None), lambda i, bb, nn: (bb, 0, nn // g))]
     for dense, dtype in ((c.bias, None), (c.mask, jnp.int8)):
         if dense is not None:
             x = prepare_dense(dense, tp, sp, dtype)
@@ -240,14 +264,15 @@ def forward(c, config, *, debug: bool = False):
     fc = bcast_index(sched.shape[0])
     inputs.append(sched)
     in_specs.append(pl.BlockSpec((None, None, 4), lambda i, bb, nn: (fc(bb), qi(i), 0)))
-    out_shape = [jax.ShapeDtypeStruct((b, tp, n, hv), q.dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((b, tp, n, hv), out_dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
     out_specs = [pl.BlockSpec((None, bq, None, hvp), lambda i, bb, nn: (bb, qi(i), nn, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, qi(i)))]
     if debug:
         out_shape.append(jax.ShapeDtypeStruct((b, n, tp), jnp.int32))
         out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, qi(i))))
     kernel = functools.partial(_forward_kernel, math_=math_, block_q=bq, block_k=bk, h=h, hv=hv,
-                               segments=segments, has_sinks=c.sinks is not None, debug=debug, reverse=reverse)
+                               segments=segments, has_sinks=c.sinks is not None, debug=debug, reverse=reverse,
+                               quantized=quantized)
     outs = triton_call(kernel, out_shape=out_shape, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs,
                        num_warps=config.num_warps, num_stages=config.num_stages,
                        name="stellax_flash_attention_forward")(*inputs)
