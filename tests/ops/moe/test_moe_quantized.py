@@ -27,8 +27,8 @@ from moe_helpers import f64, group_rows, numpy_ragged_dot, sizes
 SMALL = GroupedMatmulConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)
 
 #: (format, block) — K = 160 is not a multiple of 64 or 128 (partial last block).
-CASES = [("int8", "channel"), ("int8", 32), ("int8_asym", 64), ("int4", 32), ("int4", 128), ("int4_asym", 64),
-         ("fp8_e4m3", "channel"), ("fp8_e4m3", 128), ("fp8_e4m3", (128, 128)), ("fp8_e5m2", 128),
+CASES = [("int8", "channel"), ("int8_asym", 64), ("int4", 32), ("int4", 128), ("int4_asym", 64),
+         ("fp8_e4m3", "channel"), ("fp8_e4m3", (128, 128)), ("fp8_e5m2", 128),
          ("mxfp8_e4m3", 32), ("mxfp4", 32), ("nvfp4", 16), ("nvfp4", (16, 16))]
 M, K, N = 61, 160, 40
 GS = [17, 0, 25, 0]  # empty groups, sum < M (rows past the groups are zero)
@@ -69,7 +69,7 @@ def test_formats_match_dequantize_then_ragged_dot(fmt, block):
         np.testing.assert_array_equal(np.asarray(out)[sum(GS):], 0.0)
 
 
-@pytest.mark.parametrize("fmt,block", [("int4", 32), ("mxfp4", 32), ("nvfp4", 16), ("int8", "channel")])
+@pytest.mark.parametrize("fmt,block", [("int4", 32), ("mxfp4", 32), ("nvfp4", 16)])
 def test_odd_k_bfloat16(fmt, block):
     """Odd K (a half-filled last byte for 4-bit codes), bf16 activations and output."""
     k, gs = 97, [0, 9, 30, 0, 14]

@@ -481,10 +481,10 @@ def _examples(dtype):
     out = []
     for i, (fmt, block) in enumerate(EXAMPLE_FORMATS[::3] + (("nvfp4", 16),)):
         keys = jax.random.split(jax.random.PRNGKey(300 + i), 2)
-        lhs = jax.random.normal(keys[0], (40, 96), jnp.float32).astype(dtype)
-        rhs = example_weights(keys[1], 3, 96, 40, fmt, block)
+        lhs = jax.random.normal(keys[0], (40, 160), jnp.float32).astype(dtype)
+        rhs = example_weights(keys[1], 3, 160, 40, fmt, block)
         args, kwargs = flatten(lhs, rhs, jnp.asarray([13, 0, 20], jnp.int32), None, None, None, None)
-        out.append(Example(f"{fmt}[{block}] M=40 K=96 N=40 G=3", args, kwargs))
+        out.append(Example(f"{fmt} ({block}) M=40 K=160 N=40 G=3", args, kwargs))
     return out
 
 
@@ -502,7 +502,7 @@ def _benchmarks(platform):
         sizes = np.full(g, m // g)
         args, kwargs = flatten(jax.ShapeDtypeStruct((m, k), dtype), q, jnp.asarray(sizes, jnp.int32), None, None,
                                None, None)
-        out.append(Example(f"{fmt}[{block}] M={m} K={k} N={n} G={g}", args, kwargs))
+        out.append(Example(f"{fmt} ({block}) M={m} K={k} N={n} G={g}", args, kwargs))
     return out
 
 

@@ -24,9 +24,9 @@ zeros):
 
     out[g][k-block, n-block] = Σ_rows lhs[rows, k-block]^T @ rhs[rows, n-block]
 
-Quantized operands (a later issue) plug into `_epilogue`: per-row /
-per-column dequantization scales multiply the float32 accumulators there,
-before the activation.
+Quantized expert weights (`QArray` rhs) have their own kernels in
+`quantized.py` (decoding and blocked scales in the K loop). `_epilogue` remains
+the place for per-row / per-column scales of a future quantized operand.
 """
 
 from __future__ import annotations
