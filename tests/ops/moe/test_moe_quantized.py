@@ -108,6 +108,19 @@ def test_full_default_config_and_dispatch():
     assert_close(ragged_dot_quantized_op.reference(*args, **kwargs), want, dtype=jnp.float32)
 
 
+def test_ragged_dot_general_forward_layout():
+    w = _weights(22, "int4", 32)
+    lhs = _lhs(23, jnp.float32)
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    out = stellax.ragged_dot_general(lhs, w, sizes(GS), dims)
+    assert_close(out, numpy_ragged_dot(lhs, stellax.dequantize(w), GS), dtype=jnp.float32)
+    tdims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])),
+                                              lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    with pytest.raises(ValueError, match="rhs: a QArray rhs supports only the forward layout"):
+        stellax.ragged_dot_general(_lhs(23, jnp.float32, k=N), w, sizes(GS), tdims)
+
+
 def _numpy_dlhs(dy, wd, gs):
     dy, wd = f64(dy), f64(wd)
     out = np.zeros((dy.shape[0], wd.shape[1]))

@@ -512,6 +512,14 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
             f"ragged_dot_dimension_numbers: expected one of the layouts forward (([1],[1]) ragged [0] group [0]), "
             f"transposed rhs (([1],[2]) ragged [0] group [0]) or tgmm (([1],[0]) ragged [1] / ([0],[0]) ragged [0], "
             f"no group) without batch dimensions, got {dims}")
+    from ..quant.qarray import QArray
+    if isinstance(rhs, QArray):
+        if layout != "forward":
+            raise ValueError(f"rhs: a QArray rhs supports only the forward layout (([1],[1]) ragged [0] group [0]), "
+                             f"got the {layout} layout")
+        from .quantized import ragged_dot_quantized
+        return ragged_dot_quantized(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
+                                    implementation=implementation, config=config)
     if layout in ("forward", "transpose_rhs"):
         if num_local_groups is not None and np.ndim(rhs) >= 1 and num_local_groups != rhs.shape[0]:
             raise ValueError(f"num_local_groups: expected rhs.shape[0] = {rhs.shape[0]}, got {num_local_groups}")
