@@ -70,7 +70,8 @@ def _check(lhs, rhs_values, rhs_scales, rhs_zero_points, rhs_tensor_scale, group
     rhs = QArray(rhs_values, rhs_scales, rhs_zero_points, rhs_tensor_scale, format=rhs_format, shape=rhs_shape,
                  block_shape=rhs_block_shape, axis=rhs_axis, rotation=rhs_rotation)
     if rhs.format not in FORMATS:
-        raise ValueError(f"rhs: unsupported QArray format {rhs.format!r} for ragged_dot; expected one of {list(FORMATS)}")
+        raise ValueError(f"rhs: unsupported QArray format {rhs.format!r} for ragged_dot; "
+                         f"expected one of {list(FORMATS)}")
     if rhs.ndim != 3:
         raise ValueError(f"rhs: expected a rank-3 QArray [G, K, N] (gated [G, K, 2, N] and transpose_rhs are not "
                          f"supported quantized), got shape {rhs.shape}")
@@ -371,7 +372,7 @@ def _runner(name: str):
             return triton_gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=None, k_block=k_block,
                               config=config, **options)
 
-        def finish(z, lhs_dtype):  # XLA activation of the pre-activation, zero outside the groups
+        def finish(z):  # XLA activation of the pre-activation, zero outside the groups
             if act_name is None:
                 return z
             bounds = group_bounds(call.group_sizes, call.group_offset, rhs0.shape[0], m)
@@ -384,11 +385,11 @@ def _runner(name: str):
             if name == "triton" and (act_name is None or fusable_in_kernel(act_name)):
                 return triton_gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=act_name,
                                   k_block=k_block, config=config, **options)
-            return finish(pre(lhs, rhs), lhs.dtype)
+            return finish(pre(lhs, rhs))
 
         def forward(lhs, rhs):
             z = pre(lhs, rhs)
-            return finish(z, lhs.dtype), (rhs, z if act_name is not None else None)
+            return finish(z), (rhs, z if act_name is not None else None)
 
         def backward(residuals, dy):
             rhs, z = residuals
