@@ -38,10 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, backward_implementation, register
+from ...core import Call, Implementation, Op, backward_implementation, checks, register
 from ..quant.api import quantize_op
 from ..quant.qarray import QArray
-from ..quant.reference import dequantize_reference
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -94,31 +93,27 @@ def quantize_for_attention(x, format: str = "fp8_e4m3", *, scales: str = "token"
 
 # -- checks -----------------------------------------------------------------------------
 def check_fp8_attention(query, key, value, bias=None, mask=None, *, preferred_element_type=None, **kwargs) -> Call:
+    """Checks of `dot_product_attention` (run on bf16 stand-ins for the
+    operands' shapes) plus the fp8 operands' formats and scale layouts."""
     from .api import check_attention
-    operands = [_check_operand(n, x) for n, x in zip(_NAMES, (query, key, value))]
-    if not any(isinstance(x, QArray) for x in (query, key, value)):
+    trio = (query, key, value)
+    if not is_quantized(*trio):
         raise ValueError("query/key/value: fp8 attention needs at least one QArray operand")
-    floats = [x for x in (query, key, value) if not isinstance(x, QArray)]
+    operands = [_check_operand(n, x) for n, x in zip(_NAMES, trio)]
+    float_dtype = None
+    for n, x in zip(_NAMES, trio):
+        if isinstance(x, QArray):
+            continue
+        checks.require_float(n, x)
+        if float_dtype is not None and np.dtype(x.dtype) != float_dtype:
+            raise TypeError(f"{n}: float operands of fp8 attention must share a dtype, got "
+                            f"{np.dtype(x.dtype).name} and {float_dtype.name}")
+        float_dtype = np.dtype(x.dtype)
     dtype = np.dtype(jnp.bfloat16 if preferred_element_type is None else preferred_element_type)
     if dtype not in [np.dtype(d) for d in OUT_DTYPES]:
         raise TypeError(f"preferred_element_type: expected bfloat16/float16/float32, got {dtype.name}")
-    float_dtype = None
-    for n, x in zip(_NAMES, (query, key, value)):
-        if not isinstance(x, QArray):
-            if float_dtype is not None and np.dtype(x.dtype) != float_dtype:
-                raise TypeError(f"{n}: float operands of fp8 attention must share a dtype, got "
-                                f"{np.dtype(x.dtype).name} and {float_dtype.name}")
-            float_dtype = np.dtype(getattr(x, "dtype", np.float32))
-    del floats
-    # Shapes and every other argument: the float attention's checks on stand-ins.
-    stand_in = [jax.ShapeDtypeStruct(tuple(x.shape), jnp.bfloat16) if isinstance(x, QArray) else
-                (jax.ShapeDtypeStruct(tuple(x.shape), jnp.bfloat16) if hasattr(x, "shape") else x)
-                for x in (query, key, value)]
-    for n, x in zip(_NAMES, (query, key, value)):
-        if not isinstance(x, QArray):
-            from ...core import checks
-            checks.require_float(n, x)
-    base = check_attention(*stand_in, bias, mask, **kwargs)
+    stand_ins = [jax.ShapeDtypeStruct(tuple(x.shape), jnp.bfloat16) for x in trio]
+    base = check_attention(*stand_ins, bias, mask, **kwargs)
     arrays = dict(base.arrays)
     for n, (values, s) in zip(_NAMES, operands):
         arrays[n] = values
@@ -236,7 +231,6 @@ def _bytes(call: Call) -> float:
 
 def _implementations():
     from . import configs
-    from ...core import Implementation
     return [
         Implementation("triton", _run_triton, backend="triton", config_type=configs.FlashConfig,
                        heuristic=configs.flash_heuristic, space=configs.flash_space,
