@@ -1,0 +1,366 @@
+"""Public Gated DeltaNet and Kimi Delta Attention API (the flash-linear-attention contract).
+
+``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (GDN, decay
+``g [B, T, HV]``) and ``chunk_kda`` / ``fused_recurrent_kda`` (KDA, decay
+``g [B, T, HV, K]``, optionally computed from raw inputs by Kimi Linear's
+fused gate). The recurrence is in `reference.py`, the chunked algorithm in
+`chunk.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core import Call, Example, Implementation, Op, register
+from ...core import checks
+from . import checks as la_checks
+from .configs import (LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
+                      linear_attention_space)
+from .core import recurrence, recurrence_flops
+from .reference import delta_rule_recurrence, delta_rule_reference, prepare_delta_inputs
+
+F32 = jnp.float32
+
+
+# -- argument checks -----------------------------------------------------------
+def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
+           cu_seqlens=None, chunk_size=None, per_channel: bool, A_log=None, dt_bias=None, lower_bound=None,
+           use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False) -> Call:
+    q = checks.require_float("q", q)
+    checks.require_ndim("q", q, 4)
+    B, T, H, K = q.shape
+    k = checks.require_float("k", k)
+    checks.require_shape("k", k, q.shape, "q.shape [B, T, H, K]")
+    checks.require_same_dtype("k", k, "q", q)
+    v = checks.require_float("v", v)
+    checks.require_ndim("v", v, 4)
+    checks.require_shape("v", v, (B, T, None, None), "B, T of q; [B, T, HV, V]")
+    checks.require_same_dtype("v", v, "q", q)
+    HV = v.shape[2]
+    if HV % H:
+        raise ValueError(f"v: the number of value heads HV = {HV} (v.shape[2]) must be a multiple of the "
+                         f"number of query/key heads H = {H} (q.shape[2])")
+    g = checks.require_float("g", g)
+    g_shape = (B, T, HV, K) if per_channel else (B, T, HV)
+    checks.require_ndim("g", g, len(g_shape))
+    checks.require_shape("g", g, g_shape, "[B, T, HV, K]" if per_channel else "[B, T, HV]")
+    beta = checks.require_float("beta", beta)
+    checks.require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    cu_seqlens, n = la_checks.check_cu_seqlens(cu_seqlens, B, T)
+    initial_state = la_checks.check_state("initial_state", initial_state, (n, HV, K, v.shape[3]),
+                                          "[N, HV, K, V] with N = " + ("len(cu_seqlens) - 1" if cu_seqlens is not None
+                                                                       else "B"))
+    arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, "cu_seqlens": cu_seqlens}
+    options = {
+        "scale": la_checks.check_scale(scale, K),
+        "output_final_state": la_checks.require_bool("output_final_state", output_final_state),
+        "use_qk_l2norm": la_checks.require_bool("use_qk_l2norm", use_qk_l2norm),
+        "chunk_size": la_checks.check_chunk_size(chunk_size),
+    }
+    if per_channel:
+        use_gate = la_checks.require_bool("use_gate_in_kernel", use_gate_in_kernel)
+        if not use_gate:
+            for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+                if value is not None:
+                    raise ValueError(f"{name}: only used by the fused gate; pass use_gate_in_kernel=True "
+                                     f"(g is then the raw gate input)")
+        if A_log is not None:
+            A_log = checks.require_float("A_log", A_log)
+            checks.require_shape("A_log", A_log, (HV,), "[HV]")
+        if dt_bias is not None:
+            dt_bias = checks.require_float("dt_bias", dt_bias)
+            checks.require_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
+        lower_bound = la_checks.check_optional_float("lower_bound", lower_bound)
+        if lower_bound is not None and lower_bound >= 0:
+            raise ValueError(f"lower_bound: expected a negative float (the smallest log decay per step), "
+                             f"got {lower_bound}")
+        arrays.update(A_log=A_log, dt_bias=dt_bias)
+        options.update(use_gate_in_kernel=use_gate, lower_bound=lower_bound,
+                       use_beta_sigmoid_in_kernel=la_checks.require_bool("use_beta_sigmoid_in_kernel",
+                                                                         use_beta_sigmoid_in_kernel))
+    return Call(arrays, options)
+
+
+def _check_gdn(q, k, v, g, beta, **kwargs) -> Call:
+    return _check(q, k, v, g, beta, per_channel=False, **kwargs)
+
+
+def _check_kda(q, k, v, g, beta, **kwargs) -> Call:
+    return _check(q, k, v, g, beta, per_channel=True, **kwargs)
+
+
+# -- implementations -----------------------------------------------------------
+def _preparer(call: Call):
+    """Per-token preparation (`core.recurrence`): float32, l2-norm, gate, beta
+    sigmoid (`reference.prepare_delta_inputs`), q/k heads expanded to the value
+    heads, q scaled."""
+    group = call.v.shape[2] // call.q.shape[2]
+
+    def prepare(tokens):
+        q, k, g, beta = prepare_delta_inputs(call.replace_arrays(**tokens))
+        q = jnp.repeat(q, group, axis=-2) * call.scale
+        k = jnp.repeat(k, group, axis=-2)
+        return q, k, tokens["v"].astype(F32), g, beta
+    return prepare
+
+
+def _initial(call: Call):
+    if call.initial_state is not None:
+        return call.initial_state.astype(F32)
+    n = call.q.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
+    return jnp.zeros((n, call.v.shape[2], call.q.shape[3], call.v.shape[3]), F32)
+
+
+def _chunked_runner(backend: str):
+    def run(call: Call, config):
+        tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
+        chunk = la_checks.xla_chunk(call.chunk_size, call.g.ndim == 4)
+        o, final = recurrence(backend, tokens, _preparer(call), _initial(call), call.cu_seqlens,
+                              chunk_size=chunk, config=config)
+        return o.astype(call.v.dtype), (final if call.output_final_state else None)
+    return run
+
+
+def _recurrent_xla(call: Call, config):
+    del config
+    q, k, g, beta = prepare_delta_inputs(call)
+    o, final = delta_rule_recurrence(q, k, call.v, g, beta, scale=call.scale, initial_state=_initial(call),
+                                     cu_seqlens=call.cu_seqlens)
+    return o.astype(call.v.dtype), (final if call.output_final_state else None)
+
+
+# -- cost models ---------------------------------------------------------------
+def _nbytes(a) -> int:
+    return 0 if a is None else int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+def _flops(call: Call) -> float:
+    B, T, _, K = call.q.shape
+    HV, V = call.v.shape[2:]
+    return recurrence_flops(B * T, HV, K, V, la_checks.xla_chunk(call.chunk_size, call.g.ndim == 4), True)
+
+
+def _recurrent_flops(call: Call) -> float:
+    B, T, _, K = call.q.shape
+    HV, V = call.v.shape[2:]
+    return float(B * T * HV * 7 * K * V)
+
+
+def _bytes(call: Call) -> float:
+    io = sum(_nbytes(call.arrays[n]) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    return float(io + _nbytes(call.v) + (_nbytes(call.initial_state) if call.output_final_state else 0))
+
+
+# -- examples and benchmarks ------------------------------------------------------
+def make_inputs(key, B, T, H, HV, K, V, *, dtype=jnp.float32, per_channel=False, decay=1.0, n_states=None,
+                normalized_keys=True):
+    """Random GDN/KDA inputs: ``(q, k, v, g, beta, initial_state)``.
+
+    ``g = −decay·softplus(N(0,1))`` (strong decays for large ``decay``); keys
+    are unit-norm (or of norm ~1 without ``normalized_keys``, for use_qk_l2norm)."""
+    keys = jax.random.split(key, 6)
+    q = jax.random.normal(keys[0], (B, T, H, K), F32)
+    k = jax.random.normal(keys[1], (B, T, H, K), F32)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True) if normalized_keys else k
+    v = jax.random.normal(keys[2], (B, T, HV, V), F32)
+    g = -decay * jax.nn.softplus(jax.random.normal(keys[3], (B, T, HV, K) if per_channel else (B, T, HV), F32))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, HV), F32))
+    h0 = 0.5 * jax.random.normal(keys[5], (n_states or B, HV, K, V), F32)
+    return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
+
+
+def _examples(per_channel: bool):
+    def examples(dtype):
+        out = []
+        cases = ((2, 70, 2, 4, 32, 16, None, False), (1, 100, 2, 2, 16, 32, (0, 30, 30, 100), True))
+        for i, (B, T, H, HV, K, V, cu, l2) in enumerate(cases):
+            n = B if cu is None else len(cu) - 1
+            q, k, v, g, beta, h0 = make_inputs(jax.random.PRNGKey(i), B, T, H, HV, K, V, dtype=dtype,
+                                               per_channel=per_channel, n_states=n, normalized_keys=not l2)
+            if l2:
+                k = k * 0.2  # keep raw keys small; they are normalized in the op
+            kwargs = {"initial_state": h0, "output_final_state": True, "use_qk_l2norm": l2}
+            if cu is not None:
+                kwargs["cu_seqlens"] = jnp.array(cu, jnp.int32)
+            label = f"B={B} T={T} H={H} HV={HV} K={K} V={V}" + (f" cu_seqlens={list(cu)}" if cu else "")
+            out.append(Example(label, (q, k, v, g, beta), kwargs))
+        if per_channel:  # Kimi Linear's fused gate on raw inputs
+            q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(7), 1, 40, 1, 2, 16, 16, dtype=dtype,
+                                              per_channel=True)
+            keys = jax.random.split(jax.random.PRNGKey(8), 2)
+            kwargs = {"use_gate_in_kernel": True, "A_log": (0.3 * jax.random.normal(keys[0], (2,))).astype(dtype),
+                      "dt_bias": (0.3 * jax.random.normal(keys[1], (32,))).astype(dtype), "lower_bound": -5.0}
+            out.append(Example("fused gate lower_bound=-5 T=40", (q, k, v, -g, beta), kwargs))
+        return out
+    return examples
+
+
+def _benchmarks(per_channel: bool):
+    def benchmarks(platform):
+        if platform.backend == "cpu":
+            shapes = [(1, 4096, 16, 16, 128, 128)]
+        else:
+            shapes = [(1, 32768, 16, 64, 128, 128), (8, 4096, 16, 32, 128, 128)]
+        out = []
+        for B, T, H, HV, K, V in shapes:
+            q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(0), B, T, H, HV, K, V, per_channel=per_channel)
+            out.append(Example(f"B={B} T={T} H={H} HV={HV} K={K} V={V}", (q, k, v, g, beta)))
+        return out
+    return benchmarks
+
+
+#: Longest token count the naive-scan benchmark peer takes on an accelerator: its
+#: autodiff stores the state of every step (T·HV·K·V floats: 137 GB at the GPU shape).
+NAIVE_SCAN_MAX_TOKENS = 8192
+
+
+def refuse_long_naive_scan(tokens: int) -> None:
+    from ...core import current_platform
+    if current_platform().backend != "cpu" and tokens > NAIVE_SCAN_MAX_TOKENS:
+        raise NotImplementedError(f"the naive scan baseline takes at most {NAIVE_SCAN_MAX_TOKENS} tokens on an "
+                                  f"accelerator (its gradient stores every step's state), got {tokens}")
+
+
+def naive_scan(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
+               cu_seqlens=None, chunk_size=None):
+    """The baseline the chunked algorithm is measured against: the recurrence
+    as one ``lax.scan`` over time steps (what one would write by hand)."""
+    del chunk_size
+    refuse_long_naive_scan(q.shape[0] * q.shape[1])
+    if use_qk_l2norm:
+        from .reference import l2norm
+        q, k = l2norm(q), l2norm(k)
+    o, final = delta_rule_recurrence(q, k, v, g, beta, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                     initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return o.astype(v.dtype), (final if output_final_state else None)
+
+
+# -- ops -------------------------------------------------------------------------
+_DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def _chunked_op(name: str, per_channel: bool) -> Op:
+    triton = Implementation("triton", _chunked_runner("triton"), backend="triton", config_type=LinearAttentionConfig,
+                            heuristic=linear_attention_heuristic, space=linear_attention_space,
+                            requirements=linear_attention_requirements)
+    return register(Op(
+        name,
+        family="linear_attention",
+        check=_check_kda if per_channel else _check_gdn,
+        reference=delta_rule_reference,
+        implementations=[triton, Implementation("xla", _chunked_runner("xla"))],
+        flops=_flops,
+        bytes_accessed=_bytes,
+        examples=_examples(per_channel),
+        benchmarks=_benchmarks(per_channel),
+        peers={"naive_scan": naive_scan},
+        differentiable=_DIFFERENTIABLE,
+    ))
+
+
+def _recurrent_op(name: str, per_channel: bool) -> Op:
+    return register(Op(
+        name,
+        family="linear_attention",
+        check=_check_kda if per_channel else _check_gdn,
+        reference=delta_rule_reference,
+        implementations=[Implementation("xla", _recurrent_xla)],
+        flops=_recurrent_flops,
+        bytes_accessed=_bytes,
+        examples=_examples(per_channel),
+        differentiable=_DIFFERENTIABLE,
+    ))
+
+
+chunk_gated_delta_rule_op = _chunked_op("chunk_gated_delta_rule", per_channel=False)
+fused_recurrent_gated_delta_rule_op = _recurrent_op("fused_recurrent_gated_delta_rule", per_channel=False)
+chunk_kda_op = _chunked_op("chunk_kda", per_channel=True)
+fused_recurrent_kda_op = _recurrent_op("fused_recurrent_kda", per_channel=True)
+
+
+# -- public functions ------------------------------------------------------------
+def _l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel):
+    return use_qk_l2norm if use_qk_l2norm_in_kernel is None else use_qk_l2norm_in_kernel
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm=False, cu_seqlens=None, chunk_size=None, implementation=None, config=None,
+                           use_qk_l2norm_in_kernel=None):
+    """Gated DeltaNet, chunked (training and prefill).
+
+    Per value head, with state ``S [K, V]`` (the recurrence, token by token):
+    ``S ← exp(g_t)·S``, ``S ← S + k_t ⊗ β_t (v_t − Sᵀk_t)``, ``o_t = Sᵀ(scale·q_t)``.
+
+    Args:
+      q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value
+        head ``hv`` reads query/key head ``hv // (HV // H)``); same dtype.
+      g: ``[B, T, HV]`` log-space decay (≤ 0; −20 per step is fine).
+      beta: ``[B, T, HV]`` write strength.
+      scale: query scale, default ``K ** -0.5``.
+      initial_state: ``[N, HV, K, V]`` (N = B, or the number of sequences).
+      output_final_state: also return the final states ``[N, HV, K, V]`` (float32).
+      use_qk_l2norm: l2-normalize q and k over K first (fla's
+        ``use_qk_l2norm_in_kernel``, accepted as an alias).
+      cu_seqlens: ``[N+1]`` int offsets of packed sequences (B must be 1); each
+        sequence starts from its own initial state and has its own final state.
+      chunk_size: tokens per chunk of the XLA path; ``None`` (default) picks the
+        fastest (32 on a CPU, 64 elsewhere). The result does not depend on it.
+        The Triton kernels always use 64.
+      implementation: ``None`` (best available), ``"triton"``, ``"xla"`` or a sequence.
+      config: a `LinearAttentionConfig` for the Triton kernels.
+
+    Returns ``(o [B, T, HV, V] in v.dtype, final_state or None)``.
+    """
+    return chunk_gated_delta_rule_op(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, implementation=implementation, config=config)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                                     use_qk_l2norm=False, cu_seqlens=None, chunk_size=None, implementation=None,
+                                     config=None, use_qk_l2norm_in_kernel=None):
+    """Gated DeltaNet token by token — the decode path (one or a few tokens per
+    step, state in and out). Same arguments and results as `chunk_gated_delta_rule`
+    (``chunk_size`` is ignored)."""
+    return fused_recurrent_gated_delta_rule_op(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, implementation=implementation, config=config)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
+              cu_seqlens=None, chunk_size=None, A_log=None, dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
+              use_beta_sigmoid_in_kernel=False, implementation=None, config=None, use_qk_l2norm_in_kernel=None):
+    """Kimi Delta Attention, chunked: `chunk_gated_delta_rule` with a
+    per-channel decay ``S ← diag(exp(g_t))·S``, ``g [B, T, HV, K]``.
+
+    With ``use_gate_in_kernel=True``, ``g`` is the raw gate input and the
+    decay is computed as in Kimi Linear (fla's ``fused_kda_gate``):
+    ``g ← −exp(A_log)·softplus(g + dt_bias)``, or with ``lower_bound``
+    ``g ← lower_bound·sigmoid(exp(A_log)·(g + dt_bias))``; ``A_log [HV]``,
+    ``dt_bias [HV·K]`` (both optional, differentiable). With
+    ``use_beta_sigmoid_in_kernel=True`` ``beta`` holds logits (``β = sigmoid(beta)``).
+    Other arguments and results as in `chunk_gated_delta_rule`.
+    """
+    return chunk_kda_op(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        implementation=implementation, config=config)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm=False, cu_seqlens=None, chunk_size=None, A_log=None, dt_bias=None,
+                        lower_bound=None, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                        implementation=None, config=None, use_qk_l2norm_in_kernel=None):
+    """Kimi Delta Attention token by token (decode); arguments as `chunk_kda`."""
+    return fused_recurrent_kda_op(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        implementation=implementation, config=config)

@@ -1,0 +1,71 @@
+"""Config of the linear attention Triton kernels, its heuristic, autotuning
+space and what the kernels can run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...core import Call, TritonConfig, next_power_of_two, product_space
+from ...core.config import require_in
+
+#: The Triton kernels work on chunks of this many tokens (fla's BT).
+TRITON_CHUNK = 64
+#: Largest key / value head size the kernels hold in registers.
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig(TritonConfig):
+    """``block_v`` value columns of the ``[K, V]`` state per program (state
+    scan, output and backward kernels); ``num_warps``/``num_stages`` for all."""
+
+    block_v: int = 64
+
+    def validate(self) -> None:
+        super().validate()
+        require_in("LinearAttentionConfig", "block_v", self.block_v, (16, 32, 64, 128))
+
+
+def padded_dim(d: int) -> int:
+    """Head sizes are padded with zeros to a power of two ≥ 16 (tl.dot's minimum)."""
+    return max(16, next_power_of_two(d))
+
+
+def _dims(call: Call) -> tuple[int, int]:
+    """``(K, V)`` of a GDN/KDA or SSD call (SSD: K = state size N, V = head dim P)."""
+    if "x" in call.arrays:
+        return call.B.shape[-1], call.x.shape[-1]
+    return call.k.shape[-1], call.v.shape[-1]
+
+
+def fits_shared_memory(kdim: int, config: LinearAttentionConfig) -> bool:
+    """Keep the state kernels' ``[K, block_v]`` tiles (and their pipelined
+    copies) within sm_80's 163 KiB of shared memory. Measured with the PTX
+    tier: K=128, block_v=128, 2 stages takes 164 KiB; K=256, block_v=64,
+    2 stages 229 KiB, block_v=32, 2 stages 208 KiB; block_v=64, 1 stage 80 KiB."""
+    tile = kdim * config.block_v
+    if config.num_stages > 1:
+        return kdim <= 128 and tile <= 128 * 64
+    return tile <= 256 * 64
+
+
+def linear_attention_heuristic(call: Call) -> LinearAttentionConfig:
+    kdim, vdim = (padded_dim(d) for d in _dims(call))
+    block_v = min(64, vdim)
+    return LinearAttentionConfig(block_v=block_v, num_warps=4 if kdim * block_v <= 128 * 64 else 8, num_stages=1)
+
+
+def linear_attention_space(call: Call) -> list[LinearAttentionConfig]:
+    kdim, vdim = (padded_dim(d) for d in _dims(call))
+    configs = product_space(LinearAttentionConfig, block_v=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2))
+    return [c for c in configs if c.block_v <= vdim and fits_shared_memory(kdim, c)]
+
+
+def linear_attention_requirements(call: Call) -> str | None:
+    kdim, vdim = _dims(call)
+    if kdim > MAX_HEAD_DIM or vdim > MAX_HEAD_DIM:
+        return f"the Triton kernels hold [K, V] states in registers: K={kdim}, V={vdim}, the limit is {MAX_HEAD_DIM}"
+    g = call.arrays.get("g")
+    if g is not None and g.ndim == 4:
+        return "the Triton kernels take scalar (per-head) decays; KDA's per-channel decay runs in XLA"
+    return None

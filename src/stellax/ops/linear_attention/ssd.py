@@ -1,0 +1,289 @@
+"""Mamba2's state-space duality (SSD) scan with the mamba_ssm contract:
+`ssd` (``mamba_chunk_scan_combined``) and `ssd_step` (``selective_state_update``
+for one decode token).
+
+SSD is gated linear attention without the delta rule, so it runs on the same
+chunked recurrence as GDN (`core.recurrence`) with
+``q = C``, ``k = B`` (groups expanded to heads), ``v = dt·x``, ``g = dt·A`` and
+the state transposed from mamba's ``[P, N]`` to ``[N, P]``: the chunk-state,
+state-passing and chunk-scan stages are `chunk.chunk_intra`, the scan and
+`chunk.chunk_output`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core import Call, Example, Implementation, Op, register
+from ...core import checks
+from . import checks as la_checks
+from .configs import (LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
+                      linear_attention_space)
+from .api import refuse_long_naive_scan
+from .core import recurrence, recurrence_flops
+from .reference import ssd_dt, ssd_epilogue, ssd_recurrence, ssd_reference, ssd_step_reference
+
+F32 = jnp.float32
+_INF = float("inf")
+
+
+def _check_dt_limit(dt_limit):
+    if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2:
+        raise ValueError(f"dt_limit: expected a pair (low, high), got {dt_limit!r}")
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    if not 0.0 <= lo < hi:
+        raise ValueError(f"dt_limit: expected 0 <= low < high, got {dt_limit!r}")
+    return (lo, hi)
+
+
+def _check_head_params(H, P, D, dt_bias, A):
+    A = checks.require_float("A", A)
+    checks.require_shape("A", A, (H,), "[H]")
+    if D is not None:
+        D = checks.require_float("D", D)
+        if D.ndim == 1:
+            checks.require_shape("D", D, (H,), "[H] or [H, P]")
+        else:
+            checks.require_shape("D", D, (H, P), "[H] or [H, P]")
+    if dt_bias is not None:
+        dt_bias = checks.require_float("dt_bias", dt_bias)
+        checks.require_shape("dt_bias", dt_bias, (H,), "[H]")
+    return A, D, dt_bias
+
+
+def _check_groups(name, value, lead, H):
+    value = checks.require_float(name, value)
+    checks.require_ndim(name, value, len(lead) + 2)
+    checks.require_shape(name, value, tuple(lead) + (None, None), "[..., G, N]")
+    G = value.shape[-2]
+    if H % G:
+        raise ValueError(f"{name}: the number of heads H = {H} must be a multiple of the number of groups "
+                         f"G = {G} ({name}.shape[-2])")
+    return value
+
+
+def _check_ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
+               dt_limit=(0.0, _INF), initial_states=None, cu_seqlens=None, return_final_states=False) -> Call:
+    x = checks.require_float("x", x)
+    checks.require_ndim("x", x, 4)
+    batch, T, H, P = x.shape
+    dt = checks.require_float("dt", dt)
+    checks.require_shape("dt", dt, (batch, T, H), "[B, T, H]")
+    B = _check_groups("B", B, (batch, T), H)
+    C = _check_groups("C", C, (batch, T), H)
+    checks.require_shape("C", C, B.shape, "B.shape")
+    A, D, dt_bias = _check_head_params(H, P, D, dt_bias, A)
+    if z is not None:
+        z = checks.require_float("z", z)
+        checks.require_shape("z", z, x.shape, "x.shape")
+    cu_seqlens, n = la_checks.check_cu_seqlens(cu_seqlens, batch, T, what="x")
+    initial_states = la_checks.check_state("initial_states", initial_states, (n, H, P, B.shape[-1]),
+                                           "[N, H, P, N_state]")
+    return Call(
+        {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
+         "initial_states": initial_states, "cu_seqlens": cu_seqlens},
+        {"chunk_size": la_checks.check_chunk_size(chunk_size),
+         "dt_softplus": la_checks.require_bool("dt_softplus", dt_softplus),
+         "dt_limit": _check_dt_limit(dt_limit),
+         "return_final_states": la_checks.require_bool("return_final_states", return_final_states)},
+    )
+
+
+def _check_ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
+                    dt_limit=(0.0, _INF)) -> Call:
+    x = checks.require_float("x", x)
+    checks.require_ndim("x", x, 3)
+    batch, H, P = x.shape
+    dt = checks.require_float("dt", dt)
+    checks.require_shape("dt", dt, (batch, H), "[B, H]")
+    B = _check_groups("B", B, (batch,), H)
+    C = _check_groups("C", C, (batch,), H)
+    checks.require_shape("C", C, B.shape, "B.shape")
+    state = la_checks.check_state("state", state, (batch, H, P, B.shape[-1]), "[B, H, P, N]")
+    if state is None:
+        raise TypeError("state: expected an array [B, H, P, N], got None")
+    A, D, dt_bias = _check_head_params(H, P, D, dt_bias, A)
+    if z is not None:
+        z = checks.require_float("z", z)
+        checks.require_shape("z", z, x.shape, "x.shape")
+    return Call({"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias},
+                {"dt_softplus": la_checks.require_bool("dt_softplus", dt_softplus),
+                 "dt_limit": _check_dt_limit(dt_limit)})
+
+
+# -- implementations -----------------------------------------------------------
+def _transpose_state(s):
+    return None if s is None else jnp.swapaxes(s, -1, -2)
+
+
+def _ssd_runner(backend: str):
+    def run(call: Call, config):
+        x = call.x
+        group = x.shape[2] // call.B.shape[2]
+
+        def prepare(tokens):  # SSD as gated linear attention: q = C, k = B, v = dt·x, g = dt·A
+            dt = ssd_dt(tokens["dt"], call.dt_bias, call.dt_softplus, call.dt_limit)
+            q = jnp.repeat(tokens["C"].astype(F32), group, axis=-2)
+            k = jnp.repeat(tokens["B"].astype(F32), group, axis=-2)
+            return q, k, tokens["x"].astype(F32) * dt[..., None], dt * call.A.astype(F32), None
+
+        n = x.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
+        h0 = (jnp.zeros((n, x.shape[2], call.B.shape[-1], x.shape[3]), F32) if call.initial_states is None
+              else _transpose_state(call.initial_states.astype(F32)))
+        tokens = {"x": x, "dt": call.dt, "B": call.B, "C": call.C}
+        y, final = recurrence(backend, tokens, prepare, h0, call.cu_seqlens,
+                              chunk_size=la_checks.xla_chunk(call.chunk_size, False), config=config)
+        y = ssd_epilogue(y, x, call.D, call.z).astype(x.dtype)
+        return (y, _transpose_state(final)) if call.return_final_states else y
+    return run
+
+
+def _ssd_step_xla(call: Call, config):
+    del config
+    return ssd_step_reference(call)
+
+
+# -- cost models, examples, benchmarks ------------------------------------------------
+def _ssd_flops(call: Call) -> float:
+    batch, T, H, P = call.x.shape
+    return recurrence_flops(batch * T, H, call.B.shape[-1], P, la_checks.xla_chunk(call.chunk_size, False), False)
+
+
+def _ssd_bytes(call: Call) -> float:
+    total = 0
+    for a in call.arrays.values():
+        if a is not None:
+            total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+    return float(total + int(np.prod(call.x.shape)) * np.dtype(call.x.dtype).itemsize)
+
+
+def make_ssd_inputs(key, batch, T, H, P, G, N, *, dtype=jnp.float32, n_states=None):
+    """Random SSD inputs ``(x, dt, A, B, C, D, z, dt_bias, initial_states)``."""
+    keys = jax.random.split(key, 9)
+    x = jax.random.normal(keys[0], (batch, T, H, P), F32)
+    dt = jax.random.normal(keys[1], (batch, T, H), F32) - 1.0
+    A = -jnp.exp(jax.random.uniform(keys[2], (H,), F32, 0.0, 1.5))
+    B = jax.random.normal(keys[3], (batch, T, G, N), F32) / np.sqrt(N)
+    C = jax.random.normal(keys[4], (batch, T, G, N), F32) / np.sqrt(N)
+    D = jax.random.normal(keys[5], (H,), F32)
+    z = jax.random.normal(keys[6], (batch, T, H, P), F32)
+    dt_bias = 0.5 * jax.random.normal(keys[7], (H,), F32)
+    h0 = 0.5 * jax.random.normal(keys[8], (n_states or batch, H, P, N), F32)
+    return tuple(a.astype(dtype) for a in (x, dt, A, B, C, D, z, dt_bias)) + (h0,)
+
+
+def _ssd_examples(dtype):
+    out = []
+    cases = ((2, 70, 4, 16, 2, 32, None), (1, 90, 2, 32, 1, 16, (0, 40, 90)))
+    for i, (batch, T, H, P, G, N, cu) in enumerate(cases):
+        n = batch if cu is None else len(cu) - 1
+        x, dt, A, B, C, D, z, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(i), batch, T, H, P, G, N,
+                                                            dtype=dtype, n_states=n)
+        kwargs = {"chunk_size": 32, "D": D, "z": z, "dt_bias": dt_bias, "dt_softplus": True,
+                  "initial_states": h0, "return_final_states": True}
+        if cu is not None:
+            kwargs["cu_seqlens"] = jnp.array(cu, jnp.int32)
+        label = f"B={batch} T={T} H={H} P={P} G={G} N={N}" + (f" cu_seqlens={list(cu)}" if cu else "")
+        out.append(Example(label, (x, dt, A, B, C), kwargs))
+    return out
+
+
+def _ssd_step_examples(dtype):
+    x, dt, A, B, C, D, z, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(3), 2, 1, 4, 16, 2, 32, dtype=dtype)
+    return [Example("B=2 H=4 P=16 G=2 N=32", (h0, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0]),
+                    {"D": D, "z": z[:, 0], "dt_bias": dt_bias, "dt_softplus": True})]
+
+
+def _ssd_benchmarks(platform):
+    if platform.backend == "cpu":
+        shapes = [(1, 4096, 16, 64, 1, 128)]
+    else:
+        shapes = [(1, 32768, 64, 64, 8, 128)]
+    out = []
+    for batch, T, H, P, G, N in shapes:
+        x, dt, A, B, C, *_ = make_ssd_inputs(jax.random.PRNGKey(0), batch, T, H, P, G, N)
+        out.append(Example(f"B={batch} T={T} H={H} P={P} G={G} N={N}", (x, dt, A, B, C),
+                           {"dt_softplus": True}))
+    return out
+
+
+def naive_ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
+              dt_limit=(0.0, _INF), initial_states=None, cu_seqlens=None, return_final_states=False):
+    """Baseline: SSD as one ``lax.scan`` over time steps."""
+    del chunk_size
+    refuse_long_naive_scan(x.shape[0] * x.shape[1])
+    step = ssd_dt(dt, dt_bias, dt_softplus, dt_limit)
+    y, final = ssd_recurrence(x, step, A, B, C, initial_states=initial_states, cu_seqlens=cu_seqlens)
+    y = ssd_epilogue(y, x, D, z).astype(x.dtype)
+    return (y, final) if return_final_states else y
+
+
+ssd_op = register(Op(
+    "ssd",
+    family="linear_attention",
+    check=_check_ssd,
+    reference=ssd_reference,
+    implementations=[
+        Implementation("triton", _ssd_runner("triton"), backend="triton", config_type=LinearAttentionConfig,
+                       heuristic=linear_attention_heuristic, space=linear_attention_space,
+                       requirements=linear_attention_requirements),
+        Implementation("xla", _ssd_runner("xla")),
+    ],
+    flops=_ssd_flops,
+    bytes_accessed=_ssd_bytes,
+    examples=_ssd_examples,
+    benchmarks=_ssd_benchmarks,
+    peers={"naive_scan": naive_ssd},
+    differentiable=("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"),
+))
+
+ssd_step_op = register(Op(
+    "ssd_step",
+    family="linear_attention",
+    check=_check_ssd_step,
+    reference=ssd_step_reference,
+    implementations=[Implementation("xla", _ssd_step_xla)],
+    bytes_accessed=_ssd_bytes,
+    examples=_ssd_step_examples,
+    differentiable=("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"),
+))
+
+
+def ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, _INF),
+        initial_states=None, cu_seqlens=None, return_final_states=False, implementation=None, config=None):
+    """Mamba2 SSD scan (mamba_ssm's ``mamba_chunk_scan_combined``).
+
+    Per head ``h`` (group ``h // (H // G)``), state ``[P, N]``:
+    ``dt ← softplus(dt + dt_bias)`` (``dt_softplus``) clipped to ``dt_limit``;
+    ``state ← exp(dt·A_h)·state + dt·x_t ⊗ B_t``; ``y_t = state·C_t + D_h·x_t``,
+    times ``silu(z_t)`` when ``z`` is given.
+
+    Args:
+      x: ``[B, T, H, P]``; dt: ``[B, T, H]``; A: ``[H]`` (negative);
+      B, C: ``[B, T, G, N]`` with ``H % G == 0``; D: ``[H]`` or ``[H, P]``;
+      z: ``[B, T, H, P]``; dt_bias: ``[H]``;
+      initial_states: ``[N_seq, H, P, N]`` (N_seq = B, or the number of packed sequences);
+      cu_seqlens: ``[N_seq + 1]`` offsets of packed sequences (B must be 1);
+      chunk_size: tokens per chunk of the XLA path; ``None`` (default) picks the
+        fastest (32 on a CPU, 64 elsewhere; mamba_ssm's default is 256). The result
+        does not depend on it. The Triton kernels always use 64.
+    Returns ``y [B, T, H, P]`` in x.dtype, or ``(y, final_states [N_seq, H, P, N] float32)``
+    with ``return_final_states``.
+    """
+    return ssd_op(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                  dt_limit=dt_limit, initial_states=initial_states, cu_seqlens=cu_seqlens,
+                  return_final_states=return_final_states, implementation=implementation, config=config)
+
+
+def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, _INF),
+             implementation=None):
+    """One SSD decode step (mamba_ssm's ``selective_state_update``), functional.
+
+    ``state [B, H, P, N]``, ``x [B, H, P]``, ``dt [B, H]``, ``A [H]``,
+    ``B, C [B, G, N]``, optional ``D``, ``z [B, H, P]``, ``dt_bias [H]``.
+    Returns ``(y [B, H, P] in x.dtype, new_state [B, H, P, N] in state.dtype)``.
+    """
+    return ssd_step_op(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                       dt_limit=dt_limit, implementation=implementation)
