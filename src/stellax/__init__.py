@@ -31,3 +31,6 @@ from .ops.quant import HadamardConfig, QArray, QMatmulConfig, dequantize, hadama
 # Autotuning and benchmarking (`stellax.autotune(fn, *args)` is callable).
 from . import autotune
 from .bench import benchmark
+
+# Context parallelism over jax.shard_map (stellax.parallel.context_parallel_attention, ...).
+from . import parallel
