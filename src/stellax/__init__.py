@@ -1,5 +1,3 @@
-# Engineers working on stellax in parallel: read /work/main/AGENTS.md first
-# (deadline, file ownership, commit rules, test budgets).
 """stellax: fast, verified kernels for AI accelerators on JAX and Pallas.
 
 Every public op and helper is importable from here; context parallelism lives
