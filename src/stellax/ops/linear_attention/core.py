@@ -167,12 +167,14 @@ def _triton_backward(call: Call, config):
                                                     _flat(dfinal), meta, chunk=chunk, heads=hv, config=config)
     lead = (bs, hv, tp // chunk)
     xs = [_chunked(x, chunk) for x in (q, k, v, g)] + ([] if beta is None else [_chunked(beta, chunk)])
+    # Differentiate the intra-chunk math in float32 (the state-scan cotangents are float32).
+    xs = [x.astype(F32) for x in xs]
     parts, vjp = jax.vjp(lambda *a: chunk_math.chunk_intra(*a[:4], a[4] if len(a) > 4 else None), *xs)
     cot = _parts_cotangents(parts, states.reshape(lead + states.shape[2:]), _chunked(delta.reshape(v.shape), chunk),
                             _chunked(d_delta.reshape(v.shape), chunk), d_states.reshape(lead + d_states.shape[2:]),
                             _chunked(call.do.astype(F32), chunk))
     grads = list(vjp(cot)) + ([] if beta is not None else [None])
-    grads = [None if g_ is None else g_.reshape(x.shape) for g_, x in zip(grads, (q, k, v, g, beta))]
+    grads = [None if g_ is None else g_.reshape(x.shape).astype(x.dtype) for g_, x in zip(grads, (q, k, v, g, beta))]
     dh0 = dh0.reshape(h0.shape)
     if meta is not None:
         # An empty packed sequence passes its initial state straight through.
