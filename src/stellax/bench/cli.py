@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from .profiler import profile, trace_files
     from .suites import SuiteOptions, families, run_suites
 
-    console = Console(stderr=False, width=max(Console().width, 160))
+    console = Console(stderr=False, width=max(Console().width, 240))
     err = Console(stderr=True)
     if args.list:
         return _list(console)
