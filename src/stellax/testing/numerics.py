@@ -96,7 +96,8 @@ def compare(out, ref, *, dtype=None, gradient: bool = False, rel_l2_tolerance: f
     ref_nan = bool(np.isnan(ref_np).any())
     both_finite = np.isfinite(out_np) & np.isfinite(ref_np)
     same_nonfinite = (np.isnan(out_np) & np.isnan(ref_np)) | (np.isinf(out_np) & (out_np == ref_np))
-    diff = np.where(both_finite, np.abs(out_np - ref_np), np.where(same_nonfinite, 0.0, np.inf))
+    with np.errstate(invalid="ignore"):  # inf - inf where both are non-finite is masked below
+        diff = np.where(both_finite, np.abs(out_np - ref_np), np.where(same_nonfinite, 0.0, np.inf))
     ref_norm = np.sqrt(np.sum(np.where(np.isfinite(ref_np), ref_np, 0.0) ** 2))
     err_norm = np.sqrt(np.sum(diff**2)) if np.isfinite(diff).all() else np.inf
     rel = float(err_norm / ref_norm) if ref_norm > 0 else float(err_norm)
