@@ -20,3 +20,28 @@ os.environ["STELLAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="stellax-test-cache-")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+import pytest  # noqa: E402
+
+# Test folders whose tests each get a private autotuning cache and fresh warning state.
+_CACHE_ISOLATED_FOLDERS = ("autotune", "bench")
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(request, monkeypatch):
+    """In tests/autotune and tests/bench: a per-test user cache directory
+    (yielded) and fresh autotuning warning/policy state; elsewhere nothing."""
+    if request.node.path.parent.name not in _CACHE_ISOLATED_FOLDERS:
+        yield None
+        return
+    from stellax.autotune import cache, sources
+
+    root = request.getfixturevalue("tmp_path") / "cache"
+    monkeypatch.setenv("STELLAX_CACHE_DIR", str(root))
+    monkeypatch.delenv("STELLAX_AUTOTUNE_POLICY", raising=False)
+    cache.reset_warnings()
+    sources.reset_miss_warnings()
+    sources.set_policy(None)
+    yield root
+    sources.set_policy(None)
