@@ -11,13 +11,14 @@ except ImportError as e:  # pragma: no cover
     raise ImportError("stellax.torch needs PyTorch: pip install 'stellax[torch]'") from e
 
 from .bridge import PackedTensor, jax_dtype, to_jax, to_torch, torch_dtype
-from .registry import TorchOp, cache_info, clear_cache, define_op, registered_torch_ops
+from .registry import ForwardOnlyError, TorchOp, cache_info, clear_cache, define_op, registered_torch_ops
 
 from .attention import dot_product_attention, dot_product_attention_varlen
 from .glu import gated_linear_unit
 from .linear_attention import (GatedDeltaNet, chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,
                                fused_recurrent_kda, ssd, ssd_step)
-from .moe import MoE, moe_mlp, ragged_dot, route
+from .moe import (MoE, load_balancing_loss, moe_mlp, permute, ragged_dot, ragged_dot_general, ragged_dot_tgmm, route,
+                  router_z_loss, unpermute)
 from .norm import layer_norm, rms_norm
 from .paged import mla_decode, paged_attention, ragged_paged_attention, update_kv_cache_
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
@@ -25,10 +26,10 @@ from .modules import GatedMLP, LayerNorm, RMSNorm
 from .hf import register_transformers_attention
 
 __all__ = [
-    "GatedDeltaNet", "GatedMLP", "LayerNorm", "MoE", "PackedTensor", "QTensor", "RMSNorm", "TorchOp", "cache_info",
+    "ForwardOnlyError", "GatedDeltaNet", "GatedMLP", "LayerNorm", "MoE", "PackedTensor", "QTensor", "RMSNorm", "TorchOp", "cache_info",
     "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dot_product_attention",
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
-    "hadamard_transform", "jax_dtype", "layer_norm", "mla_decode", "moe_mlp", "paged_attention", "quantize", "quantized_matmul",
-    "ragged_dot", "ragged_paged_attention", "register_transformers_attention", "registered_torch_ops", "rms_norm",
-    "route", "ssd", "ssd_step", "to_jax", "update_kv_cache_", "to_torch", "torch_dtype",
+    "hadamard_transform", "jax_dtype", "layer_norm", "load_balancing_loss", "mla_decode", "moe_mlp", "permute", "paged_attention", "quantize", "quantized_matmul",
+    "ragged_dot", "ragged_dot_general", "ragged_dot_tgmm", "ragged_paged_attention", "register_transformers_attention",
+    "registered_torch_ops", "rms_norm", "route", "router_z_loss", "unpermute", "ssd", "ssd_step", "to_jax", "update_kv_cache_", "to_torch", "torch_dtype",
 ]

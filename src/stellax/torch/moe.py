@@ -1,5 +1,8 @@
-"""Torch front ends of the MoE family: `ragged_dot` (grouped matmul), `route`
-(top-k routing), `moe_mlp` (router + experts), and the `MoE` module."""
+"""Torch front ends of the MoE family: `ragged_dot` (grouped matmul, dense or
+quantized experts), `ragged_dot_general`, `ragged_dot_tgmm`, `route` (top-k
+routing), `permute` / `unpermute` (token movement), the router losses
+`load_balancing_loss` and `router_z_loss`, `moe_mlp` (router + experts), and
+the `MoE` module. The expert-parallel MoE is in `stellax.torch.parallel`."""
 
 from __future__ import annotations
 
@@ -17,27 +20,224 @@ def _moe():
     return moe
 
 
+# -- shared argument encoding -------------------------------------------------------------
+def _precision_name(precision) -> str | None:
+    """``None``, a `jax.lax.Precision` or its name → the name the op schema carries."""
+    if precision is None or isinstance(precision, str):
+        return precision
+    name = getattr(precision, "name", None)
+    if name is None:
+        raise TypeError(f"precision: expected None, a string or a jax.lax.Precision, got {precision!r}")
+    return name.lower()
+
+
+def _dtype_option(name: str, dtype) -> str | None:
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}: expected a torch.dtype or None, got {dtype!r}")
+    return str(dtype).replace("torch.", "")
+
+
+def _group_offset(group_offset, device) -> torch.Tensor | None:
+    """``None`` / int / integer tensor of shape ``()`` or ``(1,)`` → int32 ``[1]``."""
+    if group_offset is None:
+        return None
+    if isinstance(group_offset, torch.Tensor):
+        if group_offset.is_floating_point() or group_offset.numel() != 1:
+            raise ValueError(f"group_offset: expected an int or an integer tensor of shape () or (1,), got "
+                             f"{group_offset.dtype} {tuple(group_offset.shape)}")
+        return group_offset.reshape(1).to(torch.int32)
+    if isinstance(group_offset, bool) or not isinstance(group_offset, int):
+        raise TypeError(f"group_offset: expected an int or an integer tensor, got {type(group_offset).__name__}")
+    return torch.tensor([group_offset], dtype=torch.int32, device=device)
+
+
+def _jax_offset(group_offset):
+    return None if group_offset is None else group_offset.reshape(())
+
+
+def _opt_int(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
+    return int(value)
+
+
 # -- ragged_dot ---------------------------------------------------------------------------
-def _ragged_dot(lhs, rhs, group_sizes, *, activation, implementation):
-    return _moe().ragged_dot(lhs, rhs, group_sizes, activation=activation, implementation=implementation)
+def _ragged_dot(lhs, rhs, group_sizes, group_offset, *, activation, precision, preferred_element_type,
+                implementation):
+    return _moe().ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
+                             activation=activation, implementation=implementation)
 
 
-def _ragged_dot_fake(lhs, rhs, group_sizes, **_):
-    return lhs.new_empty((lhs.shape[0], rhs.shape[-1]))
+def _ragged_dot_fake(lhs, rhs, group_sizes, group_offset, *, preferred_element_type, **_):
+    dtype = lhs.dtype if preferred_element_type is None else getattr(torch, preferred_element_type)
+    return lhs.new_empty((lhs.shape[0], rhs.shape[-1]), dtype=dtype)
 
 
-ragged_dot_op = define_op("ragged_dot", _ragged_dot, tensors=("lhs", "rhs", "group_sizes!"),
-                          options={"activation": "str?", "implementation": "str?"}, fake=_ragged_dot_fake)
+_GMM_OPTIONS = {"precision": "str?", "preferred_element_type": "str?"}
+
+ragged_dot_op = define_op("ragged_dot", _ragged_dot, tensors=("lhs", "rhs", "group_sizes!", "group_offset?!"),
+                          options={"activation": "str?", **_GMM_OPTIONS, "implementation": "str?"},
+                          fake=_ragged_dot_fake)
 
 
-def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, activation: str | None = None,
+def _ragged_dot_quantized(lhs, values, scales, zero_points, tensor_scale, group_sizes, group_offset, *, format,
+                          shape, block_shape, axis, rotation, activation, precision, preferred_element_type,
+                          implementation):
+    from .quant import _qarray
+    w = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
+    return _moe().ragged_dot(lhs, w, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
+                             activation=activation, implementation=implementation)
+
+
+def _ragged_dot_quantized_fake(lhs, *rest, shape, preferred_element_type, **_):
+    dtype = lhs.dtype if preferred_element_type is None else getattr(torch, preferred_element_type)
+    return lhs.new_empty((lhs.shape[0], shape[-1]), dtype=dtype)
+
+
+ragged_dot_quantized_op = define_op(
+    "ragged_dot_quantized", _ragged_dot_quantized,
+    tensors=("lhs", "rhs_values!", "rhs_scales!", "rhs_zero_points?!", "rhs_tensor_scale?!", "group_sizes!",
+             "group_offset?!"),
+    options={"format": "str", "shape": "int[]", "block_shape": "int[]", "axis": "int", "rotation": "int?",
+             "activation": "str?", **_GMM_OPTIONS, "implementation": "str?"},
+    fake=_ragged_dot_quantized_fake)
+
+
+def ragged_dot(lhs: torch.Tensor, rhs, group_sizes: torch.Tensor, *, group_offset=None,
+               activation: str | None = None, precision=None, preferred_element_type: torch.dtype | None = None,
                implementation: str | None = None) -> torch.Tensor:
-    """Grouped matmul (the ``jax.lax.ragged_dot`` contract): ``lhs [M, K]``
-    with rows sorted by group, ``rhs [G, K, N]`` (or ``[G, K, 2, N]`` for a
-    fused gate/up projection, giving ``act(lhs @ gate) * (lhs @ up)``),
-    ``group_sizes [G]`` integers. Returns ``[M, N]``; rows past
-    ``sum(group_sizes)`` are zero. Differentiable in ``lhs`` and ``rhs``."""
-    return ragged_dot_op(lhs, rhs, group_sizes.to(torch.int32), activation, implementation)
+    """Grouped matmul (the ``jax.lax.ragged_dot`` contract, `stellax.ragged_dot`).
+
+    Args:
+      lhs: ``[M, K]`` float32/bfloat16/float16, rows sorted by group.
+      rhs: ``[G, K, N]`` (or ``[G, K, 2, N]`` for a fused gate/up projection,
+        giving ``act(lhs @ gate) * (lhs @ up)``), same dtype as ``lhs``; or a
+        `QTensor` ``[G, K, N]`` quantized along axis 1 (frozen quantized
+        expert weights: no gated layout, gradients flow to ``lhs`` only).
+      group_sizes: ``[G_total]`` integers; rows past ``sum(group_sizes)`` are zero.
+      group_offset: ``None`` or an int (or integer tensor of shape ``()``/``(1,)``)
+        for expert-sharded weights: ``rhs`` holds groups ``[offset, offset + G)``.
+      activation: ``None``, ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``, ``"sigmoid"``.
+      precision: ``None`` or a `jax.lax.Precision` (name).
+      preferred_element_type: output torch dtype (default ``lhs.dtype``).
+
+    Returns ``[M, N]``. Differentiable in ``lhs`` and (dense) ``rhs``."""
+    from .quant import QTensor, _q_args
+    offset = _group_offset(group_offset, lhs.device)
+    opts = (activation, _precision_name(precision), _dtype_option("preferred_element_type", preferred_element_type),
+            implementation)
+    if isinstance(rhs, QTensor):
+        values, scales, zp, ts, *qopts = _q_args(rhs)
+        return ragged_dot_quantized_op(lhs, values, scales, zp, ts, group_sizes.to(torch.int32), offset, *qopts,
+                                       *opts)
+    return ragged_dot_op(lhs, rhs, group_sizes.to(torch.int32), offset, *opts)
+
+
+# -- ragged_dot_general / ragged_dot_tgmm ------------------------------------------------------
+#: layout -> ((lhs contracting, rhs contracting), lhs ragged, rhs group); no batch dimensions.
+_LAYOUTS = {
+    "forward": (((1,), (1,)), (0,), (0,)),
+    "transpose_rhs": (((1,), (2,)), (0,), (0,)),
+    "tgmm": (((1,), (0,)), (1,), ()),
+    "tgmm_transpose_lhs": (((0,), (0,)), (0,), ()),
+}
+
+
+def _dimension_numbers(layout: str):
+    import jax
+    (lc, rc), ragged, group = _LAYOUTS[layout]
+    return jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=((list(lc), list(rc)), ([], [])),
+                                             lhs_ragged_dimensions=list(ragged), rhs_group_dimensions=list(group))
+
+
+def _layout_of(dims) -> str:
+    """A layout name, or `jax.lax.RaggedDotDimensionNumbers` → its layout name."""
+    if isinstance(dims, str):
+        if dims not in _LAYOUTS:
+            raise ValueError(f"ragged_dot_dimension_numbers: expected one of {sorted(_LAYOUTS)} or a "
+                             f"jax.lax.RaggedDotDimensionNumbers, got {dims!r}")
+        return dims
+    try:
+        (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+        key = (((tuple(lc), tuple(rc)), tuple(dims.lhs_ragged_dimensions), tuple(dims.rhs_group_dimensions)))
+    except (AttributeError, TypeError, ValueError):
+        raise TypeError(f"ragged_dot_dimension_numbers: expected a layout name or a "
+                        f"jax.lax.RaggedDotDimensionNumbers, got {type(dims).__name__}") from None
+    for name, value in _LAYOUTS.items():
+        if not tuple(lb) and not tuple(rb) and key == value:
+            return name
+    raise ValueError(f"ragged_dot_dimension_numbers: expected one of the layouts {sorted(_LAYOUTS)} "
+                     f"(see stellax.ragged_dot_general), got {dims}")
+
+
+def _ragged_dot_general(lhs, rhs, group_sizes, group_offset, *, layout, precision, preferred_element_type,
+                        num_local_groups, implementation):
+    return _moe().ragged_dot_general(lhs, rhs, group_sizes, _dimension_numbers(layout), precision,
+                                     preferred_element_type, _jax_offset(group_offset),
+                                     num_local_groups=num_local_groups, implementation=implementation)
+
+
+ragged_dot_general_op = define_op(
+    "ragged_dot_general", _ragged_dot_general, tensors=("lhs", "rhs", "group_sizes!", "group_offset?!"),
+    options={"layout": "str", **_GMM_OPTIONS, "num_local_groups": "int?", "implementation": "str?"})
+
+
+def ragged_dot_general(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, ragged_dot_dimension_numbers,
+                       *, precision=None, preferred_element_type: torch.dtype | None = None, group_offset=None,
+                       num_local_groups: int | None = None, implementation: str | None = None) -> torch.Tensor:
+    """`stellax.ragged_dot_general` (the ``jax.lax.ragged_dot_general`` contract
+    for the layouts training needs) on torch tensors.
+
+    ``ragged_dot_dimension_numbers`` is a `jax.lax.RaggedDotDimensionNumbers`
+    or one of the layout names:
+
+    * ``"forward"``: ``lhs [M, K]``, ``rhs [G, K, N]`` → ``[M, N]``;
+    * ``"transpose_rhs"``: ``rhs [G, N, K]`` → ``[M, N]`` (the dlhs layout);
+    * ``"tgmm"``: ``lhs [K, M]``, ``rhs [M, N]`` → ``[G, K, N]`` (ragged contraction);
+    * ``"tgmm_transpose_lhs"``: ``lhs [M, K]``, ``rhs [M, N]`` → ``[G, K, N]``.
+
+    ``group_sizes [G_total]`` integers; ``group_offset`` / ``num_local_groups``
+    select the local groups of expert-sharded weights (as in JAX); float32/
+    bfloat16/float16 operands of one dtype. Differentiable in ``lhs`` and ``rhs``.
+    """
+    layout = _layout_of(ragged_dot_dimension_numbers)
+    return ragged_dot_general_op(lhs, rhs, group_sizes.to(torch.int32), _group_offset(group_offset, lhs.device),
+                                 layout, _precision_name(precision),
+                                 _dtype_option("preferred_element_type", preferred_element_type),
+                                 _opt_int("num_local_groups", num_local_groups), implementation)
+
+
+def _ragged_dot_tgmm(lhs, rhs, group_sizes, group_offset, *, precision, preferred_element_type, num_local_groups,
+                     transpose_lhs, implementation):
+    return _moe().ragged_dot_tgmm(lhs, rhs, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
+                                  num_local_groups=num_local_groups, transpose_lhs=transpose_lhs,
+                                  implementation=implementation)
+
+
+ragged_dot_tgmm_op = define_op(
+    "ragged_dot_tgmm", _ragged_dot_tgmm, tensors=("lhs", "rhs", "group_sizes!", "group_offset?!"),
+    options={**_GMM_OPTIONS, "num_local_groups": "int?", "transpose_lhs": "bool", "implementation": "str?"})
+
+
+def ragged_dot_tgmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, precision=None,
+                    preferred_element_type: torch.dtype | None = None, group_offset=None,
+                    num_local_groups: int | None = None, transpose_lhs: bool = False,
+                    implementation: str | None = None) -> torch.Tensor:
+    """Ragged contraction (`stellax.ragged_dot_tgmm`, the weight gradient of
+    `ragged_dot`): ``out[g] = lhs[:, rows of g] @ rhs[rows of g, :]``.
+
+    ``lhs [K, M]`` (or ``[M, K]`` with ``transpose_lhs``), ``rhs [M, N]``
+    (same float dtype), ``group_sizes [G]`` integers → ``[G, K, N]`` (or
+    ``[num_local_groups, K, N]`` with ``group_offset``); an empty group gives
+    zeros. Differentiable in ``lhs`` and ``rhs``."""
+    return ragged_dot_tgmm_op(lhs, rhs, group_sizes.to(torch.int32), _group_offset(group_offset, lhs.device),
+                              _precision_name(precision),
+                              _dtype_option("preferred_element_type", preferred_element_type),
+                              _opt_int("num_local_groups", num_local_groups), bool(transpose_lhs), implementation)
 
 
 # -- routing ---------------------------------------------------------------------------------
@@ -66,6 +266,99 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", bias: t
     see `stellax.ops.moe.route`. The weights are differentiable in ``logits``."""
     return route_op(logits, bias, int(top_k), scoring, num_groups, top_k_groups, bool(normalize_weights),
                     float(routed_scaling))
+
+
+# -- token permutation ---------------------------------------------------------------------
+def _permute(x, expert_ids, *, num_experts, capacity_factor):
+    import jax.numpy as jnp
+    out = _moe().permute(x, expert_ids, num_experts, capacity_factor=capacity_factor)
+    if capacity_factor is None:
+        rows, sizes, order = out
+        return rows, sizes, order, jnp.zeros_like(sizes)
+    return tuple(out)
+
+
+def _permute_fake(x, expert_ids, *, num_experts, **_):
+    copies = expert_ids.shape[0] * expert_ids.shape[1]
+    ints = lambda *shape: x.new_empty(shape, dtype=torch.int32)
+    return x.new_empty((copies, x.shape[1])), ints(num_experts), ints(copies), ints(num_experts)
+
+
+permute_op = define_op("permute", _permute, tensors=("x", "expert_ids!"),
+                       options={"num_experts": "int", "capacity_factor": "float?"}, outputs=4, fake=_permute_fake)
+
+
+def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, capacity_factor: float | None = None):
+    """Expert-sorted copies of the tokens (`stellax.permute`).
+
+    Args:
+      x: ``[T, D]`` tokens (float32/bfloat16/float16).
+      expert_ids: ``[T, k]`` integer expert of each copy (from `route`).
+      num_experts: ``E``.
+      capacity_factor: ``None`` (dropless) or a positive float: each expert
+        keeps at most ``ceil(capacity_factor · T·k / E)`` copies (the first in
+        token order); dropped copies go behind the kept rows as zeros.
+
+    Returns ``(rows [T·k, D], group_sizes [E] int32, permutation [T·k] int32)``,
+    plus ``dropped [E] int32`` (copies each expert dropped) when
+    ``capacity_factor`` is given. ``rows[p] = x[permutation[p] // k]``.
+    Differentiable in ``x``."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+        raise TypeError(f"num_experts: expected an int, got {type(num_experts).__name__}")
+    cf = None if capacity_factor is None else float(capacity_factor)
+    rows, sizes, order, dropped = permute_op(x, expert_ids.to(torch.int32), int(num_experts), cf)
+    return (rows, sizes, order) if cf is None else (rows, sizes, order, dropped)
+
+
+def _unpermute(y, permutation, weights):
+    return _moe().unpermute(y, permutation, weights)
+
+
+unpermute_op = define_op("unpermute", _unpermute, tensors=("y", "permutation!", "weights"),
+                         fake=lambda y, permutation, weights: y.new_empty((weights.shape[0], y.shape[1])))
+
+
+def unpermute(y: torch.Tensor, permutation: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted combine of expert outputs back to tokens (`stellax.unpermute`):
+    ``y [T·k, D]`` in `permute`'s row order, ``permutation [T·k]`` from
+    `permute`, ``weights [T, k]`` float (from `route`) →
+    ``out[t] = Σ_j weights[t, j] · y[p(t, j)]``, ``[T, D]`` in ``y.dtype``
+    (float32 math). Differentiable in ``y`` and ``weights``."""
+    return unpermute_op(y, permutation.to(torch.int32), weights)
+
+
+# -- auxiliary router losses ------------------------------------------------------------------
+def _load_balancing_loss(router_logits, expert_ids, *, scoring):
+    return _moe().load_balancing_loss(router_logits, expert_ids, scoring=scoring)
+
+
+load_balancing_loss_op = define_op(
+    "load_balancing_loss", _load_balancing_loss, tensors=("router_logits", "expert_ids!"),
+    options={"scoring": "str"},
+    fake=lambda router_logits, expert_ids, **_: router_logits.new_empty((), dtype=torch.float32))
+
+
+def load_balancing_loss(router_logits: torch.Tensor, expert_ids: torch.Tensor, *,
+                        scoring: str = "softmax") -> torch.Tensor:
+    """The auxiliary load-balancing loss (`stellax.load_balancing_loss`,
+    Switch / GShard / Mixtral): ``E · Σ_e f_e · P_e`` with ``f_e`` the fraction
+    of the ``T·k`` copies routed to ``e`` and ``P_e`` the mean router
+    probability (softmax, or per-token-normalized sigmoid scores with
+    ``scoring="sigmoid"``). ``router_logits [T, E]`` float, ``expert_ids
+    [T, k]`` integers → a float32 scalar. Differentiable in ``router_logits``
+    (through ``P``; the counts are constants)."""
+    return load_balancing_loss_op(router_logits, expert_ids.to(torch.int32), scoring)
+
+
+router_z_loss_op = define_op("router_z_loss", lambda router_logits: _moe().router_z_loss(router_logits),
+                             tensors=("router_logits",),
+                             fake=lambda router_logits: router_logits.new_empty((), dtype=torch.float32))
+
+
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss (`stellax.router_z_loss`): ``mean_t logsumexp(logits[t])²``
+    of ``router_logits [T, E]`` → a float32 scalar. Differentiable."""
+    return router_z_loss_op(router_logits)
 
 
 # -- MoE MLP ----------------------------------------------------------------------------------

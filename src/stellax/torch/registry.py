@@ -31,7 +31,7 @@ import torch
 
 from . import bridge
 
-__all__ = ["TorchOp", "define_op", "cache_info", "clear_cache"]
+__all__ = ["ForwardOnlyError", "TorchOp", "define_op", "cache_info", "clear_cache"]
 
 NAMESPACE = "stellax"
 
@@ -93,13 +93,32 @@ def _signature(t):
     return None if t is None else (tuple(t.shape), t.dtype, t.device.type)
 
 
+#: The dtypes autograd differentiates. Other floating types (fp8 codes and
+#: scales, E8M0) are data: no gradient flows into or out of them.
+GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+_JAX_GRAD_DTYPES = frozenset(np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64))
+
+
+def _is_grad_dtype(dtype) -> bool:
+    return dtype in GRAD_DTYPES
+
+
+class ForwardOnlyError(RuntimeError):
+    """A gradient was requested through a forward-only (inference) stellax op."""
+
+
 class TorchOp:
     """A stellax op as a torch custom op; see `define_op`."""
 
     def __init__(self, name: str, jax_fn: Callable, *, tensors: Sequence[str], options: dict[str, str],
-                 outputs: int = 1, fake: Callable | None = None, differentiable: bool = True):
+                 outputs: int = 1, fake: Callable | None = None, differentiable: bool = True,
+                 forward_only_reason: str | None = None, jit: bool = True):
         self.name = name
         self.jax_fn = jax_fn
+        self.jit = bool(jit)
+        self.forward_only_reason = forward_only_reason
         self.tensors = [_parse_tensor(s) for s in tensors]
         self.options = dict(options)
         self.outputs = int(outputs)
@@ -120,6 +139,10 @@ class TorchOp:
                 f"{qualname}_backward", self._backward_impl, mutates_args=(), schema=bschema)
             self.backward_op.register_fake(self._backward_fake)
             self.op.register_autograd(self._autograd_backward, setup_context=self._setup_context)
+        elif forward_only_reason is not None:
+            # Forward runs as usual (outputs require grad when inputs do, so the
+            # error comes at backward time, naming the op), backward raises.
+            self.op.register_autograd(self._forward_only_backward, setup_context=self._forward_only_context)
 
     def __repr__(self) -> str:
         return f"TorchOp(stellax::{self.name}{self.schema})"
@@ -153,7 +176,10 @@ class TorchOp:
 
     def _diff_positions(self, tensors) -> list[int]:
         return [i for i, (a, t) in enumerate(zip(self.tensors, tensors))
-                if a.differentiable and t is not None and t.is_floating_point()]
+                if a.differentiable and t is not None and _is_grad_dtype(t.dtype)]
+
+    def _maybe_jit(self, fn):
+        return jax.jit(fn) if self.jit else fn
 
     @staticmethod
     def _outputs_to_torch(outs, inputs) -> list[torch.Tensor]:
@@ -171,7 +197,7 @@ class TorchOp:
         tensors, opts = self._split(args)
         present = [i for i, t in enumerate(tensors) if t is not None]
         key = (self.name, "fwd", tuple(_signature(t) for t in tensors), self._opts_key(opts))
-        fn = _cached(key, lambda: jax.jit(self._call_jax(present, opts)))
+        fn = _cached(key, lambda: self._maybe_jit(self._call_jax(present, opts)))
         outs = fn(*[bridge.to_jax(tensors[i]) for i in present])
         result = self._outputs_to_torch(outs, tensors)
         return result[0] if self.outputs == 1 else tuple(result)
@@ -237,11 +263,12 @@ class TorchOp:
                         full[slot] = a
                     return f(*full)
                 outs, pullback = jax.vjp(g, *[arrays[s] for s in diff_slots])
-                cts = tuple(c.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact)
-                            else np.zeros(o.shape, jax.dtypes.float0)  # integer outputs (ids) have no gradient
+                # Integer outputs (ids) and fp8 / E8M0 data outputs have no gradient.
+                cts = tuple(c.astype(o.dtype) if np.dtype(o.dtype) in _JAX_GRAD_DTYPES
+                            else np.zeros(o.shape, jax.dtypes.float0)
                             for c, o in zip(cotangents, outs))
                 return pullback(cts)
-            return jax.jit(vjp)
+            return self._maybe_jit(vjp)
 
         fn = _cached(key, build)
         arrays = tuple(bridge.to_jax(tensors[i]) for i in present)
@@ -262,6 +289,18 @@ class TorchOp:
         ctx.save_for_backward(*[tensors[i] for i in present])
         outs = output if isinstance(output, (tuple, list)) else (output,)
         ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs]
+        data = [o for o in outs if o.is_floating_point() and not _is_grad_dtype(o.dtype)]
+        if data:
+            ctx.mark_non_differentiable(*data)
+
+    def _forward_only_context(self, ctx, inputs, output):
+        tensors, _ = self._split(inputs)
+        ctx.names = [a.name for a, t in zip(self.tensors, tensors) if t is not None and t.requires_grad]
+
+    def _forward_only_backward(self, ctx, *grads):
+        raise ForwardOnlyError(
+            f"stellax::{self.name} is forward only: {self.forward_only_reason} A gradient was requested with "
+            f"respect to {', '.join(ctx.names) or 'its inputs'}; detach them (or run under torch.no_grad()).")
 
     def _autograd_backward(self, ctx, *grads):
         saved = ctx.saved_tensors
@@ -274,8 +313,8 @@ class TorchOp:
         if not diff:
             return tuple(result)
         # Unused float outputs arrive as materialized zeros; integer outputs (ids) may arrive as None.
-        grads = [torch.zeros(shape, dtype=dtype if dtype.is_floating_point else torch.float32, device=device)
-                 if g is None else g for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
+        grads = [torch.zeros(shape, dtype=dtype if _is_grad_dtype(dtype) else torch.float32, device=device)
+                 if g is None or not _is_grad_dtype(dtype) else g for g, (shape, dtype, device) in zip(grads, ctx.out_meta)]
         dgrads = self.backward_op(*tensors, *ctx.opts.values(), *grads, diff)
         for i, g in zip(diff, dgrads):
             result[i] = g
@@ -286,7 +325,8 @@ _OPS: dict[str, TorchOp] = {}
 
 
 def define_op(name: str, jax_fn: Callable, *, tensors: Sequence[str], options: dict[str, str] | None = None,
-              outputs: int = 1, fake: Callable | None = None, differentiable: bool = True) -> TorchOp:
+              outputs: int = 1, fake: Callable | None = None, differentiable: bool = True,
+              forward_only_reason: str | None = None, jit: bool = True) -> TorchOp:
     """Register ``jax_fn`` as the torch custom op ``stellax::<name>``.
 
     Args:
@@ -303,6 +343,17 @@ def define_op(name: str, jax_fn: Callable, *, tensors: Sequence[str], options: d
       fake: ``fake(*tensors, **options)`` building the outputs on the fake /
         meta device; by default the shapes come from ``jax.eval_shape``.
       differentiable: register the VJP backward.
+      forward_only_reason: with ``differentiable=False``: register a backward
+        that raises `ForwardOnlyError` with this explanation (the op is an
+        inference op: a gradient through it is a user error, not a silent
+        None). Without it, torch's generic "no autograd formula" error applies.
+      jit: wrap the forward and the VJP in ``jax.jit`` (default). ``False`` for
+        functions that place arrays on other devices themselves (the
+        expert- and context-parallel front ends jit their SPMD core and move
+        the inputs onto the mesh eagerly).
+
+    Only float32/float16/bfloat16/float64 tensors are differentiated; fp8 and
+    E8M0 tensors (quantized codes and scales) are data, like integers.
 
     Returns:
       The `TorchOp`; call it with tensors and options positionally.
@@ -310,7 +361,7 @@ def define_op(name: str, jax_fn: Callable, *, tensors: Sequence[str], options: d
     if name in _OPS:
         return _OPS[name]
     op = TorchOp(name, jax_fn, tensors=tensors, options=options or {}, outputs=outputs, fake=fake,
-                 differentiable=differentiable)
+                 differentiable=differentiable, forward_only_reason=forward_only_reason, jit=jit)
     _OPS[name] = op
     return op
 
