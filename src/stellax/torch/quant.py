@@ -53,6 +53,7 @@ class QTensor:
                    tuple(q.shape), tuple(q.block_shape), int(q.axis), q.rotation)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`dequantize` of this tensor in ``dtype``."""
         return dequantize(self, dtype)
 
 
@@ -73,37 +74,77 @@ def _encode_block_size(block_size) -> str | None:
     return str(int(block_size))
 
 
-_EMPTY = {"zero_points": np.int8, "tensor_scale": np.float32}
+def _xla_vjp(run):
+    """``run(implementation, *arrays)`` as a function of the arrays whose
+    forward uses the default implementation (the Triton kernel on a GPU) and
+    whose VJP is JAX autodiff of the XLA implementation (the same math; a
+    Pallas kernel has no autodiff rule)."""
+
+    @jax.custom_vjp
+    def f(*arrays):
+        return run(None, *arrays)
+
+    def fwd(*arrays):
+        return run(None, *arrays), arrays
+
+    def bwd(arrays, cotangents):
+        return jax.vjp(lambda *a: run("xla", *a), *arrays)[1](cotangents)
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
-def _quantize(x, *, format, axis, block_size, scale_dtype, rotate):
-    q = _quant().quantize(x, format, axis=axis, block_size=_block_size(block_size), scale_dtype=scale_dtype,
-                          rotate=rotate)
-    zp = q.zero_points if q.zero_points is not None else jax.numpy.zeros((0,), np.int8)
-    ts = q.tensor_scale if q.tensor_scale is not None else jax.numpy.zeros((0,), np.float32)
-    return q.values, q.scales, zp, ts
+def _quantize(x, *, format, axis, block_size, scale_dtype, rotate, seed, implementation):
+    def run(impl, x):
+        key = None if seed is None else jax.random.PRNGKey(seed)
+        q = _quant().quantize(x, format, axis=axis, block_size=_block_size(block_size), scale_dtype=scale_dtype,
+                              rotate=rotate, stochastic_rounding_key=key, implementation=impl or implementation)
+        zp = q.zero_points if q.zero_points is not None else jax.numpy.zeros((0,), np.int8)
+        ts = q.tensor_scale if q.tensor_scale is not None else jax.numpy.zeros((0,), np.float32)
+        return q.values, q.scales, zp, ts
+    return _xla_vjp(run)(x)
 
 
 quantize_op = define_op("quantize", _quantize, tensors=("x",),
                         options={"format": "str", "axis": "int", "block_size": "str?", "scale_dtype": "str?",
-                                 "rotate": "int?"},
-                        outputs=4, differentiable=False)
+                                 "rotate": "int?", "seed": "int?", "implementation": "str?"},
+                        outputs=4)
 
 
 def quantize(x: torch.Tensor, format: str, *, axis: int = -1, block_size=None, scale_dtype=None,
-             rotate=None) -> QTensor:
-    """`stellax.quantize` on a torch tensor: formats ``int8``, ``int8_asym``,
-    ``int4``, ``int4_asym``, ``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_e4m3``,
-    ``mxfp8_e5m2``, ``mxfp4``, ``nvfp4``; ``block_size`` ``None`` / ``"tensor"`` /
-    ``"channel"`` / int / ``(rows, cols)``; ``rotate`` ``None`` / ``True`` / a
-    Hadamard block size. Returns a `QTensor` (not differentiable)."""
+             rotate=None, stochastic_rounding_seed: int | None = None,
+             implementation: str | None = None) -> QTensor:
+    """`stellax.quantize` on a torch tensor.
+
+    Args:
+      x: float32/bfloat16/float16 tensor, rank >= 1.
+      format: ``int8``, ``int8_asym``, ``int4``, ``int4_asym``, ``fp8_e4m3``,
+        ``fp8_e5m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp4`` or ``nvfp4``.
+      axis: the quantized (contraction) axis; 4-bit codes are packed along it.
+      block_size: ``None`` (the format's default) / ``"tensor"`` /
+        ``"channel"`` / int / ``(rows, cols)``.
+      scale_dtype: ``None`` or a torch/numpy dtype for int/fp8 scales.
+      rotate: ``None`` / ``True`` / a Hadamard block size.
+      stochastic_rounding_seed: ``None`` (round to nearest even) or an int:
+        stochastic rounding with ``jax.random.PRNGKey(seed)``.
+      implementation: ``None`` or ``"xla"`` (``"triton"`` on a GPU).
+
+    Returns a `QTensor`. Gradients (as JAX defines them, by autodiff of the
+    XLA quantizer): the float32/bfloat16/float16 ``scales`` and the
+    ``tensor_scale`` are differentiable functions of ``x`` (through the
+    block maxima); the codes (``values``), zero points and fp8/E8M0 scales
+    are data and carry no gradient. There is no straight-through estimator:
+    to train through quantization, differentiate the dequantized values with
+    respect to the scales (`dequantize`) or use `quantized_matmul`."""
     axis = axis % x.ndim
     if rotate is True:
         rotate = int(x.shape[axis])
     sd = None if scale_dtype is None else (str(scale_dtype).replace("torch.", "") if isinstance(
         scale_dtype, torch.dtype) else np.dtype(scale_dtype).name)
     opts = dict(format=str(format), axis=int(axis), block_size=_encode_block_size(block_size), scale_dtype=sd,
-                rotate=None if rotate is None else int(rotate))
+                rotate=None if rotate is None else int(rotate),
+                seed=None if stochastic_rounding_seed is None else int(stochastic_rounding_seed),
+                implementation=implementation)
     values, scales, zp, ts = quantize_op(x, *opts.values())
     key = ("quantize", "aux", tuple(x.shape), x.dtype, tuple(opts.items()))
 
@@ -126,14 +167,17 @@ def _qarray(values, scales, zero_points, tensor_scale, fmt, shape, block_shape, 
 _QOPTS = {"format": "str", "shape": "int[]", "block_shape": "int[]", "axis": "int", "rotation": "int?"}
 
 
-def _dequantize(values, scales, zero_points, tensor_scale, *, format, shape, block_shape, axis, rotation, dtype):
-    q = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
-    return _quant().dequantize(q, np.dtype(dtype))
+def _dequantize(values, scales, zero_points, tensor_scale, *, format, shape, block_shape, axis, rotation, dtype,
+                implementation):
+    def run(impl, values, scales, zero_points, tensor_scale):
+        q = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
+        return _quant().dequantize(q, np.dtype(dtype), implementation=impl or implementation)
+    return _xla_vjp(run)(values, scales, zero_points, tensor_scale)
 
 
 dequantize_op = define_op("dequantize", _dequantize,
-                          tensors=("values!", "scales!", "zero_points?!", "tensor_scale?!"),
-                          options={**_QOPTS, "dtype": "str"}, differentiable=False,
+                          tensors=("values!", "scales", "zero_points?!", "tensor_scale?"),
+                          options={**_QOPTS, "dtype": "str", "implementation": "str?"},
                           fake=lambda values, *r, shape, dtype, **_: values.new_empty(
                               tuple(shape), dtype=bridge.torch_dtype(np.dtype(dtype))))
 
@@ -147,11 +191,18 @@ def _dtype_name(dtype) -> str:
     return np.dtype(bridge.jax_dtype(dtype)).name
 
 
-def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values of a `QTensor` in ``dtype`` (float32/bfloat16/float16)."""
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, implementation: str | None = None) -> torch.Tensor:
+    """The values of a `QTensor` (logical shape ``q.shape``) in ``dtype``
+    (float32/bfloat16/float16): ``(code - zero_point) * scale * tensor_scale``
+    computed in float32.
+
+    Gradients (as JAX defines them): with respect to float32/bfloat16/float16
+    ``q.scales`` and ``q.tensor_scale`` (set ``requires_grad`` on them, e.g.
+    for learned scales); the codes, zero points and fp8/E8M0 scales are data
+    and get no gradient (``None``)."""
     if not isinstance(q, QTensor):
         raise TypeError(f"q: expected a QTensor, got {type(q).__name__}")
-    return dequantize_op(*_q_args(q), _dtype_name(dtype))
+    return dequantize_op(*_q_args(q), _dtype_name(dtype), implementation)
 
 
 def _qmatmul(x, values, scales, zero_points, tensor_scale, *, format, shape, block_shape, axis, rotation, dtype,
