@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 C = TypeVar("C", bound="KernelConfig")
 
@@ -76,6 +76,25 @@ class TritonConfig(KernelConfig):
         name = type(self).__name__
         require_in(name, "num_warps", self.num_warps, (1, 2, 4, 8, 16))
         require_in(name, "num_stages", self.num_stages, (1, 2, 3, 4, 5))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTileConfig(TritonConfig):
+    """A Triton matmul tile: ``block_m × block_n`` of the output, stepping
+    ``block_k`` along the contraction (Triton dots need every dimension ≥ 16).
+    Subclasses narrow the allowed sizes in ``TILE_SIZES``."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+
+    TILE_SIZES: ClassVar[Mapping[str, tuple[int, ...]]] = {
+        "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128, 256)}
+
+    def validate(self) -> None:
+        super().validate()
+        for field, allowed in self.TILE_SIZES.items():
+            require_in(type(self).__name__, field, getattr(self, field), allowed)
 
 
 def product_space(config_type: type[C], **choices: Iterable[Any]) -> list[C]:

@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...core import Call, TritonConfig
-from ...core.config import require_in
+from ...core import Call
+from ...core.config import MatmulTileConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class GluConfig(TritonConfig):
+class GluConfig(MatmulTileConfig):
     """Tiles: the forward and ``dgate/dup`` kernels tile ``[block_m, block_n]``
     of the output and step ``block_k`` along K; the ``dx`` kernel tiles
     ``[block_m, block_k]`` stepping ``block_n``; the weight-gradient kernel
-    tiles ``[block_k, block_n]`` stepping ``block_m``. Triton dots need every
-    tile dimension ≥ 16."""
-
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 32
-
-    def validate(self) -> None:
-        super().validate()
-        for field in ("block_m", "block_n", "block_k"):
-            require_in("GluConfig", field, getattr(self, field), (16, 32, 64, 128, 256))
+    tiles ``[block_k, block_n]`` stepping ``block_m``. Every tile dimension
+    is one of 16 … 256."""
 
 
 _SPACE = (

@@ -13,26 +13,16 @@ import dataclasses
 
 import numpy as np
 
-from ...core import Call, KernelConfig, TritonConfig, next_power_of_two, product_space
-from ...core.config import require_in
+from ...core import Call, KernelConfig, next_power_of_two, product_space
+from ...core.config import MatmulTileConfig, require_in
 
-_BLOCKS = (16, 32, 64, 128, 256)
 #: Shared memory a Triton program may use on sm_90 / sm_80 (bytes), minus slack.
 SMEM_BUDGET = 200 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedMatmulConfig(TritonConfig):
-    """Tiles of the Triton grouped-matmul kernels (every dim ≥ 16 for Triton dots)."""
-
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 32
-
-    def validate(self) -> None:
-        super().validate()
-        for field in ("block_m", "block_n", "block_k"):
-            require_in("GroupedMatmulConfig", field, getattr(self, field), _BLOCKS)
+class GroupedMatmulConfig(MatmulTileConfig):
+    """Tiles of the Triton grouped-matmul kernels (every dimension one of 16 … 256)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -305,53 +305,37 @@ def _mla_bytes(call: Call) -> float:
 
 
 # -- ops -------------------------------------------------------------------------------------
-paged_attention_op = register(Op(
-    "paged_attention",
-    family="paged_attention",
-    check=check_paged,
-    reference=paged_attention_reference,
-    implementations=[
-        Implementation("triton", triton_kernels.run_paged, backend="triton", config_type=PagedConfig,
-                       heuristic=paged_heuristic, space=paged_space, requirements=paged_requirements),
-        Implementation("xla", xla_kernels.run_paged),
-    ],
-    flops=_paged_flops,
-    bytes_accessed=_paged_bytes,
-    examples=examples_mod.paged_examples,
-    benchmarks=examples_mod.paged_benchmarks,
-))
+def _serving_op(name, check, reference, run, config_type, heuristic, space, requirements, flops, bytes_accessed,
+                examples, benchmarks) -> Op:
+    """A serving op: the Triton kernel ``run`` (with its config type, heuristic,
+    autotuning space and requirements) and the XLA path of the same name."""
+    return register(Op(
+        name,
+        family="paged_attention",
+        check=check,
+        reference=reference,
+        implementations=[
+            Implementation("triton", getattr(triton_kernels, run), backend="triton", config_type=config_type,
+                           heuristic=heuristic, space=space, requirements=requirements),
+            Implementation("xla", getattr(xla_kernels, run)),
+        ],
+        flops=flops,
+        bytes_accessed=bytes_accessed,
+        examples=examples,
+        benchmarks=benchmarks,
+    ))
 
-ragged_paged_attention_op = register(Op(
-    "ragged_paged_attention",
-    family="paged_attention",
-    check=check_ragged,
-    reference=ragged_paged_attention_reference,
-    implementations=[
-        Implementation("triton", triton_kernels.run_ragged, backend="triton", config_type=RaggedConfig,
-                       heuristic=ragged_heuristic, space=ragged_space, requirements=ragged_requirements),
-        Implementation("xla", xla_kernels.run_ragged),
-    ],
-    flops=_ragged_flops,
-    bytes_accessed=_ragged_bytes,
-    examples=examples_mod.ragged_examples,
-    benchmarks=examples_mod.ragged_benchmarks,
-))
 
-mla_decode_op = register(Op(
-    "mla_decode",
-    family="paged_attention",
-    check=check_mla,
-    reference=mla_decode_reference,
-    implementations=[
-        Implementation("triton", triton_kernels.run_mla, backend="triton", config_type=MlaConfig,
-                       heuristic=mla_heuristic, space=mla_space, requirements=mla_requirements),
-        Implementation("xla", xla_kernels.run_mla),
-    ],
-    flops=_mla_flops,
-    bytes_accessed=_mla_bytes,
-    examples=examples_mod.mla_examples,
-    benchmarks=examples_mod.mla_benchmarks,
-))
+paged_attention_op = _serving_op("paged_attention", check_paged, paged_attention_reference, "run_paged", PagedConfig,
+                                 paged_heuristic, paged_space, paged_requirements, _paged_flops, _paged_bytes,
+                                 examples_mod.paged_examples, examples_mod.paged_benchmarks)
+ragged_paged_attention_op = _serving_op("ragged_paged_attention", check_ragged, ragged_paged_attention_reference,
+                                        "run_ragged", RaggedConfig, ragged_heuristic, ragged_space, ragged_requirements,
+                                        _ragged_flops, _ragged_bytes, examples_mod.ragged_examples,
+                                        examples_mod.ragged_benchmarks)
+mla_decode_op = _serving_op("mla_decode", check_mla, mla_decode_reference, "run_mla", MlaConfig, mla_heuristic,
+                            mla_space, mla_requirements, _mla_flops, _mla_bytes, examples_mod.mla_examples,
+                            examples_mod.mla_benchmarks)
 
 
 # -- public functions ------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...core import Call, TritonConfig, product_space
-from ...core.config import require_in, require_power_of_two
+from ...core.config import MatmulTileConfig, require_in, require_power_of_two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,21 +31,11 @@ def hadamard_space(call: Call) -> list[HadamardConfig]:
 
 
 @dataclasses.dataclass(frozen=True)
-class QMatmulConfig(TritonConfig):
+class QMatmulConfig(MatmulTileConfig):
     """Output tile ``block_m × block_n``; ``block_k`` logical K per step (it
     must divide every operand's K block so each step sees one scale row)."""
 
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 32
-
-    def validate(self) -> None:
-        super().validate()
-        for field in ("block_m", "block_n", "block_k"):
-            require_power_of_two("QMatmulConfig", field, getattr(self, field))
-        require_in("QMatmulConfig", "block_m", self.block_m, (16, 32, 64, 128))
-        require_in("QMatmulConfig", "block_n", self.block_n, (16, 32, 64, 128, 256))
-        require_in("QMatmulConfig", "block_k", self.block_k, (16, 32, 64, 128))
+    TILE_SIZES = {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128)}
 
 
 def k_granularity(call: Call) -> int | None:
