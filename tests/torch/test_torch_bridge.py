@@ -108,7 +108,9 @@ OPCHECKED = {
     "quantize": "test_torch_quant", "dequantize": "test_torch_quant",
     "quantized_matmul": "test_torch_quant", "hadamard_transform": "test_torch_quant",
     "paged_attention": "test_torch_paged_attention", "ragged_paged_attention": "test_torch_paged_attention",
-    "mla_decode": "test_torch_paged_attention", "test_identity": "test_torch_bridge",
+    "mla_decode": "test_torch_paged_attention", "quantize_pages": "test_torch_paged_attention",
+    "dequantize_pages": "test_torch_paged_attention", "update_kv_cache": "test_torch_paged_attention",
+    "test_identity": "test_torch_bridge",
 }
 
 

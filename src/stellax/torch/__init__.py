@@ -20,16 +20,18 @@ from .linear_attention import (GatedDeltaNet, chunk_gated_delta_rule, chunk_kda,
 from .moe import (MoE, load_balancing_loss, moe_mlp, permute, ragged_dot, ragged_dot_general, ragged_dot_tgmm, route,
                   router_z_loss, unpermute)
 from .norm import layer_norm, rms_norm
-from .paged import mla_decode, paged_attention, ragged_paged_attention, update_kv_cache_
+from .paged import (QuantizedPages, dequantize_pages, init_kv_cache, mla_decode, paged_attention, quantize_pages,
+                    ragged_paged_attention, update_kv_cache, update_kv_cache_)
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
 from .modules import GatedMLP, LayerNorm, RMSNorm
 from .hf import register_transformers_attention
+from stellax.ops.paged_attention import KVQuant  # the cache format spec (plain Python; shared with JAX)
 
 __all__ = [
-    "ForwardOnlyError", "GatedDeltaNet", "GatedMLP", "LayerNorm", "MoE", "PackedTensor", "QTensor", "RMSNorm", "TorchOp", "cache_info",
-    "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dot_product_attention",
+    "ForwardOnlyError", "GatedDeltaNet", "GatedMLP", "KVQuant", "LayerNorm", "MoE", "PackedTensor", "QTensor", "QuantizedPages", "RMSNorm", "TorchOp", "cache_info",
+    "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dequantize_pages", "dot_product_attention",
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
-    "hadamard_transform", "jax_dtype", "layer_norm", "load_balancing_loss", "mla_decode", "moe_mlp", "permute", "paged_attention", "quantize", "quantized_matmul",
+    "hadamard_transform", "init_kv_cache", "jax_dtype", "layer_norm", "load_balancing_loss", "mla_decode", "moe_mlp", "permute", "paged_attention", "quantize", "quantize_pages", "quantized_matmul",
     "ragged_dot", "ragged_dot_general", "ragged_dot_tgmm", "ragged_paged_attention", "register_transformers_attention",
-    "registered_torch_ops", "rms_norm", "route", "router_z_loss", "unpermute", "ssd", "ssd_step", "to_jax", "update_kv_cache_", "to_torch", "torch_dtype",
+    "registered_torch_ops", "rms_norm", "route", "router_z_loss", "unpermute", "ssd", "ssd_step", "to_jax", "update_kv_cache", "update_kv_cache_", "to_torch", "torch_dtype",
 ]
