@@ -110,6 +110,7 @@ OPCHECKED = {
     "paged_attention": "test_torch_paged_attention", "ragged_paged_attention": "test_torch_paged_attention",
     "mla_decode": "test_torch_paged_attention", "quantize_pages": "test_torch_paged_attention",
     "dequantize_pages": "test_torch_paged_attention", "update_kv_cache": "test_torch_paged_attention",
+    "moe_mlp_expert_parallel": "test_torch_parallel", "context_parallel_attention": "test_torch_parallel",
     "test_identity": "test_torch_bridge",
 }
 

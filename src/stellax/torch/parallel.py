@@ -1,0 +1,240 @@
+"""Torch front ends of stellax's SPMD ops: expert-parallel MoE
+(`moe_mlp_expert_parallel`) and context-parallel attention
+(`context_parallel_attention`, `context_parallel_gated_delta_rule`,
+`context_parallel_kda`) over a JAX mesh.
+
+How a call runs: the torch tensors hold the *global* arrays on one device
+(``cpu`` or ``cuda:i``). They cross to JAX over DLPack (zero-copy), are
+placed on the mesh with the sharding the SPMD function expects (tokens /
+experts / the sequence axis split over the mesh axis: each device receives
+only its shard), the jitted ``jax.shard_map`` program runs on all the mesh's
+devices, and the output is gathered back onto the input tensor's device and
+crosses back to torch. Gradients: the JAX VJP of the whole placement + SPMD
+program (so the backward is SPMD too), through the same custom-op machinery
+as every other front end (`torch.compile(fullgraph=True)` traces them; fake
+implementations give the shapes).
+
+Scope: one process driving every device of the mesh (a single host: 8 GPUs,
+or CPU devices simulated with ``--xla_force_host_platform_device_count``).
+A multi-process (multi-host) mesh cannot be fed from one torch tensor: there,
+call the JAX functions (`stellax.moe_mlp_expert_parallel`,
+`stellax.parallel.context_parallel_attention`) from JAX, or inside each
+process use `stellax.torch.moe_mlp` / `dot_product_attention` on the local
+shard with torch's own collectives.
+
+Meshes are static options: pass a `jax.sharding.Mesh` (registered on first
+use under a name derived from its axes and devices) or the name returned by
+`register_mesh` — the name form is what `torch.compile` should see.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .registry import _cached, define_op
+
+_MESHES: dict = {}
+
+
+def register_mesh(mesh) -> str:
+    """Register a `jax.sharding.Mesh` for the torch SPMD front ends and return
+    its name (``"axis=size,...@device ids"``); functions here accept either."""
+    from jax.sharding import Mesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    axes = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+    ids = ",".join(str(d.id) for d in np.asarray(mesh.devices).reshape(-1))
+    name = f"{axes}@{mesh.devices.flat[0].platform}:{ids}"
+    _MESHES.setdefault(name, mesh)
+    return name
+
+
+def _mesh_name(mesh) -> str:
+    if isinstance(mesh, str):
+        if mesh not in _MESHES:
+            raise ValueError(f"mesh: no mesh registered under {mesh!r}; pass a jax.sharding.Mesh or the name "
+                             f"register_mesh returned (registered: {sorted(_MESHES)})")
+        return mesh
+    return register_mesh(mesh)
+
+
+def _device_name(t: torch.Tensor) -> str:
+    return "cpu" if t.device.type == "cpu" else f"{t.device.type}:{t.device.index or 0}"
+
+
+def _jax_device(name: str):
+    import jax
+    if name == "cpu":
+        return jax.devices("cpu")[0]
+    return jax.devices("gpu")[int(name.split(":")[1])]
+
+
+def _place(arrays, mesh, specs):
+    """Put each array (or None) on ``mesh`` with its `PartitionSpec`."""
+    import jax
+    from jax.sharding import NamedSharding
+    return [None if a is None else jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+
+
+def _gather(outs, device):
+    import jax
+    return tuple(jax.device_put(o, device) for o in outs)
+
+
+# -- expert parallelism ------------------------------------------------------------------
+def _ep(x, router_logits, w_gate_up, w_down, bias, *, mesh, axis_name, device, top_k, scoring, num_groups,
+        top_k_groups, normalize_weights, routed_scaling, capacity_factor, activation, dispatch, collective,
+        implementation):
+    import jax
+    from jax.sharding import PartitionSpec as P
+    import stellax
+    m = _MESHES[mesh]
+    kwargs = dict(top_k=top_k, scoring=scoring, num_groups=num_groups, top_k_groups=top_k_groups,
+                  normalize_weights=normalize_weights, routed_scaling=routed_scaling,
+                  capacity_factor=capacity_factor, activation=activation, dispatch=dispatch, collective=collective,
+                  implementation=implementation)
+    cache_key = ("moe_mlp_expert_parallel", "spmd", mesh, axis_name, tuple(sorted(kwargs.items())), bias is None)
+    spmd = _cached(cache_key, lambda: jax.jit(lambda x, lg, wgu, wd, b: stellax.moe_mlp_expert_parallel(
+        x, lg, wgu, wd, mesh=m, axis_name=axis_name, bias=b, **kwargs)))
+    shard = P(axis_name)
+    placed = _place([x, router_logits, w_gate_up, w_down, bias], m, [shard, shard, shard, shard, P()])
+    return _gather((spmd(*placed),), _jax_device(device))
+
+
+_ROUTING = {"top_k": "int", "scoring": "str", "num_groups": "int?", "top_k_groups": "int?",
+            "normalize_weights": "bool", "routed_scaling": "float"}
+
+moe_mlp_expert_parallel_op = define_op(
+    "moe_mlp_expert_parallel", _ep, tensors=("x", "router_logits", "w_gate_up", "w_down", "bias?!"),
+    options={"mesh": "str", "axis_name": "str", "device": "str", **_ROUTING, "capacity_factor": "float?",
+             "activation": "str", "dispatch": "str", "collective": "str", "implementation": "str?"},
+    fake=lambda x, *r, **_: torch.empty_like(x), jit=False)
+
+
+def moe_mlp_expert_parallel(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                            w_down: torch.Tensor, *, mesh, axis_name: str, top_k: int, scoring: str = "softmax",
+                            bias: torch.Tensor | None = None, num_groups: int | None = None,
+                            top_k_groups: int | None = None, normalize_weights: bool = True,
+                            routed_scaling: float = 1.0, capacity_factor: float | None = None,
+                            activation: str = "silu", dispatch: str = "all_to_all", collective: str = "auto",
+                            implementation: str | None = None) -> torch.Tensor:
+    """`stellax.moe_mlp_expert_parallel` on torch tensors: the MoE MLP with
+    tokens and experts sharded over ``axis_name`` of ``mesh``.
+
+    Args:
+      x: ``[T, D]`` global tokens; router_logits: ``[T, E]``;
+        w_gate_up: ``[E, D, 2, F]``; w_down: ``[E, F, D]`` (float32/bfloat16/
+        float16; ``T`` and ``E`` divisible by the axis size).
+      mesh: a `jax.sharding.Mesh` or a `register_mesh` name.
+      axis_name: the mesh axis experts (and tokens) are split over.
+      top_k, scoring, bias (``[E]``, selection only), num_groups, top_k_groups,
+        normalize_weights, routed_scaling, capacity_factor, activation: as in
+        `moe_mlp`; dispatch ``"all_to_all"``/``"all_gather"``, collective
+        ``"auto"``/``"ragged"``/``"padded"``: as in JAX.
+
+    Returns ``[T, D]`` on ``x``'s device, equal to the single-device `moe_mlp`.
+    Differentiable in x, the router logits and both expert weights."""
+    return moe_mlp_expert_parallel_op(
+        x, router_logits, w_gate_up, w_down, bias, _mesh_name(mesh), str(axis_name), _device_name(x), int(top_k),
+        scoring, num_groups, top_k_groups, bool(normalize_weights), float(routed_scaling),
+        None if capacity_factor is None else float(capacity_factor), activation, dispatch, collective,
+        implementation)
+
+
+# -- context-parallel attention -----------------------------------------------------------------
+def _seq_spec(strategy, axis_name, ulysses_axis, ring_axis):
+    from jax.sharding import PartitionSpec as P
+    seq = (ring_axis, ulysses_axis) if strategy == "usp" else axis_name
+    return P(None, seq), P(None, seq, None, None)
+
+
+def _cp_attention(query, key, value, q_segment_ids, kv_segment_ids, sinks, *, mesh, device, axis_name, strategy,
+                  ulysses_axis, ring_axis, load_balance, is_causal, local_window_size, chunk_size, scale,
+                  logits_soft_cap, precision, implementation):
+    import jax
+    from jax.sharding import PartitionSpec as P
+    from stellax import parallel
+    m = _MESHES[mesh]
+    kwargs = dict(axis_name=axis_name, strategy=strategy, ulysses_axis=ulysses_axis, ring_axis=ring_axis,
+                  load_balance=load_balance, is_causal=is_causal,
+                  local_window_size=None if local_window_size is None else tuple(
+                      None if v < 0 else int(v) for v in local_window_size),
+                  chunk_size=chunk_size, scale=scale, logits_soft_cap=logits_soft_cap, precision=precision,
+                  implementation=implementation)
+    cache_key = ("context_parallel_attention", "spmd", mesh, tuple(sorted(kwargs.items())), q_segment_ids is None,
+                 sinks is None)
+    spmd = _cached(cache_key, lambda: jax.jit(lambda q, k, v, qs, ks, s: parallel.context_parallel_attention(
+        q, k, v, mesh=m, q_segment_ids=qs, kv_segment_ids=ks, sinks=s, return_residuals=True, **kwargs)))
+    s_spec, x_spec = _seq_spec(strategy, axis_name, ulysses_axis, ring_axis)
+    placed = _place([query, key, value, q_segment_ids, kv_segment_ids, sinks], m,
+                    [x_spec, x_spec, x_spec, s_spec, s_spec, P()])
+    return _gather(spmd(*placed), _jax_device(device))
+
+
+def _cp_attention_fake(query, key, value, *r, **_):
+    b, t, n, _ = query.shape
+    return query.new_empty((b, t, n, value.shape[-1])), query.new_empty((b, n, t), dtype=torch.float32)
+
+
+context_parallel_attention_op = define_op(
+    "context_parallel_attention", _cp_attention,
+    tensors=("query", "key", "value", "q_segment_ids?!", "kv_segment_ids?!", "sinks?"),
+    options={"mesh": "str", "device": "str", "axis_name": "str?", "strategy": "str", "ulysses_axis": "str?",
+             "ring_axis": "str?", "load_balance": "str?", "is_causal": "bool", "local_window_size": "int[]?",
+             "chunk_size": "int?", "scale": "float?", "logits_soft_cap": "float?", "precision": "str?",
+             "implementation": "str?"},
+    outputs=2, fake=_cp_attention_fake, jit=False)
+
+
+def _window_pair(local_window_size):
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, (tuple, list)):
+        if len(local_window_size) != 2:
+            raise ValueError(f"local_window_size: expected an int or a (left, right) pair, got {local_window_size!r}")
+        return [-1 if v is None else int(v) for v in local_window_size]
+    return [int(local_window_size), 0]
+
+
+def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mesh,
+                               axis_name: str | None = None, strategy: str = "all_gather",
+                               ulysses_axis: str | None = None, ring_axis: str | None = None,
+                               load_balance: str | None = None, is_causal: bool = False, local_window_size=None,
+                               chunk_size: int | None = None, segment_ids: torch.Tensor | None = None,
+                               q_segment_ids: torch.Tensor | None = None,
+                               kv_segment_ids: torch.Tensor | None = None, scale: float | None = None,
+                               logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                               precision: str | None = None, return_residuals: bool = False,
+                               implementation: str | None = None):
+    """`stellax.parallel.context_parallel_attention` on torch tensors: self-attention
+    with the sequence split over mesh axes.
+
+    Args:
+      query: ``[B, T, N, H]``; key, value: ``[B, T, K, H]`` / ``[B, T, K, Hv]``
+        (GQA), global tensors in float32/bfloat16/float16.
+      mesh: a `jax.sharding.Mesh` or a `register_mesh` name.
+      axis_name, strategy (``"all_gather"``, ``"ulysses"``, ``"ring"``,
+        ``"usp"``), ulysses_axis, ring_axis, load_balance (``None``,
+        ``"zigzag"``, ``"striped"``: the layout the inputs are already in),
+        is_causal, local_window_size (``left`` or ``(left, right)``; ``None``
+        for an unbounded side), chunk_size, scale, logits_soft_cap, precision,
+        implementation: as in JAX.
+      segment_ids / q_segment_ids, kv_segment_ids: ``[B, T]`` integers.
+      sinks: ``[N]`` per-head sink logits.
+      return_residuals: also return ``lse [B, N, T]`` float32.
+
+    Returns ``out [B, T, N, Hv]`` (or ``(out, lse)``) on ``query``'s device.
+    Differentiable in query, key, value and sinks."""
+    if segment_ids is not None:
+        if q_segment_ids is not None or kv_segment_ids is not None:
+            raise ValueError("segment_ids: pass either segment_ids or q_segment_ids/kv_segment_ids, not both")
+        q_segment_ids = kv_segment_ids = segment_ids
+    i32 = lambda t: None if t is None else t.to(torch.int32)
+    window = _window_pair(local_window_size)
+    out, lse = context_parallel_attention_op(
+        query, key, value, i32(q_segment_ids), i32(kv_segment_ids), sinks, _mesh_name(mesh), _device_name(query),
+        axis_name, strategy, ulysses_axis, ring_axis, load_balance, bool(is_causal), window,
+        None if chunk_size is None else int(chunk_size), None if scale is None else float(scale),
+        None if logits_soft_cap is None else float(logits_soft_cap), precision, implementation)
+    return (out, lse) if return_residuals else out
