@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,37 @@ class TileMath:
             d = dense != 0
             ok = d if ok is None else jnp.logical_and(ok, d)
         return ok
+
+
+class Tiling(NamedTuple):
+    """Sizes of a kernel launch: ``q [b, t, n, h]``, ``k [b, s, n/g, h]``,
+    ``v [.., hv]``; ``block_q × block_k`` tiles, ``nq × nk`` of them over the
+    padded lengths ``tp × sp``; head dims padded to ``hp``, ``hvp``."""
+
+    b: int
+    t: int
+    n: int
+    h: int
+    s: int
+    g: int
+    hv: int
+    bq: int
+    bk: int
+    nq: int
+    nk: int
+    tp: int
+    sp: int
+    hp: int
+    hvp: int
+
+    @classmethod
+    def of(cls, c, config) -> "Tiling":
+        b, t, n, h = c.q.shape
+        s, kh = c.k.shape[1:3]
+        hv = c.v.shape[-1]
+        bq, bk = config.block_q, config.block_k
+        nq, nk = cdiv(t, bq), cdiv(s, bk)
+        return cls(b, t, n, h, s, n // kh, hv, bq, bk, nq, nk, nq * bq, nk * bk, padded_dim(h), padded_dim(hv))
 
 
 def _schedule(spec, q_pos, kv_pos, q_seg, kv_seg, block_q, block_k, *, kv_major=False):
@@ -208,14 +240,7 @@ def forward(c, config, *, debug: bool = False, scales=None, out_dtype=None):
     ``scales = (s_q [B, T, N], s_k [B, S, K], s_v [B, S, K])`` float32 per-row
     scales; ``out_dtype`` is the output dtype (default ``q.dtype``)."""
     q, k, v = c.q, c.k, c.v
-    b, t, n, h = q.shape
-    s, kh = k.shape[1:3]
-    hv = v.shape[-1]
-    g = n // kh
-    bq, bk = config.block_q, config.block_k
-    nq, nk = cdiv(t, bq), cdiv(s, bk)
-    tp, sp = nq * bq, nk * bk
-    hp, hvp = padded_dim(h), padded_dim(hv)
+    b, t, n, h, s, g, hv, bq, bk, nq, nk, tp, sp, hp, hvp = Tiling.of(c, config)
     spec = c.spec
     segments = spec.segments
     sched = _schedule(spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, bq, bk)  # [Bc, nq, 4]

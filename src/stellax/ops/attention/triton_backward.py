@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...core.pallas import triton_call
 from .triton import (
-    LOG2E, TileMath, _schedule, bcast_index, cdiv, pad_axis, padded_dim, prepare_dense,
+    LOG2E, TileMath, Tiling, _schedule, bcast_index, pad_axis, prepare_dense,
 )
 
 
@@ -57,16 +57,24 @@ def _preprocess_kernel(*refs, hv, has_dlse, has_sinks):
         dsink_ref[...] = -p_sink * delta
 
 
+def _pop_inputs(refs: list, math_: TileMath, segments: bool) -> tuple:
+    """Pop the dq / dkdv kernels' common inputs off ``refs`` (in launch order):
+    q, k, v, bias?, mask?, do, lse, delta, q/kv positions, q/kv segments?,
+    the block schedule (``None`` for an absent optional input)."""
+    take = lambda present=True: refs.pop(0) if present else None
+    q_ref, k_ref, v_ref = take(), take(), take()
+    bias_ref, mask_ref = take(math_.has_bias), take(math_.has_mask)
+    do_ref, lse_ref, delta_ref = take(), take(), take()
+    qpos_ref, kvpos_ref = take(), take()
+    qseg_ref, kvseg_ref = take(segments), take(segments)
+    return (q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, lse_ref, delta_ref, qpos_ref, kvpos_ref, qseg_ref,
+            kvseg_ref, take())
+
+
 def _dq_kernel(*refs, math_: TileMath, block_q, block_k, nk, h, hv, segments):
     refs = list(refs)
-    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    bias_ref = refs.pop(0) if math_.has_bias else None
-    mask_ref = refs.pop(0) if math_.has_mask else None
-    do_ref, lse_ref, delta_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    qpos_ref, kvpos_ref = refs.pop(0), refs.pop(0)
-    qseg_ref = refs.pop(0) if segments else None
-    kvseg_ref = refs.pop(0) if segments else None
-    sched_ref = refs.pop(0)
+    (q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, lse_ref, delta_ref, qpos_ref, kvpos_ref, qseg_ref, kvseg_ref,
+     sched_ref) = _pop_inputs(refs, math_, segments)
     dq_ref = refs.pop(0)
     dbias_ref = refs.pop(0) if math_.has_bias else None
 
@@ -120,14 +128,8 @@ def _dq_kernel(*refs, math_: TileMath, block_q, block_k, nk, h, hv, segments):
 
 def _dkdv_kernel(*refs, math_: TileMath, block_q, block_k, group, h, hv, segments, bias_per_head, mask_per_head):
     refs = list(refs)
-    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    bias_ref = refs.pop(0) if math_.has_bias else None
-    mask_ref = refs.pop(0) if math_.has_mask else None
-    do_ref, lse_ref, delta_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    qpos_ref, kvpos_ref = refs.pop(0), refs.pop(0)
-    qseg_ref = refs.pop(0) if segments else None
-    kvseg_ref = refs.pop(0) if segments else None
-    sched_ref = refs.pop(0)
+    (q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, lse_ref, delta_ref, qpos_ref, kvpos_ref, qseg_ref, kvseg_ref,
+     sched_ref) = _pop_inputs(refs, math_, segments)
     dk_ref, dv_ref = refs.pop(0), refs.pop(0)
 
     j = pl.program_id(0)
@@ -179,14 +181,8 @@ def _dkdv_kernel(*refs, math_: TileMath, block_q, block_k, group, h, hv, segment
 def backward(c, out, lse, d_out, d_lse, config):
     """``(dq, dk, dv, dbias, dsinks)`` in the operands' dtypes."""
     q, k, v = c.q, c.k, c.v
-    b, t, n, h = q.shape
-    s, kh = k.shape[1:3]
-    hv = v.shape[-1]
-    g = n // kh
-    bq, bk = config.block_q, config.block_k
-    nq, nk = cdiv(t, bq), cdiv(s, bk)
-    tp, sp = nq * bq, nk * bk
-    hp, hvp = padded_dim(h), padded_dim(hv)
+    b, t, n, h, s, g, hv, bq, bk, nq, nk, tp, sp, hp, hvp = Tiling.of(c, config)
+    kh = n // g
     spec = c.spec
     segments = spec.segments
     math_ = TileMath(spec, c.scale, c.logits_soft_cap, s, c.bias is not None, c.mask is not None,
