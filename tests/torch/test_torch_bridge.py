@@ -111,6 +111,7 @@ OPCHECKED = {
     "mla_decode": "test_torch_paged_attention", "quantize_pages": "test_torch_paged_attention",
     "dequantize_pages": "test_torch_paged_attention", "update_kv_cache": "test_torch_paged_attention",
     "moe_mlp_expert_parallel": "test_torch_parallel", "context_parallel_attention": "test_torch_parallel",
+    "context_parallel_gated_delta_rule": "test_torch_parallel", "context_parallel_kda": "test_torch_parallel",
     "test_identity": "test_torch_bridge",
 }
 

@@ -63,7 +63,7 @@ def _sdpa(q, k, v, causal):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.parametrize("strategy", ["ring", pytest.param("ulysses", marks=pytest.mark.slow)])
 def test_context_parallel_attention_matches_sdpa(mesh, strategy):
     gen = torch.Generator().manual_seed(2)
     # ulysses splits heads over the axis: 8 query and 8 kv heads for 8 devices.
@@ -99,3 +99,50 @@ def test_context_parallel_attention_opcheck_and_compile(mesh):
     torch.testing.assert_close(out, _sdpa(q, k, v, True), atol=2e-5, rtol=2e-5)
     gq = torch.autograd.grad(out.sum(), q)[0]
     torch.testing.assert_close(gq, torch.autograd.grad(_sdpa(q, k, v, True).sum(), q)[0], atol=5e-5, rtol=5e-5)
+
+
+def _gdn_inputs(seed, per_channel=False, t=32):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, kd, vd = 1, 2, 8, 8
+    q = torch.randn(b, t, h, kd, generator=gen)
+    k = F.normalize(torch.randn(b, t, h, kd, generator=gen), dim=-1)
+    v = torch.randn(b, t, h, vd, generator=gen)
+    g = -0.1 * torch.rand(b, t, h, kd if per_channel else 1, generator=gen)
+    g = g if per_channel else g[..., 0]
+    beta = torch.rand(b, t, h, generator=gen)
+    s0 = 0.1 * torch.randn(b, h, kd, vd, generator=gen)
+    return [_leaf(a) for a in (q, k, v, g, beta, s0)]
+
+
+@pytest.mark.parametrize("kda", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_context_parallel_linear_attention_matches_single_device(mesh, kda):
+    q, k, v, g, beta, s0 = _gdn_inputs(4, per_channel=kda)
+    cp = st.context_parallel_kda if kda else st.context_parallel_gated_delta_rule
+    single = st.chunk_kda if kda else st.chunk_gated_delta_rule
+    o, state = cp(q, k, v, g, beta, mesh=mesh, axis_name="x", initial_state=s0, output_final_state=True,
+                  chunk_size=4)
+    ref_in = [_leaf(a) for a in (q, k, v, g, beta, s0)]
+    ro, rstate = single(*ref_in[:5], initial_state=ref_in[5], output_final_state=True, chunk_size=4)
+    torch.testing.assert_close(o, ro, atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(state, rstate, atol=5e-5, rtol=5e-5)
+    go, gs = torch.randn_like(o), torch.randn_like(state)
+    got = torch.autograd.grad((o * go).sum() + (state * gs).sum(), (q, k, v, g, beta, s0))
+    want = torch.autograd.grad((ro * go).sum() + (rstate * gs).sum(), ref_in)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+def test_context_parallel_gated_delta_rule_opcheck(mesh):
+    q, k, v, g, beta, s0 = _gdn_inputs(5, t=16)
+    name = st_parallel.register_mesh(mesh)
+    torch.library.opcheck(st_parallel.context_parallel_gated_delta_rule_op.op,
+                          (q, k, v, g, beta, s0, None, None, name, "cpu", "x", None, False, 2, None))
+
+
+@pytest.mark.slow
+def test_context_parallel_kda_opcheck(mesh):
+    name = st_parallel.register_mesh(mesh)
+    qk, kk, vk, gk, bk, _ = _gdn_inputs(6, per_channel=True, t=16)
+    torch.library.opcheck(st_parallel.context_parallel_kda_op.op,
+                          (qk, kk, vk, gk, bk, None, None, None, name, "cpu", "x", None, False, 2, None, None, False,
+                           False))

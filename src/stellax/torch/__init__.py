@@ -25,11 +25,13 @@ from .paged import (QuantizedPages, dequantize_pages, init_kv_cache, mla_decode,
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
 from .modules import GatedMLP, LayerNorm, RMSNorm
 from .hf import register_transformers_attention
-from .parallel import context_parallel_attention, moe_mlp_expert_parallel, register_mesh
+from .parallel import (context_parallel_attention, context_parallel_gated_delta_rule, context_parallel_kda,
+                       moe_mlp_expert_parallel, register_mesh)
 from stellax.ops.paged_attention import KVQuant  # the cache format spec (plain Python; shared with JAX)
 
 __all__ = [
     "ForwardOnlyError", "GatedDeltaNet", "GatedMLP", "KVQuant", "LayerNorm", "MoE", "PackedTensor", "QTensor", "QuantizedPages", "RMSNorm", "TorchOp", "cache_info", "context_parallel_attention",
+    "context_parallel_gated_delta_rule", "context_parallel_kda",
     "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dequantize_pages", "dot_product_attention",
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
     "hadamard_transform", "init_kv_cache", "jax_dtype", "layer_norm", "load_balancing_loss", "mla_decode", "moe_mlp", "moe_mlp_expert_parallel", "permute", "paged_attention", "quantize", "quantize_pages", "quantized_matmul",

@@ -238,3 +238,94 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         None if chunk_size is None else int(chunk_size), None if scale is None else float(scale),
         None if logits_soft_cap is None else float(logits_soft_cap), precision, implementation)
     return (out, lse) if return_residuals else out
+
+
+# -- context-parallel linear attention ----------------------------------------------------------
+def _cp_linear(fn_name: str):
+    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, *, mesh, device, axis_name, scale, use_qk_l2norm,
+            chunk_size, implementation, **extra):
+        import jax
+        from jax.sharding import PartitionSpec as P
+        from stellax import parallel
+        m = _MESHES[mesh]
+        fn = getattr(parallel, fn_name)
+        kwargs = dict(axis_name=axis_name, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                      implementation=implementation, **extra)
+        params = {} if fn_name.endswith("gated_delta_rule") else {"A_log": A_log, "dt_bias": dt_bias}
+        present = tuple(name for name, value in params.items() if value is not None)
+        cache_key = (fn_name, "spmd", mesh, tuple(sorted(kwargs.items())), initial_state is None, present)
+
+        def build():
+            def spmd(q, k, v, g, beta, s0, *param_values):
+                o, state = fn(q, k, v, g, beta, mesh=m, initial_state=s0, output_final_state=True,
+                              **dict(zip(present, param_values)), **kwargs)
+                return o, state
+            return jax.jit(spmd)
+        seq = P(None, axis_name)
+        placed = _place([q, k, v, g, beta, initial_state, *[params[n] for n in present]], m,
+                        [seq] * 5 + [P()] * (1 + len(present)))
+        return _gather(_cached(cache_key, build)(*placed), _jax_device(device))
+    return run
+
+
+def _linear_fake(q, k, v, g, beta, initial_state, *r, **_):
+    state = q.new_empty((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
+    return torch.empty_like(v), state
+
+
+_LINEAR_OPTIONS = {"mesh": "str", "device": "str", "axis_name": "str", "scale": "float?", "use_qk_l2norm": "bool",
+                   "chunk_size": "int", "implementation": "str?"}
+_LINEAR_TENSORS = ("q", "k", "v", "g", "beta", "initial_state?", "A_log?", "dt_bias?")
+
+context_parallel_gated_delta_rule_op = define_op(
+    "context_parallel_gated_delta_rule", _cp_linear("context_parallel_gated_delta_rule"), tensors=_LINEAR_TENSORS,
+    options=_LINEAR_OPTIONS, outputs=2, fake=_linear_fake, jit=False)
+
+context_parallel_kda_op = define_op(
+    "context_parallel_kda", _cp_linear("context_parallel_kda"), tensors=_LINEAR_TENSORS,
+    options={**_LINEAR_OPTIONS, "lower_bound": "float?", "use_gate_in_kernel": "bool",
+             "use_beta_sigmoid_in_kernel": "bool"},
+    outputs=2, fake=_linear_fake, jit=False)
+
+
+def _linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation):
+    return (_mesh_name(mesh), _device_name(q), str(axis_name), None if scale is None else float(scale),
+            bool(use_qk_l2norm), int(chunk_size), implementation)
+
+
+def context_parallel_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, *, mesh, axis_name: str, scale: float | None = None,
+                                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                                      use_qk_l2norm: bool = False, chunk_size: int = 64,
+                                      implementation: str | None = None):
+    """`stellax.parallel.context_parallel_gated_delta_rule` on torch tensors:
+    Gated DeltaNet with the sequence split over ``axis_name`` of ``mesh``.
+
+    ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``,
+    ``initial_state [B, HV, K, V]`` (float32) — global tensors, ``T``
+    divisible by the axis size (packed ``cu_seqlens`` are not supported).
+    Returns ``(o [B, T, HV, V], final_state [B, HV, K, V] float32 or None)`` on
+    ``q``'s device. Differentiable in every float input."""
+    o, state = context_parallel_gated_delta_rule_op(
+        q, k, v, g, beta, initial_state, None, None,
+        *_linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation))
+    return o, (state if output_final_state else None)
+
+
+def context_parallel_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                         mesh, axis_name: str, scale: float | None = None, initial_state: torch.Tensor | None = None,
+                         output_final_state: bool = False, use_qk_l2norm: bool = False, chunk_size: int = 64,
+                         A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                         lower_bound: float | None = None, use_gate_in_kernel: bool = False,
+                         use_beta_sigmoid_in_kernel: bool = False, implementation: str | None = None):
+    """`stellax.parallel.context_parallel_kda` on torch tensors: Kimi Delta
+    Attention (per-channel decay ``g [B, T, HV, K]``) with the sequence split
+    over ``axis_name``; ``A_log``/``dt_bias`` (the fused gate's parameters) are
+    replicated. Shapes and returns as `context_parallel_gated_delta_rule`.
+    Differentiable in every float input."""
+    o, state = context_parallel_kda_op(
+        q, k, v, g, beta, initial_state, A_log, dt_bias,
+        *_linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation),
+        None if lower_bound is None else float(lower_bound), bool(use_gate_in_kernel),
+        bool(use_beta_sigmoid_in_kernel))
+    return o, (state if output_final_state else None)
