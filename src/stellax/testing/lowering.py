@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from ..core import Call, Op, lowering_target, use_configs
+from ..core import Op, lowering_target, use_configs
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_GPU_CUSTOM_CALL = "mosaic_gpu"

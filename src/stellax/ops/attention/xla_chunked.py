@@ -292,7 +292,6 @@ def backward(c, out, lse, d_out, d_lse, config):
     lo, hi = _bounds(visit_schedule(jnp.swapaxes(L.classes, 1, 2)))
 
     def k_block(j):
-        kj = lax.dynamic_slice_in_dim(L.k, j * L.bk, L.bk, axis=2)
         vj = lax.dynamic_slice_in_dim(L.v, j * L.bk, L.bk, axis=2)
 
         def body(i, carry):

@@ -7,7 +7,6 @@ issues the three gradient matmuls.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from .activations import activation_and_grad, activation_fn

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ...core import Call, Example, Implementation, Op, checks, register
 from .activations import activation_fn, check_activation

@@ -20,7 +20,7 @@ def _check_layer_norm(x, scale=None, offset=None, *, axis=-1, epsilon=1e-6, subt
                       residual=None) -> Call:
     x = checks.require_float("x", x)
     if x.ndim < 1:
-        raise ValueError(f"x: expected rank >= 1, got rank 0")
+        raise ValueError("x: expected rank >= 1, got rank 0")
     axis = checks.normalize_axis("axis", axis, x.ndim)
     features = x.shape[axis]
     for name, value in (("scale", scale), ("offset", offset)):

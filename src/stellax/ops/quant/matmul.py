@@ -155,7 +155,6 @@ def _kind(s) -> str:
 def _triton(call: Call, config: QMatmulConfig):
     from . import triton as kernels
     x, w = _operands(call)
-    wf = w.spec
     m, n, k = call.m, call.n, call.k
     wk = kernel_operands(w)
     sw, zp, ts = wk.scales, wk.zero_points, wk.tensor_scale
