@@ -112,6 +112,7 @@ OPCHECKED = {
     "dequantize_pages": "test_torch_paged_attention", "update_kv_cache": "test_torch_paged_attention",
     "moe_mlp_expert_parallel": "test_torch_parallel", "context_parallel_attention": "test_torch_parallel",
     "context_parallel_gated_delta_rule": "test_torch_parallel", "context_parallel_kda": "test_torch_parallel",
+    "dot_product_attention_fp8": "test_torch_ops", "quantize_for_attention": "test_torch_ops",
     "test_identity": "test_torch_bridge",
 }
 

@@ -224,3 +224,54 @@ def test_backward_computes_only_the_gradients_autograd_asks_for():
               if key[:2] == ("layer_norm", "vjp") and key[2][0][0] == (4, 17)]
     assert wanted == [(0,)]  # the VJP was built for x (position 0) only
     torch.library.opcheck(st_norm.layer_norm_op.op, (x, w, None, 1e-6, False, None))
+
+
+# -- fp8 attention ----------------------------------------------------------------------------
+@pytest.mark.parametrize("scales", ["token", "head"])
+def test_fp8_attention_matches_jax_and_dequantized_sdpa(scales):
+    from stellax.ops.attention import quantize_for_attention as jqfa
+    from stellax.ops import quant as jquant
+    torch.manual_seed(20)
+    q = _leaf(torch.randn(1, 12, 4, 16).bfloat16())
+    k, v = torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 16)
+    qk, qv = st.quantize_for_attention(k, scales=scales), st.quantize_for_attention(v, scales=scales)
+    assert qk.values.dtype == torch.float8_e4m3fn
+    out = st.dot_product_attention(q, qk, qv, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    jk, jv = jqfa(jnp.asarray(k.numpy()), scales=scales), jqfa(jnp.asarray(v.numpy()), scales=scales)
+    np.testing.assert_array_equal(qk.scales.numpy(), np.asarray(jk.scales))
+    jq = jnp.asarray(q.detach().float().numpy()).astype(jnp.bfloat16)
+    ref = stellax.dot_product_attention(jq, jk, jv, is_causal=True)
+    np.testing.assert_allclose(out.detach().float().numpy(), np.asarray(ref.astype(jnp.float32)), atol=1e-2,
+                               rtol=1e-2)
+    # Attention over the dequantized K/V (torch SDPA): the float query gets its true gradient.
+    dk, dv = (st.dequantize(t).repeat_interleave(2, 2) for t in (qk, qv))
+    qf = _leaf(q.detach().float())
+    sdpa = F.scaled_dot_product_attention(qf.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2),
+                                          is_causal=True).transpose(1, 2)
+    assert _rel(out.float(), sdpa) < 1e-2
+    g = torch.randn_like(sdpa)
+    (gq,) = torch.autograd.grad(out.float(), q, g)
+    (gref,) = torch.autograd.grad(sdpa, qf, g)
+    assert _rel(gq.float(), gref) < 2e-2
+    del jquant
+
+
+def test_fp8_attention_opcheck_and_errors():
+    from stellax.torch import attention_fp8 as st_fp8
+    torch.manual_seed(21)
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    qk = st.quantize_for_attention(torch.randn(1, 8, 2, 16), "fp8_e4m3", scales="tensor")
+    qv = st.quantize_for_attention(torch.randn(1, 8, 2, 16))
+    (qa, qkm), (va, vm) = st_fp8.operand_args("key", qk), st_fp8.operand_args("value", qv)
+    # test_schema is left out: torch's SchemaCheckMode compares float8 inputs with a multiply that torch
+    # does not implement for float8 on the CPU ("mul_cpu_reduced_float" not implemented for Float8_e4m3fn).
+    torch.library.opcheck(st_fp8.dot_product_attention_fp8_op.op,
+                          (q, None, None, *qa, *va, None, None, None, None, None, None, None, None, qkm, vm, None,
+                           False, None, None, "float32", None),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(st_fp8.quantize_for_attention_op.op, (torch.randn(1, 8, 2, 16), "fp8_e4m3", "head"))
+    with pytest.raises(ValueError, match="preferred_element_type: only for fp8 attention"):
+        st.dot_product_attention(q, q, q, preferred_element_type=torch.float32)
+    with pytest.raises(ValueError, match="key: fp8 attention takes QTensors"):
+        st.dot_product_attention(q, st.quantize(torch.randn(1, 8, 2, 16), "int4_asym", block_size=16), qv)

@@ -14,6 +14,7 @@ from .bridge import PackedTensor, jax_dtype, to_jax, to_torch, torch_dtype
 from .registry import ForwardOnlyError, TorchOp, cache_info, clear_cache, define_op, registered_torch_ops
 
 from .attention import dot_product_attention, dot_product_attention_varlen
+from .attention_fp8 import quantize_for_attention
 from .glu import gated_linear_unit
 from .linear_attention import (GatedDeltaNet, chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule,
                                fused_recurrent_kda, ssd, ssd_step)
@@ -34,7 +35,7 @@ __all__ = [
     "context_parallel_gated_delta_rule", "context_parallel_kda",
     "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dequantize_pages", "dot_product_attention",
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
-    "hadamard_transform", "init_kv_cache", "jax_dtype", "layer_norm", "load_balancing_loss", "mla_decode", "moe_mlp", "moe_mlp_expert_parallel", "permute", "paged_attention", "quantize", "quantize_pages", "quantized_matmul",
+    "hadamard_transform", "init_kv_cache", "jax_dtype", "layer_norm", "load_balancing_loss", "mla_decode", "moe_mlp", "moe_mlp_expert_parallel", "permute", "paged_attention", "quantize", "quantize_for_attention", "quantize_pages", "quantized_matmul",
     "ragged_dot", "ragged_dot_general", "ragged_dot_tgmm", "ragged_paged_attention", "register_mesh", "register_transformers_attention",
     "registered_torch_ops", "rms_norm", "route", "router_z_loss", "unpermute", "ssd", "ssd_step", "to_jax", "update_kv_cache", "update_kv_cache_", "to_torch", "torch_dtype",
 ]

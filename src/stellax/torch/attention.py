@@ -51,7 +51,8 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           query_seq_lengths: torch.Tensor | None = None,
                           key_value_seq_lengths: torch.Tensor | None = None,
                           logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                          implementation: str | None = None) -> torch.Tensor:
+                          implementation: str | None = None,
+                          preferred_element_type: torch.dtype | None = None) -> torch.Tensor:
     """`stellax.dot_product_attention` on torch tensors.
 
     Args:
@@ -70,10 +71,19 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
       logits_soft_cap: ``cap * tanh(logits / cap)``.
       sinks: ``[N]`` per-head sink logits (differentiable).
       implementation: forwarded to stellax (``None`` = best available).
+      preferred_element_type: fp8 attention only: the output dtype
+        (bfloat16 by default, float16 or float32).
+
+    FP8 attention: any of query/key/value may be a `QTensor` in
+    ``fp8_e4m3``/``fp8_e5m2`` (from `quantize_for_attention` or
+    ``quantize(x, "fp8_e4m3")``); the quantized operands are constants (no
+    gradient), float operands, bias and sinks stay differentiable. See
+    `stellax.torch.attention_fp8`.
 
     Returns:
-      ``[B, T, N, Hv]`` in ``query.dtype``. Differentiable in query, key,
-      value, bias and sinks. Fully masked rows give zeros.
+      ``[B, T, N, Hv]`` in ``query.dtype`` (fp8: ``preferred_element_type``).
+      Differentiable in query, key, value, bias and sinks. Fully masked rows
+      give zeros.
     """
     window = None
     if local_window_size is not None:
@@ -84,6 +94,22 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
             window = [-1 if left is None else int(left), -1 if right is None else int(right)]
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids/kv_segment_ids: give both or neither")
+    from .quant import QTensor
+    if any(isinstance(x, QTensor) for x in (query, key, value)):
+        from . import attention_fp8 as fp8
+        operands, metas = [], []
+        for name, x in zip(("query", "key", "value"), (query, key, value)):
+            args, meta = fp8.operand_args(name, x)
+            operands += args
+            metas.append(meta)
+        return fp8.dot_product_attention_fp8_op(
+            *operands, bias, mask, _int32(q_segment_ids), _int32(kv_segment_ids), _int32(query_seq_lengths),
+            _int32(key_value_seq_lengths), sinks, *metas, None if scale is None else float(scale), bool(is_causal),
+            window, None if logits_soft_cap is None else float(logits_soft_cap),
+            fp8.dtype_option(preferred_element_type), implementation)
+    if preferred_element_type is not None:
+        raise ValueError("preferred_element_type: only for fp8 attention (QTensor query/key/value); float "
+                         f"attention returns the input dtype, got {preferred_element_type!r}")
     return dot_product_attention_op(
         query, key, value, bias, mask, _int32(q_segment_ids), _int32(kv_segment_ids),
         _int32(query_seq_lengths), _int32(key_value_seq_lengths), sinks,
