@@ -146,3 +146,24 @@ def test_context_parallel_kda_opcheck(mesh):
     torch.library.opcheck(st_parallel.context_parallel_kda_op.op,
                           (qk, kk, vk, gk, bk, None, None, None, name, "cpu", "x", None, False, 2, None, None, False,
                            False))
+
+
+def test_zigzag_layout_helpers_and_load_balanced_ring(mesh):
+    from stellax import parallel as jparallel
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 32, 4, 8, generator=gen, requires_grad=True)
+    k = torch.randn(1, 32, 2, 8, generator=gen)
+    v = torch.randn(1, 32, 2, 8, generator=gen)
+    zq = st.reorder_for_load_balance(q, 8, "zigzag")
+    np.testing.assert_array_equal(zq.detach().numpy(), np.asarray(jparallel.reorder_for_load_balance(
+        q.detach().numpy(), 8, "zigzag")))
+    torch.testing.assert_close(st.restore_from_load_balance(zq, 8, "zigzag"), q, atol=0, rtol=0)
+    out = st.context_parallel_attention(zq, st.reorder_for_load_balance(k, 8), st.reorder_for_load_balance(v, 8),
+                                        mesh=mesh, axis_name="x", strategy="ring", load_balance="zigzag",
+                                        is_causal=True)
+    out = st.restore_from_load_balance(out, 8, "zigzag")
+    ref = _sdpa(q, k, v, True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    g = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, q, g)[0], torch.autograd.grad(ref, q, g)[0], atol=5e-5,
+                               rtol=5e-5)

@@ -27,7 +27,8 @@ from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_
 from .modules import GatedMLP, LayerNorm, RMSNorm
 from .hf import register_transformers_attention
 from .parallel import (context_parallel_attention, context_parallel_gated_delta_rule, context_parallel_kda,
-                       moe_mlp_expert_parallel, register_mesh)
+                       moe_mlp_expert_parallel, register_mesh, reorder_for_load_balance,
+                       restore_from_load_balance)
 from stellax.ops.paged_attention import KVQuant  # the cache format spec (plain Python; shared with JAX)
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dequantize_pages", "dot_product_attention",
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
     "hadamard_transform", "init_kv_cache", "jax_dtype", "layer_norm", "load_balancing_loss", "mla_decode", "moe_mlp", "moe_mlp_expert_parallel", "permute", "paged_attention", "quantize", "quantize_for_attention", "quantize_pages", "quantized_matmul",
-    "ragged_dot", "ragged_dot_general", "ragged_dot_tgmm", "ragged_paged_attention", "register_mesh", "register_transformers_attention",
+    "ragged_dot", "ragged_dot_general", "ragged_dot_tgmm", "ragged_paged_attention", "register_mesh", "register_transformers_attention", "reorder_for_load_balance",
+    "restore_from_load_balance",
     "registered_torch_ops", "rms_norm", "route", "router_z_loss", "unpermute", "ssd", "ssd_step", "to_jax", "update_kv_cache", "update_kv_cache_", "to_torch", "torch_dtype",
 ]

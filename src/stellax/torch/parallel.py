@@ -329,3 +329,35 @@ def context_parallel_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         None if lower_bound is None else float(lower_bound), bool(use_gate_in_kernel),
         bool(use_beta_sigmoid_in_kernel))
     return o, (state if output_final_state else None)
+
+
+# -- load-balancing layouts (pure torch) ----------------------------------------------------------
+def _layout_index(length: int, axis_size: int, strategy, device, inverse: bool) -> torch.Tensor:
+    from stellax.parallel import load_balance_permutation
+    perm = load_balance_permutation(int(length), int(axis_size), strategy)
+    if inverse:
+        perm = np.argsort(perm)
+    return torch.as_tensor(np.asarray(perm, np.int64), device=device)
+
+
+def reorder_for_load_balance(x: torch.Tensor, axis_size: int, strategy: str | None = "zigzag", *,
+                             axis: int = 1) -> torch.Tensor:
+    """Lay out a global tensor's sequence axis for ``axis_size`` shards
+    (`stellax.parallel.reorder_for_load_balance`): ``out[..., g, ...] =
+    x[..., perm[g], ...]`` with ``strategy`` ``"zigzag"``, ``"striped"`` or
+    ``None`` (identity). Any dtype; ``axis`` is the sequence axis (``[B, T,
+    ...]`` by default). Pure torch (an index_select): differentiable and
+    compilable."""
+    if strategy is None:
+        return x
+    axis = axis % x.ndim
+    return x.index_select(axis, _layout_index(x.shape[axis], axis_size, strategy, x.device, False))
+
+
+def restore_from_load_balance(x: torch.Tensor, axis_size: int, strategy: str | None = "zigzag", *,
+                              axis: int = 1) -> torch.Tensor:
+    """The inverse of `reorder_for_load_balance` (same arguments)."""
+    if strategy is None:
+        return x
+    axis = axis % x.ndim
+    return x.index_select(axis, _layout_index(x.shape[axis], axis_size, strategy, x.device, True))
