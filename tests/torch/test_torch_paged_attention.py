@@ -103,7 +103,8 @@ def _j(t):
     return jnp.asarray(t.numpy())
 
 
-@pytest.mark.parametrize("spec", ["int8", jpaged.KVQuant("int4", group_size=4, rotation=True)])
+@pytest.mark.parametrize("spec", ["int8", pytest.param(jpaged.KVQuant("int4", group_size=4, rotation=True),
+                                                        marks=pytest.mark.slow)])
 def test_paged_attention_over_quantized_pools_matches_jax(spec):
     k_pages, v_pages, tables = _cache(4)
     qk = st.quantize_pages(k_pages, spec)
@@ -134,7 +135,7 @@ def test_paged_attention_over_quantized_pools_matches_jax(spec):
                            st_paged._encode_spec(qv.spec), H, None, None, None, None))
 
 
-def test_ragged_and_mla_over_quantized_pools_match_jax():
+def test_ragged_over_quantized_pools_matches_jax():
     k_pages, v_pages, tables = _cache(5)
     qk, qv = st.quantize_pages(k_pages, "fp8"), st.quantize_pages(v_pages, "int8")
     kv_lens = torch.tensor([7, 12, 3], dtype=torch.int32)
@@ -144,6 +145,11 @@ def test_ragged_and_mla_over_quantized_pools_match_jax():
     ref = stellax.ragged_paged_attention(_j(q), qk.to_jax(), qv.to_jax(), _j(kv_lens), _j(tables), _j(cu),
                                          jnp.array([3], jnp.int32))
     np.testing.assert_allclose(out.numpy(), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_mla_over_quantized_latent_pool_matches_jax():
+    _, _, tables = _cache(5)
     gen = torch.Generator().manual_seed(6)
     latent = torch.randn(PAGES, PAGE, 16, generator=gen)
     pe = torch.randn(PAGES, PAGE, 8, generator=gen)

@@ -30,7 +30,8 @@ def _moe_inputs(seed=0, t=16, d=8, e=8, f=6):
             0.3 * torch.randn(e, d, 2, f, generator=gen), 0.3 * torch.randn(e, f, d, generator=gen))
 
 
-@pytest.mark.parametrize("dispatch,capacity_factor", [("all_to_all", None), ("all_gather", 1.0)])
+@pytest.mark.parametrize("dispatch,capacity_factor", [("all_to_all", None),
+                                                      pytest.param("all_gather", 1.0, marks=pytest.mark.slow)])
 def test_expert_parallel_moe_matches_single_device(mesh, dispatch, capacity_factor):
     args = [_leaf(a) for a in _moe_inputs()]
     out = st.moe_mlp_expert_parallel(*args, mesh=mesh, axis_name="x", top_k=2, dispatch=dispatch,
@@ -148,16 +149,28 @@ def test_context_parallel_kda_opcheck(mesh):
                            False))
 
 
-def test_zigzag_layout_helpers_and_load_balanced_ring(mesh):
-    from stellax import parallel as jparallel
+def _zigzag_inputs():
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(1, 32, 4, 8, generator=gen, requires_grad=True)
-    k = torch.randn(1, 32, 2, 8, generator=gen)
-    v = torch.randn(1, 32, 2, 8, generator=gen)
-    zq = st.reorder_for_load_balance(q, 8, "zigzag")
+    return q, torch.randn(1, 32, 2, 8, generator=gen), torch.randn(1, 32, 2, 8, generator=gen)
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "striped"])
+def test_load_balance_layout_helpers_match_jax(strategy):
+    from stellax import parallel as jparallel
+    q, _, _ = _zigzag_inputs()
+    zq = st.reorder_for_load_balance(q, 8, strategy)
     np.testing.assert_array_equal(zq.detach().numpy(), np.asarray(jparallel.reorder_for_load_balance(
-        q.detach().numpy(), 8, "zigzag")))
-    torch.testing.assert_close(st.restore_from_load_balance(zq, 8, "zigzag"), q, atol=0, rtol=0)
+        q.detach().numpy(), 8, strategy)))
+    assert not torch.equal(zq, q)
+    torch.testing.assert_close(st.restore_from_load_balance(zq, 8, strategy), q, atol=0, rtol=0)
+    assert st.reorder_for_load_balance(q, 8, None) is q
+
+
+@pytest.mark.slow
+def test_zigzag_load_balanced_ring_attention(mesh):
+    q, k, v = _zigzag_inputs()
+    zq = st.reorder_for_load_balance(q, 8, "zigzag")
     out = st.context_parallel_attention(zq, st.reorder_for_load_balance(k, 8), st.reorder_for_load_balance(v, 8),
                                         mesh=mesh, axis_name="x", strategy="ring", load_balance="zigzag",
                                         is_causal=True)
