@@ -189,10 +189,11 @@ def test_attention_opcheck():
     k, v = torch.randn(2, 6, 2, 8, requires_grad=True), torch.randn(2, 6, 2, 8, requires_grad=True)
     none6 = (None,) * 6
     op = st_attention.dot_product_attention_op.op
-    torch.library.opcheck(op, (q, k, v, *none6, None, None, True, None, None, None))
+    torch.library.opcheck(op, (q, k, v, *none6, None, None, True, None, None, None, None, None))
     seg = torch.ones(2, 5, dtype=torch.int32), torch.tensor([[1, 1, 1, 1, 0, 0]] * 2, dtype=torch.int32)
     bias = torch.randn(2, 4, 5, 6, requires_grad=True)
-    torch.library.opcheck(op, (q, k, v, bias, None, *seg, None, None, None, 0.5, False, None, None, None))
+    torch.library.opcheck(op, (q, k, v, bias, None, *seg, None, None, None, 0.5, False, None, None, None, 3,
+                               "highest"))
 
 
 def test_attention_varlen_matches_per_sequence_calls():
@@ -207,7 +208,8 @@ def test_attention_varlen_matches_per_sequence_calls():
     for a, b in zip(_grads(out, (q, k, v), g), _grads(ref, (q, k, v), g)):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
     torch.library.opcheck(st_attention.dot_product_attention_varlen_op.op,
-                          (q, k, v, cu.to(torch.int32), cu.to(torch.int32), None, 7, 7, None, True, None, None, None))
+                          (q, k, v, cu.to(torch.int32), cu.to(torch.int32), None, 7, 7, None, True, None, None, None,
+                           None, None))
 
 
 def test_backward_computes_only_the_gradients_autograd_asks_for():
@@ -275,3 +277,17 @@ def test_fp8_attention_opcheck_and_errors():
         st.dot_product_attention(q, q, q, preferred_element_type=torch.float32)
     with pytest.raises(ValueError, match="key: fp8 attention takes QTensors"):
         st.dot_product_attention(q, st.quantize(torch.randn(1, 8, 2, 16), "int4_asym", block_size=16), qv)
+
+
+def test_chunked_attention_matches_sdpa_with_chunk_mask():
+    torch.manual_seed(22)
+    q, k, v = _leaf(torch.randn(1, 10, 2, 8)), _leaf(torch.randn(1, 10, 2, 8)), _leaf(torch.randn(1, 10, 2, 8))
+    out = st.dot_product_attention(q, k, v, is_causal=True, chunk_size=4, precision="highest")
+    pos = torch.arange(10)
+    mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] // 4 == pos[None, :] // 4)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(_grads(out, (q, k, v), g), _grads(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)

@@ -15,7 +15,7 @@ from .registry import define_op
 
 def _attention(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, query_seq_lengths,
                key_value_seq_lengths, sinks, *, scale, is_causal, local_window_size, logits_soft_cap,
-               implementation):
+               implementation, chunk_size=None, precision=None):
     window = None
     if local_window_size is not None:
         left, right = local_window_size
@@ -24,7 +24,7 @@ def _attention(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, que
         query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=window,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, sinks=sinks,
-        implementation=implementation)
+        implementation=implementation, chunk_size=chunk_size, precision=precision)
 
 
 def _fake(query, key, value, *rest, **_):
@@ -36,7 +36,7 @@ dot_product_attention_op = define_op(
     tensors=("query", "key", "value", "bias?", "mask?!", "q_segment_ids?!", "kv_segment_ids?!",
              "query_seq_lengths?!", "key_value_seq_lengths?!", "sinks?"),
     options={"scale": "float?", "is_causal": "bool", "local_window_size": "int[]?", "logits_soft_cap": "float?",
-             "implementation": "str?"},
+             "implementation": "str?", "chunk_size": "int?", "precision": "str?"},
     fake=_fake)
 
 
@@ -52,7 +52,8 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           key_value_seq_lengths: torch.Tensor | None = None,
                           logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                           implementation: str | None = None,
-                          preferred_element_type: torch.dtype | None = None) -> torch.Tensor:
+                          preferred_element_type: torch.dtype | None = None, chunk_size: int | None = None,
+                          precision: str | None = None) -> torch.Tensor:
     """`stellax.dot_product_attention` on torch tensors.
 
     Args:
@@ -73,6 +74,9 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
       implementation: forwarded to stellax (``None`` = best available).
       preferred_element_type: fp8 attention only: the output dtype
         (bfloat16 by default, float16 or float32).
+      chunk_size: chunked attention (Llama 4): queries see only keys in
+        their own chunk of ``chunk_size`` positions.
+      precision: ``None`` or a `jax.lax.Precision` name (``"highest"``, ...).
 
     FP8 attention: any of query/key/value may be a `QTensor` in
     ``fp8_e4m3``/``fp8_e5m2`` (from `quantize_for_attention` or
@@ -114,25 +118,28 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         query, key, value, bias, mask, _int32(q_segment_ids), _int32(kv_segment_ids),
         _int32(query_seq_lengths), _int32(key_value_seq_lengths), sinks,
         None if scale is None else float(scale), bool(is_causal), window,
-        None if logits_soft_cap is None else float(logits_soft_cap), implementation)
+        None if logits_soft_cap is None else float(logits_soft_cap), implementation,
+        None if chunk_size is None else int(chunk_size), precision)
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *, max_seqlen_q, max_seqlen_k, scale, is_causal,
-            local_window_size, logits_soft_cap, implementation):
+            local_window_size, logits_soft_cap, implementation, chunk_size=None, precision=None):
     window = None
     if local_window_size is not None:
         left, right = local_window_size
         window = (None if left < 0 else left, None if right < 0 else right)
     return stellax.dot_product_attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale, is_causal=is_causal,
-        local_window_size=window, logits_soft_cap=logits_soft_cap, sinks=sinks, implementation=implementation)
+        local_window_size=window, logits_soft_cap=logits_soft_cap, sinks=sinks, implementation=implementation,
+        chunk_size=chunk_size, precision=precision)
 
 
 dot_product_attention_varlen_op = define_op(
     "dot_product_attention_varlen", _varlen,
     tensors=("q", "k", "v", "cu_seqlens_q!", "cu_seqlens_k!", "sinks?"),
     options={"max_seqlen_q": "int", "max_seqlen_k": "int", "scale": "float?", "is_causal": "bool",
-             "local_window_size": "int[]?", "logits_soft_cap": "float?", "implementation": "str?"},
+             "local_window_size": "int[]?", "logits_soft_cap": "float?", "implementation": "str?",
+             "chunk_size": "int?", "precision": "str?"},
     fake=lambda q, k, v, *r, **_: q.new_empty((*q.shape[:-1], v.shape[-1])))
 
 
@@ -140,11 +147,13 @@ def dot_product_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                                  scale: float | None = None, is_causal: bool = False, local_window_size=None,
                                  logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                                 implementation: str | None = None) -> torch.Tensor:
+                                 implementation: str | None = None, chunk_size: int | None = None,
+                                 precision: str | None = None) -> torch.Tensor:
     """FlashAttention's varlen form: packed ``q [total_q, N, H]``,
-    ``k``/``v [total_kv, K, H]``, ``cu_seqlens_q``/``cu_seqlens_k [S + 1]``.
-    Masks align per sequence; returns ``[total_q, N, Hv]``. Differentiable in
-    q, k, v and sinks."""
+    ``k``/``v [total_kv, K, H]``, ``cu_seqlens_q``/``cu_seqlens_k [S + 1]``
+    integers, ``max_seqlen_q``/``max_seqlen_k`` ints. Masks (``is_causal``,
+    ``local_window_size``, ``chunk_size``) align per sequence; returns
+    ``[total_q, N, Hv]`` in ``q.dtype``. Differentiable in q, k, v and sinks."""
     window = None
     if local_window_size is not None:
         if isinstance(local_window_size, int):
@@ -155,4 +164,5 @@ def dot_product_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return dot_product_attention_varlen_op(
         q, k, v, _int32(cu_seqlens_q), _int32(cu_seqlens_k), sinks, int(max_seqlen_q), int(max_seqlen_k),
         None if scale is None else float(scale), bool(is_causal), window,
-        None if logits_soft_cap is None else float(logits_soft_cap), implementation)
+        None if logits_soft_cap is None else float(logits_soft_cap), implementation,
+        None if chunk_size is None else int(chunk_size), precision)

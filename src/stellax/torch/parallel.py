@@ -39,13 +39,16 @@ _MESHES: dict = {}
 
 def register_mesh(mesh) -> str:
     """Register a `jax.sharding.Mesh` for the torch SPMD front ends and return
-    its name (``"axis=size,...@device ids"``); functions here accept either."""
+    its name (``"axis=size,...@platform:device ids[axis types]"``); the
+    functions here accept either the mesh or the name (pass the name inside
+    `torch.compile`d code)."""
     from jax.sharding import Mesh
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     axes = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
     ids = ",".join(str(d.id) for d in np.asarray(mesh.devices).reshape(-1))
-    name = f"{axes}@{mesh.devices.flat[0].platform}:{ids}"
+    types = ",".join(str(t).split(".")[-1] for t in getattr(mesh, "axis_types", ()))
+    name = f"{axes}@{mesh.devices.flat[0].platform}:{ids}" + (f"[{types}]" if types else "")
     _MESHES.setdefault(name, mesh)
     return name
 
