@@ -78,8 +78,16 @@ def test_context_parallel_attention_matches_sdpa(mesh, strategy):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     assert lse.shape == (1, n, 32) and lse.dtype == torch.float32
     g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g, retain_graph=True),
+                    torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
+    # The log-sum-exp of the scaled causal logits, and its gradient.
+    rep = n // kh
+    logits = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(rep, 2)) * 8 ** -0.5
+    ref_lse = torch.logsumexp(logits.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril(), float("-inf")), -1)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(torch.autograd.grad(lse.sum(), q)[0], torch.autograd.grad(ref_lse.sum(), q)[0],
+                               atol=5e-5, rtol=5e-5)
 
 
 def test_context_parallel_attention_opcheck_and_compile(mesh):
