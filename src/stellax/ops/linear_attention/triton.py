@@ -22,8 +22,10 @@ Forward (three launches):
 Backward: `state_backward` — grid ``(BH, V/BV)``, the reverse loop over chunks
 carrying ``dS`` (the gradient of the chunk's final state):
 ``dΔ = Pᵀ dO + K̃ dS``, ``dS ← exp(G_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``; it stores
-``dS`` per chunk and ``dΔ``. The per-chunk gradients of q, k, v, G and β
-follow from those in parallel (see `core.py`).
+``dS`` per chunk and ``dΔ``. The per-chunk gradients of q, k, v, g and β
+follow from those in parallel: `triton_backward.intra_backward`, grid
+``(NT, BH, V/BV)``, recomputes the chunk's ``P``, ``A``, ``T``, ``U``, ``W``
+and backpropagates through them (see that module for the math).
 
 All matmuls run at ``Precision.HIGHEST`` (IEEE float32 on the tensor cores'
 fallback path); exponents are ≤ 0 (masked to −inf before ``exp``).

@@ -30,9 +30,11 @@ and the per-step decays through every sum they enter — the prefixes ``G_i``
     dg_t = Σ_{i≥t} dG_i + Σ_{j<t} dtail_j + γ dγ + Σ_{i≥t>j} M_ij,
     dG_i = Σ_k dQ̃⊙Q̃ + β_i Γ_i Σ_k dR_w⊙K,  dtail_j = Σ_k dK̃⊙K̃,  M = dP⊙P + dA⊙A,
 
-each term a sum of same-sign pieces of its own, not a reverse cumsum of
-``dG_i + Σ_j M_ij − Σ_j M_ji − …`` (which cancels digits under strong decays);
-``Σ_{j<t} M_ij`` is one matmul with a 0/1 matrix.
+each summed over exactly the positions that depend on ``g_t`` — not as the
+reverse cumsum of ``dG_i + Σ_j M_ij − Σ_j M_ji − dtail_i + …``, whose ``±M``
+of the pairs with both ends at or after ``t`` cancel only up to rounding (an
+error large against the small ``dg`` of strong decays); ``Σ_{j<t} M_ij`` is
+one matmul with a 0/1 matrix.
 
 Every term is linear in the value block's cotangents, so the kernel writes
 per-value-block partials of ``dq, dk, dg, dβ`` (``[NV, ...]``, summed in XLA:
