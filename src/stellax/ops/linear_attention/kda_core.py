@@ -8,11 +8,12 @@ padded; padded channels have ``g = 0``), ``v [Bs, HV, Tp, V]``,
 
 Forward: `triton_kda.intra_forward` (scores, WY, decay factors), the state
 scan and the output kernel. Backward (the op `kda_recurrence_backward`):
-the forward's per-chunk factors and states are recomputed, the reverse state
-scan runs as a Triton kernel (`triton_kda.state_backward`), and the
-per-chunk gradients of q, k, v, g and β are the VJP of `chunk.chunk_intra`
-(XLA, in parallel over all chunks) for the cotangents of its outputs that
-the scans give (`parts_cotangents`).
+the forward's per-chunk factors and states are recomputed (plus ``T`` and the
+k scores), the reverse state scan runs as a Triton kernel
+(`triton_kda.state_backward`), the cotangents of the per-chunk factors follow
+from the scans by batched matmuls (`parts_cotangents`, XLA), and the per-chunk
+gradients of q, k, v, g and β are the Triton kernel
+`triton_kda_backward.intra_backward`, in parallel over all chunks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, Example, Implementation, Op, backward_implementation, register
-from . import chunk as chunk_math
 from . import triton_kda as kernels
 from . import xla
 from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
@@ -32,6 +32,7 @@ from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heur
 from .core import _differentiate, recurrence_flops
 from .layout import Stream
 from .reference import delta_rule_recurrence
+from .triton_kda_backward import intra_backward
 
 F32 = jnp.float32
 
@@ -46,14 +47,15 @@ def _chunked(x):
 
 
 # -- forward ------------------------------------------------------------------------
-def _forward_parts(q, k, v, g, beta, h0, meta, config):
+def _forward_parts(q, k, v, g, beta, h0, meta, config, with_solve=False):
     """The intra kernel and the state scan on the flattened layout:
-    ``(parts dict, S_c, Δ, final)``."""
-    u, w, p, qg, kg, gamma = kernels.intra_forward(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta),
-                                                   chunk=TRITON_CHUNK, config=config)
-    states, delta, final = kernels.state_forward(w, u, kg, gamma, _flat(h0), meta, chunk=TRITON_CHUNK,
-                                                 heads=g.shape[1], config=config)
-    return {"W": w, "P": p, "qg": qg, "kg": kg, "gamma": gamma}, states, delta, final
+    ``(parts dict, S_c, Δ, final)`` (``parts`` has ``T`` and ``Sk`` with ``with_solve``)."""
+    out = kernels.intra_forward(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), chunk=TRITON_CHUNK,
+                                config=config, with_solve=with_solve)
+    parts = dict(zip(("U", "W", "P", "qg", "kg", "gamma", "T", "Sk"), out))
+    states, delta, final = kernels.state_forward(parts["W"], parts["U"], parts["kg"], parts["gamma"], _flat(h0),
+                                                 meta, chunk=TRITON_CHUNK, heads=g.shape[1], config=config)
+    return parts, states, delta, final
 
 
 def _forward(q, k, v, g, beta, h0, meta, config):
@@ -103,8 +105,8 @@ _kda_recurrence.defvjp(_kda_recurrence_fwd, _kda_recurrence_bwd)
 
 # -- backward -------------------------------------------------------------------------
 def parts_cotangents(states, delta, d_delta, d_states, do):
-    """Cotangents of `chunk.chunk_intra`'s outputs (per-channel ``gamma [.., K, 1]``)
-    from the scans (all ``[Bs, HV, NT, ...]``): ``O = qg S + P Δ``,
+    """Cotangents of the per-chunk factors (``gamma [.., K, 1]`` per channel)
+    from the scans (all ``[..., NT, ...]``): ``O = qg S + P Δ``,
     ``Δ = U − W S``, ``S' = diag(γ) S + kgᵀ Δ`` give ``d qg = dO Sᵀ``,
     ``dP = lower(dO Δᵀ)``, ``dU = dΔ``, ``dW = −dΔ Sᵀ``, ``d kg = Δ dS'ᵀ`` and
     ``dγ = Σ_v S ⊙ dS'``."""
@@ -124,23 +126,23 @@ def parts_cotangents(states, delta, d_delta, d_states, do):
 def _triton_backward(call: Call, config):
     q, k, v, g, beta, h0 = (call.arrays[n] for n in ("q", "k", "v", "g", "beta", "h0"))
     meta = None if call.first is None else (call.first, call.seq, call.last)
-    hv = beta.shape[1]
+    bs, hv, tp = beta.shape
     f32 = [x.astype(F32) for x in (q, k, v, g, beta, h0)]
-    parts, states, delta, _ = _forward_parts(*f32, meta, config)  # recomputed, not stored
+    # The forward's factors and states, recomputed (not stored by the forward).
+    parts, states, delta, _ = _forward_parts(*f32, meta, config, with_solve=True)
     dfinal = jnp.zeros(h0.shape, F32) if call.dfinal is None else call.dfinal.astype(F32)
-    do = call.do.astype(F32)
+    do = _flat(call.do.astype(F32))
     d_states, d_delta, dh0 = kernels.state_backward(parts["P"], parts["qg"], parts["kg"], parts["W"],
-                                                    parts["gamma"], _flat(do), _flat(dfinal), meta,
+                                                    parts["gamma"], do, _flat(dfinal), meta,
                                                     chunk=TRITON_CHUNK, heads=hv, config=config)
-    # One leading axis of Bs·HV·NT chunks: the VJP of chunk_intra over three
-    # leading axes [1, 2, 2] made XLA:CPU (jax 0.10.2) corrupt memory and crash.
-    chunks = lambda x: x.reshape((-1, TRITON_CHUNK) + x.shape[3:])
-    xs = [chunks(x) for x in f32[:5]]
-    _, vjp = jax.vjp(chunk_math.chunk_intra, *xs)
-    cot = parts_cotangents(states.reshape((-1,) + states.shape[2:]), chunks(delta.reshape(v.shape)),
-                           chunks(d_delta.reshape(v.shape)), d_states.reshape((-1,) + d_states.shape[2:]),
-                           chunks(do))
-    grads = vjp(cot)
+    nt = tp // TRITON_CHUNK
+    per_chunk = lambda x: x.reshape((bs * hv, nt, TRITON_CHUNK) + x.shape[2:])
+    cot = parts_cotangents(states, per_chunk(delta), per_chunk(d_delta), d_states, per_chunk(do))
+    cot = {name: x.reshape((bs * hv, nt, -1) if name == "gamma" else (bs * hv, tp, x.shape[-1]))
+           for name, x in cot.items()}
+    flat = [_flat(x) for x in f32[:5]]
+    grads = intra_backward(*flat, parts["T"], parts["Sk"], parts["U"], parts["W"], cot, chunk=TRITON_CHUNK,
+                           config=config)
     grads = [d.reshape(x.shape).astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))]
     dh0 = dh0.reshape(h0.shape)
     if meta is not None:

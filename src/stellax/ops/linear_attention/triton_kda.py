@@ -39,7 +39,8 @@ Backward: `state_backward` — grid ``(BH, V/BV)``, the reverse loop carrying
 ``dS`` (the gradient of the chunk's final state):
 ``dΔ = Pᵀ dO + K̃ dS``, ``dS ← diag(Γ_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``; it stores
 ``dS`` per chunk, ``dΔ`` and the initial states' gradients. The per-chunk
-gradients of q, k, v, g and β follow in parallel (see `kda_core.py`).
+gradients of q, k, v, g and β follow in parallel (`triton_kda_backward.py`,
+wired in `kda_core.py`).
 
 All matmuls run at ``Precision.HIGHEST`` (IEEE float32).
 """
@@ -132,7 +133,8 @@ def _decayed_scores(q, k, g, chunk):
 
 
 # -- 1. intra-chunk: scores, WY representation, decay factors -----------------------
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, p_ref, qg_ref, kg_ref, gamma_ref, *, chunk):
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, p_ref, qg_ref, kg_ref, gamma_ref, *solve_refs,
+                  chunk):
     kdim, vdim = k_ref.shape[-1], v_ref.shape[-1]
     bk, bv = min(kdim, KDA_BLOCK_K), min(vdim, KDA_BLOCK_K)
     b = beta_ref[...].astype(F32)
@@ -174,15 +176,19 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, p_ref, qg_
 
     jax.lax.fori_loop(0, kdim // bk, w_block, 0)
     jax.lax.fori_loop(0, vdim // bv, u_block, 0)
+    if solve_refs:  # for the backward: T and the undecayed-by-β k scores
+        solve_refs[0][...] = inv
+        solve_refs[1][...] = jnp.where(rows > cols, pk, 0.0)
 
 
-def intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
+def intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig, with_solve: bool = False):
     """The per-chunk factors, all float32.
 
     Args: ``q, k, g [BH, Tp, K]`` (q scaled), ``v [BH, Tp, V]``, ``beta [BH, Tp]``.
     Returns ``(U [BH, Tp, V], W [BH, Tp, K], P [BH, Tp, C], Q⊙Γ [BH, Tp, K],
     K̃ [BH, Tp, K], Γ_C [BH, NT, K])`` (``P`` row ``i`` of chunk ``c`` holds
-    ``P_ij`` of that chunk's columns ``j``).
+    ``P_ij`` of that chunk's columns ``j``); ``with_solve`` adds ``T [BH, Tp, C]``
+    and the strictly lower k scores ``A/β [BH, Tp, C]`` (for the backward).
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
@@ -190,13 +196,14 @@ def intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig
     spec = lambda d: pl.BlockSpec((None, chunk, d), lambda c, h: (h, c, 0))
     vec = pl.BlockSpec((None, chunk), lambda c, h: (h, c))
     shape = lambda *s: jax.ShapeDtypeStruct(s, F32)
+    extra = 2 if with_solve else 0
     return triton_call(
         functools.partial(_intra_kernel, chunk=chunk),
         out_shape=[shape(bh, tp, vdim), shape(bh, tp, kdim), shape(bh, tp, chunk), shape(bh, tp, kdim),
-                   shape(bh, tp, kdim), shape(bh, nt, kdim)],
+                   shape(bh, tp, kdim), shape(bh, nt, kdim)] + [shape(bh, tp, chunk)] * extra,
         grid=(nt, bh), in_specs=[spec(kdim), spec(kdim), spec(vdim), spec(kdim), vec],
         out_specs=[spec(vdim), spec(kdim), spec(chunk), spec(kdim), spec(kdim),
-                   pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0))],
+                   pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0))] + [spec(chunk)] * extra,
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_kda_intra",
     )(q, k, v, g, beta)
 
