@@ -194,7 +194,15 @@ def intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *, ch
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
+    if tp % chunk:
+        raise ValueError(f"k: expected a padded length that is a multiple of chunk={chunk}, got {tp}")
+    for name, d in (("k", kdim), ("v", vdim)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"{name}: expected a last dimension that is a power of two >= 16 (padded_dim), got {d}")
     nt = tp // chunk
+    if states.shape != (bh, nt, kdim, vdim) or d_states.shape != states.shape:
+        raise ValueError(f"states, d_states: expected shape {(bh, nt, kdim, vdim)}, "
+                         f"got {states.shape} and {d_states.shape}")
     bv = min(config.block_v, MAX_BLOCK_V, vdim)
     nv = vdim // bv
     has_beta = beta is not None
