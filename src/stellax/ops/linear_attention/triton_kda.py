@@ -85,6 +85,28 @@ def _iota(c):
     return rows, cols
 
 
+def check_layout(chunk: int, **arrays) -> None:
+    """Validate the kernels' flattened layout; ``arrays`` maps names to ``(array,
+    expected shape)`` where ``None`` entries are free. Raises ``ValueError``
+    naming the argument: a shape mismatch, a padded length ``Tp`` that is not a
+    multiple of ``chunk`` or a head size that is not a power of two ≥ 16."""
+    for name, (x, shape) in arrays.items():
+        if x.ndim != len(shape) or any(e is not None and e != d for e, d in zip(shape, x.shape)):
+            want = tuple("*" if e is None else e for e in shape)
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
+    for name, (x, shape) in arrays.items():
+        if name in ("q", "k", "kg", "qg", "w") and x.ndim == 3:
+            if x.shape[1] % chunk:
+                raise ValueError(f"{name}: expected a padded length that is a multiple of {chunk}, got {x.shape[1]}")
+            d = x.shape[-1]
+            if d < 16 or d & (d - 1):
+                raise ValueError(f"{name}: expected a head size that is a power of two >= 16, got {d}")
+        if name in ("v", "u", "do", "delta") and x.ndim == 3:
+            d = x.shape[-1]
+            if d < 16 or d & (d - 1):
+                raise ValueError(f"{name}: expected a value size that is a power of two >= 16, got {d}")
+
+
 def _span_sum(mask, g):
     """``Σ_t mask[i, t] g_t`` for 0/1 ``mask [C, C]`` and ``g [C, K]``: a direct
     sum over each row's span (exact products, same-sign terms)."""
@@ -191,6 +213,8 @@ def intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig
     and the strictly lower k scores ``A/β [BH, Tp, C]`` (for the backward).
     """
     bh, tp, kdim = k.shape
+    check_layout(chunk, k=(k, (None, None, None)), q=(q, k.shape), g=(g, k.shape), v=(v, (bh, tp, None)),
+                 beta=(beta, (bh, tp)))
     vdim = v.shape[-1]
     nt = tp // chunk
     spec = lambda d: pl.BlockSpec((None, chunk, d), lambda c, h: (h, c, 0))
@@ -262,6 +286,8 @@ def state_forward(w, u, kg, gamma, h0, meta, *, chunk: int, heads: int, config: 
     Returns float32 ``(S_c [BH, NT, K, V], Δ [BH, Tp, V], final [N·HV, K, V])``.
     """
     bh, tp, kdim = kg.shape
+    check_layout(chunk, kg=(kg, (None, None, None)), w=(w, kg.shape), u=(u, (bh, tp, None)),
+                 gamma=(gamma, (bh, tp // chunk, kdim)), h0=(h0, (None, kdim, u.shape[-1])))
     vdim = u.shape[-1]
     nt = tp // chunk
     bv = min(config.block_v, vdim)
@@ -290,6 +316,8 @@ def output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttentionC
     ``p [BH, Tp, C]`` (`intra_forward`), ``delta [BH, Tp, V]`` and the
     chunk-initial ``states [BH, NT, K, V]`` (`state_forward`)."""
     bh, tp, kdim = qg.shape
+    check_layout(chunk, qg=(qg, (None, None, None)), p=(p, (bh, tp, chunk)), delta=(delta, (bh, tp, None)),
+                 states=(states, (bh, tp // chunk, kdim, delta.shape[-1])))
     vdim = delta.shape[-1]
     bv = min(config.block_v, vdim)
     return triton_call(
@@ -348,6 +376,9 @@ def state_backward(p, qg, kg, w, gamma, do, dht, meta, *, chunk: int, heads: int
     state), ``dΔ [BH, Tp, V]``, ``dh0 [N·HV, K, V])``.
     """
     bh, tp, kdim = kg.shape
+    check_layout(chunk, kg=(kg, (None, None, None)), p=(p, (bh, tp, chunk)), qg=(qg, kg.shape), w=(w, kg.shape),
+                 gamma=(gamma, (bh, tp // chunk, kdim)), do=(do, (bh, tp, None)),
+                 dht=(dht, (None, kdim, do.shape[-1])))
     vdim = do.shape[-1]
     nt = tp // chunk
     bv = min(config.block_v, vdim)

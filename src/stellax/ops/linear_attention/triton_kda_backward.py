@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import triton_call
 from .configs import LinearAttentionConfig
-from .triton_kda import KDA_BLOCK_K, KDA_SUB_BLOCK, _dot, _dot_nt, _dot_tn, _iota, _span_sum
+from .triton_kda import KDA_BLOCK_K, KDA_SUB_BLOCK, _dot, _dot_nt, _dot_tn, _iota, _span_sum, check_layout
 
 F32 = jnp.float32
 
@@ -179,6 +179,11 @@ def intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config: Li
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
     nt = tp // chunk
+    check_layout(chunk, k=(k, (None, None, None)), q=(q, k.shape), g=(g, k.shape), v=(v, (bh, tp, None)),
+                 beta=(beta, (bh, tp)), t=(t, (bh, tp, chunk)), sk=(sk, (bh, tp, chunk)), u=(u, v.shape),
+                 w=(w, k.shape), **{f"cot[{n!r}]": (cot[n], shape) for n, shape in (
+                     ("qg", k.shape), ("kg", k.shape), ("W", k.shape), ("gamma", (bh, nt, kdim)),
+                     ("P", (bh, tp, chunk)), ("U", v.shape))})
     spec = lambda d: pl.BlockSpec((None, chunk, d), lambda c, h: (h, c, 0))
     vec = pl.BlockSpec((None, chunk), lambda c, h: (h, c))
     shape = lambda *s: jax.ShapeDtypeStruct(s, F32)
