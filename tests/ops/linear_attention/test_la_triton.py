@@ -75,14 +75,6 @@ def test_backward_op_interpret_matches_golden():
             assert result.passed, (example.label, result.worst, result.detail)
 
 
-def test_kda_is_not_taken_by_triton():
-    q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(0), 1, 8, 1, 1, 16, 16, per_channel=True)
-    call = stellax.ops.linear_attention.chunk_kda_op.check(q, k, v, g, beta)
-    with stellax.lowering_target("h100"):
-        support = stellax.ops.linear_attention.chunk_kda_op.implementations["triton"].supported(call)
-    assert not support and "per-channel" in support.reason
-
-
 # -- lowering ---------------------------------------------------------------------
 def _lowering_cases():
     gdn = make_inputs(jax.random.PRNGKey(0), 1, 130, 2, 4, 128, 128)

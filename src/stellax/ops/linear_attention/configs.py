@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...core import Call, TritonConfig, next_power_of_two, product_space
+from ...core import Call, TritonConfig, current_platform, next_power_of_two, product_space
 from ...core.config import require_in
 
 #: The Triton kernels work on chunks of this many tokens (fla's BT).
 TRITON_CHUNK = 64
 #: Largest key / value head size the kernels hold in registers.
 MAX_HEAD_DIM = 256
+#: KDA's intra-chunk backward kernel needs more shared memory than sm_80 has (PTX tier).
+KDA_MIN_CAPABILITY = (9, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,10 @@ def linear_attention_requirements(call: Call) -> str | None:
     if kdim > MAX_HEAD_DIM or vdim > MAX_HEAD_DIM:
         return f"the Triton kernels hold [K, V] states in registers: K={kdim}, V={vdim}, the limit is {MAX_HEAD_DIM}"
     g = call.arrays.get("g")
-    if g is not None and g.ndim == 4:
-        return "the Triton kernels take scalar (per-head) decays; KDA's per-channel decay runs in XLA"
+    if g is not None and g.ndim == 4:  # KDA's per-channel decays (triton_kda.py)
+        platform = current_platform()
+        cc = platform.compute_capability
+        if platform.is_nvidia and cc is not None and cc < KDA_MIN_CAPABILITY:
+            return (f"KDA's Triton kernels need sm_90's shared memory (the intra-chunk backward kernel takes "
+                    f"177 KiB, over sm_80's 163 KiB); this GPU is {platform.describe()}")
     return None
