@@ -7,7 +7,8 @@ scale; SSD maps ``C, B, dt·x, dt·A`` onto ``q, k, v, g``) and calls
 * ``"xla"``: `xla.chunked_scan` (autodiff through a checkpointed scan);
 * ``"triton"``: the Pallas kernels behind a ``jax.custom_vjp`` whose backward
   is the op `gated_recurrence_backward` (its own implementations: Triton's
-  reverse state-scan kernel plus the parallel per-chunk gradients, or XLA).
+  reverse state-scan kernel plus the per-chunk gradient kernel of
+  `triton_backward.py`, or XLA).
 
 The kernels work in a heads-major layout: ``q, k [Bs, HV, Tp, K]``,
 ``v [Bs, HV, Tp, V]``, ``g, beta [Bs, HV, Tp]`` (``g`` the per-step log
@@ -24,13 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, Example, Implementation, Op, backward_implementation, register
-from . import chunk as chunk_math
 from . import triton as kernels
 from . import xla
 from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
                       linear_attention_space, padded_dim)
 from .layout import Stream, make_stream
 from .reference import delta_rule_recurrence
+from .triton_backward import intra_backward
 
 F32 = jnp.float32
 
@@ -64,6 +65,10 @@ def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, chunk_siz
         inside its step, never materializing the prepared copies).
       h0: ``[N, HV, K, V]`` initial states.
     Returns float32 ``(o [B, T, HV, V], final [N, HV, K, V])``.
+
+    ``"triton"`` runs scalar decays (GDN, SSD) on `triton.py`'s kernels and
+    per-channel decays (KDA, ``g [..., HV, K]``) on `triton_kda.py`'s
+    (`kda_core.kda_recurrence`), both on the chunk-64 heads-major layout.
     """
     if backend == "xla":
         return xla.chunked_scan(tokens, prepare, initial_state=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
@@ -72,11 +77,14 @@ def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, chunk_siz
     V = v.shape[-1]
     stream = make_stream(B, T, TRITON_CHUNK, cu_seqlens)
     kp, vp = padded_dim(K), padded_dim(V)
-    g = _heads_major(stream, g)
     b = None if beta is None else _heads_major(stream, beta)
     h0p = jnp.pad(h0.astype(F32), [(0, 0), (0, 0), (0, kp - K), (0, vp - V)])
-    o, final = _kernel_recurrence(_heads_major(stream, q, kp), _heads_major(stream, k, kp),
-                                  _heads_major(stream, v, vp), g, b, h0p, _meta(stream), (config,))
+    args = (_heads_major(stream, q, kp), _heads_major(stream, k, kp), _heads_major(stream, v, vp))
+    if g.ndim == 4:  # KDA's per-channel decays (padded channels decay by exp(0) = 1)
+        from .kda_core import kda_recurrence  # imports this module
+        o, final = kda_recurrence(*args, _heads_major(stream, g, kp), b, h0p, _meta(stream), config)
+    else:
+        o, final = _kernel_recurrence(*args, _heads_major(stream, g), b, h0p, _meta(stream), (config,))
     o = stream.unpack(jnp.moveaxis(o, 1, 2))[..., :V]
     final = final[:, :, :K, :V]
     if stream.varlen:
@@ -137,44 +145,26 @@ def _chunked(x, chunk):
     return None if x is None else x.reshape(x.shape[:2] + (x.shape[2] // chunk, chunk) + x.shape[3:])
 
 
-def _parts_cotangents(parts, states, delta, d_delta, d_states, do):
-    """Cotangents of `chunk.chunk_intra`'s outputs from the state-scan results
-    (all ``[Bs, HV, NT, ...]``): O = qg S + P Δ, Δ = U − W S, S' = γ S + kgᵀ Δ."""
-    ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-    c = do.shape[-2]
-    lower = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
-    cot = {
-        "qg": ein("...cv,...kv->...ck", do, states),
-        "kg": ein("...cv,...kv->...ck", delta, d_states),
-        "gamma": jnp.sum(states * d_states, axis=-1)[..., None] if parts["gamma"].shape[-2] > 1
-        else jnp.sum(states * d_states, axis=(-2, -1))[..., None, None],
-        "P": jnp.where(lower, ein("...iv,...jv->...ij", do, delta), 0.0),
-        "U": d_delta,
-    }
-    if "W" in parts:
-        cot["W"] = -ein("...cv,...kv->...ck", d_delta, states)
-    return cot
-
-
 def _triton_backward(call: Call, config):
+    """The Triton backward: the reverse state scan (`triton.state_backward`:
+    ``dS`` per chunk, ``dΔ``, ``dh0``) and then the per-chunk gradients of q, k,
+    v, g and β (`triton_backward.intra_backward`, recomputing ``P``, ``T``,
+    ``U``, ``W`` per chunk). The forward's W, S_c and Δ are recomputed, not stored."""
     q, k, v, g, beta, h0 = (call.arrays[n] for n in ("q", "k", "v", "g", "beta", "h0"))
     meta = None if call.first is None else (call.first, call.seq, call.last)
-    bs, hv, tp = g.shape
+    hv = g.shape[1]
     chunk = TRITON_CHUNK
-    w, states, delta, _ = _kernel_states(k, v, g, beta, h0, meta, config)  # recomputed, not stored
+    # The kernels load q, k, v, h0 in any float dtype; the decays go into
+    # float32 dots with 0/1 matrices, so g and β are float32 here.
+    gf, bf = g.astype(F32), None if beta is None else beta.astype(F32)
+    w, states, delta, _ = _kernel_states(k, v, gf, bf, h0, meta, config)  # recomputed, not stored
     dfinal = jnp.zeros(h0.shape, F32) if call.dfinal is None else call.dfinal.astype(F32)
-    d_states, d_delta, dh0 = kernels.state_backward(_flat(q), _flat(k), _flat(g), w, _flat(call.do.astype(F32)),
-                                                    _flat(dfinal), meta, chunk=chunk, heads=hv, config=config)
-    lead = (bs, hv, tp // chunk)
-    xs = [_chunked(x, chunk) for x in (q, k, v, g)] + ([] if beta is None else [_chunked(beta, chunk)])
-    # Differentiate the intra-chunk math in float32 (the state-scan cotangents are float32).
-    xs = [x.astype(F32) for x in xs]
-    parts, vjp = jax.vjp(lambda *a: chunk_math.chunk_intra(*a[:4], a[4] if len(a) > 4 else None), *xs)
-    cot = _parts_cotangents(parts, states.reshape(lead + states.shape[2:]), _chunked(delta.reshape(v.shape), chunk),
-                            _chunked(d_delta.reshape(v.shape), chunk), d_states.reshape(lead + d_states.shape[2:]),
-                            _chunked(call.do.astype(F32), chunk))
-    grads = list(vjp(cot)) + ([] if beta is not None else [None])
-    grads = [None if g_ is None else g_.reshape(x.shape).astype(x.dtype) for g_, x in zip(grads, (q, k, v, g, beta))]
+    do = _flat(call.do.astype(F32))
+    d_states, d_delta, dh0 = kernels.state_backward(_flat(q), _flat(k), _flat(gf), w, do, _flat(dfinal), meta,
+                                                    chunk=chunk, heads=hv, config=config)
+    grads = intra_backward(_flat(q), _flat(k), _flat(v), _flat(gf), _flat(bf), states, delta, d_states, d_delta,
+                           do, chunk=chunk, config=config)
+    grads = [None if d is None else d.reshape(x.shape).astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))]
     dh0 = dh0.reshape(h0.shape)
     if meta is not None:
         # An empty packed sequence passes its initial state straight through.
