@@ -81,6 +81,19 @@ def _decay(spans, mask):
     return jnp.exp(jnp.where(mask, spans, -jnp.inf))
 
 
+def unit_lower_inverse(a, rows, cols, chunk):
+    """``T = (I + A)⁻¹`` of a strictly lower ``A [C, C]`` (``rows, cols`` its
+    `_iota`): ``(I − A)(I + A²)(I + A⁴)…`` — exact, as ``A^C = 0``."""
+    inv = (rows == cols).astype(F32) - a
+    power = a
+    span = 2
+    while span < chunk:
+        power = _dot(power, power)
+        inv = inv + _dot(inv, power)
+        span *= 2
+    return inv
+
+
 # -- 1. WY representation -------------------------------------------------------
 def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, *, chunk):
     k = k_ref[...].astype(F32)
@@ -90,13 +103,7 @@ def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, *, chunk):
     rows, cols = _iota(chunk)
     spans, prefix, _, _ = _spans(g, chunk)
     a = _dot_nt(k, k) * _decay(spans, rows > cols) * b[:, None]
-    inv = (rows == cols).astype(F32) - a
-    power = a
-    span = 2
-    while span < chunk:
-        power = _dot(power, power)
-        inv = inv + _dot(inv, power)
-        span *= 2
+    inv = unit_lower_inverse(a, rows, cols, chunk)
     u_ref[...] = _dot(inv, v * b[:, None]).astype(u_ref.dtype)
     w_ref[...] = _dot(inv, k * (b * jnp.exp(prefix))[:, None]).astype(w_ref.dtype)
 

@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import triton_call
 from .configs import LinearAttentionConfig
-from .triton import _decay, _dot, _dot_nt, _dot_tn, _iota, _spans
+from .triton import _decay, _dot, _dot_nt, _dot_tn, _iota, _spans, unit_lower_inverse
 
 F32 = jnp.float32
 #: Key columns per step of the kernel's loops over K.
@@ -62,18 +62,6 @@ BLOCK_K = 64
 #: block_v = 32 / 64 / 128 with 1 stage and 136 / 176 KiB at 32 / 64 with 2;
 #: capped, every config of the shared space fits sm_80's 163 KiB.
 MAX_BLOCK_V = 64
-
-
-def _unit_lower_inverse(a, rows, cols, chunk):
-    """``(I + A)⁻¹`` of a strictly lower ``A [C, C]``: ``(I − A)(I + A²)(I + A⁴)…``."""
-    inv = (rows == cols).astype(F32) - a
-    power = a
-    span = 2
-    while span < chunk:
-        power = _dot(power, power)
-        inv = inv + _dot(inv, power)
-        span *= 2
-    return inv
 
 
 def _intra_backward_kernel(*refs, chunk, block_k, has_beta):
@@ -123,7 +111,7 @@ def _intra_backward_kernel(*refs, chunk, block_k, has_beta):
         b = b_ref[...].astype(F32)
         v = v_ref[...].astype(F32)
         strict = _decay(spans, rows > cols)
-        t = _unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk)
+        t = unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk)
         bg = b * gate
         u = _dot(t, v * b[:, None])  # U = T(β⊙V)          [C, BV]
         drv = _dot_tn(t, dd)  # dR_v = Tᵀ dΔ           [C, BV]

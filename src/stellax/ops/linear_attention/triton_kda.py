@@ -55,34 +55,14 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import triton_call
 from .configs import LinearAttentionConfig
+from .triton import _dot, _dot_nt, _dot_tn, _iota, unit_lower_inverse
 
 F32 = jnp.float32
-_HIGHEST = jax.lax.Precision.HIGHEST
 #: Rows per sub-block of the per-channel decayed scores.
 KDA_SUB_BLOCK = 16
 #: Channels (and value columns) the intra-chunk kernel handles at a time: its
 #: ``[C, K]`` tiles at K = 256 took 320 KiB of shared memory (sm_90 has 227).
 KDA_BLOCK_K = 64
-
-
-def _dot(a, b):
-    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=F32)
-
-
-def _dot_tn(a, b):
-    """``aᵀ b``."""
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=F32)
-
-
-def _dot_nt(a, b):
-    """``a bᵀ``."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=F32)
-
-
-def _iota(c):
-    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    return rows, cols
 
 
 def check_layout(chunk: int, **arrays) -> None:
@@ -178,13 +158,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, p_ref, qg_
     pq, pk = jax.lax.fori_loop(0, kdim // bk, channels, (zeros, zeros))
     p_ref[...] = pq
     a = jnp.where(rows > cols, pk, 0.0) * b[:, None]
-    inv = (rows == cols).astype(F32) - a
-    power = a
-    span = 2
-    while span < chunk:
-        power = _dot(power, power)
-        inv = inv + _dot(inv, power)
-        span *= 2
+    inv = unit_lower_inverse(a, rows, cols, chunk)
 
     def w_block(i, _):
         cs, _, k, g = load(i)

@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import triton_call
 from .configs import LinearAttentionConfig
-from .triton_kda import KDA_BLOCK_K, KDA_SUB_BLOCK, _dot, _dot_nt, _dot_tn, _iota, _span_sum, check_layout
+from .triton import _dot, _dot_nt, _dot_tn, _iota
+from .triton_kda import KDA_BLOCK_K, KDA_SUB_BLOCK, _span_sum, check_layout
 
 F32 = jnp.float32
 
