@@ -173,7 +173,9 @@ def _triton_backward(call: Call, config):
 
 
 def _stream_of(call: Call) -> Stream:
-    bs, hv, tp = call.g.shape
+    """The padded token layout of a backward call (``v [Bs, HV, Tp, V]``,
+    packed when ``first, seq, last`` are given)."""
+    bs, hv, tp = call.v.shape[:3]
     if call.first is None:
         return Stream(bs, tp, bs, tp, TRITON_CHUNK)
     n = call.h0.shape[0]
@@ -222,7 +224,7 @@ def _xla_backward(call: Call, config):
 
 def _reference_forward(call: Call, q, k, v, g, beta, h0):
     """The token recurrence over the padded stream (per-token resets at chunk starts)."""
-    bs, hv, tp = g.shape
+    tp = v.shape[2]
     chunk = TRITON_CHUNK
     token_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 2)
     tokens = None
@@ -242,20 +244,36 @@ def gated_recurrence_backward_reference(call: Call):
     return _differentiate(call, _reference_forward)
 
 
-def _check_backward(q, k, v, g, beta, h0, do, dfinal=None, first=None, seq=None, last=None) -> Call:
+def backward_checker(per_channel: bool):
+    """The argument check of a recurrence backward op: ``q, k [Bs, HV, Tp, K]``,
+    ``v, do [Bs, HV, Tp, V]``, ``g [Bs, HV, Tp]`` (``[Bs, HV, Tp, K]`` with
+    ``per_channel``), ``beta [Bs, HV, Tp]`` (required with ``per_channel``,
+    else optional), ``h0`` and optional ``dfinal [N, HV, K, V]``, optional int
+    ``first, seq, last [NT]`` (``Tp`` a multiple of the chunk, 64)."""
+    return functools.partial(_check_backward, per_channel=per_channel)
+
+
+def _check_backward(q, k, v, g, beta, h0, do, dfinal=None, first=None, seq=None, last=None, *,
+                    per_channel: bool) -> Call:
     from ...core import checks
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("h0", h0), ("do", do)):
         checks.require_float(name, x)
-    checks.require_ndim("g", g, 3)
-    bs, hv, tp = g.shape
+    if per_channel and beta is None:
+        raise ValueError("beta: expected [Bs, HV, Tp] (the per-channel recurrence is a delta rule), got None")
+    checks.require_ndim("v", v, 4)
+    bs, hv, tp = v.shape[:3]
     if tp % TRITON_CHUNK:
-        raise ValueError(f"g: expected a padded length that is a multiple of {TRITON_CHUNK}, got {tp}")
-    checks.require_shape("q", q, (bs, hv, tp, None), "g.shape + (K,)")
+        raise ValueError(f"v: expected a padded length that is a multiple of {TRITON_CHUNK}, got {tp}")
+    checks.require_shape("q", q, (bs, hv, tp, None), "v.shape[:3] + (K,)")
     checks.require_shape("k", k, q.shape, "q.shape")
-    checks.require_shape("v", v, (bs, hv, tp, None), "g.shape + (V,)")
+    if per_channel:
+        checks.require_shape("g", g, q.shape, "q.shape (per-channel decays [Bs, HV, Tp, K])")
+    else:
+        checks.require_shape("g", g, (bs, hv, tp), "v.shape[:3] (a decay per token and head)")
     checks.require_shape("do", do, v.shape, "v.shape")
     if beta is not None:
-        checks.require_shape("beta", beta, g.shape, "g.shape")
+        checks.require_float("beta", beta)
+        checks.require_shape("beta", beta, (bs, hv, tp), "v.shape[:3]")
     checks.require_shape("h0", h0, (None, hv, k.shape[-1], v.shape[-1]), "N, HV, K, V")
     if dfinal is not None:
         checks.require_shape("dfinal", dfinal, h0.shape, "h0.shape")
@@ -269,8 +287,9 @@ def _check_backward(q, k, v, g, beta, h0, do, dfinal=None, first=None, seq=None,
                  "first": first, "seq": seq, "last": last}, {})
 
 
-def _backward_flops(call: Call) -> float:
-    bs, hv, tp = call.g.shape
+def backward_flops(call: Call) -> float:
+    """FLOPs of a recurrence backward call: about 2.5 forwards."""
+    bs, hv, tp = call.v.shape[:3]
     kdim, vdim = call.k.shape[-1], call.v.shape[-1]
     return 2.5 * recurrence_flops(bs * tp, hv, kdim, vdim, TRITON_CHUNK, call.beta is not None)
 
@@ -285,15 +304,22 @@ def recurrence_flops(tokens: int, heads: int, kdim: int, vdim: int, chunk: int, 
     return float(tokens) * heads * per
 
 
-def _backward_examples(dtype):
+def backward_examples(per_channel: bool):
+    """Examples of a recurrence backward op: a dense and a packed batch (the
+    per-channel ones always with the delta rule)."""
+    return functools.partial(_backward_examples, per_channel=per_channel)
+
+
+def _backward_examples(dtype, *, per_channel: bool):
     out = []
-    for bs, hv, nt, kdim, vdim, delta, packed in ((1, 2, 2, 32, 16, True, False), (1, 2, 3, 16, 32, False, True)):
+    for bs, hv, nt, kdim, vdim, delta, packed in ((1, 2, 2, 32, 16, True, False),
+                                                  (1, 2, 3, 16, 32, per_channel, True)):
         keys = jax.random.split(jax.random.PRNGKey(nt * kdim), 8)
         tp = nt * TRITON_CHUNK
         q = (0.3 * jax.random.normal(keys[0], (bs, hv, tp, kdim))).astype(dtype)
         k = (jax.random.normal(keys[1], (bs, hv, tp, kdim)) / np.sqrt(kdim)).astype(dtype)
         v = jax.random.normal(keys[2], (bs, hv, tp, vdim)).astype(dtype)
-        g = -jax.nn.softplus(jax.random.normal(keys[3], (bs, hv, tp)))
+        g = -jax.nn.softplus(jax.random.normal(keys[3], (bs, hv, tp) + ((kdim,) if per_channel else ())))
         g = g.astype(dtype)
         beta = jax.nn.sigmoid(jax.random.normal(keys[4], (bs, hv, tp))).astype(dtype) if delta else None
         n = 2 if packed else bs
@@ -311,7 +337,7 @@ def _backward_examples(dtype):
 gated_recurrence_backward_op = register(Op(
     "gated_recurrence_backward",
     family="linear_attention",
-    check=_check_backward,
+    check=backward_checker(per_channel=False),
     reference=gated_recurrence_backward_reference,
     implementations=[
         Implementation("triton", _triton_backward, backend="triton", config_type=LinearAttentionConfig,
@@ -319,6 +345,6 @@ gated_recurrence_backward_op = register(Op(
                        requirements=linear_attention_requirements),
         Implementation("xla", _xla_backward),
     ],
-    flops=_backward_flops,
-    examples=_backward_examples,
+    flops=backward_flops,
+    examples=backward_examples(per_channel=False),
 ))

@@ -22,16 +22,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ...core import Call, Example, Implementation, Op, backward_implementation, register
+from ...core import Call, Implementation, Op, backward_implementation, register
 from . import triton_kda as kernels
-from . import xla
 from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
                       linear_attention_space)
-from .core import _differentiate, recurrence_flops
-from .layout import Stream
-from .reference import delta_rule_recurrence
+from .core import (_core_forward_xla, _differentiate, _reference_forward, _stream_of, backward_checker,
+                   backward_examples, backward_flops)
 from .triton_kda_backward import intra_backward
 
 F32 = jnp.float32
@@ -151,47 +148,9 @@ def _triton_backward(call: Call, config):
     return tuple(grads) + (dh0.astype(h0.dtype),)
 
 
-def _stream_of(call: Call) -> Stream:
-    bs, hv, tp = call.beta.shape
-    if call.first is None:
-        return Stream(bs, tp, bs, tp, TRITON_CHUNK)
-    n = call.h0.shape[0]
-    first = call.first != 0
-    c = jnp.arange(tp // TRITON_CHUNK)
-    last_chunk = jnp.zeros((n,), jnp.int32).at[call.seq].max(jnp.where(call.last != 0, c, 0))
-    seen = jnp.zeros((n,), bool).at[call.seq].max(first)
-    return Stream(1, tp, 1, tp, TRITON_CHUNK, dest=jnp.arange(tp), chunk_seq=call.seq, chunk_first=first,
-                  last_chunk=last_chunk, empty=~seen)
-
-
-def _forward_xla(call: Call, q, k, v, g, beta, h0):
-    """The forward on the core layout in XLA (`xla.scan_chunks`, chunk 64)."""
-    # [Bs, HV, NT, C, ...] → [NT, Bs, C, HV, ...]
-    to_scan = lambda x: jnp.moveaxis(jnp.moveaxis(_chunked(x), 2, 0), 2, 3)
-    o, final = xla.scan_chunks({"q": to_scan(q), "k": to_scan(k), "v": to_scan(v), "g": to_scan(g),
-                                "beta": to_scan(beta)}, h0, _stream_of(call))
-    return jnp.moveaxis(jnp.moveaxis(o, 3, 2), 0, 2).reshape(v.shape), final
-
-
 def _xla_backward(call: Call, config):
     del config
-    return _differentiate(call, _forward_xla)
-
-
-def _reference_forward(call: Call, q, k, v, g, beta, h0):
-    """The token recurrence over the padded stream (resets at the chunks that start a sequence)."""
-    bs, hv, tp = beta.shape
-    token_major = lambda x: jnp.moveaxis(x, 1, 2)
-    tokens = None
-    if call.first is not None:
-        pos = jnp.arange(tp)
-        tokens = (jnp.repeat(call.seq, TRITON_CHUNK), jnp.repeat(call.first != 0, TRITON_CHUNK) & (pos % TRITON_CHUNK == 0),
-                  jnp.repeat(call.last != 0, TRITON_CHUNK) & (pos % TRITON_CHUNK == TRITON_CHUNK - 1))
-    o, final = delta_rule_recurrence(token_major(q), token_major(k), token_major(v), token_major(g),
-                                     token_major(beta), scale=1.0, initial_state=h0, tokens=tokens)
-    if tokens is not None:
-        final = jnp.where(_stream_of(call).empty[:, None, None, None], h0, final)
-    return jnp.moveaxis(o, 2, 1), final
+    return _differentiate(call, _core_forward_xla)
 
 
 def kda_recurrence_backward_reference(call: Call):
@@ -199,66 +158,10 @@ def kda_recurrence_backward_reference(call: Call):
     return _differentiate(call, _reference_forward)
 
 
-def _check_backward(q, k, v, g, beta, h0, do, dfinal=None, first=None, seq=None, last=None) -> Call:
-    """Arguments of `kda_recurrence_backward`: ``q, k, g [Bs, HV, Tp, K]``,
-    ``v, do [Bs, HV, Tp, V]``, ``beta [Bs, HV, Tp]`` (``Tp`` a multiple of 64),
-    ``h0`` and optional ``dfinal [N, HV, K, V]``, optional int ``first, seq, last [NT]``."""
-    from ...core import checks
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("h0", h0), ("do", do)):
-        checks.require_float(name, x)
-    checks.require_ndim("beta", beta, 3)
-    bs, hv, tp = beta.shape
-    if tp % TRITON_CHUNK:
-        raise ValueError(f"beta: expected a padded length that is a multiple of {TRITON_CHUNK}, got {tp}")
-    checks.require_shape("q", q, (bs, hv, tp, None), "beta.shape + (K,)")
-    checks.require_shape("k", k, q.shape, "q.shape")
-    checks.require_shape("g", g, q.shape, "q.shape (per-channel decays [Bs, HV, Tp, K])")
-    checks.require_shape("v", v, (bs, hv, tp, None), "beta.shape + (V,)")
-    checks.require_shape("do", do, v.shape, "v.shape")
-    checks.require_shape("h0", h0, (None, hv, k.shape[-1], v.shape[-1]), "N, HV, K, V")
-    if dfinal is not None:
-        checks.require_shape("dfinal", dfinal, h0.shape, "h0.shape")
-    if (first is None) != (seq is None) or (first is None) != (last is None):
-        raise ValueError("first, seq, last: give all three (a packed batch) or none")
-    if first is not None:
-        for name, x in (("first", first), ("seq", seq), ("last", last)):
-            checks.require_int(name, x)
-            checks.require_shape(name, x, (tp // TRITON_CHUNK,), "the number of chunks")
-    return Call({"q": q, "k": k, "v": v, "g": g, "beta": beta, "h0": h0, "do": do, "dfinal": dfinal,
-                 "first": first, "seq": seq, "last": last}, {})
-
-
-def _backward_flops(call: Call) -> float:
-    bs, hv, tp = call.beta.shape
-    return 2.5 * recurrence_flops(bs * tp, hv, call.k.shape[-1], call.v.shape[-1], TRITON_CHUNK, True)
-
-
-def _backward_examples(dtype):
-    out = []
-    for bs, hv, nt, kdim, vdim, packed in ((1, 2, 2, 32, 16, False), (1, 2, 3, 16, 32, True)):
-        keys = jax.random.split(jax.random.PRNGKey(nt * kdim), 8)
-        tp = nt * TRITON_CHUNK
-        q = (0.3 * jax.random.normal(keys[0], (bs, hv, tp, kdim))).astype(dtype)
-        k = (jax.random.normal(keys[1], (bs, hv, tp, kdim)) / np.sqrt(kdim)).astype(dtype)
-        v = jax.random.normal(keys[2], (bs, hv, tp, vdim)).astype(dtype)
-        g = (-jax.nn.softplus(jax.random.normal(keys[3], (bs, hv, tp, kdim)))).astype(dtype)
-        beta = jax.nn.sigmoid(jax.random.normal(keys[4], (bs, hv, tp))).astype(dtype)
-        n = 2 if packed else bs
-        h0 = jax.random.normal(keys[5], (n, hv, kdim, vdim)).astype(dtype)
-        do = jax.random.normal(keys[6], v.shape).astype(dtype)
-        dfinal = jax.random.normal(keys[7], h0.shape).astype(dtype)
-        meta = (None, None, None)
-        if packed:
-            meta = (jnp.array([1, 0, 1], jnp.int32), jnp.array([0, 0, 1], jnp.int32), jnp.array([0, 1, 1], jnp.int32))
-        out.append(Example(f"HV={hv} NT={nt} K={kdim} V={vdim} packed={packed}",
-                           (q, k, v, g, beta, h0, do, dfinal) + meta))
-    return out
-
-
 kda_recurrence_backward_op = register(Op(
     "kda_recurrence_backward",
     family="linear_attention",
-    check=_check_backward,
+    check=backward_checker(per_channel=True),
     reference=kda_recurrence_backward_reference,
     implementations=[
         Implementation("triton", _triton_backward, backend="triton", config_type=LinearAttentionConfig,
@@ -266,6 +169,6 @@ kda_recurrence_backward_op = register(Op(
                        requirements=linear_attention_requirements),
         Implementation("xla", _xla_backward),
     ],
-    flops=_backward_flops,
-    examples=_backward_examples,
+    flops=backward_flops,
+    examples=backward_examples(per_channel=True),
 ))
