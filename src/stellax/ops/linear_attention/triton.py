@@ -94,6 +94,41 @@ def unit_lower_inverse(a, rows, cols, chunk):
     return inv
 
 
+def scan_chunks(step, *, chunks: int, heads: int, meta_refs, start_ref, store_ref, end_ref, reverse: bool = False):
+    """The sequential loop of the state-scan kernels over one head's chunks,
+    carrying a float32 ``[K, BV]`` state: ``store_ref[c]`` receives the state
+    entering chunk ``c``, then ``state = step(c, state)``.
+
+    Dense batches start from ``start_ref`` and write the last state to
+    ``end_ref``. Packed batches (``meta_refs = (first, seq, last)`` per chunk)
+    reset to ``start_ref[seq·heads + head]`` where a sequence begins and store
+    into ``end_ref[…]`` where it ends. ``reverse`` runs the chunks backwards
+    (the backward scans: a sequence begins at its last chunk)."""
+    varlen = meta_refs is not None
+    head = pl.program_id(0) % heads
+    if varlen:
+        first_ref, seq_ref, last_ref = meta_refs
+        begin_ref, finish_ref = (last_ref, first_ref) if reverse else (first_ref, last_ref)
+
+    def body(i, state):
+        c = chunks - 1 - i if reverse else i
+        if varlen:
+            idx = seq_ref[c] * heads + head
+            state = jnp.where(begin_ref[c] != 0, start_ref[idx].astype(F32), state)
+        store_ref[c] = state
+        state = step(c, state)
+        if varlen:
+            @pl.when(finish_ref[c] != 0)
+            def _():
+                end_ref[idx] = state
+        return state
+
+    init = jnp.zeros(store_ref.shape[1:], F32) if varlen else start_ref[...].astype(F32)
+    state = jax.lax.fori_loop(0, chunks, body, init)
+    if not varlen:
+        end_ref[...] = state
+
+
 # -- 1. WY representation -------------------------------------------------------
 def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, *, chunk):
     k = k_ref[...].astype(F32)
@@ -129,18 +164,13 @@ def _state_kernel(*refs, chunks, chunk, heads, has_w, varlen):
     w_ref = refs.pop(0) if has_w else None
     u_ref, k_ref, g_ref, h0_ref = refs[:4]
     refs = refs[4:]
+    meta_refs = None
     if varlen:
-        first_ref, seq_ref, last_ref = refs[:3]
-        refs = refs[3:]
+        meta_refs, refs = refs[:3], refs[3:]
     s_ref, d_ref, final_ref = refs
-    head = pl.program_id(0) % heads
     rows_i, cols_i = _iota(chunk)
 
-    def body(c, state):
-        if varlen:
-            idx = seq_ref[c] * heads + head
-            state = jnp.where(first_ref[c] != 0, h0_ref[idx].astype(F32), state)
-        s_ref[c] = state
+    def step(c, state):
         rows = pl.ds(c * chunk, chunk)
         g = g_ref[rows]
         later = jnp.where(rows_i > cols_i, g[:, None], 0.0)
@@ -150,17 +180,10 @@ def _state_kernel(*refs, chunks, chunk, heads, has_w, varlen):
             delta = delta - _dot(w_ref[rows, :].astype(F32), state)
         d_ref[rows, :] = delta
         k = k_ref[rows, :].astype(F32) * jnp.exp(tail)[:, None]
-        state = jnp.exp(total) * state + _dot_tn(k, delta)
-        if varlen:
-            @pl.when(last_ref[c] != 0)
-            def _():
-                final_ref[idx] = state
-        return state
+        return jnp.exp(total) * state + _dot_tn(k, delta)
 
-    init = jnp.zeros(s_ref.shape[1:], F32) if varlen else h0_ref[...].astype(F32)
-    state = jax.lax.fori_loop(0, chunks, body, init)
-    if not varlen:
-        final_ref[...] = state
+    scan_chunks(step, chunks=chunks, heads=heads, meta_refs=meta_refs, start_ref=h0_ref, store_ref=s_ref,
+                end_ref=final_ref)
 
 
 def _scan_specs(tp: int, kdim: int, bv: int, n_states: int, varlen: bool):
@@ -248,19 +271,13 @@ def _state_backward_kernel(*refs, chunks, chunk, heads, has_w, varlen):
     w_ref = refs.pop(0) if has_w else None
     do_ref, dht_ref = refs[:2]
     refs = refs[2:]
+    meta_refs = None
     if varlen:
-        first_ref, seq_ref, last_ref = refs[:3]
-        refs = refs[3:]
+        meta_refs, refs = refs[:3], refs[3:]
     ds_ref, dd_ref, dh0_ref = refs
-    head = pl.program_id(0) % heads
     rows_i, cols_i = _iota(chunk)
 
-    def body(i, ds):
-        c = chunks - 1 - i
-        if varlen:
-            idx = seq_ref[c] * heads + head
-            ds = jnp.where(last_ref[c] != 0, dht_ref[idx].astype(F32), ds)
-        ds_ref[c] = ds
+    def step(c, ds):
         rows = pl.ds(c * chunk, chunk)
         q = q_ref[rows, :].astype(F32)
         k = k_ref[rows, :].astype(F32)
@@ -272,16 +289,10 @@ def _state_backward_kernel(*refs, chunks, chunk, heads, has_w, varlen):
         ds = jnp.exp(total) * ds + _dot_tn(q * jnp.exp(prefix)[:, None], do)
         if has_w:
             ds = ds - _dot_tn(w_ref[rows, :].astype(F32), dd)
-        if varlen:
-            @pl.when(first_ref[c] != 0)
-            def _():
-                dh0_ref[idx] = ds
         return ds
 
-    init = jnp.zeros(ds_ref.shape[1:], F32) if varlen else dht_ref[...].astype(F32)
-    ds = jax.lax.fori_loop(0, chunks, body, init)
-    if not varlen:
-        dh0_ref[...] = ds
+    scan_chunks(step, chunks=chunks, heads=heads, meta_refs=meta_refs, start_ref=dht_ref, store_ref=ds_ref,
+                end_ref=dh0_ref, reverse=True)
 
 
 def state_backward(q, k, g, w, do, dht, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import triton_call
 from .configs import LinearAttentionConfig
-from .triton import _dot, _dot_nt, _dot_tn, _iota, unit_lower_inverse
+from .triton import _dot, _dot_nt, _dot_tn, _iota, scan_chunks, unit_lower_inverse
 
 F32 = jnp.float32
 #: Rows per sub-block of the per-channel decayed scores.
@@ -224,31 +224,19 @@ def _scan_specs(tp: int, nt: int, kdim: int, bv: int, n_states: int, varlen: boo
 def _state_kernel(*refs, chunks, chunk, heads, varlen):
     w_ref, u_ref, kg_ref, gamma_ref, h0_ref = refs[:5]
     refs = refs[5:]
+    meta_refs = None
     if varlen:
-        first_ref, seq_ref, last_ref = refs[:3]
-        refs = refs[3:]
+        meta_refs, refs = refs[:3], refs[3:]
     s_ref, d_ref, final_ref = refs
-    head = pl.program_id(0) % heads
 
-    def body(c, state):
-        if varlen:
-            idx = seq_ref[c] * heads + head
-            state = jnp.where(first_ref[c] != 0, h0_ref[idx].astype(F32), state)
-        s_ref[c] = state
+    def step(c, state):
         rows = pl.ds(c * chunk, chunk)
         delta = u_ref[rows, :] - _dot(w_ref[rows, :], state)
         d_ref[rows, :] = delta
-        state = gamma_ref[c][:, None] * state + _dot_tn(kg_ref[rows, :], delta)
-        if varlen:
-            @pl.when(last_ref[c] != 0)
-            def _():
-                final_ref[idx] = state
-        return state
+        return gamma_ref[c][:, None] * state + _dot_tn(kg_ref[rows, :], delta)
 
-    init = jnp.zeros(s_ref.shape[1:], F32) if varlen else h0_ref[...].astype(F32)
-    state = jax.lax.fori_loop(0, chunks, body, init)
-    if not varlen:
-        final_ref[...] = state
+    scan_chunks(step, chunks=chunks, heads=heads, meta_refs=meta_refs, start_ref=h0_ref, store_ref=s_ref,
+                end_ref=final_ref)
 
 
 def state_forward(w, u, kg, gamma, h0, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):
@@ -311,33 +299,20 @@ def output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttentionC
 def _state_backward_kernel(*refs, chunks, chunk, heads, varlen):
     p_ref, qg_ref, kg_ref, w_ref, gamma_ref, do_ref, dht_ref = refs[:7]
     refs = refs[7:]
+    meta_refs = None
     if varlen:
-        first_ref, seq_ref, last_ref = refs[:3]
-        refs = refs[3:]
+        meta_refs, refs = refs[:3], refs[3:]
     ds_ref, dd_ref, dh0_ref = refs
-    head = pl.program_id(0) % heads
 
-    def body(i, ds):
-        c = chunks - 1 - i
-        if varlen:
-            idx = seq_ref[c] * heads + head
-            ds = jnp.where(last_ref[c] != 0, dht_ref[idx].astype(F32), ds)
-        ds_ref[c] = ds
+    def step(c, ds):
         rows = pl.ds(c * chunk, chunk)
         do = do_ref[rows, :]
         dd = _dot_tn(p_ref[rows, :], do) + _dot(kg_ref[rows, :], ds)
         dd_ref[rows, :] = dd
-        ds = gamma_ref[c][:, None] * ds + _dot_tn(qg_ref[rows, :], do) - _dot_tn(w_ref[rows, :], dd)
-        if varlen:
-            @pl.when(first_ref[c] != 0)
-            def _():
-                dh0_ref[idx] = ds
-        return ds
+        return gamma_ref[c][:, None] * ds + _dot_tn(qg_ref[rows, :], do) - _dot_tn(w_ref[rows, :], dd)
 
-    init = jnp.zeros(ds_ref.shape[1:], F32) if varlen else dht_ref[...].astype(F32)
-    ds = jax.lax.fori_loop(0, chunks, body, init)
-    if not varlen:
-        dh0_ref[...] = ds
+    scan_chunks(step, chunks=chunks, heads=heads, meta_refs=meta_refs, start_ref=dht_ref, store_ref=ds_ref,
+                end_ref=dh0_ref, reverse=True)
 
 
 def state_backward(p, qg, kg, w, gamma, do, dht, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):
