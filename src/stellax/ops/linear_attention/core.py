@@ -84,7 +84,7 @@ def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, chunk_siz
         from .kda_core import kda_recurrence  # imports this module
         o, final = kda_recurrence(*args, _heads_major(stream, g, kp), b, h0p, _meta(stream), config)
     else:
-        o, final = _kernel_recurrence(*args, _heads_major(stream, g), b, h0p, _meta(stream), (config,))
+        o, final = _kernel_recurrence(*args, _heads_major(stream, g), b, h0p, _meta(stream), config)
     o = stream.unpack(jnp.moveaxis(o, 1, 2))[..., :V]
     final = final[:, :, :K, :V]
     if stream.varlen:
@@ -116,27 +116,30 @@ def _kernel_forward(q, k, v, g, beta, h0, meta, config):
     return o.reshape(v.shape), final.reshape(h0.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kernel_recurrence(q, k, v, g, beta, h0, meta, static):
-    return _kernel_forward(q, k, v, g, beta, h0, meta, static[0])
+def kernel_recurrence(forward, backward_op: Op):
+    """A differentiable recurrence on the kernels' layout:
+    ``run(q, k, v, g, beta, h0, meta, config)`` is ``forward`` (the Triton
+    forward kernels) and its VJP is ``backward_op`` — a registered op taking
+    ``(q, k, v, g, beta, h0, do, dfinal, first, seq, last)``, run with its
+    Triton implementation unless the caller chose another (`backward_implementation`)."""
 
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+    def run(q, k, v, g, beta, h0, meta, static):
+        return forward(q, k, v, g, beta, h0, meta, static[0])
 
-def _kernel_recurrence_fwd(q, k, v, g, beta, h0, meta, static):
-    return _kernel_forward(q, k, v, g, beta, h0, meta, static[0]), (q, k, v, g, beta, h0, meta)
+    def run_fwd(q, k, v, g, beta, h0, meta, static):
+        return forward(q, k, v, g, beta, h0, meta, static[0]), (q, k, v, g, beta, h0, meta)
 
+    def run_bwd(static, residuals, cotangents):
+        q, k, v, g, beta, h0, meta = residuals
+        do, dfinal = cotangents
+        first, seq, last = meta if meta is not None else (None, None, None)
+        grads = backward_op(q, k, v, g, beta, h0, do, dfinal, first, seq, last,
+                            implementation=backward_implementation(backward_op, "triton"))
+        return tuple(grads) + (None,)
 
-def _kernel_recurrence_bwd(static, residuals, cotangents):
-    q, k, v, g, beta, h0, meta = residuals
-    do, dfinal = cotangents
-    first, seq, last = meta if meta is not None else (None, None, None)
-    grads = gated_recurrence_backward_op(
-        q, k, v, g, beta, h0, do, dfinal, first, seq, last,
-        implementation=backward_implementation(gated_recurrence_backward_op, "triton"),
-    )
-    return tuple(grads) + (None,)
-
-
-_kernel_recurrence.defvjp(_kernel_recurrence_fwd, _kernel_recurrence_bwd)
+    run.defvjp(run_fwd, run_bwd)
+    return lambda q, k, v, g, beta, h0, meta, config: run(q, k, v, g, beta, h0, meta, (config,))
 
 
 # -- the backward op ------------------------------------------------------------
@@ -348,3 +351,5 @@ gated_recurrence_backward_op = register(Op(
     flops=backward_flops,
     examples=backward_examples(per_channel=False),
 ))
+
+_kernel_recurrence = kernel_recurrence(_kernel_forward, gated_recurrence_backward_op)

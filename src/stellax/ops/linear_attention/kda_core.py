@@ -23,12 +23,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ...core import Call, Implementation, Op, backward_implementation, register
+from ...core import Call, Implementation, Op, register
 from . import triton_kda as kernels
 from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
                       linear_attention_space)
 from .core import (_core_forward_xla, _differentiate, _reference_forward, _stream_of, backward_checker,
-                   backward_examples, backward_flops)
+                   backward_examples, backward_flops, kernel_recurrence)
 from .triton_kda_backward import intra_backward
 
 F32 = jnp.float32
@@ -61,11 +61,6 @@ def _forward(q, k, v, g, beta, h0, meta, config):
     return o.reshape(v.shape), final.reshape(h0.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _kda_recurrence(q, k, v, g, beta, h0, meta, static):
-    return _forward(q, k, v, g, beta, h0, meta, static[0])
-
-
 def kda_recurrence(q, k, v, g, beta, h0, meta, config):
     """The KDA recurrence on the Triton kernels, differentiable.
 
@@ -79,25 +74,7 @@ def kda_recurrence(q, k, v, g, beta, h0, meta, config):
     """
     if config is None:
         config = linear_attention_heuristic(Call({"k": k, "v": v}, {}))
-    return _kda_recurrence(q, k, v, g, beta, h0, meta, (config,))
-
-
-def _kda_recurrence_fwd(q, k, v, g, beta, h0, meta, static):
-    return _forward(q, k, v, g, beta, h0, meta, static[0]), (q, k, v, g, beta, h0, meta)
-
-
-def _kda_recurrence_bwd(static, residuals, cotangents):
-    q, k, v, g, beta, h0, meta = residuals
-    do, dfinal = cotangents
-    first, seq, last = meta if meta is not None else (None, None, None)
-    grads = kda_recurrence_backward_op(
-        q, k, v, g, beta, h0, do, dfinal, first, seq, last,
-        implementation=backward_implementation(kda_recurrence_backward_op, "triton"),
-    )
-    return tuple(grads) + (None,)
-
-
-_kda_recurrence.defvjp(_kda_recurrence_fwd, _kda_recurrence_bwd)
+    return _kda_recurrence(q, k, v, g, beta, h0, meta, config)
 
 
 # -- backward -------------------------------------------------------------------------
@@ -172,3 +149,5 @@ kda_recurrence_backward_op = register(Op(
     flops=backward_flops,
     examples=backward_examples(per_channel=True),
 ))
+
+_kda_recurrence = kernel_recurrence(_forward, kda_recurrence_backward_op)

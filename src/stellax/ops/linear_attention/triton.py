@@ -33,6 +33,7 @@ fallback path); exponents are ≤ 0 (masked to −inf before ``exp``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -186,19 +187,73 @@ def _state_kernel(*refs, chunks, chunk, heads, has_w, varlen):
                 end_ref=final_ref)
 
 
-def _scan_specs(tp: int, kdim: int, bv: int, n_states: int, varlen: bool):
-    """BlockSpecs of the state-scan kernels (grid ``(BH, V/BV)``): a head's whole
-    ``[Tp, K]`` / ``[Tp, BV]`` / ``[Tp]`` rows, its ``[K, BV]`` state (all
-    ``[N·HV, K, BV]`` states of a packed batch, indexed in the kernel) and the
-    per-chunk metadata."""
-    full = pl.BlockSpec((None, tp, kdim), lambda h, j: (h, 0, 0))
-    full_v = pl.BlockSpec((None, tp, bv), lambda h, j: (h, 0, j))
-    vec = pl.BlockSpec((None, tp), lambda h, j: (h, 0))
-    if varlen:
-        state_spec = pl.BlockSpec((n_states, kdim, bv), lambda h, j: (0, 0, j))
-    else:
-        state_spec = pl.BlockSpec((None, kdim, bv), lambda h, j: (h, 0, j))
-    return full, full_v, vec, state_spec, lambda nt: pl.BlockSpec((nt,), lambda h, j: (0,))
+@dataclasses.dataclass(frozen=True)
+class ScanLayout:
+    """The launch of a state-scan kernel: grid ``(BH, V/BV)``, one program per
+    head and block of ``BV`` state columns, looping over the ``NT`` chunks of
+    ``Tp`` padded tokens. ``n_states`` initial / final ``[K, V]`` states (all
+    ``N·HV`` of a packed batch, indexed in the kernel; else one per head)."""
+
+    bh: int
+    tp: int
+    chunk: int
+    kdim: int
+    vdim: int
+    bv: int
+    n_states: int
+    varlen: bool
+
+    @classmethod
+    def of(cls, bh: int, tp: int, kdim: int, vdim: int, states, meta, *, chunk: int, config: LinearAttentionConfig):
+        return cls(bh, tp, chunk, kdim, vdim, min(config.block_v, vdim), states.shape[0], meta is not None)
+
+    @property
+    def nt(self) -> int:
+        return self.tp // self.chunk
+
+    def rows(self, d: int):
+        """A head's whole ``[Tp, d]`` rows."""
+        return pl.BlockSpec((None, self.tp, d), lambda h, j: (h, 0, 0))
+
+    @property
+    def rows_v(self):
+        """A head's ``[Tp, BV]`` columns of a value-sized array."""
+        return pl.BlockSpec((None, self.tp, self.bv), lambda h, j: (h, 0, j))
+
+    @property
+    def per_token(self):
+        """A head's ``[Tp]`` scalars."""
+        return pl.BlockSpec((None, self.tp), lambda h, j: (h, 0))
+
+    def per_chunk(self, d: int):
+        """A head's ``[NT, d]`` per-chunk rows."""
+        return pl.BlockSpec((None, self.nt, d), lambda h, j: (h, 0, 0))
+
+    @property
+    def states(self):
+        if self.varlen:
+            return pl.BlockSpec((self.n_states, self.kdim, self.bv), lambda h, j: (0, 0, j))
+        return pl.BlockSpec((None, self.kdim, self.bv), lambda h, j: (h, 0, j))
+
+    @property
+    def meta(self) -> list:
+        """Specs of the packed batch's ``first, seq, last [NT]`` (none when dense)."""
+        return [pl.BlockSpec((self.nt,), lambda h, j: (0,))] * 3 if self.varlen else []
+
+    def launch(self, kernel, inputs, in_specs, *, config: LinearAttentionConfig, name: str):
+        """Run ``kernel`` (its ``chunks, chunk, varlen`` bound here); outputs float32
+        ``(per-chunk states [BH, NT, K, V], per-token [BH, Tp, V], end states [n_states, K, V])``."""
+        kernel = functools.partial(kernel, chunks=self.nt, chunk=self.chunk, varlen=self.varlen)
+        return triton_call(
+            kernel,
+            out_shape=[jax.ShapeDtypeStruct((self.bh, self.nt, self.kdim, self.vdim), F32),
+                       jax.ShapeDtypeStruct((self.bh, self.tp, self.vdim), F32),
+                       jax.ShapeDtypeStruct((self.n_states, self.kdim, self.vdim), F32)],
+            grid=(self.bh, self.vdim // self.bv), in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, self.nt, self.kdim, self.bv), lambda h, j: (h, 0, 0, j)), self.rows_v,
+                       self.states],
+            num_warps=config.num_warps, num_stages=config.num_stages, name=name,
+        )(*inputs)
 
 
 def state_forward(w, u, k, g, h0, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):
@@ -207,30 +262,12 @@ def state_forward(w, u, k, g, h0, meta, *, chunk: int, heads: int, config: Linea
     ``h0 [N·HV, K, V]``; ``meta`` is ``None`` or ``(first, seq, last)`` int32 ``[NT]``.
     """
     bh, tp, kdim = k.shape
-    vdim = u.shape[-1]
-    nt = tp // chunk
-    bv = min(config.block_v, vdim)
-    varlen = meta is not None
-    full, full_v, vec, state_spec, meta_spec = _scan_specs(tp, kdim, bv, h0.shape[0], varlen)
-    inputs, in_specs = [], []
-    if w is not None:
-        inputs.append(w)
-        in_specs.append(full)
-    inputs += [u, k, g, h0]
-    in_specs += [full_v, full, vec, state_spec]
-    if varlen:
-        inputs += list(meta)
-        in_specs += [meta_spec(nt)] * 3
-    kernel = functools.partial(_state_kernel, chunks=nt, chunk=chunk, heads=heads, has_w=w is not None,
-                               varlen=varlen)
-    return triton_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((bh, nt, kdim, vdim), F32), jax.ShapeDtypeStruct((bh, tp, vdim), F32),
-                   jax.ShapeDtypeStruct(h0.shape, F32)],
-        grid=(bh, vdim // bv), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, nt, kdim, bv), lambda h, j: (h, 0, 0, j)), full_v, state_spec],
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_linear_attention_state",
-    )(*inputs)
+    scan = ScanLayout.of(bh, tp, kdim, u.shape[-1], h0, meta, chunk=chunk, config=config)
+    has_w = w is not None
+    inputs = ([w] if has_w else []) + [u, k, g, h0] + list(meta or ())
+    in_specs = ([scan.rows(kdim)] if has_w else []) + [scan.rows_v, scan.rows(kdim), scan.per_token, scan.states]
+    return scan.launch(functools.partial(_state_kernel, heads=heads, has_w=has_w), inputs, in_specs + scan.meta,
+                       config=config, name="stellax_linear_attention_state")
 
 
 # -- 3. output ----------------------------------------------------------------
@@ -298,23 +335,10 @@ def _state_backward_kernel(*refs, chunks, chunk, heads, has_w, varlen):
 def state_backward(q, k, g, w, do, dht, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):
     """``(dS [BH, NT, K, V] (gradient of each chunk's final state), dΔ [BH, Tp, V], dh0 [N·HV, K, V])``."""
     bh, tp, kdim = k.shape
-    vdim = do.shape[-1]
-    nt = tp // chunk
-    bv = min(config.block_v, vdim)
-    varlen = meta is not None
-    full, full_v, vec, state_spec, meta_spec = _scan_specs(tp, kdim, bv, dht.shape[0], varlen)
-    inputs = [q, k, g] + ([w] if w is not None else []) + [do, dht]
-    in_specs = [full, full, vec] + ([full] if w is not None else []) + [full_v, state_spec]
-    if varlen:
-        inputs += list(meta)
-        in_specs += [meta_spec(nt)] * 3
-    kernel = functools.partial(_state_backward_kernel, chunks=nt, chunk=chunk, heads=heads,
-                               has_w=w is not None, varlen=varlen)
-    return triton_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((bh, nt, kdim, vdim), F32), jax.ShapeDtypeStruct((bh, tp, vdim), F32),
-                   jax.ShapeDtypeStruct(dht.shape, F32)],
-        grid=(bh, vdim // bv), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, nt, kdim, bv), lambda h, j: (h, 0, 0, j)), full_v, state_spec],
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_linear_attention_state_bwd",
-    )(*inputs)
+    scan = ScanLayout.of(bh, tp, kdim, do.shape[-1], dht, meta, chunk=chunk, config=config)
+    has_w = w is not None
+    inputs = [q, k, g] + ([w] if has_w else []) + [do, dht] + list(meta or ())
+    in_specs = ([scan.rows(kdim), scan.rows(kdim), scan.per_token] + ([scan.rows(kdim)] if has_w else [])
+                + [scan.rows_v, scan.states])
+    return scan.launch(functools.partial(_state_backward_kernel, heads=heads, has_w=has_w), inputs,
+                       in_specs + scan.meta, config=config, name="stellax_linear_attention_state_bwd")

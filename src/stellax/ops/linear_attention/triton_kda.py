@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import triton_call
 from .configs import LinearAttentionConfig
-from .triton import _dot, _dot_nt, _dot_tn, _iota, scan_chunks, unit_lower_inverse
+from .triton import ScanLayout, _dot, _dot_nt, _dot_tn, _iota, scan_chunks, unit_lower_inverse
 
 F32 = jnp.float32
 #: Rows per sub-block of the per-channel decayed scores.
@@ -207,20 +207,6 @@ def intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig
 
 
 # -- 2. state scan ----------------------------------------------------------------
-def _scan_specs(tp: int, nt: int, kdim: int, bv: int, n_states: int, varlen: bool):
-    """BlockSpecs of the scan kernels (grid ``(BH, V/BV)``): a head's whole rows,
-    its per-chunk ``Γ_C [NT, K]``, its ``[K, BV]`` state (all ``[N·HV, K, BV]``
-    states of a packed batch, indexed in the kernel) and the per-chunk metadata."""
-    full = lambda d: pl.BlockSpec((None, tp, d), lambda h, j: (h, 0, 0))
-    full_v = pl.BlockSpec((None, tp, bv), lambda h, j: (h, 0, j))
-    gamma = pl.BlockSpec((None, nt, kdim), lambda h, j: (h, 0, 0))
-    if varlen:
-        state = pl.BlockSpec((n_states, kdim, bv), lambda h, j: (0, 0, j))
-    else:
-        state = pl.BlockSpec((None, kdim, bv), lambda h, j: (h, 0, j))
-    return full, full_v, gamma, state, pl.BlockSpec((nt,), lambda h, j: (0,))
-
-
 def _state_kernel(*refs, chunks, chunk, heads, varlen):
     w_ref, u_ref, kg_ref, gamma_ref, h0_ref = refs[:5]
     refs = refs[5:]
@@ -250,22 +236,11 @@ def state_forward(w, u, kg, gamma, h0, meta, *, chunk: int, heads: int, config: 
     bh, tp, kdim = kg.shape
     check_layout(chunk, kg=(kg, (None, None, None)), w=(w, kg.shape), u=(u, (bh, tp, None)),
                  gamma=(gamma, (bh, tp // chunk, kdim)), h0=(h0, (None, kdim, u.shape[-1])))
-    vdim = u.shape[-1]
-    nt = tp // chunk
-    bv = min(config.block_v, vdim)
-    varlen = meta is not None
-    full, full_v, gamma_spec, state_spec, meta_spec = _scan_specs(tp, nt, kdim, bv, h0.shape[0], varlen)
-    inputs = [w, u, kg, gamma, h0] + (list(meta) if varlen else [])
-    in_specs = [full(kdim), full_v, full(kdim), gamma_spec, state_spec] + ([meta_spec] * 3 if varlen else [])
-    kernel = functools.partial(_state_kernel, chunks=nt, chunk=chunk, heads=heads, varlen=varlen)
-    return triton_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((bh, nt, kdim, vdim), F32), jax.ShapeDtypeStruct((bh, tp, vdim), F32),
-                   jax.ShapeDtypeStruct(h0.shape, F32)],
-        grid=(bh, vdim // bv), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, nt, kdim, bv), lambda h, j: (h, 0, 0, j)), full_v, state_spec],
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_kda_state",
-    )(*inputs)
+    scan = ScanLayout.of(bh, tp, kdim, u.shape[-1], h0, meta, chunk=chunk, config=config)
+    inputs = [w, u, kg, gamma, h0] + list(meta or ())
+    in_specs = [scan.rows(kdim), scan.rows_v, scan.rows(kdim), scan.per_chunk(kdim), scan.states] + scan.meta
+    return scan.launch(functools.partial(_state_kernel, heads=heads), inputs, in_specs, config=config,
+                       name="stellax_kda_state")
 
 
 # -- 3. output ----------------------------------------------------------------------
@@ -328,20 +303,9 @@ def state_backward(p, qg, kg, w, gamma, do, dht, meta, *, chunk: int, heads: int
     check_layout(chunk, kg=(kg, (None, None, None)), p=(p, (bh, tp, chunk)), qg=(qg, kg.shape), w=(w, kg.shape),
                  gamma=(gamma, (bh, tp // chunk, kdim)), do=(do, (bh, tp, None)),
                  dht=(dht, (None, kdim, do.shape[-1])))
-    vdim = do.shape[-1]
-    nt = tp // chunk
-    bv = min(config.block_v, vdim)
-    varlen = meta is not None
-    full, full_v, gamma_spec, state_spec, meta_spec = _scan_specs(tp, nt, kdim, bv, dht.shape[0], varlen)
-    inputs = [p, qg, kg, w, gamma, do, dht] + (list(meta) if varlen else [])
-    in_specs = ([full(chunk), full(kdim), full(kdim), full(kdim), gamma_spec, full_v, state_spec]
-                + ([meta_spec] * 3 if varlen else []))
-    kernel = functools.partial(_state_backward_kernel, chunks=nt, chunk=chunk, heads=heads, varlen=varlen)
-    return triton_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((bh, nt, kdim, vdim), F32), jax.ShapeDtypeStruct((bh, tp, vdim), F32),
-                   jax.ShapeDtypeStruct(dht.shape, F32)],
-        grid=(bh, vdim // bv), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, nt, kdim, bv), lambda h, j: (h, 0, 0, j)), full_v, state_spec],
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_kda_state_bwd",
-    )(*inputs)
+    scan = ScanLayout.of(bh, tp, kdim, do.shape[-1], dht, meta, chunk=chunk, config=config)
+    inputs = [p, qg, kg, w, gamma, do, dht] + list(meta or ())
+    in_specs = ([scan.rows(chunk), scan.rows(kdim), scan.rows(kdim), scan.rows(kdim), scan.per_chunk(kdim), scan.rows_v,
+                 scan.states] + scan.meta)
+    return scan.launch(functools.partial(_state_backward_kernel, heads=heads), inputs, in_specs, config=config,
+                       name="stellax_kda_state_bwd")
