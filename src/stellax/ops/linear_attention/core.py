@@ -242,8 +242,8 @@ def _reference_forward(call: Call, q, k, v, g, beta, h0):
     return jnp.moveaxis(o, 2, 1), final
 
 
-def gated_recurrence_backward_reference(call: Call):
-    """Golden backward: the VJP of the token-by-token recurrence."""
+def recurrence_backward_reference(call: Call):
+    """Golden backward: the VJP of the token-by-token recurrence, ``(dq, dk, dv, dg, dβ, dh0)``."""
     return _differentiate(call, _reference_forward)
 
 
@@ -337,19 +337,26 @@ def _backward_examples(dtype, *, per_channel: bool):
     return out
 
 
-gated_recurrence_backward_op = register(Op(
-    "gated_recurrence_backward",
-    family="linear_attention",
-    check=backward_checker(per_channel=False),
-    reference=gated_recurrence_backward_reference,
-    implementations=[
-        Implementation("triton", _triton_backward, backend="triton", config_type=LinearAttentionConfig,
-                       heuristic=linear_attention_heuristic, space=linear_attention_space,
-                       requirements=linear_attention_requirements),
-        Implementation("xla", _xla_backward),
-    ],
-    flops=backward_flops,
-    examples=backward_examples(per_channel=False),
-))
+def recurrence_backward_op(name: str, triton_backward, *, per_channel: bool) -> Op:
+    """Register the backward op of a recurrence: ``triton_backward(call, config)``
+    (its kernels), the VJP of the XLA chunked scan, and the VJP of the token
+    recurrence as the golden; ``per_channel`` decays ``g [Bs, HV, Tp, K]`` or
+    one per token ``[Bs, HV, Tp]``. Returns ``(dq, dk, dv, dg, dβ, dh0)``."""
+    return register(Op(
+        name,
+        family="linear_attention",
+        check=backward_checker(per_channel=per_channel),
+        reference=recurrence_backward_reference,
+        implementations=[
+            Implementation("triton", triton_backward, backend="triton", config_type=LinearAttentionConfig,
+                           heuristic=linear_attention_heuristic, space=linear_attention_space,
+                           requirements=linear_attention_requirements),
+            Implementation("xla", _xla_backward),
+        ],
+        flops=backward_flops,
+        examples=backward_examples(per_channel=per_channel),
+    ))
 
+
+gated_recurrence_backward_op = recurrence_backward_op("gated_recurrence_backward", _triton_backward, per_channel=False)
 _kernel_recurrence = kernel_recurrence(_kernel_forward, gated_recurrence_backward_op)

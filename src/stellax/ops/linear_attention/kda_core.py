@@ -23,12 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ...core import Call, Implementation, Op, register
+from ...core import Call
 from . import triton_kda as kernels
-from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
-                      linear_attention_space)
-from .core import (_core_forward_xla, _differentiate, _reference_forward, _stream_of, backward_checker,
-                   backward_examples, backward_flops, kernel_recurrence)
+from .configs import TRITON_CHUNK, linear_attention_heuristic
+from .core import _stream_of, kernel_recurrence, recurrence_backward_op
 from .triton_kda_backward import intra_backward
 
 F32 = jnp.float32
@@ -125,29 +123,5 @@ def _triton_backward(call: Call, config):
     return tuple(grads) + (dh0.astype(h0.dtype),)
 
 
-def _xla_backward(call: Call, config):
-    del config
-    return _differentiate(call, _core_forward_xla)
-
-
-def kda_recurrence_backward_reference(call: Call):
-    """Golden backward: the VJP of the token-by-token recurrence, ``(dq, dk, dv, dg, dβ, dh0)``."""
-    return _differentiate(call, _reference_forward)
-
-
-kda_recurrence_backward_op = register(Op(
-    "kda_recurrence_backward",
-    family="linear_attention",
-    check=backward_checker(per_channel=True),
-    reference=kda_recurrence_backward_reference,
-    implementations=[
-        Implementation("triton", _triton_backward, backend="triton", config_type=LinearAttentionConfig,
-                       heuristic=linear_attention_heuristic, space=linear_attention_space,
-                       requirements=linear_attention_requirements),
-        Implementation("xla", _xla_backward),
-    ],
-    flops=backward_flops,
-    examples=backward_examples(per_channel=True),
-))
-
+kda_recurrence_backward_op = recurrence_backward_op("kda_recurrence_backward", _triton_backward, per_channel=True)
 _kda_recurrence = kernel_recurrence(_forward, kda_recurrence_backward_op)
