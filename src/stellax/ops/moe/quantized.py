@@ -54,6 +54,7 @@ from .checks import (check_group_offset, check_group_sizes, check_group_values, 
 from .configs import GroupedMatmulConfig, XlaGroupedMatmulConfig, _cap, _xla_block, xla_space
 from .reference import ragged_dot_reference
 from .schedule import group_bounds, tile_schedule
+from .triton import OutputTile, _iota
 
 FAMILY = "moe"
 FORMATS = ("int8", "int8_asym", "int4", "int4_asym", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
@@ -166,25 +167,22 @@ def xla_gmm(lhs, rhs: QArray, group_sizes, group_offset, *, transpose: bool, pre
 
 
 # -- Triton: decode in the K loop ------------------------------------------------------------
-def _iota(n: int):
-    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+def _quantized_refs(refs, has_zp: bool, has_ts: bool):
+    """``(group, start, rows, activations, codes, scales, zero points?, tensor scale?, out)``
+    refs of the quantized kernels, in launch order (``None`` when absent)."""
+    refs = list(refs)
+    fixed, rest = refs[:6], refs[6:]
+    zp_ref = rest.pop(0) if has_zp else None
+    ts_ref = rest.pop(0) if has_ts else None
+    return (*fixed, zp_ref, ts_ref, rest.pop(0))
 
 
 def _gmm_q_kernel(*refs, bm, bn, bk, k_dim, n_dim, fmt, packed, in_loop, group_k, has_zp, has_ts, activation,
                   compute_dtype, precision):
-    refs = list(refs)
-    group_ref, start_ref, rows_ref, lhs_ref, v_ref, s_ref = refs[:6]
-    refs = refs[6:]
-    zp_ref = refs.pop(0) if has_zp else None
-    ts_ref = refs.pop(0) if has_ts else None
-    out_ref = refs.pop(0)
-    t, j = pl.program_id(0), pl.program_id(1)
-    group, start, rows = group_ref[t], start_ref[t], rows_ref[t]
-    row_ok = _iota(bm) < rows
-    col0 = j * bn
-    col_ok = col0 + _iota(bn) < n_dim
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    row_block, col_block = pl.ds(start, bm), pl.ds(col0, bn)
+    group_ref, start_ref, rows_ref, lhs_ref, v_ref, s_ref, zp_ref, ts_ref, out_ref = _quantized_refs(
+        refs, has_zp, has_ts)
+    group, rows, row_ok, col0, col_ok, out_mask, row_block, col_block = OutputTile.of(
+        group_ref, start_ref, rows_ref, bm=bm, width=bn, n_cols=n_dim)
     kp = (k_dim + 1) // 2
 
     def scale_row(ref, kb):  # [1, bn] of the step's K block
@@ -272,19 +270,11 @@ def _gmm_qt_kernel(*refs, bm, bo, bc, k_dim, n_dim, fmt, packed, group_k, has_zp
     in registers. The output K block (``bo`` ≤ the scales' K block) has one
     scale row, which varies along the contraction (N), so the scales multiply
     the decoded weight tile before the dot."""
-    refs = list(refs)
-    group_ref, start_ref, rows_ref, dz_ref, v_ref, s_ref = refs[:6]
-    refs = refs[6:]
-    zp_ref = refs.pop(0) if has_zp else None
-    ts_ref = refs.pop(0) if has_ts else None
-    out_ref = refs.pop(0)
-    t, j = pl.program_id(0), pl.program_id(1)
-    group, start, rows = group_ref[t], start_ref[t], rows_ref[t]
-    row_ok = _iota(bm) < rows
-    k0 = j * bo
-    ko_ok = k0 + _iota(bo) < k_dim
-    out_mask = row_ok[:, None] & ko_ok[None, :]
-    row_block = pl.ds(start, bm)
+    group_ref, start_ref, rows_ref, dz_ref, v_ref, s_ref, zp_ref, ts_ref, out_ref = _quantized_refs(
+        refs, has_zp, has_ts)
+    # The output tile spans ``bo`` columns of K.
+    group, rows, row_ok, k0, ko_ok, out_mask, row_block, ko_block = OutputTile.of(
+        group_ref, start_ref, rows_ref, bm=bm, width=bo, n_cols=k_dim)
     sb = k0 // group_k
     kp = (k_dim + 1) // 2
 
@@ -311,7 +301,7 @@ def _gmm_qt_kernel(*refs, bm, bo, bc, k_dim, n_dim, fmt, packed, group_k, has_zp
                 w = w * s.T  # [bc, bo]
                 dims = (((1,), (0,)), ((), ()))
             else:
-                codes = pltriton.load(v_ref.at[group, pl.ds(k0, bo), pl.ds(c0, bc)],
+                codes = pltriton.load(v_ref.at[group, ko_block, pl.ds(c0, bc)],
                                       mask=ko_ok[:, None] & c_ok[None, :], other=jnp.zeros((), v_ref.dtype))
                 w = decode_codes(codes, fmt)
                 if zp is not None:
@@ -324,11 +314,11 @@ def _gmm_qt_kernel(*refs, bm, bo, bc, k_dim, n_dim, fmt, packed, group_k, has_zp
         acc = jax.lax.fori_loop(0, pl.cdiv(n_dim, bc), step, jnp.zeros((bm, bo), jnp.float32))
         if has_ts:
             acc = acc * pltriton.load(ts_ref.at[pl.ds(0, 1)]).reshape(1, 1)
-        pltriton.store(out_ref.at[row_block, pl.ds(k0, bo)], acc.astype(out_ref.dtype), mask=out_mask)
+        pltriton.store(out_ref.at[row_block, ko_block], acc.astype(out_ref.dtype), mask=out_mask)
 
     @pl.when((rows > 0) & (group < 0))
     def _zero_fill():
-        pltriton.store(out_ref.at[row_block, pl.ds(k0, bo)], jnp.zeros((bm, bo), out_ref.dtype), mask=out_mask)
+        pltriton.store(out_ref.at[row_block, ko_block], jnp.zeros((bm, bo), out_ref.dtype), mask=out_mask)
 
 
 def triton_gmm_transposed(dz, rhs: QArray, group_sizes, group_offset, *, precision, out_dtype, k_block,

@@ -32,6 +32,7 @@ the place for per-row / per-column scales of a future quantized operand.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,32 @@ from .schedule import group_bounds, tile_schedule
 
 def _iota(n: int):
     return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+class OutputTile(NamedTuple):
+    """Program ``(t, j)``'s output tile of a grouped matmul: ``rows`` valid rows
+    (``bm`` at most) of ``group`` from row ``start`` (the tile schedule), and
+    ``width`` columns from ``col0`` of ``n_cols``; masks and slices for loads
+    and stores. ``group < 0`` or ``rows == 0``: a tile that only zero-fills."""
+
+    group: jax.Array
+    rows: jax.Array
+    row_ok: jax.Array
+    col0: jax.Array
+    col_ok: jax.Array
+    out_mask: jax.Array
+    row_block: pl.Slice
+    col_block: pl.Slice
+
+    @classmethod
+    def of(cls, group_ref, start_ref, rows_ref, *, bm: int, width: int, n_cols: int) -> "OutputTile":
+        t, j = pl.program_id(0), pl.program_id(1)
+        group, start, rows = group_ref[t], start_ref[t], rows_ref[t]
+        row_ok = _iota(bm) < rows
+        col0 = j * width
+        col_ok = col0 + _iota(width) < n_cols
+        return cls(group, rows, row_ok, col0, col_ok, row_ok[:, None] & col_ok[None, :], pl.ds(start, bm),
+                   pl.ds(col0, width))
 
 
 def _dot(a, b, contracting, precision):
@@ -69,13 +96,8 @@ def _gmm_kernel(group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, *out_refs, bm,
                 transpose_rhs, gated, activation, write_out, write_pre, precision):
     out_ref = out_refs[0] if write_out else None
     pre_ref = out_refs[-1] if write_pre else None
-    t, j = pl.program_id(0), pl.program_id(1)
-    group, start, rows = group_ref[t], start_ref[t], rows_ref[t]
-    row_ok = _iota(bm) < rows
-    col0 = j * bn
-    col_ok = col0 + _iota(bn) < n_dim
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    row_block, col_block = pl.ds(start, bm), pl.ds(col0, bn)
+    group, rows, row_ok, col0, col_ok, out_mask, row_block, col_block = OutputTile.of(
+        group_ref, start_ref, rows_ref, bm=bm, width=bn, n_cols=n_dim)
     k_steps = pl.cdiv(k_dim, bk)
     mask_k = k_dim % bk != 0
 
