@@ -25,7 +25,7 @@ from ...core import Call, Example, Implementation, Op, backward_implementation, 
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .activations import activation_grad, check_activation
-from .checks import (check_group_offset, check_group_sizes, check_group_values, check_out_dtype,
+from .checks import (check_group_offset, check_group_sizes, check_group_values, check_groups, check_out_dtype,
                      check_precision, concrete)
 from .configs import (GroupedMatmulConfig, XlaGroupedMatmulConfig, gmm_dims, gmm_heuristic, gmm_space,
                       tgmm_dims, tgmm_heuristic, tgmm_space, gmm_xla_heuristic, tgmm_xla_heuristic,
@@ -59,12 +59,7 @@ def _check_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_t
         raise TypeError(f"transpose_rhs: expected a bool, got {type(transpose_rhs).__name__}")
     _check_rhs(lhs, rhs, transpose_rhs)
     num_local = rhs.shape[0]
-    group_offset = check_group_offset(group_offset)
-    if group_offset is None:
-        group_sizes = check_group_sizes(group_sizes, num_local)
-    else:
-        group_sizes = check_group_sizes(group_sizes, None, at_least=num_local)
-    check_group_values(group_sizes, group_offset, num_local, lhs.shape[0], "lhs.shape[0]")
+    group_sizes, group_offset = check_groups(group_sizes, group_offset, num_local, lhs.shape[0], "lhs.shape[0]")
     return Call(
         {"lhs": lhs, "rhs": rhs, "group_sizes": group_sizes, "group_offset": group_offset},
         {"precision": check_precision(precision),

@@ -107,3 +107,18 @@ def kernel_precision(precision, dtype):
     if precision is None and np.dtype(dtype) == np.dtype(jnp.float32):
         return jax.lax.Precision.HIGHEST
     return precision
+
+
+def check_groups(group_sizes, group_offset, num_local: int, rows: int, rows_name: str):
+    """The groups of a grouped matmul over ``num_local`` local groups:
+    ``(group_sizes int32, group_offset int32 scalar or None)``. Without an
+    offset there is one size per local group; with one, ``group_sizes``
+    covers every group (at least ``num_local``) and the local ones start at
+    ``group_offset``. Sizes are checked against the ``rows`` (``rows_name``)."""
+    group_offset = check_group_offset(group_offset)
+    if group_offset is None:
+        group_sizes = check_group_sizes(group_sizes, num_local)
+    else:
+        group_sizes = check_group_sizes(group_sizes, None, at_least=num_local)
+    check_group_values(group_sizes, group_offset, num_local, rows, rows_name)
+    return group_sizes, group_offset

@@ -49,7 +49,7 @@ from ..quant.kernel import decode_codes, decode_packed_pairs, decode_scale, kern
 from ..quant.qarray import QArray
 from ..quant.reference import dequantize_reference
 from .activations import activation_fn, activation_grad, check_activation, fusable_in_kernel, kernel_activation_fn
-from .checks import (check_group_offset, check_group_sizes, check_group_values, check_out_dtype, check_precision,
+from .checks import (check_groups, check_out_dtype, check_precision,
                      kernel_precision)
 from .configs import GroupedMatmulConfig, XlaGroupedMatmulConfig, _cap, _xla_block, xla_space
 from .reference import ragged_dot_reference
@@ -88,12 +88,7 @@ def _check(lhs, rhs_values, rhs_scales, rhs_zero_points, rhs_tensor_scale, group
     if rhs.shape[1] != k:
         raise ValueError(f"rhs: expected shape [G, {k}, N] (K = lhs.shape[1]), got {rhs.shape}")
     num_local = rhs.shape[0]
-    group_offset = check_group_offset(group_offset)
-    if group_offset is None:
-        group_sizes = check_group_sizes(group_sizes, num_local)
-    else:
-        group_sizes = check_group_sizes(group_sizes, None, at_least=num_local)
-    check_group_values(group_sizes, group_offset, num_local, lhs.shape[0], "lhs.shape[0]")
+    group_sizes, group_offset = check_groups(group_sizes, group_offset, num_local, lhs.shape[0], "lhs.shape[0]")
     activation = check_activation(activation)
     return Call(
         {"lhs": lhs, "rhs_values": rhs.values, "rhs_scales": rhs.scales, "rhs_zero_points": rhs.zero_points,

@@ -274,16 +274,22 @@ def dequantize(values, scales, zero_points, tensor_scale, *, rows, k, group, one
 # -- MX quantize -----------------------------------------------------------------------
 
 
+def _load_tile(x_ref, rows: int, k: int, br: int, bk: int):
+    """Program ``(i, j)``'s ``[br, bk]`` tile of ``x [rows, k]`` in float32,
+    zeros outside the array."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    row = i * br + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 0)
+    col = j * bk + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 1)
+    return plgpu.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bk, bk)], mask=(row < rows) & (col < k),
+                      other=_zero(x_ref)).astype(jnp.float32)
+
+
 def _mx_quantize_kernel(x_ref, v_ref, s_ref, *, rows, k, br, bk, fmt):
     """One ``br × bk`` tile: per block of 32 the OCP MX scale from the amax
     bits, elements ``sat(x · 2^-e)``; exact arithmetic only (no division)."""
     f = F.get_format(fmt)
     el = f.element
-    i, j = pl.program_id(0), pl.program_id(1)
-    row = i * br + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 0)
-    col = j * bk + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 1)
-    x = plgpu.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bk, bk)], mask=(row < rows) & (col < k),
-                   other=_zero(x_ref)).astype(jnp.float32)
+    x = _load_tile(x_ref, rows, k, br, bk)
     nb = bk // 32
     xb = x.reshape(br, nb, 32)
     finite = jnp.isfinite(xb)
@@ -341,11 +347,7 @@ def _div_rn(a, b):
 def _block_quantize_kernel(x_ref, v_ref, s_ref, *, rows, k, br, bk, group, fmt):
     f = F.get_format(fmt)
     el = f.element
-    i, j = pl.program_id(0), pl.program_id(1)
-    row = i * br + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 0)
-    col = j * bk + jax.lax.broadcasted_iota(jnp.int32, (br, bk), 1)
-    x = plgpu.load(x_ref.at[pl.ds(i * br, br), pl.ds(j * bk, bk)], mask=(row < rows) & (col < k),
-                   other=_zero(x_ref)).astype(jnp.float32)
+    x = _load_tile(x_ref, rows, k, br, bk)
     nb = bk // group
     xb = x.reshape(br, nb, group)
     amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=2)
