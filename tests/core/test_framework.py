@@ -11,7 +11,7 @@ import stellax
 from stellax.core import (Call, Implementation, KernelConfig, Op, TritonConfig, UnsupportedError,
                           interpret_enabled, interpret_mode, lowering_target, observe_calls, product_space,
                           use_configs)
-from stellax.core.pallas import triton_call
+from stellax.core.pallas import operand, output, triton_kernel_call
 from stellax.ops.norm import NormConfig, layer_norm_op
 
 
@@ -132,15 +132,16 @@ def test_call_signature_is_abstract():
 def test_poisoned_outputs_catch_unwritten_elements():
     from jax.experimental import pallas as pl
 
-    def half_kernel(x_ref, o_ref):
+    def half_kernel(*, x, o):
         @pl.when(pl.program_id(0) == 0)
         def _():
-            o_ref[...] = x_ref[...]
+            o[...] = x[...]
 
     def run(x):
         spec = pl.BlockSpec((8,), lambda i: (i,))
-        return triton_call(half_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
-                           in_specs=[spec], out_specs=spec, num_warps=1, num_stages=1, name="half")(x)
+        return triton_kernel_call(half_kernel, grid=(2,), inputs=dict(x=operand(x, spec)),
+                                  outputs=dict(o=output(x.shape, x.dtype, spec)), num_warps=1, num_stages=1,
+                                  name="half").o
 
     with interpret_mode():
         y = np.asarray(run(jnp.arange(16.0)))

@@ -1,26 +1,148 @@
-"""One entry point for launching Pallas kernels.
+"""The shared Pallas toolkit: launching kernels with named operands, and the
+small helpers every kernel family needs.
 
-`triton_call` wraps ``pl.pallas_call`` for the Pallas Triton backend:
+Launching (`kernel_call`, `triton_kernel_call`):
 
-* it always passes Triton compiler params (``num_warps``/``num_stages``), so
-  the call goes to Triton and not to Mosaic GPU (jax 0.10 picks Mosaic GPU
-  for a CUDA ``pallas_call`` without compiler params);
-* it turns on ``interpret=True`` when interpret mode is on;
-* in interpret mode every output starts as NaN (a NaN-filled buffer aliased
-  into the output), so an element a kernel forgets to write fails the numerics
-  checks instead of silently reading as zero.
+* a kernel receives its operands **by name**: ``kernel(*, x, residual, y, ...)``;
+  the launch takes ``inputs={"x": operand(x, spec), "residual": operand(r, spec)}``
+  and ``outputs={"y": output(shape, dtype, spec)}``. An optional operand is
+  ``None`` (``operand(None, spec)`` is ``None``): it gets no block spec, no
+  buffer, and the kernel sees ``residual=None``. There is no positional
+  bookkeeping to keep in step with parallel ``inputs`` / ``in_specs`` lists;
+* the result is an `Outputs` mapping (attribute access too) with ``None`` for
+  the outputs that were ``None``;
+* Triton launches always pass Triton compiler params (``num_warps`` /
+  ``num_stages``), so the call goes to Triton and not to Mosaic GPU (jax 0.10
+  picks Mosaic GPU for a CUDA ``pallas_call`` without compiler params);
+* in interpret mode (`stellax.interpret_mode`) every output starts as NaN (a
+  NaN-filled buffer aliased into the output), so an element a kernel forgets to
+  write fails the numerics checks instead of silently reading as zero;
+* scalar-prefetch operands (Mosaic TPU: page tables, group metadata) are named
+  too; Pallas passes them to the index maps positionally, in the order given.
+
+Helpers: `cdiv`, `pad_axis`, `padded_dim`, `nbytes`, `dot` / `dot_nt` / `dot_tn`
+(explicit precision, float32 accumulation), `iota`, `square_iota`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from .config import next_power_of_two
 from .platform import interpret_enabled
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# -- sizes and padding ------------------------------------------------------------
+def cdiv(a: int, b: int) -> int:
+    """``⌈a / b⌉`` for Python ints (``pl.cdiv`` works on traced values too)."""
+    return -(-int(a) // int(b))
+
+
+def padded_dim(d: int, minimum: int = 16) -> int:
+    """A head/feature size padded to a power of two ≥ ``minimum`` (16 is
+    ``tl.dot``'s smallest operand dimension)."""
+    return max(int(minimum), next_power_of_two(int(d)))
+
+
+def pad_axis(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
+    """``x`` padded at the end of ``axis`` to ``length`` with ``value`` (no-op
+    when it is already at least that long)."""
+    extra = int(length) - x.shape[axis]
+    if extra <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def nbytes(x: Any) -> int:
+    """Bytes of an array or `jax.ShapeDtypeStruct` (0 for ``None``)."""
+    if x is None:
+        return 0
+    return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+# -- in-kernel math -----------------------------------------------------------------
+_NN = (((1,), (0,)), ((), ()))
+_NT = (((1,), (1,)), ((), ()))
+_TN = (((0,), (0,)), ((), ()))
+
+
+def dot(a, b, *, precision=HIGHEST, out_dtype=F32):
+    """``a [M, K] · b [K, N]`` accumulated in ``out_dtype``."""
+    return jax.lax.dot_general(a, b, _NN, precision=precision, preferred_element_type=out_dtype)
+
+
+def dot_nt(a, b, *, precision=HIGHEST, out_dtype=F32):
+    """``a [M, K] · b [N, K]ᵀ`` accumulated in ``out_dtype``."""
+    return jax.lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=out_dtype)
+
+
+def dot_tn(a, b, *, precision=HIGHEST, out_dtype=F32):
+    """``a [K, M]ᵀ · b [K, N]`` accumulated in ``out_dtype``."""
+    return jax.lax.dot_general(a, b, _TN, precision=precision, preferred_element_type=out_dtype)
+
+
+def iota(n: int, dtype=jnp.int32) -> jax.Array:
+    """``[0, 1, ..., n-1]`` inside a kernel."""
+    return jax.lax.broadcasted_iota(dtype, (int(n),), 0)
+
+
+def square_iota(n: int) -> tuple[jax.Array, jax.Array]:
+    """``(rows, cols)`` index grids of an ``[n, n]`` tile."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (int(n), int(n)), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (int(n), int(n)), 1)
+    return rows, cols
+
+
+# -- named operands -------------------------------------------------------------------
+class Operand(NamedTuple):
+    """An input array and its block spec (``None`` spec: the whole array)."""
+
+    array: Any
+    spec: Any = None
+
+
+class Output(NamedTuple):
+    """An output's shape/dtype and its block spec."""
+
+    shape: jax.ShapeDtypeStruct
+    spec: Any = None
+
+
+def operand(array, spec=None) -> Operand | None:
+    """An input operand, or ``None`` when ``array`` is ``None`` (optional operand)."""
+    return None if array is None else Operand(array, spec)
+
+
+def output(shape, dtype, spec=None) -> Output:
+    """An output operand of ``shape`` and ``dtype``."""
+    return Output(jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)), spec)
+
+
+class Outputs(dict):
+    """A kernel's outputs by name (``None`` for absent ones); ``outs.y`` or ``outs["y"]``."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _present(table: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (table or {}).items() if v is not None}
 
 
 def _poison(shape_dtype: jax.ShapeDtypeStruct) -> jax.Array:
@@ -34,6 +156,121 @@ def _poison(shape_dtype: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.full(shape_dtype.shape, fill, dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Binding:
+    """Which names the flat ``*refs`` of a ``pallas_call`` kernel carry, in order."""
+
+    prefetch: tuple[str, ...]
+    inputs: tuple[str, ...]
+    poison: int
+    outputs: tuple[str, ...]
+    scratch: tuple[str, ...]
+    absent: tuple[str, ...]
+
+    def kernel(self, kernel: Callable[..., None]) -> Callable[..., None]:
+        groups = (self.prefetch, self.inputs, (None,) * self.poison, self.outputs, self.scratch)
+        order = [name for group in groups for name in group]
+
+        def flat_kernel(*refs):
+            named = {name: ref for name, ref in zip(order, refs, strict=True) if name is not None}
+            named.update(dict.fromkeys(self.absent))
+            kernel(**named)
+
+        return flat_kernel
+
+
+def kernel_call(
+    kernel: Callable[..., None],
+    *,
+    grid: tuple[int, ...],
+    inputs: Mapping[str, Operand | None],
+    outputs: Mapping[str, Output | None],
+    scratch: Mapping[str, Any] | None = None,
+    scalar_prefetch: Mapping[str, Any] | None = None,
+    compiler_params: Any = None,
+    interpret: Any = None,
+    poison_outputs: bool = False,
+    name: str,
+    **pallas_kwargs,
+) -> Outputs:
+    """Launch ``kernel`` with named operands on any Pallas backend.
+
+    Args:
+      kernel: called as ``kernel(**refs)`` once per grid step, every name of
+        ``scalar_prefetch``, ``inputs``, ``outputs`` and ``scratch`` a keyword
+        (``None`` for an absent optional operand).
+      grid: the launch grid.
+      inputs / outputs: name → `Operand` / `Output`, or ``None`` (absent).
+      scratch: name → scratch shape (``pltpu.VMEM(...)``, ...).
+      scalar_prefetch: name → int32 array prefetched to scalar memory (Mosaic
+        TPU); the index maps receive them after the grid indices, in this order.
+      compiler_params: the backend's compiler params.
+      interpret: ``None``/``False`` to compile, ``True`` or backend interpret
+        params to interpret.
+      poison_outputs: start every output as NaN (``iinfo.min`` for integers).
+      name: the kernel's name in HLO and profiles.
+      pallas_kwargs: passed to ``pl.pallas_call`` (``cost_estimate``, ...).
+
+    Returns:
+      `Outputs`: every name of ``outputs``, ``None`` where the output was ``None``.
+    """
+    ins, outs = _present(inputs), _present(outputs)
+    scratch, prefetch = _present(scratch), _present(scalar_prefetch)
+    if not outs:
+        raise ValueError(f"kernel_call({name}): outputs: expected at least one output, got none")
+    absent = tuple(k for k in (*(inputs or {}), *(outputs or {}), *(scratch or {})) if k not in {**ins, **outs})
+    poison = len(outs) if poison_outputs else 0
+    binding = _Binding(tuple(prefetch), tuple(ins), poison, tuple(outs), tuple(scratch), absent)
+    in_specs = [op.spec for op in ins.values()]
+    out_specs = [o.spec for o in outs.values()]
+    out_shapes = [o.shape for o in outs.values()]
+    arrays = [op.array for op in ins.values()]
+    aliases = {}
+    if poison:
+        offset = len(prefetch) + len(arrays)
+        aliases = {offset + i: i for i in range(poison)}
+        in_specs = in_specs + out_specs
+        arrays = arrays + [_poison(s) for s in out_shapes]
+    if prefetch:
+        launch_grid = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=list(scratch.values()))
+        call = pl.pallas_call(binding.kernel(kernel), out_shape=out_shapes, grid_spec=launch_grid,
+                              compiler_params=compiler_params, input_output_aliases=aliases,
+                              interpret=interpret or False, name=name, **pallas_kwargs)
+        results = call(*prefetch.values(), *arrays)
+    else:
+        call = pl.pallas_call(binding.kernel(kernel), out_shape=out_shapes, grid=grid, in_specs=in_specs,
+                              out_specs=out_specs, scratch_shapes=list(scratch.values()),
+                              compiler_params=compiler_params, input_output_aliases=aliases,
+                              interpret=interpret or False, name=name, **pallas_kwargs)
+        results = call(*arrays)
+    by_name = dict(zip(outs, results, strict=True))
+    return Outputs({k: by_name.get(k) for k in (outputs or {})})
+
+
+def triton_kernel_call(
+    kernel: Callable[..., None],
+    *,
+    grid: tuple[int, ...],
+    inputs: Mapping[str, Operand | None],
+    outputs: Mapping[str, Output | None],
+    num_warps: int,
+    num_stages: int,
+    name: str,
+    scratch: Mapping[str, Any] | None = None,
+) -> Outputs:
+    """`kernel_call` for a Pallas Triton kernel: Triton compiler params always
+    passed; interpreted with NaN-poisoned outputs in interpret mode."""
+    interpret = interpret_enabled()
+    return kernel_call(
+        kernel, grid=grid, inputs=inputs, outputs=outputs, scratch=scratch,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, poison_outputs=interpret, name=name,
+    )
+
+
+# TODO(architecture): removed once every family launches through triton_kernel_call.
 def triton_call(
     kernel: Callable[..., None],
     *,

@@ -24,155 +24,110 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import triton_call
+from ...core.pallas import iota, operand, output, triton_kernel_call
 from .configs import NormConfig, row_block
 
 
 def _tile_masks(shape, rows: int, features: int):
     """``(row_ok [br], col_ok [br, bd])`` for the program's tile."""
     block_rows = shape[0]
-    row = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    row = pl.program_id(0) * block_rows + iota(block_rows)
     col = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     return row < rows, col < features
 
 
-def _forward_kernel(*refs, rows, features, epsilon, subtract_mean, has_residual, has_scale, has_offset):
-    refs = list(refs)
-    x_ref = refs.pop(0)
-    r_ref = refs.pop(0) if has_residual else None
-    scale_ref = refs.pop(0) if has_scale else None
-    offset_ref = refs.pop(0) if has_offset else None
-    y_ref = refs.pop(0)
-    h_ref = refs.pop(0) if has_residual else None
-    mean_ref, rstd_ref = refs
-
-    x = x_ref[...].astype(jnp.float32)
-    if has_residual:
-        x = x + r_ref[...].astype(jnp.float32)
-        h_ref[...] = x.astype(h_ref.dtype)
-    _, col_ok = _tile_masks(x.shape, rows, features)
-    x = jnp.where(col_ok, x, 0.0)
+def _forward_kernel(*, x, residual, scale, offset, y, h, mean, rstd, rows, features, epsilon, subtract_mean):
+    """One block of rows: ``y = (h - mean)·rstd·scale + offset`` with ``h = x + residual``."""
+    hx = x[...].astype(jnp.float32)
+    if residual is not None:
+        hx = hx + residual[...].astype(jnp.float32)
+        h[...] = hx.astype(h.dtype)
+    _, col_ok = _tile_masks(hx.shape, rows, features)
+    hx = jnp.where(col_ok, hx, 0.0)
     if subtract_mean:
-        mean = jnp.sum(x, axis=1) / features
+        row_mean = jnp.sum(hx, axis=1) / features
     else:
-        mean = jnp.zeros((x.shape[0],), jnp.float32)
-    centered = jnp.where(col_ok, x - mean[:, None], 0.0)
-    rstd = jax.lax.rsqrt(jnp.sum(centered * centered, axis=1) / features + epsilon)
-    y = centered * rstd[:, None]
-    if has_scale:
-        y = y * scale_ref[...].astype(jnp.float32)[None, :]
-    if has_offset:
-        y = y + offset_ref[...].astype(jnp.float32)[None, :]
-    y_ref[...] = y.astype(y_ref.dtype)
-    mean_ref[...] = mean
-    rstd_ref[...] = rstd
+        row_mean = jnp.zeros((hx.shape[0],), jnp.float32)
+    centered = jnp.where(col_ok, hx - row_mean[:, None], 0.0)
+    row_rstd = jax.lax.rsqrt(jnp.sum(centered * centered, axis=1) / features + epsilon)
+    out = centered * row_rstd[:, None]
+    if scale is not None:
+        out = out * scale[...].astype(jnp.float32)[None, :]
+    if offset is not None:
+        out = out + offset[...].astype(jnp.float32)[None, :]
+    y[...] = out.astype(y.dtype)
+    mean[...] = row_mean
+    rstd[...] = row_rstd
+
+
+def _specs(rows: int, features: int, block_rows: int):
+    """``(row, vec, stat)`` block specs of a row-blocked launch."""
+    block_d = row_block(features)
+    row_spec = pl.BlockSpec((block_rows, block_d), lambda i: (i, 0))
+    vec_spec = pl.BlockSpec((block_d,), lambda i: (0,))
+    stat_spec = pl.BlockSpec((block_rows,), lambda i: (i,))
+    return row_spec, vec_spec, stat_spec
 
 
 def norm_forward(x, residual, scale, offset, *, epsilon, subtract_mean, config: NormConfig):
     """Rows ``x [R, D]`` → ``(y [R, D], h or None, mean [R], rstd [R])``."""
     rows, features = x.shape
-    block_d = row_block(features)
-    br = config.block_rows
-    grid = (pl.cdiv(rows, br),)
-    row_spec = pl.BlockSpec((br, block_d), lambda i: (i, 0))
-    vec_spec = pl.BlockSpec((block_d,), lambda i: (0,))
-    stat_spec = pl.BlockSpec((br,), lambda i: (i,))
-    inputs, in_specs = [x], [row_spec]
-    for arr, spec in ((residual, row_spec), (scale, vec_spec), (offset, vec_spec)):
-        if arr is not None:
-            inputs.append(arr)
-            in_specs.append(spec)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    out_specs = [row_spec]
-    if residual is not None:
-        out_shape.append(jax.ShapeDtypeStruct(x.shape, x.dtype))
-        out_specs.append(row_spec)
-    out_shape += [jax.ShapeDtypeStruct((rows,), jnp.float32)] * 2
-    out_specs += [stat_spec, stat_spec]
-    kernel = functools.partial(
-        _forward_kernel, rows=rows, features=features, epsilon=epsilon, subtract_mean=subtract_mean,
-        has_residual=residual is not None, has_scale=scale is not None, has_offset=offset is not None,
-    )
-    outs = triton_call(
-        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+    row_spec, vec_spec, stat_spec = _specs(rows, features, config.block_rows)
+    kernel = functools.partial(_forward_kernel, rows=rows, features=features, epsilon=epsilon,
+                               subtract_mean=subtract_mean)
+    outs = triton_kernel_call(
+        kernel, grid=(pl.cdiv(rows, config.block_rows),),
+        inputs=dict(x=operand(x, row_spec), residual=operand(residual, row_spec),
+                    scale=operand(scale, vec_spec), offset=operand(offset, vec_spec)),
+        outputs=dict(y=output(x.shape, x.dtype, row_spec),
+                     h=output(x.shape, x.dtype, row_spec) if residual is not None else None,
+                     mean=output((rows,), jnp.float32, stat_spec), rstd=output((rows,), jnp.float32, stat_spec)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_norm_forward",
-    )(*inputs)
-    if residual is not None:
-        y, h, mean, rstd = outs
-    else:
-        (y, mean, rstd), h = outs, None
-    return y, h, mean, rstd
+    )
+    return outs.y, outs.h, outs.mean, outs.rstd
 
 
-def _backward_kernel(*refs, rows, features, subtract_mean, has_scale, has_offset, has_dh):
-    refs = list(refs)
-    dy_ref, x_ref = refs.pop(0), refs.pop(0)
-    scale_ref = refs.pop(0) if has_scale else None
-    mean_ref, rstd_ref = refs.pop(0), refs.pop(0)
-    dh_ref = refs.pop(0) if has_dh else None
-    dx_ref = refs.pop(0)
-    dscale_ref = refs.pop(0) if has_scale else None
-    doffset_ref = refs.pop(0) if has_offset else None
-
-    x = x_ref[...].astype(jnp.float32)
-    row_ok, col_ok = _tile_masks(x.shape, rows, features)
+def _backward_kernel(*, dy, x, scale, mean, rstd, dh, dx, dscale, doffset, rows, features, subtract_mean):
+    """One block of rows: ``dh = rstd·(g - mean(g) - x̂·mean(g·x̂)) + dh_out``, per-program column sums."""
+    xf = x[...].astype(jnp.float32)
+    row_ok, col_ok = _tile_masks(xf.shape, rows, features)
     valid = row_ok[:, None] & col_ok
-    dy = jnp.where(valid, dy_ref[...].astype(jnp.float32), 0.0)
-    mean = jnp.where(row_ok, mean_ref[...], 0.0)
-    rstd = jnp.where(row_ok, rstd_ref[...], 0.0)
-    xhat = jnp.where(valid, (x - mean[:, None]) * rstd[:, None], 0.0)
+    dyf = jnp.where(valid, dy[...].astype(jnp.float32), 0.0)
+    row_mean = jnp.where(row_ok, mean[...], 0.0)
+    row_rstd = jnp.where(row_ok, rstd[...], 0.0)
+    xhat = jnp.where(valid, (xf - row_mean[:, None]) * row_rstd[:, None], 0.0)
     # Padded tail columns of scale hold garbage (NaN when interpreted): mask them.
-    g = jnp.where(valid, dy * scale_ref[...].astype(jnp.float32)[None, :], 0.0) if has_scale else dy
+    g = jnp.where(valid, dyf * scale[...].astype(jnp.float32)[None, :], 0.0) if scale is not None else dyf
     g_xhat = jnp.sum(g * xhat, axis=1, keepdims=True) / features
-    dx = g - xhat * g_xhat
+    dxf = g - xhat * g_xhat
     if subtract_mean:
-        dx = dx - jnp.sum(g, axis=1, keepdims=True) / features
-    dx = dx * rstd[:, None]
-    if has_dh:
-        dx = dx + dh_ref[...].astype(jnp.float32)
-    dx_ref[...] = dx.astype(dx_ref.dtype)
-    if has_scale:
-        dscale_ref[...] = jnp.sum(dy * xhat, axis=0)[None, :]
-    if has_offset:
-        doffset_ref[...] = jnp.sum(dy, axis=0)[None, :]
+        dxf = dxf - jnp.sum(g, axis=1, keepdims=True) / features
+    dxf = dxf * row_rstd[:, None]
+    if dh is not None:
+        dxf = dxf + dh[...].astype(jnp.float32)
+    dx[...] = dxf.astype(dx.dtype)
+    if dscale is not None:
+        dscale[...] = jnp.sum(dyf * xhat, axis=0)[None, :]
+    if doffset is not None:
+        doffset[...] = jnp.sum(dyf, axis=0)[None, :]
 
 
 def norm_backward(dy, x, scale, offset, mean, rstd, dh, *, subtract_mean, config: NormConfig):
     """Rows backward → ``(dx [R, D], dscale [D] f32 or None, doffset [D] f32 or None)``."""
     rows, features = x.shape
-    block_d = row_block(features)
-    br = config.block_rows
-    programs = pl.cdiv(rows, br)
-    row_spec = pl.BlockSpec((br, block_d), lambda i: (i, 0))
-    vec_spec = pl.BlockSpec((block_d,), lambda i: (0,))
-    stat_spec = pl.BlockSpec((br,), lambda i: (i,))
-    partial_spec = pl.BlockSpec((1, block_d), lambda i: (i, 0))
-    inputs, in_specs = [dy, x], [row_spec, row_spec]
-    if scale is not None:
-        inputs.append(scale)
-        in_specs.append(vec_spec)
-    inputs += [mean, rstd]
-    in_specs += [stat_spec, stat_spec]
-    if dh is not None:
-        inputs.append(dh)
-        in_specs.append(row_spec)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    out_specs = [row_spec]
-    partial = jax.ShapeDtypeStruct((programs, features), jnp.float32)
-    for present in (scale is not None, offset is not None):
-        if present:
-            out_shape.append(partial)
-            out_specs.append(partial_spec)
-    kernel = functools.partial(
-        _backward_kernel, rows=rows, features=features, subtract_mean=subtract_mean,
-        has_scale=scale is not None, has_offset=offset is not None, has_dh=dh is not None,
-    )
-    outs = triton_call(
-        kernel, out_shape=out_shape, grid=(programs,), in_specs=in_specs, out_specs=out_specs,
+    programs = pl.cdiv(rows, config.block_rows)
+    row_spec, vec_spec, stat_spec = _specs(rows, features, config.block_rows)
+    partial_spec = pl.BlockSpec((1, row_block(features)), lambda i: (i, 0))
+    partial = output((programs, features), jnp.float32, partial_spec)
+    kernel = functools.partial(_backward_kernel, rows=rows, features=features, subtract_mean=subtract_mean)
+    outs = triton_kernel_call(
+        kernel, grid=(programs,),
+        inputs=dict(dy=operand(dy, row_spec), x=operand(x, row_spec), scale=operand(scale, vec_spec),
+                    mean=operand(mean, stat_spec), rstd=operand(rstd, stat_spec), dh=operand(dh, row_spec)),
+        outputs=dict(dx=output(x.shape, x.dtype, row_spec), dscale=partial if scale is not None else None,
+                     doffset=partial if offset is not None else None),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_norm_backward",
-    )(*inputs)
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
-    dx = outs.pop(0)
-    dscale = jnp.sum(outs.pop(0), axis=0) if scale is not None else None
-    doffset = jnp.sum(outs.pop(0), axis=0) if offset is not None else None
-    return dx, dscale, doffset
+    )
+    dscale = None if outs.dscale is None else jnp.sum(outs.dscale, axis=0)
+    doffset = None if outs.doffset is None else jnp.sum(outs.doffset, axis=0)
+    return outs.dx, dscale, doffset

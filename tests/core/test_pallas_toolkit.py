@@ -1,0 +1,98 @@
+"""The shared Pallas toolkit: named operands (absent ones included), scalar
+prefetch, and the helpers every family uses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from stellax.core import interpret_mode
+from stellax.core.pallas import (cdiv, dot, dot_nt, dot_tn, kernel_call, nbytes, operand, output, pad_axis,
+                                 padded_dim, square_iota, triton_kernel_call)
+
+
+def _axpy(x, y=None, *, with_sum=True):
+    """``out = 2x (+ y)`` and optionally ``total = Σ out`` per block, with absent operands."""
+
+    def kernel(*, x, y, out, total):
+        acc = 2.0 * x[...]
+        if y is not None:
+            acc = acc + y[...]
+        out[...] = acc
+        if total is not None:
+            total[...] = jnp.sum(acc, keepdims=True)
+
+    spec = pl.BlockSpec((8,), lambda i: (i,))
+    n = x.shape[0] // 8
+    return triton_kernel_call(
+        kernel, grid=(n,), inputs=dict(x=operand(x, spec), y=operand(y, spec)),
+        outputs=dict(out=output(x.shape, x.dtype, spec),
+                     total=output((n,), x.dtype, pl.BlockSpec((1,), lambda i: (i,))) if with_sum else None),
+        num_warps=1, num_stages=1, name="axpy")
+
+
+@pytest.mark.parametrize("with_y", [False, True])
+@pytest.mark.parametrize("with_sum", [False, True])
+def test_named_operands_and_absent_ones(with_y, with_sum):
+    x = jnp.arange(16.0)
+    y = jnp.full((16,), 0.5) if with_y else None
+    with interpret_mode():
+        outs = _axpy(x, y, with_sum=with_sum)
+    expected = 2 * np.arange(16.0) + (0.5 if with_y else 0.0)
+    np.testing.assert_array_equal(outs.out, expected)
+    assert set(outs) == {"out", "total"}
+    if with_sum:
+        np.testing.assert_array_equal(outs["total"], expected.reshape(2, 8).sum(1))
+    else:
+        assert outs.total is None
+
+
+def test_named_operands_lower_for_cuda():
+    specs = (jax.ShapeDtypeStruct((16,), jnp.float32), jax.ShapeDtypeStruct((16,), jnp.float32))
+    with interpret_mode(False):
+        text = jax.jit(lambda x, y: _axpy(x, y).out).trace(*specs).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_scalar_prefetch_operands_reach_index_maps_and_kernel():
+    """A gather of rows by a prefetched table (the shape of a paged/grouped TPU kernel)."""
+
+    def kernel(*, table, x, out):
+        out[...] = x[...] + table[pl.program_id(0)].astype(jnp.float32)
+
+    table = jnp.array([3, 0, 2, 1], jnp.int32)
+    x = jnp.arange(4 * 8 * 128, dtype=jnp.float32).reshape(4, 8, 128)
+    spec_in = pl.BlockSpec((1, 8, 128), lambda i, table: (table[i], 0, 0))
+    spec_out = pl.BlockSpec((1, 8, 128), lambda i, table: (i, 0, 0))
+    outs = kernel_call(kernel, grid=(4,), scalar_prefetch=dict(table=table), inputs=dict(x=operand(x, spec_in)),
+                       outputs=dict(out=output(x.shape, x.dtype, spec_out)),
+                       interpret=pltpu.InterpretParams(), name="gather_rows")
+    expected = np.asarray(x)[np.asarray(table)] + np.asarray(table)[:, None, None]
+    np.testing.assert_array_equal(outs.out, expected)
+
+
+def test_kernel_call_needs_an_output():
+    with pytest.raises(ValueError, match="outputs"):
+        kernel_call(lambda **_: None, grid=(1,), inputs={}, outputs=dict(o=None), name="none")
+
+
+def test_helpers():
+    assert cdiv(17, 8) == 3 and cdiv(16, 8) == 2
+    assert padded_dim(1) == 16 and padded_dim(80) == 128 and padded_dim(128) == 128
+    assert padded_dim(5, minimum=1) == 8
+    x = jnp.ones((3, 5))
+    assert pad_axis(x, 1, 8, value=-1).shape == (3, 8) and float(pad_axis(x, 1, 8, value=-1)[0, 7]) == -1
+    assert pad_axis(x, 0, 2) is x
+    assert nbytes(None) == 0 and nbytes(jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)) == 64
+    a = jax.random.normal(jax.random.PRNGKey(0), (4, 6))
+    b = jax.random.normal(jax.random.PRNGKey(1), (6, 5))
+    np.testing.assert_allclose(dot(a, b), np.asarray(a) @ np.asarray(b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dot_nt(a, b.T), np.asarray(a) @ np.asarray(b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dot_tn(a.T, b), np.asarray(a) @ np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)).dtype == jnp.float32
+    rows, cols = square_iota(3)
+    np.testing.assert_array_equal(rows, np.arange(3)[:, None] * np.ones(3, int))
+    np.testing.assert_array_equal(cols, np.arange(3)[None, :] * np.ones((3, 1), int))
