@@ -240,8 +240,13 @@ class Op:
         return impl.run(call, cfg)
 
     def __call__(self, *args, implementation=None, config=None, **kwargs):
+        """Check the user arguments, pick the implementation and its config, run it
+        (`run` on an already checked call; inlined here to keep the call path short)."""
         call = self.check(*args, **kwargs)
-        return self.run(call, implementation=implementation, config=config)
+        impl = self.select(call, implementation)
+        cfg, _ = selection.resolve_config(self.name, impl, call, config)
+        selection.notify(self, impl, call, cfg)
+        return impl.run(call, cfg)
 
     def run_implementation(self, name: str, call: Call, config=None):
         """Run one named implementation with a given (or resolved) config, no fallback."""
