@@ -234,48 +234,32 @@ def autotune(fn: Callable[..., Any], *args, implementations: Sequence[str] | Non
     platform = current_platform()
     device = keys_lib.device_slug(platform)
     calls = find_calls(fn, *args, implementations=implementations, **kwargs)
-    if isinstance(cache, cache_lib.ConfigCache):
-        write_cache, read_caches = cache, [cache]
-    elif cache:
-        write_cache = cache_lib.user_cache(device, platform.device_kind)
-        read_caches = [write_cache]
-    else:
-        write_cache, read_caches = None, []
-    if use_shipped:
-        read_caches = read_caches + [cache_lib.shipped_cache(device)]
+    write_cache, read_caches = _caches(cache, use_shipped, device, platform)
     report = _progress_printer() if progress is True else (progress or None)
 
     entries: list[ResultEntry] = []
     failures: list[dict] = []
     for n, item in enumerate(calls):
-        if not force:
-            hit = None
-            for c in read_caches:
-                config = sources.trusted_config(c.get(item.key), item.call, c)
-                if config is not None:
-                    hit = (c.get(item.key), c.label)
-                    break
-            if hit is not None:
-                entries.append(ResultEntry(hit[0], hit[1]))
-                if report:
-                    report(f"{item.op.name}/{item.implementation} cached", n + 1, len(calls))
-                continue
-        label = f"{item.op.name}/{item.implementation} {item.call.describe()}"
-        if deadline is not None and time.monotonic() > deadline:
-            failures.append({"op": item.op.name, "implementation": item.implementation,
-                             "call": item.call.describe(), "error": "skipped: deadline reached"})
+        hit = None if force else _cached_entry(item, read_caches)
+        if hit is not None:
+            entries.append(hit)
+            if report:
+                report(f"{item.op.name}/{item.implementation} cached", n + 1, len(calls))
             continue
+        if deadline is not None and time.monotonic() > deadline:
+            failures.append(_failure(item, "skipped: deadline reached"))
+            continue
+        label = f"[{n + 1}/{len(calls)}] {item.op.name}/{item.implementation} {item.call.describe()}"
 
         def step(stage, done, total, _label=label):
             if report:
-                report(f"[{n + 1}/{len(calls)}] {_label}: {stage}", done, total)
+                report(f"{_label}: {stage}", done, total)
 
         try:
             result = tune_call(item.op, item.implementation, item.call, max_configs=max_configs, timer=timer,
                                concrete=item.concrete, progress=step, input_sets=input_sets)
         except (TuneError, Exception) as e:  # noqa: BLE001 - keep tuning the others
-            failures.append({"op": item.op.name, "implementation": item.implementation,
-                             "call": item.call.describe(), "error": f"{type(e).__name__}: {e}"[:500]})
+            failures.append(_failure(item, f"{type(e).__name__}: {e}"[:500]))
             continue
         entry = result.entry()
         if write_cache is not None:
@@ -286,6 +270,33 @@ def autotune(fn: Callable[..., Any], *args, implementations: Sequence[str] | Non
     # Traces made before now chose configs without these results.
     jax.clear_caches()
     return AutotuneResult(entries, device=device, device_kind=platform.device_kind, failures=failures)
+
+
+def _caches(cache, use_shipped: bool, device: str, platform):
+    """``(the cache tuned results go to or None, the caches consulted in order)``."""
+    if isinstance(cache, cache_lib.ConfigCache):
+        write_cache, read_caches = cache, [cache]
+    elif cache:
+        write_cache = cache_lib.user_cache(device, platform.device_kind)
+        read_caches = [write_cache]
+    else:
+        write_cache, read_caches = None, []
+    if use_shipped:
+        read_caches = read_caches + [cache_lib.shipped_cache(device)]
+    return write_cache, read_caches
+
+
+def _cached_entry(item, read_caches) -> ResultEntry | None:
+    """The first cache's trusted entry for ``item``'s call, or ``None``."""
+    for c in read_caches:
+        if sources.trusted_config(c.get(item.key), item.call, c) is not None:
+            return ResultEntry(c.get(item.key), c.label)
+    return None
+
+
+def _failure(item, error: str) -> dict:
+    return {"op": item.op.name, "implementation": item.implementation, "call": item.call.describe(),
+            "error": error}
 
 
 class _progress_printer:

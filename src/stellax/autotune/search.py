@@ -167,6 +167,55 @@ def _outputs_close(out, ref) -> str | None:
     return None
 
 
+def _compile_all(configs, compile_one, candidates, compile_workers, progress) -> list:
+    """Compile every config in parallel threads; a failure is recorded on its candidate (entry ``None``)."""
+    compiled: list = [None] * len(configs)
+    workers = compile_workers or min(8, max(1, (os.cpu_count() or 2)), len(configs))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+        runner = isolating(compile_one)
+        futures = {ex.submit(runner, c): i for i, c in enumerate(configs)}
+        done = 0
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            try:
+                compiled[i], candidates[i].compile_s = future.result()
+            except Exception as e:  # noqa: BLE001 - a failing config is skipped
+                candidates[i].error = f"compile: {type(e).__name__}: {e}"[:400]
+            done += 1
+            if progress:
+                progress("compile", done, len(configs))
+    return compiled
+
+
+def _time_all(compiled, sets, candidates, timer, verify: bool, progress) -> str:
+    """Time every compiled config one after another on the same inputs (a config whose output
+    disagrees with the first one's is recorded as wrong, not timed); returns the timer's name."""
+    timer_obj = timing_lib.make_timer(timer)
+    used_timer = timer_obj.name
+    reference = None
+    for i, exe in enumerate(compiled):
+        if exe is None:
+            continue
+        try:
+            out = isolated(lambda: jax.block_until_ready(exe(*sets[0])))
+            if verify:
+                if reference is None:
+                    reference = out
+                else:
+                    problem = _outputs_close(out, reference)
+                    if problem:
+                        candidates[i].error = f"wrong result: {problem}"
+                        continue
+            times, used_timer = isolated(timing_lib.measure, exe, sets, timer_obj)
+            stats = timing_lib.summarize(times)
+            candidates[i].median_ms, candidates[i].min_ms, candidates[i].iqr_ms = stats.median, stats.min, stats.iqr
+        except Exception as e:  # noqa: BLE001
+            candidates[i].error = f"run: {type(e).__name__}: {e}"[:400]
+        if progress:
+            progress("time", i + 1, len(compiled))
+    return used_timer
+
+
 def tune_call(op, implementation, call: Call, *, max_configs: int | None = None,
               timer: str | timing_lib.Timer = "auto", concrete: Mapping[str, Any] | None = None,
               input_sets: int = 2, compile_workers: int | None = None, verify: bool = True, seed: int = 0,
@@ -199,45 +248,8 @@ def tune_call(op, implementation, call: Call, *, max_configs: int | None = None,
         return compiled, time.perf_counter() - t0
 
     candidates = [Candidate(_config_dict(c), default=(i == 0)) for i, c in enumerate(configs)]
-    compiled: list = [None] * len(configs)
-    workers = compile_workers or min(8, max(1, (os.cpu_count() or 2)), len(configs))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
-        runner = isolating(compile_one)
-        futures = {ex.submit(runner, c): i for i, c in enumerate(configs)}
-        done = 0
-        for future in concurrent.futures.as_completed(futures):
-            i = futures[future]
-            try:
-                compiled[i], candidates[i].compile_s = future.result()
-            except Exception as e:  # noqa: BLE001 - a failing config is skipped
-                candidates[i].error = f"compile: {type(e).__name__}: {e}"[:400]
-            done += 1
-            if progress:
-                progress("compile", done, len(configs))
-
-    timer_obj = timing_lib.make_timer(timer)
-    used_timer = timer_obj.name
-    reference = None
-    for i, exe in enumerate(compiled):
-        if exe is None:
-            continue
-        try:
-            out = isolated(lambda: jax.block_until_ready(exe(*sets[0])))
-            if verify:
-                if reference is None:
-                    reference = out
-                else:
-                    problem = _outputs_close(out, reference)
-                    if problem:
-                        candidates[i].error = f"wrong result: {problem}"
-                        continue
-            times, used_timer = isolated(timing_lib.measure, exe, sets, timer_obj)
-            stats = timing_lib.summarize(times)
-            candidates[i].median_ms, candidates[i].min_ms, candidates[i].iqr_ms = stats.median, stats.min, stats.iqr
-        except Exception as e:  # noqa: BLE001
-            candidates[i].error = f"run: {type(e).__name__}: {e}"[:400]
-        if progress:
-            progress("time", i + 1, len(configs))
+    compiled = _compile_all(configs, compile_one, candidates, compile_workers, progress)
+    used_timer = _time_all(compiled, sets, candidates, timer, verify, progress)
 
     timed = [(c.median_ms, i) for i, c in enumerate(candidates) if c.error is None and c.median_ms is not None]
     if not timed:

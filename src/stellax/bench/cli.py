@@ -5,6 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+from rich.console import Console
+
+from ..autotune.cache import atomic_write_text
+from ..core.platform import current_platform
+from . import baseline as baseline_lib
+from . import report
+from . import roofline as roofline_lib
+from .calibrate import calibrate, describe
+from .measurement import MODES
+from .profiler import profile, trace_files
+from .suites import SuiteOptions, families, run_suites
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _list(console) -> int:
-    from .suites import families
-
     for family, ops in families().items():
         console.print(f"{family}: " + ", ".join(
             f"{op.name} (implementations {', '.join(op.implementations)}"
@@ -57,85 +68,64 @@ def _list(console) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from rich.console import Console
+def _options(args, platform, err) -> SuiteOptions | None:
+    """Suite options from the arguments (``None`` after printing the error for a bad one)."""
+    known = families()
+    unknown = [s for s in args.suites if s not in known]
+    if unknown:
+        err.print(f"unknown suite(s) {unknown}; known suites: {list(known)}")
+        return None
+    modes = args.modes.split(",") if args.modes else None
+    bad = [m for m in modes or () if m not in MODES]
+    if bad:
+        err.print(f"--modes: unknown {bad}; expected some of {MODES}")
+        return None
+    budget = args.budget if args.budget is not None else (90.0 if platform.backend == "cpu" else None)
+    return SuiteOptions(
+        modes=modes, implementations=args.implementations.split(",") if args.implementations else None,
+        peers=not args.no_peers, interpret=args.interpret,
+        timer="wall" if (args.profile and args.timer in ("auto", "cupti")) else args.timer,
+        max_cases=args.max_cases, budget_s=budget, min_time=args.min_time,
+    )
 
-    import stellax  # noqa: F401  (registers the ops)
 
-    from ..core.platform import current_platform
-    from . import baseline as baseline_lib
-    from . import report
-    from . import roofline as roofline_lib
-    from .profiler import profile, trace_files
-    from .suites import SuiteOptions, families, run_suites
+def _run(args, platform, console, err):
+    """Calibrate and/or run the suites: ``records`` or an exit status (int)."""
+    if args.calibrate:
+        with profile(args.profile):
+            measurement = calibrate(timer="wall" if args.profile else args.timer)
+        console.print(f"calibration on {platform.describe()}: {describe(measurement)}")
+        if measurement.get("saved_to"):
+            console.print(f"saved to {measurement['saved_to']}")
+        if not args.suites:
+            return 0
+    elif roofline_lib.device_peaks(platform) is None:
+        calibrate(quick=True, save=False)  # CPU: rough in-process ceilings for the roofline columns
+    options = _options(args, platform, err)
+    if options is None:
+        return 2
+    progress = None if args.quiet else (lambda text: err.print(f"[dim]{text}", highlight=False))
+    started = time.monotonic()
+    with profile(args.profile) as trace_dir:
+        records = run_suites(args.suites or None, options, progress=progress)
+    if not args.quiet:
+        err.print(f"[dim]{len(records)} measurements in {time.monotonic() - started:.1f} s")
+    if trace_dir is not None:
+        files = trace_files(str(trace_dir))
+        console.print(f"profile trace: {len(files)} file(s) under {trace_dir} (open in Perfetto or XProf)")
+    return records
 
-    console = Console(stderr=False, width=max(Console().width, 240))
-    err = Console(stderr=True)
-    if args.list:
-        return _list(console)
-    platform = current_platform()
 
-    if args.input:
-        records, env = report.load_records(args.input)
-    else:
-        env = report.environment()
-        if args.calibrate:
-            from .calibrate import calibrate, describe
-
-            with profile(args.profile):
-                measurement = calibrate(timer="wall" if args.profile else args.timer)
-            console.print(f"calibration on {platform.describe()}: {describe(measurement)}")
-            if measurement.get("saved_to"):
-                console.print(f"saved to {measurement['saved_to']}")
-            if not args.suites:
-                return 0
-        elif roofline_lib.device_peaks(platform) is None:
-            from .calibrate import calibrate
-
-            calibrate(quick=True, save=False)  # CPU: rough in-process ceilings for the roofline columns
-        known = families()
-        unknown = [s for s in args.suites if s not in known]
-        if unknown:
-            err.print(f"unknown suite(s) {unknown}; known suites: {list(known)}")
-            return 2
-        modes = args.modes.split(",") if args.modes else None
-        if modes:
-            from .measurement import MODES
-
-            bad = [m for m in modes if m not in MODES]
-            if bad:
-                err.print(f"--modes: unknown {bad}; expected some of {MODES}")
-                return 2
-        budget = args.budget if args.budget is not None else (90.0 if platform.backend == "cpu" else None)
-        options = SuiteOptions(
-            modes=modes, implementations=args.implementations.split(",") if args.implementations else None,
-            peers=not args.no_peers, interpret=args.interpret, timer="wall" if (args.profile and args.timer in
-                                                                                 ("auto", "cupti")) else args.timer,
-            max_cases=args.max_cases, budget_s=budget, min_time=args.min_time,
-        )
-        progress = None if args.quiet else (lambda text: err.print(f"[dim]{text}", highlight=False))
-        started = time.monotonic()
-        with profile(args.profile) as trace_dir:
-            records = run_suites(args.suites or None, options, progress=progress)
-        if not args.quiet:
-            err.print(f"[dim]{len(records)} measurements in {time.monotonic() - started:.1f} s")
-        if trace_dir is not None:
-            files = trace_files(str(trace_dir))
-            console.print(f"profile trace: {len(files)} file(s) under {trace_dir} (open in Perfetto or XProf)")
-
+def _write_outputs(args, records, env, platform, console) -> None:
+    """The table, and the JSON / markdown / plot files the arguments ask for."""
     if not args.quiet:
         report.print_table(records, title=f"stellax bench on {env.get('device', platform.describe())}",
                            console=console)
-    peaks = roofline_lib.device_peaks(platform)
     if args.json:
-        report.write_json(args.json, records, env=env, peaks=peaks)
+        report.write_json(args.json, records, env=env, peaks=roofline_lib.device_peaks(platform))
         if args.json != "-" and not args.quiet:
             console.print(f"wrote {args.json}")
     if args.markdown:
-        from ..autotune.cache import atomic_write_text
-        from pathlib import Path
-
         atomic_write_text(Path(args.markdown), report.markdown(records, env=env))
         if not args.quiet:
             console.print(f"wrote {args.markdown}")
@@ -146,17 +136,34 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for path in report.plot(records, args.plot):
                 console.print(f"wrote {path}")
-    status = 0
-    if args.baseline:
-        base_records, base_env = report.load_records(args.baseline)
-        if base_env.get("device_kind") and base_env.get("device_kind") != env.get("device_kind"):
-            console.print(f"[yellow]note: the baseline ran on {base_env.get('device_kind')}, "
-                          f"this on {env.get('device_kind')}")
-        comparison = baseline_lib.compare(records, base_records, threshold=args.threshold, noise_k=args.noise)
-        console.print(comparison.report(), highlight=False)
-        status = 0 if comparison.ok else 1
-    return status
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def _compare_baseline(args, records, env, console) -> int:
+    """0 when no regression against ``--baseline`` beyond ``--threshold``, else 1."""
+    base_records, base_env = report.load_records(args.baseline)
+    if base_env.get("device_kind") and base_env.get("device_kind") != env.get("device_kind"):
+        console.print(f"[yellow]note: the baseline ran on {base_env.get('device_kind')}, "
+                      f"this on {env.get('device_kind')}")
+    comparison = baseline_lib.compare(records, base_records, threshold=args.threshold, noise_k=args.noise)
+    console.print(comparison.report(), highlight=False)
+    return 0 if comparison.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    import stellax  # noqa: F401  (registers the ops; imported here: stellax imports this package)
+
+    console = Console(stderr=False, width=max(Console().width, 240))
+    err = Console(stderr=True)
+    if args.list:
+        return _list(console)
+    platform = current_platform()
+    if args.input:
+        records, env = report.load_records(args.input)
+    else:
+        env = report.environment()
+        records = _run(args, platform, console, err)
+        if isinstance(records, int):
+            return records
+    _write_outputs(args, records, env, platform, console)
+    return _compare_baseline(args, records, env, console) if args.baseline else 0

@@ -213,6 +213,54 @@ class Prepared:
     dtype: str | None
 
 
+def _gradient_target(call, args, kwargs, dyn_pos, dyn_kw, sets, *, mode, argnums, grad_kwargs, seed):
+    """The timed function and its input sets for ``mode`` ``backward`` / ``forward_backward``:
+    the VJP of ``call``'s float outputs w.r.t. the chosen float arguments, with random cotangents."""
+    if argnums is None:
+        diff_pos = [j for j, i in enumerate(dyn_pos) if _has_float(args[i])]
+    else:
+        wanted = [argnums] if isinstance(argnums, int) else list(argnums)
+        diff_pos = [dyn_pos.index(i) for i in wanted if i in dyn_pos]
+    if grad_kwargs is None:
+        diff_kw = [k for k in dyn_kw if _has_float(kwargs[k])]
+    else:
+        diff_kw = [k for k in grad_kwargs if k in dyn_kw]
+    if not diff_pos and not diff_kw:
+        raise ValueError(f"mode={mode!r}: no differentiable (float array) argument")
+
+    def split(dyn_a, dyn_k):
+        return tuple(dyn_a[j] for j in diff_pos), {k: dyn_k[k] for k in diff_kw}
+
+    def merged(dyn_a, dyn_k, diff):
+        dyn_a = list(dyn_a)
+        for j, a in zip(diff_pos, diff[0]):
+            dyn_a[j] = a
+        return _float_outputs(call(tuple(dyn_a), {**dyn_k, **diff[1]}))
+
+    def vjp_of(dyn_a, dyn_k):
+        return jax.vjp(lambda diff: merged(dyn_a, dyn_k, diff), split(dyn_a, dyn_k))
+
+    out_shapes = jax.eval_shape(lambda a, k: merged(a, k, split(a, k)), *sets[0])
+    if not out_shapes:
+        raise ValueError(f"mode={mode!r}: the function has no float output to differentiate")
+    cts = [[inputs_lib.random_like(jax.random.fold_in(jax.random.PRNGKey(seed + 1000), i * 97 + j), s)
+            for j, s in enumerate(out_shapes)] for i in range(len(sets))]
+    if mode == "forward_backward":
+        def target(dyn_a, dyn_k, ct):
+            _, pullback = vjp_of(dyn_a, dyn_k)
+            return pullback(ct)
+
+        return target, [(s[0], s[1], ct) for s, ct in zip(sets, cts)]
+    # backward: the forward and its residuals are computed up front, untimed
+    forward = jax.jit(vjp_of)
+    pullbacks = [forward(*s)[1] for s in sets]
+
+    def target(pullback, ct):
+        return pullback(ct)
+
+    return target, [(p, ct) for p, ct in zip(pullbacks, cts)]
+
+
 def prepare(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
             mode: str = "forward", argnums: Sequence[int] | int | None = None,
             grad_kwargs: Sequence[str] | None = None, input_sets: int = 3, randomize: bool = True,
@@ -240,56 +288,11 @@ def prepare(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
     sets = inputs_lib.input_sets(dyn, input_sets, seed=seed, randomize=randomize)
     dtype = _first_float_dtype(dyn)
     recorder = _OpRecorder()
-
     if mode == "forward":
-        target = call
-        timed_sets = [tuple(s) for s in sets]
+        target, timed_sets = call, [tuple(s) for s in sets]
     else:
-        if argnums is None:
-            diff_pos = [j for j, i in enumerate(dyn_pos) if _has_float(args[i])]
-        else:
-            wanted = [argnums] if isinstance(argnums, int) else list(argnums)
-            diff_pos = [dyn_pos.index(i) for i in wanted if i in dyn_pos]
-        if grad_kwargs is None:
-            diff_kw = [k for k in dyn_kw if _has_float(kwargs[k])]
-        else:
-            diff_kw = [k for k in grad_kwargs if k in dyn_kw]
-        if not diff_pos and not diff_kw:
-            raise ValueError(f"mode={mode!r}: no differentiable (float array) argument")
-
-        def split(dyn_a, dyn_k):
-            diff = (tuple(dyn_a[j] for j in diff_pos), {k: dyn_k[k] for k in diff_kw})
-            return diff
-
-        def merged(dyn_a, dyn_k, diff):
-            dyn_a = list(dyn_a)
-            for j, a in zip(diff_pos, diff[0]):
-                dyn_a[j] = a
-            dyn_k = {**dyn_k, **diff[1]}
-            return _float_outputs(call(tuple(dyn_a), dyn_k))
-
-        def vjp_of(dyn_a, dyn_k):
-            return jax.vjp(lambda diff: merged(dyn_a, dyn_k, diff), split(dyn_a, dyn_k))
-
-        out_shapes = jax.eval_shape(lambda a, k: merged(a, k, split(a, k)), *sets[0])
-        if not out_shapes:
-            raise ValueError(f"mode={mode!r}: the function has no float output to differentiate")
-        cts = [[inputs_lib.random_like(jax.random.fold_in(jax.random.PRNGKey(seed + 1000), i * 97 + j), s)
-                for j, s in enumerate(out_shapes)] for i in range(len(sets))]
-        if mode == "forward_backward":
-            def target(dyn_a, dyn_k, ct):
-                _, pullback = vjp_of(dyn_a, dyn_k)
-                return pullback(ct)
-
-            timed_sets = [(s[0], s[1], ct) for s, ct in zip(sets, cts)]
-        else:  # backward: the forward and its residuals are computed up front, untimed
-            forward = jax.jit(vjp_of)
-            pullbacks = [forward(*s)[1] for s in sets]
-
-            def target(pullback, ct):
-                return pullback(ct)
-
-            timed_sets = [(p, ct) for p, ct in zip(pullbacks, cts)]
+        target, timed_sets = _gradient_target(call, args, kwargs, dyn_pos, dyn_kw, sets, mode=mode,
+                                              argnums=argnums, grad_kwargs=grad_kwargs, seed=seed)
 
     def traced(*a):
         recorder.bind(a, timed_sets[0])

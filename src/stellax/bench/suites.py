@@ -19,6 +19,7 @@ import traceback
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from ..core.op import Example, Op, UnsupportedError, registered_ops
 from ..core.platform import current_platform, interpret_mode
@@ -103,6 +104,109 @@ def _op_fn(op: Op, impl_name: str):
     return fn
 
 
+@dataclasses.dataclass(frozen=True)
+class _WorkItem:
+    """One measurement of a suite: (op, case, implementation or peer, mode)."""
+
+    priority: int
+    order: int
+    group: tuple
+    op: Op
+    example: Any
+    label: str
+    mode: str
+    positions: Any
+    kw: Any
+    target: tuple
+
+
+def _suite_timer(options: SuiteOptions, platform):
+    timer_kwargs = {"warmup": 0 if platform.backend == "cpu" else 1}
+    if platform.backend == "cpu":
+        timer_kwargs["min_iterations"] = 3
+    if options.min_time is not None:
+        timer_kwargs["min_time"] = options.min_time
+    return timing_lib.make_timer(options.timer, **timer_kwargs)
+
+
+def _unique_labels(examples) -> list[str]:
+    """Example labels with ``#n`` appended to repeats."""
+    seen: dict[str, int] = {}
+    labels = []
+    for example in examples:
+        label = example.label
+        if label in seen:
+            seen[label] += 1
+            label = f"{label} #{seen[label]}"
+        else:
+            seen[label] = 0
+        labels.append(label)
+    return labels
+
+
+def _plan(family: str, ops: list[Op], options: SuiteOptions, platform, deadline: float | None):
+    """The suite's work items in natural order, and records for the ops the deadline cut off before
+    their inputs were built. Priority: 0 = an op's first case forward with its own implementation,
+    1 = the peers and other modes of that case, 2 + i = case i."""
+    items: list[_WorkItem] = []
+    unbuilt: list[bench_lib.BenchmarkRecord] = []
+    for op_index, op in enumerate(ops):
+        if deadline is not None and op_index > 0 and time.monotonic() > deadline:
+            # Building the inputs costs time too: past the deadline, skip the op whole.
+            unbuilt.append(bench_lib.BenchmarkRecord(
+                name=f"{op.name} (all cases)", mode="*", device_kind=platform.device_kind,
+                backend=platform.backend, suite=family, op=op.name, case="(all cases)", implementation="*",
+                skipped="time budget exhausted"))
+            continue
+        examples = op.examples(jnp.float32) if options.use_examples else op.benchmarks(platform)
+        if options.max_cases is not None:
+            examples = examples[: options.max_cases]
+        for case_index, (example, label) in enumerate(zip(examples, _unique_labels(examples))):
+            positions, kw = grad_spec(op, example)
+            modes = [m for m in (options.modes or default_modes(op, example))
+                     if m == "forward" or positions or kw]
+            for mode_index, mode in enumerate(modes):
+                for target in _targets(op, options, platform):
+                    own = target[2] is not None
+                    if case_index == 0 and mode_index == 0 and own:
+                        priority = 0
+                    elif case_index == 0:
+                        priority = 1
+                    else:
+                        priority = 2 + case_index
+                    items.append(_WorkItem(priority, len(items), (op_index, case_index, mode_index), op, example,
+                                           label, mode, positions, kw, target))
+    return items, unbuilt
+
+
+def _run_item(item: _WorkItem, family: str, options: SuiteOptions, platform, timer, input_sets, peaks,
+              progress, *, past_deadline: bool) -> tuple[bench_lib.BenchmarkRecord, bool]:
+    """Measure one work item, or record why it was skipped or failed; also whether it was measured."""
+    impl_label, peer_fn, impl = item.target
+    op, example = item.op, item.example
+    meta = dict(suite=family, op=op.name, case=item.label, implementation=impl_label)
+    name = f"{op.name} {item.label} {impl_label}"
+    base = dict(name=name, mode=item.mode, device_kind=platform.device_kind, backend=platform.backend, **meta)
+    if past_deadline:
+        return bench_lib.BenchmarkRecord(skipped="time budget exhausted", **base), False
+    if impl is not None:
+        try:
+            support = impl.supported(op.check(*example.args, **example.kwargs))
+        except Exception as e:  # noqa: BLE001
+            return bench_lib.BenchmarkRecord(error=f"check: {type(e).__name__}: {e}"[:300], **base), False
+        if not support:
+            return bench_lib.BenchmarkRecord(skipped=support.reason[:300], **base), False
+    fn = _op_fn(op, impl.name) if impl is not None else peer_fn
+    if progress:
+        progress(f"{family}: {name} [{item.mode}]")
+    record = _measure(fn, example, item.mode, item.positions, item.kw, timer, input_sets, peaks, platform, name,
+                      meta, interpret=options.interpret and impl is not None and impl.is_kernel)
+    if impl is None and record.error:
+        # A peer that cannot run here (library or backend missing) is not a stellax failure.
+        record.skipped, record.error = f"peer unavailable: {record.error}"[:300], None
+    return record, True
+
+
 def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable[Op] | None = None,
               progress: Callable[[str], None] | None = None, deadline: float | None = None,
               guarantee_one: bool = True) -> list[bench_lib.BenchmarkRecord]:
@@ -121,91 +225,22 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
         raise ValueError(f"suite {family!r}: no registered op of that family has benchmarks; "
                          f"known suites: {suite_names()}")
     peaks = roofline_lib.device_peaks(platform)
-    timer_kwargs = {"warmup": 0 if platform.backend == "cpu" else 1}
-    if platform.backend == "cpu":
-        timer_kwargs["min_iterations"] = 3
-    if options.min_time is not None:
-        timer_kwargs["min_time"] = options.min_time
-    timer = timing_lib.make_timer(options.timer, **timer_kwargs)
+    timer = _suite_timer(options, platform)
     input_sets = options.input_sets or (2 if platform.backend == "cpu" else 3)
-
-    # Work items: (priority, natural order, group, op, example, label, mode, target).
-    items = []
-    order = 0
-    unbuilt: list[bench_lib.BenchmarkRecord] = []
-    for op_index, op in enumerate(ops):
-        if deadline is not None and op_index > 0 and time.monotonic() > deadline:
-            # Building the inputs costs time too: past the deadline, skip the op whole.
-            unbuilt.append(bench_lib.BenchmarkRecord(
-                name=f"{op.name} (all cases)", mode="*", device_kind=platform.device_kind,
-                backend=platform.backend, suite=family, op=op.name, case="(all cases)", implementation="*",
-                skipped="time budget exhausted"))
-            continue
-        if options.use_examples:
-            import jax.numpy as jnp
-            examples = op.examples(jnp.float32)
-        else:
-            examples = op.benchmarks(platform)
-        if options.max_cases is not None:
-            examples = examples[: options.max_cases]
-        seen_labels: dict[str, int] = {}
-        for case_index, example in enumerate(examples):
-            label = example.label
-            if label in seen_labels:
-                seen_labels[label] += 1
-                label = f"{label} #{seen_labels[label]}"
-            else:
-                seen_labels[label] = 0
-            positions, kw = grad_spec(op, example)
-            modes = [m for m in (options.modes or default_modes(op, example))
-                     if m == "forward" or positions or kw]
-            for mode_index, mode in enumerate(modes):
-                for target in _targets(op, options, platform):
-                    own = target[2] is not None
-                    if case_index == 0 and mode_index == 0 and own:
-                        priority = 0
-                    elif case_index == 0:
-                        priority = 1
-                    else:
-                        priority = 2 + case_index
-                    group = (op_index, case_index, mode_index)
-                    items.append((priority, order, group, op, example, label, mode, positions, kw, target))
-                    order += 1
+    items, unbuilt = _plan(family, ops, options, platform, deadline)
 
     done: dict[int, bench_lib.BenchmarkRecord] = {}
     first = True
-    for priority, order, group, op, example, label, mode, positions, kw, target in sorted(items, key=lambda t: t[:2]):
-        impl_label, peer_fn, impl = target
-        meta = dict(suite=family, op=op.name, case=label, implementation=impl_label)
-        name = f"{op.name} {label} {impl_label}"
-        base = dict(name=name, mode=mode, device_kind=platform.device_kind, backend=platform.backend, **meta)
-        if deadline is not None and time.monotonic() > deadline and not (first and guarantee_one):
-            done[order] = bench_lib.BenchmarkRecord(skipped="time budget exhausted", **base)
-            continue
-        if impl is not None:
-            try:
-                support = impl.supported(op.check(*example.args, **example.kwargs))
-            except Exception as e:  # noqa: BLE001
-                done[order] = bench_lib.BenchmarkRecord(error=f"check: {type(e).__name__}: {e}"[:300], **base)
-                continue
-            if not support:
-                done[order] = bench_lib.BenchmarkRecord(skipped=support.reason[:300], **base)
-                continue
-        fn = _op_fn(op, impl.name) if impl is not None else peer_fn
-        if progress:
-            progress(f"{family}: {name} [{mode}]")
-        record = _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platform, name, meta,
-                          interpret=options.interpret and impl is not None and impl.is_kernel)
-        if impl is None and record.error:
-            # A peer that cannot run here (library or backend missing) is not a stellax failure.
-            record.skipped, record.error = f"peer unavailable: {record.error}"[:300], None
-        done[order] = record
-        first = False
+    for item in sorted(items, key=lambda t: (t.priority, t.order)):
+        past = deadline is not None and time.monotonic() > deadline and not (first and guarantee_one)
+        done[item.order], measured = _run_item(item, family, options, platform, timer, input_sets, peaks, progress,
+                                               past_deadline=past)
+        first = first and not measured
 
     records: list[bench_lib.BenchmarkRecord] = []
     by_group: dict[tuple, list] = {}
     for item in items:
-        by_group.setdefault(item[2], []).append(done[item[1]])
+        by_group.setdefault(item.group, []).append(done[item.order])
     for group in sorted(by_group):
         _share_cost_model(by_group[group], peaks)
         records.extend(by_group[group])
