@@ -168,28 +168,14 @@ def _jax_device(t: torch.Tensor):
     return dev
 
 
-def _fast_from_dlpack():
-    """The capsule -> buffer entry point under `jax.dlpack.from_dlpack`, without
-    its per-call device lookup and dtype canonicalization (tens of µs); None
-    when this jaxlib does not expose it (then the public API is used)."""
-    try:
-        from jax._src.lib import _jax as _jaxlib, jaxlib_extension_version
-    except Exception:  # pragma: no cover - other jaxlib layouts
-        return None
-    fn = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
-    if fn is None:
-        return None
-    if jaxlib_extension_version >= 467:
-        return lambda capsule, device, stream, kind: fn(capsule, device, stream, None, kind)
-    return lambda capsule, device, stream, kind: fn(capsule, device, stream, None)
-
-
-_FAST = _fast_from_dlpack()
-
-
 def to_jax(t, *, copy_if_unaligned: bool = True) -> jax.Array:
     """A torch tensor (or `PackedTensor`) as a `jax.Array` on the same device,
-    sharing memory where possible (see the module docstring)."""
+    sharing memory where possible (see the module docstring).
+
+    Goes through the public `jax.dlpack.from_dlpack` (which asks the tensor
+    for a capsule on JAX's external-ready stream). ``copy_if_unaligned=False``
+    raises ``ValueError`` instead of copying a buffer XLA cannot use in place.
+    """
     if isinstance(t, PackedTensor):
         data = to_jax(t.data)
         return _unpack_jit(data, t.format, tuple(t.shape))
@@ -201,18 +187,8 @@ def to_jax(t, *, copy_if_unaligned: bool = True) -> jax.Array:
         t = t.to(torch.int32)
     if not t.is_contiguous():
         t = t.contiguous()
-    if _FAST is not None and t.device.type in ("cpu", "cuda"):
-        device = _jax_device(t)
-        if t.device.type == "cuda":
-            stream = device.get_stream_for_external_ready_events()
-            kind = 2  # kDLCUDA
-        else:
-            stream, kind = None, 1  # kDLCPU
-        try:
-            return _FAST(t.__dlpack__(stream=stream), device, stream, kind)
-        except Exception:  # unaligned or otherwise unusable in place: let the public API decide
-            pass
-    return jax.dlpack.from_dlpack(t)
+    _jax_device(t)  # a clear error for a device JAX does not have
+    return jax.dlpack.from_dlpack(t, copy=None if copy_if_unaligned else False)
 
 
 def to_torch(a: jax.Array):

@@ -42,9 +42,9 @@ _BUCKET_KV: dict[str, bool] = {}
 def _is_tracing(t) -> bool:
     try:
         from transformers.utils.import_utils import is_tracing
-        return bool(is_tracing(t))
-    except Exception:  # pragma: no cover
+    except ImportError:  # pragma: no cover - transformers versions without it
         return torch.compiler.is_compiling()
+    return bool(is_tracing(t))
 
 
 def stellax_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
