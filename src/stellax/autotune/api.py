@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -12,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 
 from ..core.call import Call
+from ..core.op import registered_ops
 from ..core.platform import current_platform
 from ..core.selection import observe_calls, use_configs
 from ..bench import inputs as inputs_lib
@@ -126,8 +128,6 @@ class AutotuneResult:
         found = self.lookup(op_name, implementation, call)
         if found is None:
             return None
-        from ..core.op import registered_ops
-
         return registered_ops()[op_name].implementations[implementation].config_type.from_dict(found)
 
     def __enter__(self) -> "AutotuneResult":
@@ -235,7 +235,7 @@ def autotune(fn: Callable[..., Any], *args, implementations: Sequence[str] | Non
     device = keys_lib.device_slug(platform)
     calls = find_calls(fn, *args, implementations=implementations, **kwargs)
     write_cache, read_caches = _caches(cache, use_shipped, device, platform)
-    report = _progress_printer() if progress is True else (progress or None)
+    report = progress_printer() if progress is True else (progress or None)
 
     entries: list[ResultEntry] = []
     failures: list[dict] = []
@@ -299,18 +299,14 @@ def _failure(item, error: str) -> dict:
             "error": error}
 
 
-class _progress_printer:
+class progress_printer:
     """A one-line console progress display (rich when on a terminal)."""
 
     def __init__(self):
-        import sys
-
         self._tty = sys.stderr.isatty()
         self._last = 0.0
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        import sys
-
         now = time.monotonic()
         if not self._tty and done < total and now - self._last < 2.0:
             return
@@ -325,8 +321,6 @@ class _progress_printer:
         sys.stderr.flush()
 
     def close(self) -> None:
-        import sys
-
         if self._tty:
             sys.stderr.write("\n")
             sys.stderr.flush()

@@ -39,6 +39,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import jax
+
+from .._version import __version__
 from . import keys as keys_lib
 
 FORMAT = "stellax-autotune-cache"
@@ -73,10 +76,6 @@ def shipped_dir() -> Path:
 
 
 def versions() -> dict[str, str]:
-    import jax
-
-    from .._version import __version__
-
     return {"stellax_version": __version__, "jax_version": jax.__version__}
 
 

@@ -18,6 +18,21 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+
+import stellax  # noqa: F401  (registers the ops)
+
+from ..bench.inputs import materialize_example
+from ..bench.suites import families, grad_spec
+from ..core.op import Example, registered_ops
+from ..core.platform import current_platform, interpret_mode
+from ..testing.numerics import random_array
+from . import cache as cache_lib
+from . import keys as keys_lib
+from .api import AutotuneResult, autotune, progress_printer
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stellax autotune",
@@ -45,10 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _array_from_spec(spec, key):
-    import jax.numpy as jnp
-
-    from ..testing.numerics import random_array
-
     if isinstance(spec, dict) and "shape" in spec:
         dtype = jnp.dtype(spec.get("dtype", "float32"))
         shape = tuple(int(d) for d in spec["shape"])
@@ -62,10 +73,6 @@ def _array_from_spec(spec, key):
 
 def load_shapes(path: str):
     """``[(op, args, kwargs, backward, label)]`` from a shapes file."""
-    import jax
-
-    from ..core.op import registered_ops
-
     data = json.loads(Path(path).read_text())
     if isinstance(data, dict):
         data = data.get("calls", [])
@@ -87,9 +94,6 @@ def load_shapes(path: str):
 
 
 def suite_calls(suites, max_cases=None):
-    from ..bench.inputs import materialize_example
-    from ..bench.suites import families
-
     known = families()
     unknown = [s for s in suites if s not in known]
     if unknown:
@@ -109,12 +113,6 @@ def suite_calls(suites, max_cases=None):
 def tuning_function(op, impl_name: str, args, kwargs, backward: bool):
     """The function autotuned for one call: the op (and, for differentiable
     ops, its gradient, so backward ops are tuned too)."""
-    import jax
-    import jax.numpy as jnp
-
-    from ..bench.suites import grad_spec
-    from ..core.op import Example
-
     def forward(*a, **k):
         return op(*a, implementation=impl_name, **k)
 
@@ -139,15 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.cache_dir:
         os.environ["STELLAX_CACHE_DIR"] = args.cache_dir
-    from rich.console import Console
-
-    import stellax  # noqa: F401  (registers the ops)
-
-    from ..core.platform import current_platform, interpret_mode
-    from . import cache as cache_lib
-    from . import keys as keys_lib
-    from .api import AutotuneResult, _progress_printer, autotune
-
     console = Console(width=max(Console().width, 140))
     err = Console(stderr=True)
     platform = current_platform()
@@ -173,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                       "(use --interpret to tune interpreted kernels for testing)")
             return 0
         results = AutotuneResult(device=device, device_kind=platform.device_kind)
-        progress = None if args.quiet else _progress_printer()
+        progress = None if args.quiet else progress_printer()
         started = time.monotonic()
         for n, (op, call_args, call_kwargs, backward, label) in enumerate(calls):
             kernel_impls = [name for name, impl in op.implementations.items()

@@ -28,9 +28,12 @@ import warnings
 from typing import Any
 
 from ..core.call import Call
+from ..core.op import registered_ops
 from ..core.platform import current_platform, host_platform, interpret_enabled
+from ..core.selection import register_config_source
 from . import cache as cache_lib
 from . import keys as keys_lib
+from .search import TUNING, run_in_thread, tune_call
 
 POLICIES = ("heuristic", "autotune", "error")
 
@@ -85,8 +88,6 @@ def policy(value: str):
 
 
 def _implementation(op_name: str, impl_name: str):
-    from ..core.op import registered_ops
-
     op = registered_ops().get(op_name)
     if op is None:
         return None, None
@@ -182,8 +183,6 @@ class MissPolicySource:
         return "MissPolicySource()"
 
     def __call__(self, op_name: str, impl_name: str, call: Call) -> Any | None:
-        from .search import TUNING
-
         if TUNING.get() or DISCOVERING.get():
             return None
         mode = get_policy()
@@ -213,9 +212,6 @@ class MissPolicySource:
         return self._tune(op_name, impl_name, call, token, where)
 
     def _tune(self, op_name, impl_name, call, token, where):
-        from ..core.op import registered_ops
-        from .search import run_in_thread, tune_call
-
         op = registered_ops().get(op_name)
         if op is None:
             return None
@@ -258,7 +254,5 @@ MISS_SOURCE = MissPolicySource()
 
 def register_sources() -> None:
     """Register user cache, shipped cache and miss policy (idempotent)."""
-    from ..core.selection import register_config_source
-
     for source in (USER_SOURCE, SHIPPED_SOURCE, SESSION_SOURCE, MISS_SOURCE):
         register_config_source(source)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import jax
@@ -96,7 +97,6 @@ def arrays_from_abstract(abstract: Mapping[str, Any], key, concrete: Mapping[str
 def materialize_example(example, seed: int = 0):
     """The example with every `jax.ShapeDtypeStruct` operand made concrete
     (benchmark examples may give operands by shape and dtype only)."""
-    import dataclasses
 
     args, kwargs = randomize_tree((example.args, example.kwargs), jax.random.PRNGKey(seed), randomize=False)
     return dataclasses.replace(example, args=tuple(args), kwargs=dict(kwargs))

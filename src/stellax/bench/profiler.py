@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import jax
+
 
 @contextlib.contextmanager
 def profile(directory: str | None):
@@ -18,8 +20,6 @@ def profile(directory: str | None):
     if not directory:
         yield None
         return
-    import jax
-
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     try:

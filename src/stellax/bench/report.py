@@ -11,6 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
+import jaxlib
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from .._version import __version__
+from ..autotune.cache import atomic_write_text
+from ..core.platform import current_platform, interpret_enabled
 from .measurement import BenchmarkRecord
 from .suites import speedups
 
@@ -19,11 +28,7 @@ FORMAT = "stellax-bench"
 
 def environment() -> dict[str, Any]:
     """What the numbers were measured on."""
-    import jax
-    import jaxlib
 
-    from .._version import __version__
-    from ..core.platform import current_platform, interpret_enabled
 
     plat = current_platform()
     env = {
@@ -56,7 +61,6 @@ def write_json(path: str | os.PathLike, records, **kwargs) -> str:
     if str(path) == "-":
         sys.stdout.write(text)
         return "-"
-    from ..autotune.cache import atomic_write_text
 
     atomic_write_text(Path(path), text)
     return str(path)
@@ -64,7 +68,6 @@ def write_json(path: str | os.PathLike, records, **kwargs) -> str:
 
 def _json_default(value):
     try:
-        import numpy as np
 
         if isinstance(value, np.generic):
             return value.item()
@@ -122,8 +125,6 @@ def rows(records: Sequence[BenchmarkRecord]) -> list[list[str]]:
 
 
 def print_table(records: Sequence[BenchmarkRecord], *, title: str = "", console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     console = console or Console(width=max(Console().width, 180))
     table = Table(title=title or None, padding=(0, 1))
@@ -188,7 +189,6 @@ def plot(records: Sequence[BenchmarkRecord], outdir: str | os.PathLike) -> list[
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
