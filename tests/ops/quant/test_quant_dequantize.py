@@ -10,7 +10,7 @@ import pytest
 
 import stellax
 from stellax.ops.quant import DequantConfig, dequantize, dequantize_op, quantize
-from stellax.ops.quant.api import _flat
+from stellax.ops.quant.qarray import qarray_fields
 from stellax.testing import (assert_fits_smem, check_op_lowering, compile_triton_to_ptx, lower_for_gpu,
                              triton_compiler_available)
 
@@ -21,6 +21,11 @@ CASES = [("int8", "channel"), ("int8", 64), ("int8_asym", 32), ("int4", 128), ("
 def _x():
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 301))  # 301: partial last block, odd packing
     return x.at[0, 0, 5].set(jnp.nan).at[1, 2, 100].set(40.0)
+
+
+def _fields(q):
+    arrays, options = qarray_fields(q)
+    return tuple(arrays.values()), options
 
 
 @pytest.mark.parametrize("fmt,block", CASES, ids=[f"{f}-{b}" for f, b in CASES])
@@ -53,7 +58,7 @@ def test_unsupported_layout_falls_back_with_reason():
 
 @pytest.mark.parametrize("fmt,block", [("int4", 128), ("mxfp4", None), ("fp8_e4m3", "channel")])
 def test_cuda_lowering_every_config(fmt, block):
-    args, kw = _flat(quantize(_x(), fmt, block_size=block))
+    args, kw = _fields(quantize(_x(), fmt, block_size=block))
     assert check_op_lowering(dequantize_op, "triton", args, {**kw, "dtype": "bfloat16"}) >= 1
 
 
@@ -63,7 +68,7 @@ def test_ptx_compiles_and_fits_smem(fmt, block):
     ok, reason = triton_compiler_available()
     if not ok:
         pytest.skip(reason)
-    args, kw = _flat(quantize(_x(), fmt, block_size=block))
+    args, kw = _fields(quantize(_x(), fmt, block_size=block))
     call = dequantize_op.check(*args, **kw, dtype="bfloat16")
     for cfg in dequantize_op.implementations["triton"].config_space(call):
         lowered = lower_for_gpu(lambda *a: dequantize_op(*a, implementation="triton", config=cfg, **kw,

@@ -10,7 +10,8 @@ import pytest
 
 import stellax
 from stellax.ops.quant import QMatmulConfig, dequantize, quantize, quantized_matmul, quantized_matmul_op
-from stellax.ops.quant.matmul import example_operands, flatten_operands
+from stellax.ops.quant.base import flatten_operands
+from stellax.ops.quant.examples import example_operands
 from stellax.testing import (assert_fits_smem, check_op_lowering, compile_triton_to_ptx, lower_for_gpu,
                              triton_compiler_available)
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, Implementation, Op, backward_implementation, checks, register
-from ..quant.api import quantize_op
+from ..quant.quantize import quantize_op
 from ..quant.qarray import QArray
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")

@@ -458,7 +458,7 @@ EXAMPLE_FORMATS = (("int8", "channel"), ("int8", 32), ("int8_asym", 64), ("int4"
 
 
 def example_weights(key, g, k, n, fmt, block):
-    from ..quant.api import quantize
+    from ..quant.quantize import quantize
     w = jax.random.normal(key, (g, k, n), jnp.float32) / np.sqrt(k)
     return quantize(w, fmt, axis=1, block_size=block)
 
@@ -475,7 +475,8 @@ def _examples(dtype):
 
 
 def _benchmarks(platform):
-    from ..quant.api import quantize_op, resolve_block_shape
+    from ..quant.base import resolve_block_shape
+    from ..quant.quantize import quantize_op
     cpu = platform.backend == "cpu"
     m, k, n, g = (2048, 512, 512, 8) if cpu else (16384, 7168, 2048, 64)
     dtype = jnp.float32 if cpu else jnp.bfloat16

@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Example, Implementation, Op, register
-from ...core import checks
-from . import formats as F
+from ...core import Call, Implementation, Op, checks, register
+from . import examples
+from . import triton as kernels
+from .base import array_bytes, flatten_operands
 from .configs import QMatmulConfig, qmatmul_heuristic, qmatmul_space
 from .kernel import kernel_operands
-from .qarray import QArray
+from .qarray import QArray, qarray_from_call
 from .reference import dequantize_reference, expand_blocks
 
 WEIGHT_FORMATS = ("int8", "int8_asym", "int4", "int4_asym", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2",
@@ -39,24 +40,14 @@ PAIRS = {("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "fp8_e5m2"), ("fp8_e5m2", "fp8_e
 OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def _flat(prefix, q: QArray):
-    arrays = {prefix + "values": q.values, prefix + "scales": q.scales, prefix + "zero_points": q.zero_points,
-              prefix + "tensor_scale": q.tensor_scale}
-    options = {prefix + "format": q.format, prefix + "shape": q.shape, prefix + "block_shape": q.block_shape,
-               prefix + "axis": q.axis, prefix + "rotation": q.rotation}
-    return arrays, options
-
-
-def _qarray(call: Call, prefix: str) -> QArray:
-    a, o = call.arrays, call.options
-    return QArray(a[prefix + "values"], a[prefix + "scales"], a[prefix + "zero_points"], a[prefix + "tensor_scale"],
-                  format=o[prefix + "format"], shape=o[prefix + "shape"], block_shape=o[prefix + "block_shape"],
-                  axis=o[prefix + "axis"], rotation=o[prefix + "rotation"], _validate=False)
-
-
 def _check(x_values, x_scales, x_zero_points, x_tensor_scale, w_values, w_scales, w_zero_points, w_tensor_scale, *,
            x_format=None, x_shape=None, x_block_shape=None, x_axis=None, x_rotation=None, w_format, w_shape,
            w_block_shape, w_axis, w_rotation=None, preferred_element_type="bfloat16") -> Call:
+    """Checked `quantized_matmul_op` arguments: the `QArray` fields of ``w``
+    (``w_`` prefix) and of ``x`` (``x_``; only ``x_values`` for a float ``x``),
+    see `base.flatten_operands`; the options gain ``m``, ``n``, ``k`` and the
+    K blocks of in-loop scales ``x_group_k`` / ``w_group_k`` (``None``: one
+    scale along K)."""
     w = QArray(w_values, w_scales, w_zero_points, w_tensor_scale, format=w_format, shape=w_shape,
                block_shape=w_block_shape, axis=w_axis, rotation=w_rotation)
     if w.ndim != 2:
@@ -108,8 +99,8 @@ def _check(x_values, x_scales, x_zero_points, x_tensor_scale, w_values, w_scales
 
 
 def _operands(call: Call):
-    w = _qarray(call, "w_")
-    x = call.x_values if call.x_format is None else _qarray(call, "x_")
+    w = qarray_from_call(call, "w_")
+    x = call.x_values if call.x_format is None else qarray_from_call(call, "x_")
     return x, w
 
 
@@ -148,34 +139,21 @@ def _xla_jit(x, w, *, out):
 # -- Triton ------------------------------------------------------------------------
 
 
-def _kind(s) -> str:
-    return "e8m0" if np.dtype(s.dtype) == np.dtype(jnp.uint8) else "float"
-
-
 def _triton(call: Call, config: QMatmulConfig):
-    from . import triton as kernels
+    """`triton.quantized_matmul` on ``x [M, K]`` (float, or a `QArray`'s codes) and ``w``'s kernel operands."""
     x, w = _operands(call)
     m, n, k = call.m, call.n, call.k
     wk = kernel_operands(w)
-    sw, zp, ts = wk.scales, wk.zero_points, wk.tensor_scale
-    w_kind = _kind(sw)
+    common = dict(m=m, n=n, k=k, w_format=w.format, gw=call.w_group_k or k, w_in_loop=call.w_group_k is not None,
+                  out_dtype=jnp.dtype(call.preferred_element_type), config=config)
     if not isinstance(x, QArray):
-        lead = x.shape[:-1]
-        x2 = x.reshape(m, k)
-        y = kernels.quantized_matmul(
-            x2, None, w.values, sw, zp, ts, m=m, n=n, k=k, x_kind="float", w_format=w.format, x_scale_kind="float",
-            w_scale_kind=w_kind, gx=1, gw=call.w_group_k or k, x_in_loop=False, w_in_loop=call.w_group_k is not None,
-            out_dtype=jnp.dtype(call.preferred_element_type), config=config)
-        return y.reshape(*lead, n)
-    xf = x.spec
-    sx = kernel_operands(x).scales
-    x_kind_s = _kind(sx)
-    return kernels.quantized_matmul(
-        x.values, sx, w.values, sw, zp, ts, m=m, n=n, k=k, x_kind="int" if xf.element.kind == "int" else "fp8",
-        w_format=w.format,
-        x_scale_kind=x_kind_s, w_scale_kind=w_kind, gx=call.x_group_k or k, gw=call.w_group_k or k,
-        x_in_loop=call.x_group_k is not None, w_in_loop=call.w_group_k is not None,
-        out_dtype=jnp.dtype(call.preferred_element_type), config=config)
+        y = kernels.quantized_matmul(x.reshape(m, k), None, w.values, wk.scales, wk.zero_points, wk.tensor_scale,
+                                     x_kind="float", gx=1, x_in_loop=False, **common)
+        return y.reshape(*x.shape[:-1], n)
+    x_kind = "int" if x.spec.element.kind == "int" else "fp8"
+    return kernels.quantized_matmul(x.values, kernel_operands(x).scales, w.values, wk.scales, wk.zero_points,
+                                    wk.tensor_scale, x_kind=x_kind, gx=call.x_group_k or k,
+                                    x_in_loop=call.x_group_k is not None, **common)
 
 
 def _requirements(call: Call):
@@ -197,79 +175,8 @@ def _flops(call: Call) -> float:
 
 
 def _bytes(call: Call) -> float:
-    total = 0.0
-    for a in call.arrays.values():
-        if a is not None:
-            total += float(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-    return total + call.m * call.n * np.dtype(call.preferred_element_type).itemsize
-
-
-def flatten_operands(x, w):
-    """``(args, kwargs)`` of `quantized_matmul_op` for operands ``x``, ``w``."""
-    if not isinstance(w, QArray):
-        raise TypeError(f"w: expected a QArray (quantize the weights with axis=0), got {type(w).__name__}; "
-                        f"a float w with a QArray x is not supported (dequantize x or quantize w)")
-    wa, wo = _flat("w_", w)
-    if isinstance(x, QArray):
-        xa, xo = _flat("x_", x)
-    else:
-        xa = {"x_values": x, "x_scales": None, "x_zero_points": None, "x_tensor_scale": None}
-        xo = {}
-    arrays = {**xa, **wa}
-    return tuple(arrays.values()), {**xo, **wo}
-
-
-_WEIGHT_ONLY = (("int8", "channel"), ("int8_asym", 128), ("int4", 128), ("int4_asym", 64), ("fp8_e4m3", "channel"),
-                ("fp8_e5m2", (128, 128)), ("mxfp8_e4m3", 32), ("mxfp4", 32), ("nvfp4", 16), ("nvfp4", (16, 16)))
-_ACT_WEIGHT = ((("fp8_e4m3", 128), ("fp8_e4m3", (128, 128))), (("fp8_e4m3", "channel"), ("fp8_e5m2", "channel")),
-               (("int8", "channel"), ("int8", "channel")), (("int8", 64), ("int8", 64)),
-               (("mxfp8_e4m3", 32), ("mxfp8_e4m3", 32)))
-
-
-def example_operands(dtype, m=37, k=300, n=130, seed=0):
-    """Weight-only and activation×weight operand pairs (shapes not multiples of blocks)."""
-    from .api import quantize
-    out = []
-    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(kx, (m, k), jnp.float32)
-    w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
-    for fmt, block in _WEIGHT_ONLY:
-        out.append((f"{fmt}[{block}] weights", x.astype(dtype), quantize(w, fmt, axis=0, block_size=block)))
-    for (xf, xb), (wf, wb) in _ACT_WEIGHT:
-        out.append((f"{xf}[{xb}] x {wf}[{wb}]", quantize(x, xf, axis=1, block_size=xb),
-                    quantize(w, wf, axis=0, block_size=wb)))
-    return out
-
-
-def _examples(dtype):
-    out = []
-    for label, x, w in example_operands(dtype):
-        args, kwargs = flatten_operands(x, w)
-        out.append(Example(label, args, {**kwargs, "preferred_element_type": np.dtype(dtype).name}))
-    return out
-
-
-def _benchmarks(platform):
-    from .api import quantize_op, resolve_block_shape
-    big = platform.backend == "gpu"
-    m, k, n = (4096, 8192, 8192) if big else (64, 512, 256)
-    out = []
-    xs = jnp.zeros((m, k), jnp.float32)
-    ws = jnp.zeros((k, n), jnp.float32)
-
-    def q(a, fmt, axis, block):
-        f = F.get_format(fmt)
-        bs = resolve_block_shape(f, a.shape, axis, block)
-        return jax.eval_shape(lambda a: quantize_op(a, format=fmt, axis=axis, block_shape=bs), a)
-
-    for fmt, block in (("int8", "channel"), ("int4", 128), ("fp8_e4m3", "channel"), ("mxfp4", 32), ("nvfp4", 16)):
-        args, kw = flatten_operands(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), q(ws, fmt, 0, block))
-        out.append(Example(f"bf16 x {fmt} weights {m}x{k}x{n}", args, {**kw, "preferred_element_type": "bfloat16"}))
-    for (xf, xb), (wf, wb) in ((("fp8_e4m3", 128), ("fp8_e4m3", (128, 128))), (("int8", "channel"), ("int8", "channel")),
-                               (("mxfp8_e4m3", 32), ("mxfp8_e4m3", 32))):
-        args, kw = flatten_operands(q(xs, xf, 1, xb), q(ws, wf, 0, wb))
-        out.append(Example(f"{xf} x {wf} {m}x{k}x{n}", args, {**kw, "preferred_element_type": "bfloat16"}))
-    return out
+    """Read every operand field, write the output."""
+    return array_bytes(call) + call.m * call.n * np.dtype(call.preferred_element_type).itemsize
 
 
 def _bf16_peer(x_values, *args, **kwargs):
@@ -292,8 +199,8 @@ quantized_matmul_op = register(Op(
     ],
     flops=_flops,
     bytes_accessed=_bytes,
-    examples=_examples,
-    benchmarks=_benchmarks,
+    examples=examples.matmul_examples,
+    benchmarks=examples.matmul_benchmarks,
     peers={"bf16_matmul": _bf16_peer},
 ))
 

@@ -34,22 +34,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...core import Call, registered_ops
+from ...core.pallas import cdiv, nbytes
 from .formats import Format, get_format
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def scale_shape(shape, block_shape) -> tuple[int, ...]:
-    return tuple(_cdiv(int(s), int(b)) for s, b in zip(shape, block_shape))
+    """Shape of the per-block scales: ``ceil(shape / block_shape)`` per dimension."""
+    return tuple(cdiv(int(s), int(b)) for s, b in zip(shape, block_shape))
 
 
 def packed_shape(shape, axis: int, packed: bool) -> tuple[int, ...]:
+    """Shape of ``values``: ``shape`` with ``axis`` halved (rounded up) when 4-bit codes are packed."""
     if not packed:
         return tuple(shape)
     out = list(shape)
-    out[axis] = _cdiv(out[axis], 2)
+    out[axis] = cdiv(out[axis], 2)
     return tuple(out)
 
 
@@ -114,11 +114,7 @@ class QArray:
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for a in (self.values, self.scales, self.zero_points, self.tensor_scale):
-            if a is not None:
-                total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-        return total
+        return sum(nbytes(a) for a in (self.values, self.scales, self.zero_points, self.tensor_scale))
 
     def __repr__(self) -> str:
         return (f"QArray(format={self.format!r}, shape={self.shape}, block_shape={self.block_shape}, "
@@ -129,8 +125,9 @@ class QArray:
                 + (f", rotation={self.rotation}" if self.rotation else "") + ")")
 
     def dequantize(self, dtype=jnp.float32):
-        from .api import dequantize
-        return dequantize(self, dtype)
+        """`stellax.dequantize` of this array: ``(code - zero_point) * scale * tensor_scale`` in ``dtype``."""
+        arrays, options = qarray_fields(self)
+        return registered_ops()["dequantize"](*arrays.values(), **options, dtype=np.dtype(dtype).name)
 
     # -- validation --------------------------------------------------------
     def validate(self) -> None:
@@ -227,3 +224,26 @@ def _block_matches(q: QArray, b: Any) -> bool:
 
 def is_qarray(x) -> bool:
     return isinstance(x, QArray)
+
+
+def qarray_fields(q: QArray, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``q`` as named `Call` entries ``(arrays, options)``.
+
+    Arrays (in this order): ``{prefix}values``, ``{prefix}scales``,
+    ``{prefix}zero_points``, ``{prefix}tensor_scale`` (``None`` when absent);
+    options: ``{prefix}format``, ``{prefix}shape``, ``{prefix}block_shape``,
+    ``{prefix}axis``, ``{prefix}rotation``. `qarray_from_call` is the inverse.
+    """
+    arrays = {prefix + "values": q.values, prefix + "scales": q.scales, prefix + "zero_points": q.zero_points,
+              prefix + "tensor_scale": q.tensor_scale}
+    options = {prefix + "format": q.format, prefix + "shape": q.shape, prefix + "block_shape": q.block_shape,
+               prefix + "axis": q.axis, prefix + "rotation": q.rotation}
+    return arrays, options
+
+
+def qarray_from_call(call: Call, prefix: str = "") -> QArray:
+    """The `QArray` whose fields `qarray_fields` put into ``call`` under ``prefix`` (not re-validated)."""
+    a, o = call.arrays, call.options
+    return QArray(a[prefix + "values"], a[prefix + "scales"], a[prefix + "zero_points"], a[prefix + "tensor_scale"],
+                  format=o[prefix + "format"], shape=o[prefix + "shape"], block_shape=o[prefix + "block_shape"],
+                  axis=o[prefix + "axis"], rotation=o.get(prefix + "rotation"), _validate=False)
