@@ -8,8 +8,10 @@ import pytest
 
 import stellax
 from stellax.ops.linear_attention import chunk_intra, state_step, state_transition
-from stellax.ops.linear_attention.chunk import decayed_scores, pair_sums, solve_unit_lower, tail_sums
-from stellax.ops.linear_attention.api import make_inputs
+from stellax.ops.linear_attention.decay import pair_sums, tail_sums
+from stellax.ops.linear_attention.scores import decayed_scores
+from stellax.ops.linear_attention.solve import solve_unit_lower
+from stellax.ops.linear_attention.examples import make_inputs
 from stellax.testing import assert_close
 
 F32 = jnp.float32

@@ -11,7 +11,7 @@ import pytest
 
 import stellax
 from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op
-from stellax.ops.linear_attention.api import make_inputs
+from stellax.ops.linear_attention.examples import make_inputs
 from stellax.testing import assert_close
 
 from la_helpers import check_against_golden

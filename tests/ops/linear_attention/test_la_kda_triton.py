@@ -10,8 +10,10 @@ import pytest
 import stellax
 from stellax.ops.linear_attention import (LinearAttentionConfig, chunk_gated_delta_rule_op, chunk_kda_op,
                                           kda_recurrence_backward_op)
-from stellax.ops.linear_attention import chunk_intra, triton_kda
-from stellax.ops.linear_attention.api import make_inputs
+from stellax.ops.linear_attention import chunk_intra
+from stellax.ops.linear_attention.triton_intra import kda_intra_forward
+from stellax.ops.linear_attention.triton_scan import kda_state_forward
+from stellax.ops.linear_attention.examples import make_inputs
 from stellax.testing import (assert_fits_smem, check_example, check_op_lowering, compile_triton_to_ptx,
                              lower_for_gpu, triton_compiler_available)
 
@@ -108,7 +110,7 @@ def test_kda_intra_kernel_channel_blocks():
     beta = rng.uniform(size=(1, c))
     args = [jnp.asarray(x, F32) for x in (q, k, v, g, beta)]
     with stellax.interpret_mode():
-        u, w, p, qg, kg, gamma = triton_kda.intra_forward(*args, chunk=c, config=SMALL)
+        u, w, p, qg, kg, gamma = kda_intra_forward(*args, chunk=c, config=SMALL)
     spans = np.zeros((c, c, kdim))  # spans[i, j] = Σ_{j<t≤i} g_t (float64)
     for i in range(c):
         for j in range(i):
@@ -127,14 +129,14 @@ def test_kda_kernels_name_bad_arguments():
     x = jnp.zeros((1, 64, 32))
     beta = jnp.zeros((1, 64))
     with pytest.raises(ValueError, match=r"g: expected shape \(1, 64, 32\), got \(1, 64, 16\)"):
-        triton_kda.intra_forward(x, x, x, jnp.zeros((1, 64, 16)), beta, chunk=64, config=SMALL)
+        kda_intra_forward(x, x, x, jnp.zeros((1, 64, 16)), beta, chunk=64, config=SMALL)
     with pytest.raises(ValueError, match="k: expected a padded length that is a multiple of 64, got 70"):
         y = jnp.zeros((1, 70, 32))
-        triton_kda.intra_forward(y, y, y, y, jnp.zeros((1, 70)), chunk=64, config=SMALL)
+        kda_intra_forward(y, y, y, y, jnp.zeros((1, 70)), chunk=64, config=SMALL)
     with pytest.raises(ValueError, match="v: expected a value size that is a power of two >= 16, got 24"):
-        triton_kda.intra_forward(x, x, jnp.zeros((1, 64, 24)), x, beta, chunk=64, config=SMALL)
+        kda_intra_forward(x, x, jnp.zeros((1, 64, 24)), x, beta, chunk=64, config=SMALL)
     with pytest.raises(ValueError, match="h0: expected shape"):
-        triton_kda.state_forward(x, x, x, jnp.zeros((1, 1, 32)), jnp.zeros((1, 32, 16)), None, chunk=64, heads=1,
+        kda_state_forward(x, x, x, jnp.zeros((1, 1, 32)), jnp.zeros((1, 32, 16)), None, chunk=64, heads=1,
                                  config=SMALL)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import stellax
 from stellax.ops.linear_attention import ssd_op
-from stellax.ops.linear_attention.ssd import make_ssd_inputs
+from stellax.ops.linear_attention.examples import make_ssd_inputs
 from stellax.testing import assert_close
 
 from la_helpers import check_against_golden

@@ -8,8 +8,7 @@ import pytest
 import stellax
 from stellax.ops.linear_attention import (LinearAttentionConfig, chunk_gated_delta_rule_op,
                                           gated_recurrence_backward_op, ssd_op)
-from stellax.ops.linear_attention.api import make_inputs
-from stellax.ops.linear_attention.ssd import make_ssd_inputs
+from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
 from stellax.testing import (assert_fits_smem, check_example, check_op_lowering,
                              compile_triton_to_ptx, lower_for_gpu, triton_compiler_available)
 

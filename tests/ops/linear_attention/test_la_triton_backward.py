@@ -1,4 +1,4 @@
-"""The Triton intra-chunk backward kernel (`triton_backward.intra_backward`):
+"""The Triton intra-chunk backward kernel (`triton_backward.gdn_intra_backward`):
 gradients of every input in interpret mode against the golden (the backward op
 directly and end to end through GDN and SSD), cuda lowering of every config of
 the backward op, and the PTX tier."""
@@ -11,10 +11,10 @@ import pytest
 import stellax
 from stellax.ops.linear_attention import (LinearAttentionConfig, chunk_gated_delta_rule_op,
                                           gated_recurrence_backward_op, ssd_op)
-from stellax.ops.linear_attention.api import make_inputs
+from stellax.ops.linear_attention.examples import make_inputs
 from stellax.ops.linear_attention.configs import TRITON_CHUNK
-from stellax.ops.linear_attention.ssd import make_ssd_inputs
-from stellax.ops.linear_attention.triton_backward import MAX_BLOCK_V, intra_backward
+from stellax.ops.linear_attention.examples import make_ssd_inputs
+from stellax.ops.linear_attention.triton_backward import MAX_BLOCK_V, gdn_intra_backward
 from stellax.testing import (assert_close, assert_custom_call, assert_fits_smem, check_op_lowering,
                              compile_triton_to_ptx, lower_for_gpu, triton_compiler_available)
 
@@ -109,7 +109,7 @@ def test_intra_backward_rejects_bad_shapes():
     good = dict(q=x(1, 128, 32), k=x(1, 128, 32), v=x(1, 128, 32), g=x(1, 128), beta=None,
                 states=x(1, 2, 32, 32), delta=x(1, 128, 32), d_states=x(1, 2, 32, 32), d_delta=x(1, 128, 32),
                 do=x(1, 128, 32))
-    run = lambda **kw: jax.eval_shape(lambda a: intra_backward(**a, chunk=TRITON_CHUNK, config=SPLIT),
+    run = lambda **kw: jax.eval_shape(lambda a: gdn_intra_backward(**a, chunk=TRITON_CHUNK, config=SPLIT),
                                       {**good, **kw})
     assert run()[0].shape == (1, 128, 32)
     with pytest.raises(ValueError, match="v: expected a last dimension that is a power of two >= 16"):
@@ -224,7 +224,7 @@ def test_ptx_intra_backward_fits_shared_memory(dim, delta):
     effective = {(min(c.block_v, MAX_BLOCK_V), c.num_warps): c for c in configs}
     assert len(effective) >= 2
     for config in effective.values():
-        lowered = lower_for_gpu(lambda *a: intra_backward(*a, chunk=TRITON_CHUNK, config=config), *args)
+        lowered = lower_for_gpu(lambda *a: gdn_intra_backward(*a, chunk=TRITON_CHUNK, config=config), *args)
         kernels = compile_triton_to_ptx(lowered, "9.0")
         assert [k_.name for k_ in kernels] == [INTRA], config
         print(f"K=V={dim} delta={delta} {config}: {kernels[0].smem_bytes} B shared memory")

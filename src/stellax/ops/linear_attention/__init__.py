@@ -1,15 +1,31 @@
-"""Linear and hybrid attention: Gated DeltaNet, Kimi Delta Attention and Mamba2 SSD."""
+"""Linear and hybrid attention: Gated DeltaNet, Kimi Delta Attention and Mamba2 SSD.
+
+The chunked algorithm is the flash-linear-attention pipeline, one module per
+stage, shared by GDN, KDA and SSD and by the XLA and Triton paths:
+
+    decay      (1) span sums of the log decays
+    scores     (2) the decayed q·kᵀ / k·kᵀ scores
+    solve      (3) the triangular solve T = (I + A)⁻¹
+    wy         (4) W and U (the UT/WY form of the delta rule)
+    scan       (5) the state scan over chunks
+    output     (6) the output O = (Γ⊙Q) S + P Δ
+
+`recurrence` dispatches (XLA scan `xla`, or the Triton kernels `triton_intra`,
+`triton_scan`, `triton_output` chained by `pipeline`); `backward` holds the
+backward ops (`triton_backward`, `triton_kda_backward`); `api` and `ssd` the
+public functions; `examples` their examples and benchmark shapes.
+"""
 
 from .api import (
     chunk_gated_delta_rule, chunk_gated_delta_rule_op, chunk_kda, chunk_kda_op, fused_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule_op, fused_recurrent_kda, fused_recurrent_kda_op,
 )
-from .chunk import chunk_intra, state_step, state_transition
+from .backward import gated_recurrence_backward_op, kda_recurrence_backward_op
 from .configs import LinearAttentionConfig
-from .core import gated_recurrence_backward_op
-from .kda_core import kda_recurrence_backward_op
 from .reference import kda_gate, l2norm
+from .scan import state_step, state_transition
 from .ssd import ssd, ssd_op, ssd_step, ssd_step_op
+from .wy import chunk_intra
 
 __all__ = [
     "LinearAttentionConfig", "chunk_gated_delta_rule", "chunk_gated_delta_rule_op", "chunk_intra", "chunk_kda",

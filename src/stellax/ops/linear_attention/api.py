@@ -3,25 +3,24 @@
 ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (GDN, decay
 ``g [B, T, HV]``) and ``chunk_kda`` / ``fused_recurrent_kda`` (KDA, decay
 ``g [B, T, HV, K]``, optionally computed from raw inputs by Kimi Linear's
-fused gate). The recurrence is in `reference.py`, the chunked algorithm in
-`chunk.py`.
+fused gate). The golden recurrence is in `reference.py`; the chunked
+algorithm is `recurrence.recurrence` over the pipeline's stages (`decay`,
+`scores`, `solve`, `wy`, `scan`, `output`); examples and benchmark shapes
+are in `examples.py`.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ...core import Call, Example, Implementation, Op, register
-from ...core import checks
+from ...core import Call, Implementation, Op, checks, register
+from ...core.pallas import F32
 from . import checks as la_checks
-from .configs import (LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
-                      linear_attention_space)
-from .core import recurrence, recurrence_flops
+from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements
+from .costs import delta_rule_bytes, delta_rule_flops, recurrent_flops
+from .examples import delta_rule_benchmarks, delta_rule_examples, naive_scan
+from .recurrence import recurrence
 from .reference import delta_rule_recurrence, delta_rule_reference, prepare_delta_inputs
-
-F32 = jnp.float32
 
 
 # -- argument checks -----------------------------------------------------------
@@ -93,7 +92,7 @@ def _check_kda(q, k, v, g, beta, **kwargs) -> Call:
 
 # -- implementations -----------------------------------------------------------
 def _preparer(call: Call):
-    """Per-token preparation (`core.recurrence`): float32, l2-norm, gate, beta
+    """Per-token preparation (`recurrence.recurrence`): float32, l2-norm, gate, beta
     sigmoid (`reference.prepare_delta_inputs`), q/k heads expanded to the value
     heads, q scaled."""
     group = call.v.shape[2] // call.q.shape[2]
@@ -113,12 +112,12 @@ def _initial(call: Call):
     return jnp.zeros((n, call.v.shape[2], call.q.shape[3], call.v.shape[3]), F32)
 
 
-def _chunked_runner(backend: str):
+def _chunked_runner(backend: str, per_channel: bool):
     def run(call: Call, config):
         tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
-        chunk = la_checks.xla_chunk(call.chunk_size, call.g.ndim == 4)
+        chunk = la_checks.xla_chunk(call.chunk_size, per_channel)
         o, final = recurrence(backend, tokens, _preparer(call), _initial(call), call.cu_seqlens,
-                              chunk_size=chunk, config=config)
+                              per_channel=per_channel, chunk_size=chunk, config=config)
         return o.astype(call.v.dtype), (final if call.output_final_state else None)
     return run
 
@@ -131,130 +130,24 @@ def _recurrent_xla(call: Call, config):
     return o.astype(call.v.dtype), (final if call.output_final_state else None)
 
 
-# -- cost models ---------------------------------------------------------------
-def _nbytes(a) -> int:
-    return 0 if a is None else int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-
-
-def _flops(call: Call) -> float:
-    B, T, _, K = call.q.shape
-    HV, V = call.v.shape[2:]
-    return recurrence_flops(B * T, HV, K, V, la_checks.xla_chunk(call.chunk_size, call.g.ndim == 4), True)
-
-
-def _recurrent_flops(call: Call) -> float:
-    B, T, _, K = call.q.shape
-    HV, V = call.v.shape[2:]
-    return float(B * T * HV * 7 * K * V)
-
-
-def _bytes(call: Call) -> float:
-    io = sum(_nbytes(call.arrays[n]) for n in ("q", "k", "v", "g", "beta", "initial_state"))
-    return float(io + _nbytes(call.v) + (_nbytes(call.initial_state) if call.output_final_state else 0))
-
-
-# -- examples and benchmarks ------------------------------------------------------
-def make_inputs(key, B, T, H, HV, K, V, *, dtype=jnp.float32, per_channel=False, decay=1.0, n_states=None,
-                normalized_keys=True):
-    """Random GDN/KDA inputs: ``(q, k, v, g, beta, initial_state)``.
-
-    ``g = −decay·softplus(N(0,1))`` (strong decays for large ``decay``); keys
-    are unit-norm (or of norm ~1 without ``normalized_keys``, for use_qk_l2norm)."""
-    keys = jax.random.split(key, 6)
-    q = jax.random.normal(keys[0], (B, T, H, K), F32)
-    k = jax.random.normal(keys[1], (B, T, H, K), F32)
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True) if normalized_keys else k
-    v = jax.random.normal(keys[2], (B, T, HV, V), F32)
-    g = -decay * jax.nn.softplus(jax.random.normal(keys[3], (B, T, HV, K) if per_channel else (B, T, HV), F32))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, HV), F32))
-    h0 = 0.5 * jax.random.normal(keys[5], (n_states or B, HV, K, V), F32)
-    return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
-
-
-def _examples(per_channel: bool):
-    def examples(dtype):
-        out = []
-        cases = ((2, 70, 2, 4, 32, 16, None, False), (1, 100, 2, 2, 16, 32, (0, 30, 30, 100), True))
-        for i, (B, T, H, HV, K, V, cu, l2) in enumerate(cases):
-            n = B if cu is None else len(cu) - 1
-            q, k, v, g, beta, h0 = make_inputs(jax.random.PRNGKey(i), B, T, H, HV, K, V, dtype=dtype,
-                                               per_channel=per_channel, n_states=n, normalized_keys=not l2)
-            if l2:
-                k = k * 0.2  # keep raw keys small; they are normalized in the op
-            kwargs = {"initial_state": h0, "output_final_state": True, "use_qk_l2norm": l2}
-            if cu is not None:
-                kwargs["cu_seqlens"] = jnp.array(cu, jnp.int32)
-            label = f"B={B} T={T} H={H} HV={HV} K={K} V={V}" + (f" cu_seqlens={list(cu)}" if cu else "")
-            out.append(Example(label, (q, k, v, g, beta), kwargs))
-        if per_channel:  # Kimi Linear's fused gate on raw inputs
-            q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(7), 1, 40, 1, 2, 16, 16, dtype=dtype,
-                                              per_channel=True)
-            keys = jax.random.split(jax.random.PRNGKey(8), 2)
-            kwargs = {"use_gate_in_kernel": True, "A_log": (0.3 * jax.random.normal(keys[0], (2,))).astype(dtype),
-                      "dt_bias": (0.3 * jax.random.normal(keys[1], (32,))).astype(dtype), "lower_bound": -5.0}
-            out.append(Example("fused gate lower_bound=-5 T=40", (q, k, v, -g, beta), kwargs))
-        return out
-    return examples
-
-
-def _benchmarks(per_channel: bool):
-    def benchmarks(platform):
-        if platform.backend == "cpu":
-            shapes = [(1, 4096, 16, 16, 128, 128)]
-        else:
-            shapes = [(1, 32768, 16, 64, 128, 128), (8, 4096, 16, 32, 128, 128)]
-        out = []
-        for B, T, H, HV, K, V in shapes:
-            q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(0), B, T, H, HV, K, V, per_channel=per_channel)
-            out.append(Example(f"B={B} T={T} H={H} HV={HV} K={K} V={V}", (q, k, v, g, beta)))
-        return out
-    return benchmarks
-
-
-#: Longest token count the naive-scan benchmark peer takes on an accelerator: its
-#: autodiff stores the state of every step (T·HV·K·V floats: 137 GB at the GPU shape).
-NAIVE_SCAN_MAX_TOKENS = 8192
-
-
-def refuse_long_naive_scan(tokens: int) -> None:
-    from ...core import current_platform
-    if current_platform().backend != "cpu" and tokens > NAIVE_SCAN_MAX_TOKENS:
-        raise NotImplementedError(f"the naive scan baseline takes at most {NAIVE_SCAN_MAX_TOKENS} tokens on an "
-                                  f"accelerator (its gradient stores every step's state), got {tokens}")
-
-
-def naive_scan(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
-               cu_seqlens=None, chunk_size=None):
-    """The baseline the chunked algorithm is measured against: the recurrence
-    as one ``lax.scan`` over time steps (what one would write by hand)."""
-    del chunk_size
-    refuse_long_naive_scan(q.shape[0] * q.shape[1])
-    if use_qk_l2norm:
-        from .reference import l2norm
-        q, k = l2norm(q), l2norm(k)
-    o, final = delta_rule_recurrence(q, k, v, g, beta, scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                                     initial_state=initial_state, cu_seqlens=cu_seqlens)
-    return o.astype(v.dtype), (final if output_final_state else None)
-
-
 # -- ops -------------------------------------------------------------------------
 _DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
 def _chunked_op(name: str, per_channel: bool) -> Op:
-    triton = Implementation("triton", _chunked_runner("triton"), backend="triton", config_type=LinearAttentionConfig,
-                            heuristic=linear_attention_heuristic, space=linear_attention_space,
-                            requirements=linear_attention_requirements)
+    triton = Implementation("triton", _chunked_runner("triton", per_channel), backend="triton",
+                            config_type=LinearAttentionConfig, heuristic=linear_attention_heuristic,
+                            space=linear_attention_space, requirements=triton_requirements(per_channel))
     return register(Op(
         name,
         family="linear_attention",
         check=_check_kda if per_channel else _check_gdn,
         reference=delta_rule_reference,
-        implementations=[triton, Implementation("xla", _chunked_runner("xla"))],
-        flops=_flops,
-        bytes_accessed=_bytes,
-        examples=_examples(per_channel),
-        benchmarks=_benchmarks(per_channel),
+        implementations=[triton, Implementation("xla", _chunked_runner("xla", per_channel))],
+        flops=delta_rule_flops(per_channel),
+        bytes_accessed=delta_rule_bytes,
+        examples=delta_rule_examples(per_channel),
+        benchmarks=delta_rule_benchmarks(per_channel),
         peers={"naive_scan": naive_scan},
         differentiable=_DIFFERENTIABLE,
     ))
@@ -267,9 +160,9 @@ def _recurrent_op(name: str, per_channel: bool) -> Op:
         check=_check_kda if per_channel else _check_gdn,
         reference=delta_rule_reference,
         implementations=[Implementation("xla", _recurrent_xla)],
-        flops=_recurrent_flops,
-        bytes_accessed=_bytes,
-        examples=_examples(per_channel),
+        flops=recurrent_flops,
+        bytes_accessed=delta_rule_bytes,
+        examples=delta_rule_examples(per_channel),
         differentiable=_DIFFERENTIABLE,
     ))
 

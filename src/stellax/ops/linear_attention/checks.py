@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ...core import checks
+from ...core import checks, current_platform
 from ...core.config import is_power_of_two
 
 
@@ -84,7 +84,6 @@ def xla_chunk(chunk_size: int | None, per_channel: bool) -> int:
     on accelerators."""
     if chunk_size is not None:
         return chunk_size
-    from ...core import current_platform
     if current_platform().backend != "cpu":
         return 64
     return 16 if per_channel else 32

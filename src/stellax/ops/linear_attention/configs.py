@@ -4,9 +4,11 @@ space and what the kernels can run."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from ...core import Call, TritonConfig, current_platform, next_power_of_two, product_space
+from ...core import Call, TritonConfig, current_platform, product_space
 from ...core.config import require_in
+from ...core.pallas import padded_dim
 
 #: The Triton kernels work on chunks of this many tokens (fla's BT).
 TRITON_CHUNK = 64
@@ -14,6 +16,9 @@ TRITON_CHUNK = 64
 MAX_HEAD_DIM = 256
 #: KDA's intra-chunk backward kernel needs more shared memory than sm_80 has (PTX tier).
 KDA_MIN_CAPABILITY = (9, 0)
+#: Channels (and value columns) KDA's intra-chunk kernels handle at a time: their
+#: ``[C, K]`` tiles at K = 256 took 320 KiB of shared memory (sm_90 has 227).
+KDA_BLOCK_K = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,11 +31,6 @@ class LinearAttentionConfig(TritonConfig):
     def validate(self) -> None:
         super().validate()
         require_in("LinearAttentionConfig", "block_v", self.block_v, (16, 32, 64, 128))
-
-
-def padded_dim(d: int) -> int:
-    """Head sizes are padded with zeros to a power of two ≥ 16 (tl.dot's minimum)."""
-    return max(16, next_power_of_two(d))
 
 
 def _dims(call: Call) -> tuple[int, int]:
@@ -63,15 +63,22 @@ def linear_attention_space(call: Call) -> list[LinearAttentionConfig]:
     return [c for c in configs if c.block_v <= vdim and fits_shared_memory(kdim, c)]
 
 
-def linear_attention_requirements(call: Call) -> str | None:
+def linear_attention_requirements(call: Call, *, per_channel: bool = False) -> str | None:
+    """Why the Triton kernels cannot run ``call`` (``None`` when they can): head
+    sizes over `MAX_HEAD_DIM`, or, for per-channel decays (KDA), a GPU below sm_90."""
     kdim, vdim = _dims(call)
     if kdim > MAX_HEAD_DIM or vdim > MAX_HEAD_DIM:
         return f"the Triton kernels hold [K, V] states in registers: K={kdim}, V={vdim}, the limit is {MAX_HEAD_DIM}"
-    g = call.arrays.get("g")
-    if g is not None and g.ndim == 4:  # KDA's per-channel decays (triton_kda.py)
+    if per_channel:  # KDA's kernels (triton_intra.kda_intra_forward, triton_kda_backward)
         platform = current_platform()
         cc = platform.compute_capability
         if platform.is_nvidia and cc is not None and cc < KDA_MIN_CAPABILITY:
             return (f"KDA's Triton kernels need sm_90's shared memory (the intra-chunk backward kernel takes "
                     f"177 KiB, over sm_80's 163 KiB); this GPU is {platform.describe()}")
     return None
+
+
+def triton_requirements(per_channel: bool):
+    """The ``requirements`` of a Triton implementation for scalar (GDN, SSD) or
+    per-channel (KDA) decays."""
+    return functools.partial(linear_attention_requirements, per_channel=per_channel)

@@ -12,6 +12,13 @@ rows of whole chunks:
 
 Padding tokens have ``k = v = q = 0``, ``β = 0`` and ``g = 0``: the identity
 transition, so the state flows through them unchanged.
+
+The Triton kernels work on a heads-major layout of the padded stream
+(`heads_major`): ``q, k [Bs, HV, Tp, K]``, ``v [Bs, HV, Tp, V]``,
+``g [Bs, HV, Tp(, K)]``, ``beta [Bs, HV, Tp]``, head sizes zero-padded to
+powers of two ≥ 16, flattened to ``[Bs·HV, Tp, ...]`` for a launch (`flat`),
+and, for packed batches, int32 ``first, seq, last [NT]`` per chunk
+(`chunk_meta`: the chunk starts its sequence, its sequence, it ends it).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...core.pallas import F32, cdiv, pad_axis
 from .reference import sequence_tokens
 
 
@@ -70,8 +78,10 @@ class Stream:
 
 
 def make_stream(batch: int, length: int, chunk: int, cu_seqlens=None) -> Stream:
+    """The `Stream` of ``[B, T, ...]`` tokens cut into chunks of ``chunk``
+    (packed by ``cu_seqlens [N+1]`` when given, with B = 1)."""
     if cu_seqlens is None:
-        padded = -(-max(length, 1) // chunk) * chunk
+        padded = cdiv(max(length, 1), chunk) * chunk
         return Stream(batch, length, batch, padded, chunk)
     n = cu_seqlens.shape[0] - 1
     known = _concrete(cu_seqlens)
@@ -106,3 +116,69 @@ def from_chunks(x):
     """``[NT, Bs, C, ...]`` → ``[Bs, Tp, ...]``."""
     nt, bs, c = x.shape[:3]
     return jnp.moveaxis(x, 0, 1).reshape(bs, nt * c, *x.shape[3:])
+
+
+# -- the kernels' heads-major layout ------------------------------------------------
+def heads_major(stream: Stream, x, dim: int | None = None):
+    """``[B, T, HV(, D)]`` → ``[Bs, HV, Tp(, D)]`` float32, ``D`` zero-padded to ``dim``."""
+    x = stream.pack(x.astype(F32))
+    if dim is not None:
+        x = pad_axis(x, x.ndim - 1, dim)
+    return jnp.moveaxis(x, 2, 1)
+
+
+def chunk_meta(stream: Stream):
+    """A packed stream's int32 ``(first, seq, last) [NT]`` per chunk (``None`` when dense)."""
+    if not stream.varlen:
+        return None
+    last = jnp.zeros((stream.chunks,), jnp.int32).at[stream.last_chunk].max(
+        jnp.where(stream.empty, 0, 1).astype(jnp.int32), mode="drop")
+    return (stream.chunk_first.astype(jnp.int32), stream.chunk_seq, last)
+
+
+def kernel_stream(rows: int, padded: int, chunk: int, meta=None, n_states: int | None = None) -> Stream:
+    """The `Stream` behind a heads-major layout of ``rows`` × ``padded`` tokens:
+    dense without ``meta``; else packed (one row) by ``meta = (first, seq, last)``
+    over ``n_states`` sequences (its ``empty`` marks sequences with no chunk)."""
+    if meta is None:
+        return Stream(rows, padded, rows, padded, chunk)
+    first, seq, last = meta
+    first = first != 0
+    c = jnp.arange(padded // chunk)
+    last_chunk = jnp.zeros((n_states,), jnp.int32).at[seq].max(jnp.where(last != 0, c, 0))
+    seen = jnp.zeros((n_states,), bool).at[seq].max(first)
+    return Stream(1, padded, 1, padded, chunk, dest=jnp.arange(padded), chunk_seq=seq, chunk_first=first,
+                  last_chunk=last_chunk, empty=~seen)
+
+
+def flat(x):
+    """``[Bs, HV, ...]`` → ``[Bs·HV, ...]`` (a launch's rows; ``None`` stays ``None``)."""
+    return None if x is None else x.reshape((-1,) + x.shape[2:])
+
+
+def per_chunk(x, chunk: int):
+    """``[Bs, HV, Tp, ...]`` → ``[Bs, HV, NT, C, ...]`` (``None`` stays ``None``)."""
+    return None if x is None else x.reshape(x.shape[:2] + (x.shape[2] // chunk, chunk) + x.shape[3:])
+
+
+def _is_head_size(d: int) -> bool:
+    return d >= 16 and d & (d - 1) == 0
+
+
+def check_flat_layout(chunk: int, **arrays) -> None:
+    """Validate the kernels' flattened layout; ``arrays`` maps names to ``(array,
+    expected shape)`` where ``None`` entries are free. Raises ``ValueError``
+    naming the argument: a shape mismatch, a padded length ``Tp`` that is not a
+    multiple of ``chunk`` or a head size that is not a power of two ≥ 16."""
+    for name, (x, shape) in arrays.items():
+        if x.ndim != len(shape) or any(e is not None and e != d for e, d in zip(shape, x.shape)):
+            want = tuple("*" if e is None else e for e in shape)
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
+    for name, (x, shape) in arrays.items():
+        if name in ("q", "k", "kg", "qg", "w") and x.ndim == 3:
+            if x.shape[1] % chunk:
+                raise ValueError(f"{name}: expected a padded length that is a multiple of {chunk}, got {x.shape[1]}")
+            if not _is_head_size(x.shape[-1]):
+                raise ValueError(f"{name}: expected a head size that is a power of two >= 16, got {x.shape[-1]}")
+        if name in ("v", "u", "do", "delta") and x.ndim == 3 and not _is_head_size(x.shape[-1]):
+            raise ValueError(f"{name}: expected a value size that is a power of two >= 16, got {x.shape[-1]}")

@@ -3,29 +3,27 @@
 for one decode token).
 
 SSD is gated linear attention without the delta rule, so it runs on the same
-chunked recurrence as GDN (`core.recurrence`) with
+chunked recurrence as GDN (`recurrence.recurrence`, scalar decays) with
 ``q = C``, ``k = B`` (groups expanded to heads), ``v = dt·x``, ``g = dt·A`` and
-the state transposed from mamba's ``[P, N]`` to ``[N, P]``: the chunk-state,
-state-passing and chunk-scan stages are `chunk.chunk_intra`, the scan and
-`chunk.chunk_output`.
+the state transposed from mamba's ``[P, N]`` to ``[N, P]``: mamba's
+chunk-state, state-passing and chunk-scan stages are the pipeline's
+`wy.chunk_intra` (``U = V``, no solve), `scan` and `output`. Examples and
+benchmark shapes are in `examples.py`.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ...core import Call, Example, Implementation, Op, register
-from ...core import checks
+from ...core import Call, Implementation, Op, checks, register
+from ...core.pallas import F32
 from . import checks as la_checks
-from .configs import (LinearAttentionConfig, linear_attention_heuristic, linear_attention_requirements,
-                      linear_attention_space)
-from .api import refuse_long_naive_scan
-from .core import recurrence, recurrence_flops
-from .reference import ssd_dt, ssd_epilogue, ssd_recurrence, ssd_reference, ssd_step_reference
+from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements
+from .costs import ssd_bytes, ssd_flops
+from .examples import naive_ssd, ssd_benchmarks, ssd_examples, ssd_step_examples
+from .recurrence import recurrence
+from .reference import ssd_dt, ssd_epilogue, ssd_reference, ssd_step_reference
 
-F32 = jnp.float32
 _INF = float("inf")
 
 
@@ -133,7 +131,7 @@ def _ssd_runner(backend: str):
         h0 = (jnp.zeros((n, x.shape[2], call.B.shape[-1], x.shape[3]), F32) if call.initial_states is None
               else _transpose_state(call.initial_states.astype(F32)))
         tokens = {"x": x, "dt": call.dt, "B": call.B, "C": call.C}
-        y, final = recurrence(backend, tokens, prepare, h0, call.cu_seqlens,
+        y, final = recurrence(backend, tokens, prepare, h0, call.cu_seqlens, per_channel=False,
                               chunk_size=la_checks.xla_chunk(call.chunk_size, False), config=config)
         y = ssd_epilogue(y, x, call.D, call.z).astype(x.dtype)
         return (y, _transpose_state(final)) if call.return_final_states else y
@@ -145,81 +143,6 @@ def _ssd_step_xla(call: Call, config):
     return ssd_step_reference(call)
 
 
-# -- cost models, examples, benchmarks ------------------------------------------------
-def _ssd_flops(call: Call) -> float:
-    batch, T, H, P = call.x.shape
-    return recurrence_flops(batch * T, H, call.B.shape[-1], P, la_checks.xla_chunk(call.chunk_size, False), False)
-
-
-def _ssd_bytes(call: Call) -> float:
-    total = 0
-    for a in call.arrays.values():
-        if a is not None:
-            total += int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-    return float(total + int(np.prod(call.x.shape)) * np.dtype(call.x.dtype).itemsize)
-
-
-def make_ssd_inputs(key, batch, T, H, P, G, N, *, dtype=jnp.float32, n_states=None):
-    """Random SSD inputs ``(x, dt, A, B, C, D, z, dt_bias, initial_states)``."""
-    keys = jax.random.split(key, 9)
-    x = jax.random.normal(keys[0], (batch, T, H, P), F32)
-    dt = jax.random.normal(keys[1], (batch, T, H), F32) - 1.0
-    A = -jnp.exp(jax.random.uniform(keys[2], (H,), F32, 0.0, 1.5))
-    B = jax.random.normal(keys[3], (batch, T, G, N), F32) / np.sqrt(N)
-    C = jax.random.normal(keys[4], (batch, T, G, N), F32) / np.sqrt(N)
-    D = jax.random.normal(keys[5], (H,), F32)
-    z = jax.random.normal(keys[6], (batch, T, H, P), F32)
-    dt_bias = 0.5 * jax.random.normal(keys[7], (H,), F32)
-    h0 = 0.5 * jax.random.normal(keys[8], (n_states or batch, H, P, N), F32)
-    return tuple(a.astype(dtype) for a in (x, dt, A, B, C, D, z, dt_bias)) + (h0,)
-
-
-def _ssd_examples(dtype):
-    out = []
-    cases = ((2, 70, 4, 16, 2, 32, None), (1, 90, 2, 32, 1, 16, (0, 40, 90)))
-    for i, (batch, T, H, P, G, N, cu) in enumerate(cases):
-        n = batch if cu is None else len(cu) - 1
-        x, dt, A, B, C, D, z, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(i), batch, T, H, P, G, N,
-                                                            dtype=dtype, n_states=n)
-        kwargs = {"chunk_size": 32, "D": D, "z": z, "dt_bias": dt_bias, "dt_softplus": True,
-                  "initial_states": h0, "return_final_states": True}
-        if cu is not None:
-            kwargs["cu_seqlens"] = jnp.array(cu, jnp.int32)
-        label = f"B={batch} T={T} H={H} P={P} G={G} N={N}" + (f" cu_seqlens={list(cu)}" if cu else "")
-        out.append(Example(label, (x, dt, A, B, C), kwargs))
-    return out
-
-
-def _ssd_step_examples(dtype):
-    x, dt, A, B, C, D, z, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(3), 2, 1, 4, 16, 2, 32, dtype=dtype)
-    return [Example("B=2 H=4 P=16 G=2 N=32", (h0, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0]),
-                    {"D": D, "z": z[:, 0], "dt_bias": dt_bias, "dt_softplus": True})]
-
-
-def _ssd_benchmarks(platform):
-    if platform.backend == "cpu":
-        shapes = [(1, 4096, 16, 64, 1, 128)]
-    else:
-        shapes = [(1, 32768, 64, 64, 8, 128)]
-    out = []
-    for batch, T, H, P, G, N in shapes:
-        x, dt, A, B, C, *_ = make_ssd_inputs(jax.random.PRNGKey(0), batch, T, H, P, G, N)
-        out.append(Example(f"B={batch} T={T} H={H} P={P} G={G} N={N}", (x, dt, A, B, C),
-                           {"dt_softplus": True}))
-    return out
-
-
-def naive_ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
-              dt_limit=(0.0, _INF), initial_states=None, cu_seqlens=None, return_final_states=False):
-    """Baseline: SSD as one ``lax.scan`` over time steps."""
-    del chunk_size
-    refuse_long_naive_scan(x.shape[0] * x.shape[1])
-    step = ssd_dt(dt, dt_bias, dt_softplus, dt_limit)
-    y, final = ssd_recurrence(x, step, A, B, C, initial_states=initial_states, cu_seqlens=cu_seqlens)
-    y = ssd_epilogue(y, x, D, z).astype(x.dtype)
-    return (y, final) if return_final_states else y
-
-
 ssd_op = register(Op(
     "ssd",
     family="linear_attention",
@@ -228,13 +151,13 @@ ssd_op = register(Op(
     implementations=[
         Implementation("triton", _ssd_runner("triton"), backend="triton", config_type=LinearAttentionConfig,
                        heuristic=linear_attention_heuristic, space=linear_attention_space,
-                       requirements=linear_attention_requirements),
+                       requirements=triton_requirements(per_channel=False)),
         Implementation("xla", _ssd_runner("xla")),
     ],
-    flops=_ssd_flops,
-    bytes_accessed=_ssd_bytes,
-    examples=_ssd_examples,
-    benchmarks=_ssd_benchmarks,
+    flops=ssd_flops,
+    bytes_accessed=ssd_bytes,
+    examples=ssd_examples,
+    benchmarks=ssd_benchmarks,
     peers={"naive_scan": naive_ssd},
     differentiable=("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"),
 ))
@@ -245,8 +168,8 @@ ssd_step_op = register(Op(
     check=_check_ssd_step,
     reference=ssd_step_reference,
     implementations=[Implementation("xla", _ssd_step_xla)],
-    bytes_accessed=_ssd_bytes,
-    examples=_ssd_step_examples,
+    bytes_accessed=ssd_bytes,
+    examples=ssd_step_examples,
     differentiable=("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"),
 ))
 

@@ -1,11 +1,12 @@
-"""Pallas Triton kernel for the intra-chunk part of the GDN / SSD backward (scalar decays).
+"""Pallas Triton kernel for the intra-chunk part of the GDN / SSD backward
+(scalar decays): stages 6 → 1 backwards, after the reverse state scan.
 
-The reverse state scan (`triton.state_backward`) yields, per chunk ``c``, the
+The reverse state scan (`triton_scan.gdn_state_backward`) yields, per chunk ``c``, the
 gradient ``dS`` of the chunk's final state and the full gradient ``dΔ`` of
 the residuals. With those, every chunk's gradients of ``q, k, v, g, β`` are
-independent: `intra_backward` runs one program per (chunk, head, value block)
+independent: `gdn_intra_backward` runs one program per (chunk, head, value block)
 and recomputes what the forward built (``P``, ``A``, ``T = (I + A)⁻¹``, ``U``,
-``W``) instead of storing it. Notation as in `chunk.py`; one chunk of ``C``
+``W``) instead of storing it. Notation as in `wy.py`; one chunk of ``C``
 rows, ``G_i = Σ_{t≤i} g_t``, ``tail_j = Σ_{t>j} g_t``, ``γ = exp(Σ_t g_t)``,
 ``E_ij = exp(Σ_{j<t≤i} g_t)`` (0 above the diagonal), ``S`` the
 chunk-initial state. The forward of a chunk is
@@ -50,11 +51,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import triton_call
+from ...core.pallas import F32, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call
 from .configs import LinearAttentionConfig
-from .triton import _decay, _dot, _dot_nt, _dot_tn, _iota, _spans, unit_lower_inverse
+from .decay import masked_decay, tile_spans
+from .solve import unit_lower_inverse
 
-F32 = jnp.float32
 #: Key columns per step of the kernel's loops over K.
 BLOCK_K = 64
 #: Most value columns per program, and no software pipelining: the PTX tier
@@ -64,107 +65,129 @@ BLOCK_K = 64
 MAX_BLOCK_V = 64
 
 
-def _intra_backward_kernel(*refs, chunk, block_k, has_beta):
-    refs = list(refs)
-    q_ref, k_ref, v_ref, g_ref = refs[:4]
-    refs = refs[4:]
-    b_ref = refs.pop(0) if has_beta else None
-    s_ref, d_ref, ds_ref, dd_ref, do_ref, dq_ref, dk_ref, dv_ref, dg_ref = refs[:9]
-    db_ref = refs[9] if has_beta else None
-    nk = q_ref.shape[-1] // block_k
+# The [C, K] operands are read in [C, block_k] column blocks (loops over K), so
+# no dot holds more than a [C, block_k] tile of them (registers and shared
+# memory stay bounded at K = 256).
+def _cols(ref, i, block_k: int):
+    """Column block ``i`` (``[C, block_k]``, float32) of a ``[C, K]`` ref."""
+    return ref[:, pl.ds(i * block_k, block_k)].astype(F32)
 
-    # The [C, K] operands are read in [C, block_k] column blocks (loops over K),
-    # so no dot holds more than a [C, block_k] tile of them (registers and
-    # shared memory stay bounded at K = 256).
-    def cols_of(ref, i):
-        return ref[:, pl.ds(i * block_k, block_k)].astype(F32)
 
-    def rows_of(ref, i):
-        return ref[pl.ds(i * block_k, block_k), :]
+def _rows(ref, i, block_k: int):
+    """Row block ``i`` (``[block_k, BV]``) of a ``[K, BV]`` state ref."""
+    return ref[pl.ds(i * block_k, block_k), :]
 
-    g = g_ref[...].astype(F32)
-    do = do_ref[...]
-    dd = dd_ref[...]
-    rows, cols = _iota(chunk)
-    spans, prefix, tail, total = _spans(g, chunk)
-    gate = jnp.exp(prefix)  # Γ_i ≤ 1
-    keep = jnp.exp(tail)  # exp(Σ_{t>j} g_t) ≤ 1
-    decay = _decay(spans, rows >= cols)
+
+def _score_sums(q, k, states, d_states, *, chunk: int, block_k: int, with_kk: bool):
+    """The K-contractions ``(Q Kᵀ, K Kᵀ, dγ = Σ S ⊙ dS')`` (``K Kᵀ`` zeros unless ``with_kk``)."""
     zero_cc = jnp.zeros((chunk, chunk), F32)
-    zero_c = jnp.zeros((chunk,), F32)
 
-    # K-contractions: Q Kᵀ, K Kᵀ and dγ = Σ S ⊙ dS'.
     def scores(i, acc):
         qk, kk, dgamma = acc
-        qb, kb = cols_of(q_ref, i), cols_of(k_ref, i)
-        qk = qk + _dot_nt(qb, kb)
-        if has_beta:
-            kk = kk + _dot_nt(kb, kb)
-        return qk, kk, dgamma + jnp.sum(rows_of(s_ref, i) * rows_of(ds_ref, i))
+        qb, kb = _cols(q, i, block_k), _cols(k, i, block_k)
+        qk = qk + dot_nt(qb, kb)
+        if with_kk:
+            kk = kk + dot_nt(kb, kb)
+        return qk, kk, dgamma + jnp.sum(_rows(states, i, block_k) * _rows(d_states, i, block_k))
 
-    qk, kk, dgamma = jax.lax.fori_loop(0, nk, scores, (zero_cc, zero_cc, jnp.zeros((), F32)))
-    dp = jnp.where(rows >= cols, _dot_nt(do, d_ref[...]), 0.0)  # dO Δᵀ
-    dpe = dp * decay
-    m = dpe * qk  # dP ⊙ P
+    return jax.lax.fori_loop(0, q.shape[-1] // block_k, scores, (zero_cc, zero_cc, jnp.zeros((), F32)))
 
-    if has_beta:
-        b = b_ref[...].astype(F32)
-        v = v_ref[...].astype(F32)
-        strict = _decay(spans, rows > cols)
-        t = unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk)
-        bg = b * gate
-        u = _dot(t, v * b[:, None])  # U = T(β⊙V)          [C, BV]
-        drv = _dot_tn(t, dd)  # dR_v = Tᵀ dΔ           [C, BV]
-        dv_ref[...] = (drv * b[:, None]).astype(dv_ref.dtype)
 
-        def d_rw(i):  # dR_w = Tᵀ dW, dW = −dΔ Sᵀ, columns of block i
-            return -_dot_tn(t, _dot_nt(dd, rows_of(s_ref, i)))
+def _d_rw(t, dd, states, i, block_k: int):
+    """``dR_w = Tᵀ dW`` with ``dW = −dΔ Sᵀ``, the columns of key block ``i``."""
+    return -dot_tn(t, dot_nt(dd, _rows(states, i, block_k)))
 
-        def through_w(i, acc):
-            rw_w, rw_k = acc
-            kb = cols_of(k_ref, i)
-            drw = d_rw(i)
-            w = _dot(t, kb * bg[:, None])  # W = T(β⊙Γ⊙K)
-            return rw_w + _dot_nt(drw, w), rw_k + jnp.sum(drw * kb, axis=1)
 
-        rw_w, rw_k = jax.lax.fori_loop(0, nk, through_w, (zero_cc, zero_c))
-        da = -jnp.where(rows > cols, _dot_nt(drv, u) + rw_w, 0.0)
-        dak = da * strict  # gradient of (K Kᵀ ⊙ E) before the β row scale
-        db_ref[...] = (jnp.sum(drv * v, axis=1) + rw_k * gate + jnp.sum(dak * kk, axis=1)).astype(db_ref.dtype)
-        dak = dak * b[:, None]
-        m = m + dak * kk  # dA ⊙ A
-        d_prefix = rw_k * bg
-    else:
-        dv_ref[...] = dd.astype(dv_ref.dtype)
-        d_prefix = zero_c
+def _through_solve(*, k, v, beta, states, dd, kk, spans, gate, chunk: int, block_k: int, dv, dbeta):
+    """The delta rule's part: recompute ``T``, ``U``, ``W``; write ``dv = β ⊙ Tᵀ dΔ``
+    and ``dβ``. Returns ``(T, βΓ, dA_k, dG)``: the solve, the row scale of
+    ``W``'s right-hand side, the gradient of ``(K Kᵀ ⊙ E)`` and the row sums
+    through ``Γ``."""
+    rows, cols = square_iota(chunk)
+    b = beta[...].astype(F32)
+    vc = v[...].astype(F32)
+    strict = masked_decay(spans, rows > cols)
+    t = unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk)
+    bg = b * gate
+    u = dot(t, vc * b[:, None])  # U = T(β⊙V)          [C, BV]
+    drv = dot_tn(t, dd)  # dR_v = Tᵀ dΔ           [C, BV]
+    dv[...] = (drv * b[:, None]).astype(dv.dtype)
 
-    # dQ and dK column block by column block, with the row sums through Γ and the tails.
+    def through_w(i, acc):
+        rw_w, rw_k = acc
+        kb = _cols(k, i, block_k)
+        drw = _d_rw(t, dd, states, i, block_k)
+        w = dot(t, kb * bg[:, None])  # W = T(β⊙Γ⊙K)
+        return rw_w + dot_nt(drw, w), rw_k + jnp.sum(drw * kb, axis=1)
+
+    zeros = (jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk,), F32))
+    rw_w, rw_k = jax.lax.fori_loop(0, k.shape[-1] // block_k, through_w, zeros)
+    da = -jnp.where(rows > cols, dot_nt(drv, u) + rw_w, 0.0)
+    dak = da * strict  # gradient of (K Kᵀ ⊙ E) before the β row scale
+    dbeta[...] = (jnp.sum(drv * vc, axis=1) + rw_k * gate + jnp.sum(dak * kk, axis=1)).astype(dbeta.dtype)
+    return t, bg, dak * b[:, None], rw_k * bg
+
+
+def _qk_grads(*, q, k, states, d_states, delta, do, dpe, gate, keep, solve, d_prefix, block_k: int, dq, dk):
+    """Write ``dQ`` and ``dK`` column block by column block; return the row sums
+    through ``Γ`` and through the tails, ``(dG [C], dtail [C])``."""
     def grads(i, acc):
         d_prefix, d_tail = acc
-        qb, kb = cols_of(q_ref, i), cols_of(k_ref, i)
-        dqg = _dot_nt(do, rows_of(s_ref, i))  # dQ̃ = dO Sᵀ
-        dkg = _dot_nt(d_ref[...], rows_of(ds_ref, i))  # dK̃ = Δ dS'ᵀ
-        dq = dqg * gate[:, None] + _dot(dpe, kb)
-        dk = dkg * keep[:, None] + _dot_tn(dpe, qb)
-        if has_beta:
-            dk = dk + d_rw(i) * bg[:, None] + _dot(dak, kb) + _dot_tn(dak, kb)
-        dq_ref[:, pl.ds(i * block_k, block_k)] = dq.astype(dq_ref.dtype)
-        dk_ref[:, pl.ds(i * block_k, block_k)] = dk.astype(dk_ref.dtype)
+        qb, kb = _cols(q, i, block_k), _cols(k, i, block_k)
+        dqg = dot_nt(do, _rows(states, i, block_k))  # dQ̃ = dO Sᵀ
+        dkg = dot_nt(delta[...], _rows(d_states, i, block_k))  # dK̃ = Δ dS'ᵀ
+        dqb = dqg * gate[:, None] + dot(dpe, kb)
+        dkb = dkg * keep[:, None] + dot_tn(dpe, qb)
+        if solve is not None:
+            t, dd, bg, dak = solve
+            dkb = dkb + _d_rw(t, dd, states, i, block_k) * bg[:, None] + dot(dak, kb) + dot_tn(dak, kb)
+        dq[:, pl.ds(i * block_k, block_k)] = dqb.astype(dq.dtype)
+        dk[:, pl.ds(i * block_k, block_k)] = dkb.astype(dk.dtype)
         return d_prefix + jnp.sum(dqg * qb, axis=1) * gate, d_tail + jnp.sum(dkg * kb, axis=1) * keep
 
-    d_prefix, d_tail = jax.lax.fori_loop(0, nk, grads, (d_prefix, zero_c))
-
-    # Summed over what each g_t enters, never as differences of prefix-sum
-    # gradients (those cancel digits under strong decays): G_i (i ≥ t), tail_j
-    # (j < t), the chunk total, and the spans D_ij (i ≥ t > j).
-    m_before = _dot(m, (rows < cols).astype(F32))  # [i, t]: Σ_{j<t} M_ij
-    dg = (jnp.sum(jnp.where(rows >= cols, d_prefix[:, None] + m_before, 0.0), axis=0)
-          + jnp.sum(jnp.where(rows < cols, d_tail[:, None], 0.0), axis=0) + jnp.exp(total) * dgamma)
-    dg_ref[...] = dg.astype(dg_ref.dtype)
+    return jax.lax.fori_loop(0, q.shape[-1] // block_k, grads, (d_prefix, jnp.zeros(gate.shape, F32)))
 
 
-def intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *, chunk: int,
-                   config: LinearAttentionConfig):
+def _decay_grads(m, d_prefix, d_tail, total, dgamma, chunk: int):
+    """``dg_t``: summed over what each ``g_t`` enters, never as differences of
+    prefix-sum gradients (those cancel digits under strong decays): ``G_i``
+    (``i ≥ t``), ``tail_j`` (``j < t``), the chunk total, and the spans ``D_ij``
+    (``i ≥ t > j``, through ``M``)."""
+    rows, cols = square_iota(chunk)
+    m_before = dot(m, (rows < cols).astype(F32))  # [i, t]: Σ_{j<t} M_ij
+    return (jnp.sum(jnp.where(rows >= cols, d_prefix[:, None] + m_before, 0.0), axis=0)
+            + jnp.sum(jnp.where(rows < cols, d_tail[:, None], 0.0), axis=0) + jnp.exp(total) * dgamma)
+
+
+def _gdn_intra_backward_kernel(*, q, k, v, g, beta, states, delta, d_states, d_delta, do, dq, dk, dv, dg, dbeta,
+                               chunk, block_k):
+    """One chunk and value block: the partial ``dq, dk, dg, dβ`` and ``dv`` (module docstring)."""
+    do_c = do[...]
+    dd = d_delta[...]
+    rows, cols = square_iota(chunk)
+    spans, prefix, tail, total = tile_spans(g[...].astype(F32), chunk)
+    gate = jnp.exp(prefix)  # Γ_i ≤ 1
+    keep = jnp.exp(tail)  # exp(Σ_{t>j} g_t) ≤ 1
+    qk, kk, dgamma = _score_sums(q, k, states, d_states, chunk=chunk, block_k=block_k, with_kk=beta is not None)
+    dp = jnp.where(rows >= cols, dot_nt(do_c, delta[...]), 0.0)  # dO Δᵀ
+    dpe = dp * masked_decay(spans, rows >= cols)
+    m = dpe * qk  # dP ⊙ P
+    solve = None
+    if beta is not None:
+        t, bg, dak, d_prefix = _through_solve(k=k, v=v, beta=beta, states=states, dd=dd, kk=kk, spans=spans,
+                                              gate=gate, chunk=chunk, block_k=block_k, dv=dv, dbeta=dbeta)
+        m = m + dak * kk  # dA ⊙ A
+        solve = (t, dd, bg, dak)
+    else:
+        dv[...] = dd.astype(dv.dtype)
+        d_prefix = jnp.zeros((chunk,), F32)
+    d_prefix, d_tail = _qk_grads(q=q, k=k, states=states, d_states=d_states, delta=delta, do=do_c, dpe=dpe,
+                                 gate=gate, keep=keep, solve=solve, d_prefix=d_prefix, block_k=block_k, dq=dq, dk=dk)
+    dg[...] = _decay_grads(m, d_prefix, d_tail, total, dgamma, chunk).astype(dg.dtype)
+
+
+def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *, chunk: int,
+                       config: LinearAttentionConfig):
     """Per-chunk gradients of the chunked recurrence's inputs.
 
     Args (float32 unless noted, heads-major and flattened, ``Tp`` a multiple of
@@ -174,7 +197,7 @@ def intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *, ch
       g: per-step log decays ``[BH, Tp]``; beta: ``[BH, Tp]`` or ``None`` (SSD).
       states: chunk-initial states ``S_c [BH, NT, K, V]``; delta: ``Δ [BH, Tp, V]``.
       d_states: gradients of each chunk's final state ``[BH, NT, K, V]``;
-      d_delta: ``dΔ [BH, Tp, V]``; do: ``dO [BH, Tp, V]`` (from `triton.state_backward`).
+      d_delta: ``dΔ [BH, Tp, V]``; do: ``dO [BH, Tp, V]`` (from `triton_scan.gdn_state_backward`).
     Returns float32 ``(dq [BH, Tp, K], dk [BH, Tp, K], dv [BH, Tp, V], dg [BH, Tp],
     dbeta [BH, Tp] or None)``; ``dq, dk, dg, dbeta`` are sums over ``V/bv``
     per-block partials written by the kernel, ``bv = min(config.block_v,
@@ -193,26 +216,20 @@ def intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *, ch
                          f"got {states.shape} and {d_states.shape}")
     bv = min(config.block_v, MAX_BLOCK_V, vdim)
     nv = vdim // bv
-    has_beta = beta is not None
     qk = pl.BlockSpec((None, chunk, kdim), lambda c, h, j: (h, c, 0))
     vb = pl.BlockSpec((None, chunk, bv), lambda c, h, j: (h, c, j))
     vec = pl.BlockSpec((None, chunk), lambda c, h, j: (h, c))
     state = pl.BlockSpec((None, None, kdim, bv), lambda c, h, j: (h, c, 0, j))
-    part_k = pl.BlockSpec((None, None, chunk, kdim), lambda c, h, j: (j, h, c, 0))
-    part_vec = pl.BlockSpec((None, None, chunk), lambda c, h, j: (j, h, c))
-    inputs = [q, k, v, g] + ([beta] if has_beta else []) + [states, delta, d_states, d_delta, do]
-    in_specs = [qk, qk, vb, vec] + ([vec] if has_beta else []) + [state, vb, state, vb, vb]
-    out_shape = [jax.ShapeDtypeStruct((nv, bh, tp, kdim), F32), jax.ShapeDtypeStruct((nv, bh, tp, kdim), F32),
-                 jax.ShapeDtypeStruct((bh, tp, vdim), F32), jax.ShapeDtypeStruct((nv, bh, tp), F32)]
-    out_specs = [part_k, part_k, vb, part_vec]
-    if has_beta:
-        out_shape.append(jax.ShapeDtypeStruct((nv, bh, tp), F32))
-        out_specs.append(part_vec)
-    outs = triton_call(
-        functools.partial(_intra_backward_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim), has_beta=has_beta),
-        out_shape=out_shape, grid=(nt, bh, nv), in_specs=in_specs, out_specs=out_specs,
+    part_k = output((nv, bh, tp, kdim), F32, pl.BlockSpec((None, None, chunk, kdim), lambda c, h, j: (j, h, c, 0)))
+    part_vec = output((nv, bh, tp), F32, pl.BlockSpec((None, None, chunk), lambda c, h, j: (j, h, c)))
+    outs = triton_kernel_call(
+        functools.partial(_gdn_intra_backward_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim)), grid=(nt, bh, nv),
+        inputs=dict(q=operand(q, qk), k=operand(k, qk), v=operand(v, vb), g=operand(g, vec),
+                    beta=operand(beta, vec), states=operand(states, state), delta=operand(delta, vb),
+                    d_states=operand(d_states, state), d_delta=operand(d_delta, vb), do=operand(do, vb)),
+        outputs=dict(dq=part_k, dk=part_k, dv=output((bh, tp, vdim), F32, vb), dg=part_vec,
+                     dbeta=part_vec if beta is not None else None),
         num_warps=config.num_warps, num_stages=1, name="stellax_linear_attention_intra_bwd",
-    )(*inputs)
-    dq, dk, dv, dg = outs[0].sum(0), outs[1].sum(0), outs[2], outs[3].sum(0)
-    dbeta = outs[4].sum(0) if has_beta else None
-    return dq, dk, dv, dg, dbeta
+    )
+    dbeta = None if outs.dbeta is None else outs.dbeta.sum(0)
+    return outs.dq.sum(0), outs.dk.sum(0), outs.dv, outs.dg.sum(0), dbeta

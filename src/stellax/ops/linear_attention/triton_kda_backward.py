@@ -1,8 +1,9 @@
-"""Pallas Triton kernel for KDA's per-chunk gradients (per-channel decays), chunk 64.
+"""Pallas Triton kernel for KDA's per-chunk gradients (per-channel decays), chunk 64:
+stages 4 → 1 backwards, after the reverse state scan.
 
-`intra_backward` — grid ``(NT, BH)`` — backpropagates, for one chunk, the
-cotangents of the per-chunk factors (`triton_kda.intra_forward`'s outputs)
-that the scans give (`kda_core.parts_cotangents`):
+`kda_intra_backward` — grid ``(NT, BH)`` — backpropagates, for one chunk, the
+cotangents of the per-chunk factors (`triton_intra.kda_intra_forward`'s outputs)
+that the scans give (`backward.factor_cotangents`):
 ``d(Q⊙Γ)``, ``dK̃``, ``dΓ_C``, ``dP``, ``dU``, ``dW``, to ``dq, dk, dv, dg, dβ``.
 
 The WY solve ``X = T R`` (``X = [U, W]``, ``R = [β⊙V, β⊙Γ⊙K]``, ``T = (I + A)⁻¹``):
@@ -11,7 +12,7 @@ The WY solve ``X = T R`` (``X = [U, W]``, ``R = [β⊙V, β⊙Γ⊙K]``, ``T = (
 ``dS_k = β_i dA_ij``.
 
 The decayed scores ``S_x[i,j] = Σ_c x_ic k_jc E_ijc``, ``E_ijc = exp(Σ_{j<t≤i} g_tc)``,
-backpropagate with the sub-blocks of the forward (`triton_kda._decayed_scores`):
+backpropagate with the sub-blocks of the forward (`scores.channel_scores`):
 ``dx_i = Σ_j dS_ij k_j E_ij``, ``dk_j = Σ_i dS_ij x_i E_ij`` and, per pair, its
 contribution ``M_ij = dS_ij x_i k_j E_ij`` goes to ``dg_t`` for every ``t`` of its
 span ``j < t ≤ i``. That sum is formed directly: for rows of block ``a``
@@ -39,12 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import triton_call
-from .configs import LinearAttentionConfig
-from .triton import _dot, _dot_nt, _dot_tn, _iota
-from .triton_kda import KDA_BLOCK_K, KDA_SUB_BLOCK, _span_sum, check_layout
-
-F32 = jnp.float32
+from ...core.pallas import F32, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call
+from .configs import KDA_BLOCK_K, LinearAttentionConfig
+from .decay import span_sum
+from .layout import check_flat_layout
+from .scores import CHANNEL_SUB_BLOCK
 
 
 def _scores_backward(q, k, g, dp, dsk, chunk):
@@ -57,17 +57,17 @@ def _scores_backward(q, k, g, dp, dsk, chunk):
     totals of the blocks in between (same-sign sums), and the ``dg`` of the
     off-diagonal blocks is summed over all blocks before its two mask matmuls.
     """
-    s = KDA_SUB_BLOCK if chunk % KDA_SUB_BLOCK == 0 else chunk
+    s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
     nb = chunk // s
-    rows, cols = _iota(chunk)
+    rows, cols = square_iota(chunk)
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
     start = (row // s) * s
     same = (cols // s) * s == start
     lower = (same & (cols <= rows)).astype(F32)  # [i, t]: t ≤ i in i's block
     later = (same & (cols > rows)).astype(F32)  # [j, t]: t > j in j's block
-    inner = jnp.exp(_dot(lower, g))  # exp(Σ_{start(i)≤t≤i} g)
+    inner = jnp.exp(dot(lower, g))  # exp(Σ_{start(i)≤t≤i} g)
     qi, ki = q * inner, k * inner
-    in_tail = _dot(later, g)  # Σ_{j<t<end(j)} g
+    in_tail = dot(later, g)  # Σ_{j<t<end(j)} g
     totals = [jnp.sum(jnp.where(start == b * s, g, 0.0), axis=0, keepdims=True) for b in range(nb)]
     zeros = jnp.zeros(q.shape, F32)
     dq, dk, dg, r_all, col_all = zeros, zeros, zeros, zeros, zeros
@@ -78,12 +78,12 @@ def _scores_backward(q, k, g, dp, dsk, chunk):
         before = jnp.exp(jnp.where(row < a * s, span, -jnp.inf))  # exp(Σ_{j<t<a·s} g), 0 for j ≥ a·s
         y = k * before
         in_a = start == a * s
-        ry_q = jnp.where(in_a, _dot(dp, y), 0.0)
-        ry_k = jnp.where(in_a, _dot(dsk, y), 0.0)
+        ry_q = jnp.where(in_a, dot(dp, y), 0.0)
+        ry_k = jnp.where(in_a, dot(dsk, y), 0.0)
         dq = dq + inner * ry_q
         dk = dk + inner * ry_k
         r_all = r_all + qi * ry_q + ki * ry_k  # Σ_{j<a·s} M_ij, rows i of block a
-        cx = jnp.where(row < a * s, _dot_tn(dp, jnp.where(in_a, qi, 0.0)) + _dot_tn(dsk, jnp.where(in_a, ki, 0.0)),
+        cx = jnp.where(row < a * s, dot_tn(dp, jnp.where(in_a, qi, 0.0)) + dot_tn(dsk, jnp.where(in_a, ki, 0.0)),
                        0.0)
         dk = dk + before * cx
         col_m = y * cx  # Σ_{i in block a} M_ij per column j < a·s
@@ -92,87 +92,88 @@ def _scores_backward(q, k, g, dp, dsk, chunk):
             dg = dg + jnp.where(start == b * s, jnp.sum(jnp.where(row < b * s, col_m, 0.0), axis=0, keepdims=True),
                                 0.0)
     # The same masks transposed (fewer distinct [C, C] operands):
-    dg = dg + _dot_tn(lower, r_all)  # t ≤ i in i's block
-    dg = dg + _dot_tn(later, col_all)  # j < t in j's block
+    dg = dg + dot_tn(lower, r_all)  # t ≤ i in i's block
+    dg = dg + dot_tn(later, col_all)  # j < t in j's block
 
     def diagonal(d, carry):
         dq, dk, dg = carry
         col = start + d
         pick = cols == col
-        kd = _dot(pick.astype(F32), k)
+        kd = dot(pick.astype(F32), k)
         valid = col <= row
-        e = jnp.exp(jnp.where(valid, _span_sum((cols > col) & (cols <= rows), g), -jnp.inf))
+        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g), -jnp.inf))
         dpd = jnp.sum(jnp.where(pick, dp, 0.0), axis=1, keepdims=True)
         dskd = jnp.sum(jnp.where(pick, dsk, 0.0), axis=1, keepdims=True)
         ke = kd * e
         dq = dq + dpd * ke
         cz = (dpd * q + dskd * k) * e
-        dk = dk + dskd * ke + _dot_tn(pick.astype(F32), cz)
+        dk = dk + dskd * ke + dot_tn(pick.astype(F32), cz)
         # M_i goes to the t of its block with col_i < t ≤ i.
-        dg = dg + _dot((same & (cols >= rows) & (row > col)).astype(F32), kd * cz)
+        dg = dg + dot((same & (cols >= rows) & (row > col)).astype(F32), kd * cz)
         return dq, dk, dg
 
     return jax.lax.fori_loop(0, s, diagonal, (dq, dk, dg))
 
 
-def _intra_backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, t_ref, sk_ref, u_ref, w_ref, dqg_ref, dkg_ref,
-                           dgamma_ref, dp_ref, du_ref, dw_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, chunk):
-    kdim, vdim = k_ref.shape[-1], v_ref.shape[-1]
+def _kda_intra_backward_kernel(*, q, k, v, g, beta, t, sk, u, w, dqg, dkg, dgamma, dp, du, dw, dq, dk, dv, dg,
+                               dbeta, chunk):
+    """One chunk: ``dq, dk, dv, dg, dβ`` from the cotangents of its factors (module docstring)."""
+    kdim, vdim = k.shape[-1], v.shape[-1]
     bk, bv = min(kdim, KDA_BLOCK_K), min(vdim, KDA_BLOCK_K)
-    b = beta_ref[...].astype(F32)
-    t = t_ref[...]
-    rows, cols = _iota(chunk)
+    b = beta[...].astype(F32)
+    tc = t[...]
+    rows, cols = square_iota(chunk)
     upto = (cols <= rows).astype(F32)  # [i, t]: t ≤ i
     after = (cols > rows).astype(F32)  # [j, t]: t > j
 
     def v_block(i, carry):
         da, db = carry
         vs = pl.ds(i * bv, bv)
-        dr = _dot_tn(t, du_ref[:, vs])
-        dv_ref[:, vs] = dr * b[:, None]
-        return da + _dot_nt(dr, u_ref[:, vs]), db + jnp.sum(dr * v_ref[:, vs].astype(F32), axis=1)
+        dr = dot_tn(tc, du[:, vs])
+        dv[:, vs] = dr * b[:, None]
+        return da + dot_nt(dr, u[:, vs]), db + jnp.sum(dr * v[:, vs].astype(F32), axis=1)
 
     def w_block(i, carry):
         da, db = carry
         cs = pl.ds(i * bk, bk)
-        dr = _dot_tn(t, dw_ref[:, cs])
-        gk = k_ref[:, cs].astype(F32) * jnp.exp(_dot(upto, g_ref[:, cs].astype(F32)))
-        return da + _dot_nt(dr, w_ref[:, cs]), db + jnp.sum(dr * gk, axis=1)
+        dr = dot_tn(tc, dw[:, cs])
+        gk = k[:, cs].astype(F32) * jnp.exp(dot(upto, g[:, cs].astype(F32)))
+        return da + dot_nt(dr, w[:, cs]), db + jnp.sum(dr * gk, axis=1)
 
     zeros = (jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk,), F32))
     carry = jax.lax.fori_loop(0, vdim // bv, v_block, zeros)
     da, db = jax.lax.fori_loop(0, kdim // bk, w_block, carry)
     da = -jnp.where(rows > cols, da, 0.0)
-    dbeta_ref[...] = db + jnp.sum(da * sk_ref[...], axis=1)
+    dbeta[...] = db + jnp.sum(da * sk[...], axis=1)
     dsk = da * b[:, None]
-    dp = dp_ref[...]
+    dpc = dp[...]
 
     def channels(i, _):
         cs = pl.ds(i * bk, bk)
-        q = q_ref[:, cs].astype(F32)
-        k = k_ref[:, cs].astype(F32)
-        g = g_ref[:, cs].astype(F32)
-        gate = jnp.exp(_dot(upto, g))  # Γ_i
-        tail = jnp.exp(_dot(after, g))  # exp(Σ_{t>j} g_t)
-        dqg, dkg = dqg_ref[:, cs], dkg_ref[:, cs]
-        dr_w = _dot_tn(t, dw_ref[:, cs]) * b[:, None]  # β ⊙ dR_W
-        dq, dk, dg = _scores_backward(q, k, g, dp, dsk, chunk)
-        dq_ref[:, cs] = dq + dqg * gate
-        dk_ref[:, cs] = dk + dkg * tail + dr_w * gate
-        prefix = (dqg * q + dr_w * k) * gate  # cotangent of G_i = Σ_{t≤i} g_t
-        suffix = dkg * k * tail  # cotangent of Σ_{t>j} g_t
-        total = dgamma_ref[cs] * jnp.exp(jnp.sum(g, axis=0))  # cotangent of Σ_t g_t
-        dg_ref[:, cs] = dg + _dot_tn(upto, prefix) + _dot_tn(after, suffix) + total[None, :]
+        qb = q[:, cs].astype(F32)
+        kb = k[:, cs].astype(F32)
+        gb = g[:, cs].astype(F32)
+        gate = jnp.exp(dot(upto, gb))  # Γ_i
+        tail = jnp.exp(dot(after, gb))  # exp(Σ_{t>j} g_t)
+        dqg_b, dkg_b = dqg[:, cs], dkg[:, cs]
+        dr_w = dot_tn(tc, dw[:, cs]) * b[:, None]  # β ⊙ dR_W
+        dq_b, dk_b, dg_b = _scores_backward(qb, kb, gb, dpc, dsk, chunk)
+        dq[:, cs] = dq_b + dqg_b * gate
+        dk[:, cs] = dk_b + dkg_b * tail + dr_w * gate
+        prefix = (dqg_b * qb + dr_w * kb) * gate  # cotangent of G_i = Σ_{t≤i} g_t
+        suffix = dkg_b * kb * tail  # cotangent of Σ_{t>j} g_t
+        total = dgamma[cs] * jnp.exp(jnp.sum(gb, axis=0))  # cotangent of Σ_t g_t
+        dg[:, cs] = dg_b + dot_tn(upto, prefix) + dot_tn(after, suffix) + total[None, :]
         return 0
 
     jax.lax.fori_loop(0, kdim // bk, channels, 0)
 
 
-def intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config: LinearAttentionConfig):
+def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config: LinearAttentionConfig):
     """The per-chunk gradients, float32 ``(dq, dk [BH, Tp, K], dv [BH, Tp, V], dg [BH, Tp, K], dβ [BH, Tp])``.
 
     Args: ``q, k, g [BH, Tp, K]``, ``v [BH, Tp, V]``, ``beta [BH, Tp]`` (as in
-    `triton_kda.intra_forward`); its ``t``, ``sk [BH, Tp, C]`` (``with_solve``),
+    `triton_intra.kda_intra_forward`); its ``t``, ``sk [BH, Tp, C]`` (``with_solve``),
     ``u [BH, Tp, V]``, ``w [BH, Tp, K]``; ``cot`` the cotangents of its outputs:
     ``qg, kg, W [BH, Tp, K]``, ``gamma [BH, NT, K]``, ``P [BH, Tp, C]`` (lower),
     ``U [BH, Tp, V]``.
@@ -180,22 +181,24 @@ def intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config: Li
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
     nt = tp // chunk
-    check_layout(chunk, k=(k, (None, None, None)), q=(q, k.shape), g=(g, k.shape), v=(v, (bh, tp, None)),
-                 beta=(beta, (bh, tp)), t=(t, (bh, tp, chunk)), sk=(sk, (bh, tp, chunk)), u=(u, v.shape),
-                 w=(w, k.shape), **{f"cot[{n!r}]": (cot[n], shape) for n, shape in (
-                     ("qg", k.shape), ("kg", k.shape), ("W", k.shape), ("gamma", (bh, nt, kdim)),
-                     ("P", (bh, tp, chunk)), ("U", v.shape))})
+    check_flat_layout(chunk, k=(k, (None, None, None)), q=(q, k.shape), g=(g, k.shape), v=(v, (bh, tp, None)),
+                      beta=(beta, (bh, tp)), t=(t, (bh, tp, chunk)), sk=(sk, (bh, tp, chunk)), u=(u, v.shape),
+                      w=(w, k.shape), **{f"cot[{n!r}]": (cot[n], shape) for n, shape in (
+                          ("qg", k.shape), ("kg", k.shape), ("W", k.shape), ("gamma", (bh, nt, kdim)),
+                          ("P", (bh, tp, chunk)), ("U", v.shape))})
     spec = lambda d: pl.BlockSpec((None, chunk, d), lambda c, h: (h, c, 0))
+    kspec, vspec, cspec = spec(kdim), spec(vdim), spec(chunk)
     vec = pl.BlockSpec((None, chunk), lambda c, h: (h, c))
-    shape = lambda *s: jax.ShapeDtypeStruct(s, F32)
-    in_specs = [spec(kdim), spec(kdim), spec(vdim), spec(kdim), vec, spec(chunk), spec(chunk), spec(vdim),
-                spec(kdim), spec(kdim), spec(kdim), pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0)),
-                spec(chunk), spec(vdim), spec(kdim)]
-    return triton_call(
-        functools.partial(_intra_backward_kernel, chunk=chunk),
-        out_shape=[shape(bh, tp, kdim), shape(bh, tp, kdim), shape(bh, tp, vdim), shape(bh, tp, kdim),
-                   shape(bh, tp)],
-        grid=(nt, bh), in_specs=in_specs,
-        out_specs=[spec(kdim), spec(kdim), spec(vdim), spec(kdim), vec],
+    outs = triton_kernel_call(
+        functools.partial(_kda_intra_backward_kernel, chunk=chunk), grid=(nt, bh),
+        inputs=dict(q=operand(q, kspec), k=operand(k, kspec), v=operand(v, vspec), g=operand(g, kspec),
+                    beta=operand(beta, vec), t=operand(t, cspec), sk=operand(sk, cspec), u=operand(u, vspec),
+                    w=operand(w, kspec), dqg=operand(cot["qg"], kspec), dkg=operand(cot["kg"], kspec),
+                    dgamma=operand(cot["gamma"], pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0))),
+                    dp=operand(cot["P"], cspec), du=operand(cot["U"], vspec), dw=operand(cot["W"], kspec)),
+        outputs=dict(dq=output((bh, tp, kdim), F32, kspec), dk=output((bh, tp, kdim), F32, kspec),
+                     dv=output((bh, tp, vdim), F32, vspec), dg=output((bh, tp, kdim), F32, kspec),
+                     dbeta=output((bh, tp), F32, vec)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_kda_intra_bwd",
-    )(q, k, v, g, beta, t, sk, u, w, cot["qg"], cot["kg"], cot["gamma"], cot["P"], cot["U"], cot["W"])
+    )
+    return outs.dq, outs.dk, outs.dv, outs.dg, outs.dbeta

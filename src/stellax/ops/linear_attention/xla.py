@@ -1,8 +1,8 @@
 """The chunked algorithm in XLA: one ``lax.scan`` over chunks (the CPU default).
 
-Each scan step handles one chunk of every (batch, head) pair: the intra-chunk
-part (`chunk.chunk_intra`), the state step and the output (see `chunk.py`
-for the math). Keeping a whole step inside the scan keeps its working set
+Each scan step handles one chunk of every (batch, head) pair through the
+pipeline's stages: the intra-chunk part (stages 1–4, `wy.chunk_intra`), the
+state step and the output (stages 5–6, `output.chunk_step`). Keeping a whole step inside the scan keeps its working set
 (a chunk of q/k/v and the ``[K, V]`` states) in cache, which on a CPU is
 worth more than batching the intra-chunk work across chunks.
 
@@ -20,10 +20,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import chunk as chunk_math
+from ...core.pallas import F32
 from .layout import Stream, from_chunks, make_stream, to_chunks
-
-F32 = jnp.float32
+from .output import chunk_step
+from .wy import chunk_intra
 
 
 def _heads_first(x):
@@ -61,8 +61,8 @@ def scan_chunks(xs, h0, stream: Stream, prepare=None):
             mask = x["valid"].reshape(x["valid"].shape + (1,) * (g.ndim - 2))
             g = jnp.where(mask, g, 0.0)
         q, k, v, g, beta = (_heads_first(a) for a in (q, k, v, g, beta))
-        parts = chunk_math.chunk_intra(q, k, v, g, beta)
-        new, out = chunk_math.chunk_step(S, parts)
+        parts = chunk_intra(q, k, v, g, beta)
+        new, out = chunk_step(S, parts)
         return new, (_heads_first(out), new if stream.varlen else None)
 
     last, (o, ends) = jax.lax.scan(step, h0[:1] if stream.varlen else h0, xs)
@@ -77,7 +77,7 @@ def chunked_scan(tokens, prepare, *, initial_state, cu_seqlens, chunk_size):
 
     Args:
       tokens: per-token inputs ``[B, T, ...]``; ``prepare`` maps them (or
-        chunks of them) to ``(q, k, v, g, beta)`` as in `core.recurrence`.
+        chunks of them) to ``(q, k, v, g, beta)`` as in `recurrence.recurrence`.
       initial_state: ``[N, HV, K, V]``.
     Returns ``(o [B, T, HV, V], final_state [N, HV, K, V])`` in float32.
     """

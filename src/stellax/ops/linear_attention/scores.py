@@ -1,0 +1,138 @@
+"""Stage 2 of the chunked pipeline: the decayed scores.
+
+For one chunk, rows ``x`` (``q`` or ``k``) against the chunk's keys:
+
+    S_x[i, j] = Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)      for j ≤ i, else 0
+
+(``g_t`` a scalar per token for GDN/SSD: the decay factors out of the dot,
+``S_x = (X Kᵀ) ⊙ exp(D)`` with the pair spans ``D`` of stage 1). ``P = S_q``
+weights the chunk's own values in the output; the strictly lower part of
+``S_k`` times ``β_i`` is the delta rule's ``A`` (stage 3).
+
+Per-channel decays (KDA) cannot factor the decay as ``(x⊙Γ)(k/Γ)ᵀ``
+(``1/Γ`` overflows for strong decays), so the chunk is cut into sub-blocks:
+across blocks the decay splits at a reference row ``r`` between ``j`` and
+``i`` as ``exp(Σ_{r<t≤i} g) · exp(Σ_{j<t≤r} g)`` (both ≤ 1, one matmul per
+block); inside a diagonal block it is formed elementwise. Every exponent is
+a direct span sum ≤ 0.
+
+Two forms: `decayed_scores` (XLA, batched, both decay kinds; sub-blocks of
+`DECAY_BLOCK` rows) and `channel_scores` (one ``[C, K]`` tile inside the
+Triton kernels; sub-blocks of `CHANNEL_SUB_BLOCK` rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ...core.pallas import F32, HIGHEST, dot, dot_nt, square_iota
+from .decay import masked_exp, pair_sums, span_sum, tail_sums
+from .solve import sub_block
+
+#: Sub-block size of KDA's per-channel decays on the XLA path: the diagonal
+#: blocks cost ``C·s·K`` exps and the off-diagonal factors ``(C/s)·C·K``
+#: (measured fastest at the XLA path's KDA chunk of 16 on a CPU).
+DECAY_BLOCK = 4
+#: Rows per sub-block of the per-channel decayed scores in the Triton kernels.
+CHANNEL_SUB_BLOCK = 16
+
+
+def _einsum(spec, *operands):
+    return jnp.einsum(spec, *operands, precision=HIGHEST, preferred_element_type=F32)
+
+
+def decayed_scores(x, y, g):
+    """``[..., R, C, C]`` decayed inner products of rows of ``x`` with rows of ``y`` (float32).
+
+    Args:
+      x: ``[..., R, C, K]`` (``R`` stacked row sets at the same positions, e.g. q and k).
+      y: ``[..., C, K]``.
+      g: per-step log decays of the chunk, ``[..., C]`` (scalar) or ``[..., C, K]``.
+    Returns ``S[r, i, j] = Σ_c x_ric y_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i``, 0 above.
+    """
+    c = y.shape[-2]
+    causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
+    if g.ndim == y.ndim - 1:  # scalar decay per token
+        decay = masked_exp(pair_sums(g), causal)
+        return _einsum("...rik,...jk->...rij", x, y) * decay[..., None, :, :]
+    return _channel_decayed_scores(x, y, g)
+
+
+def _channel_decayed_scores(x, y, g):
+    """`decayed_scores` for per-channel ``g [..., C, K]``, in sub-blocks of `DECAY_BLOCK` rows."""
+    c = y.shape[-2]
+    s = sub_block(c, DECAY_BLOCK)
+    nb = c // s
+    kdim = y.shape[-1]
+    lead = y.shape[:-2]
+    r = x.shape[-3]
+    gb = g.reshape(*lead, nb, s, kdim)
+    xb = x.reshape(*lead, r, nb, s, kdim)
+    yb = y.reshape(*lead, nb, s, kdim)
+    # Diagonal blocks: elementwise decays [.., nb, s, s, K].
+    inner = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+    spans = jnp.moveaxis(pair_sums(jnp.swapaxes(gb, -1, -2)), -3, -1)  # [.., nb, s, s, K]
+    e = masked_exp(spans, inner[..., None])
+    # Explicit products and sums, one row set at a time: a 3-operand einsum here
+    # becomes a dot_general batched over every channel (1×1 matrices, 10× slower
+    # on XLA:CPU), and broadcasting the row-set axis into the product made the
+    # gradient crash XLA:CPU (jax 0.10.2).
+    ye = yb[..., :, None, :, :] * e  # [.., nb, i, t, K]
+    diag = jnp.stack([jnp.sum(xb[..., j, :, :, None, :] * ye, axis=-1) for j in range(r)], axis=-4)
+    out = _einsum("...rast,ab->...rasbt", diag, jnp.eye(nb, dtype=F32))
+    if nb > 1:
+        # Off-diagonal blocks split at the last row r_a = a·s − 1 before block a:
+        # exp(Σ_{r_a<t≤i} g) for rows of block a, exp(Σ_{j<t≤r_a} g) for earlier columns j.
+        x_exp = xb * jnp.exp(jnp.cumsum(gb, axis=-2))[..., None, :, :, :]
+        before = jnp.arange(c)[None, :] < (jnp.arange(nb) * s)[:, None]  # [nb, C]: j < a·s
+        upto = jnp.where(before[..., None], g[..., None, :, :], 0.0)  # [.., nb, C, K]
+        y_exp = y[..., None, :, :] * masked_exp(tail_sums(upto, axis=-2), before[..., None])
+        off = _einsum("...rask,...ajk->...rasj", x_exp, y_exp)
+        out = out + off.reshape(off.shape[:-1] + (nb, s))
+    return out.reshape(*lead, r, c, c)
+
+
+def channel_scores(q, k, g, chunk: int):
+    """``(P_q, P_k)``, each ``[C, C]`` float32, on one tile inside a Triton kernel:
+    ``P_x[i, j] = Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i`` and 0 above,
+    for ``x = q`` and ``x = k`` (``q, k, g [C, K]`` float32).
+
+    Sub-blocks of ``s`` rows: rows ``i`` of block ``a`` against earlier blocks
+    (``j < a·s``) split the decay at the block start,
+    ``exp(Σ_{a·s≤t≤i} g)·exp(Σ_{j<t<a·s} g)`` — one matmul per block; within a
+    diagonal block, for each offset ``d`` the column ``j = a·s + d`` of every
+    block at once, elementwise (``s`` steps of a ``[C, K]`` exp and row sum).
+    Every exponent is a direct span sum ≤ 0 (−inf outside its span).
+    """
+    s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
+    rows, cols = square_iota(chunk)
+    row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    start = (row // s) * s  # [C, 1]: the first row of row i's block
+    # Σ_{start(i) ≤ t ≤ i} g_t: the row factor of the off-diagonal blocks.
+    inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g))
+    qi, ki = q * inner, k * inner
+    pq = jnp.zeros((chunk, chunk), F32)
+    pk = jnp.zeros((chunk, chunk), F32)
+    for a in range(1, chunk // s):
+        # Column factor exp(Σ_{j<t<a·s} g_t) for the columns j < a·s of earlier blocks.
+        before = jnp.exp(jnp.where(row < a * s, span_sum((cols > rows) & (cols < a * s), g), -jnp.inf))
+        y = k * before
+        in_block = start == a * s
+        pq = pq + jnp.where(in_block, dot_nt(qi, y), 0.0)
+        pk = pk + jnp.where(in_block, dot_nt(ki, y), 0.0)
+
+    def diagonal(d, carry):
+        pq, pk = carry
+        col = start + d  # [C, 1]: column j = start(i) + d of row i's diagonal block
+        pick = cols == col
+        kd = dot(pick.astype(F32), k)  # row i holds k_j (an exact gather)
+        valid = col <= row
+        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g), -jnp.inf))
+        ke = kd * e
+        sq = jnp.sum(q * ke, axis=1, keepdims=True)
+        sk = jnp.sum(k * ke, axis=1, keepdims=True)
+        hit = pick & valid
+        return pq + jnp.where(hit, sq, 0.0), pk + jnp.where(hit, sk, 0.0)
+
+    return jax.lax.fori_loop(0, s, diagonal, (pq, pk))

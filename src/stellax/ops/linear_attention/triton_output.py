@@ -1,0 +1,88 @@
+"""Pallas Triton kernels of stage 6: the output, grid ``(NT, BH, V/BV)``.
+
+Per chunk and block of ``BV`` value columns, from the chunk-initial states
+``S_c`` and the residuals ``Δ`` of the scan (`triton_scan`):
+
+    O = (Q ⊙ Γ) S_c + P Δ
+
+* `gdn_output_forward` (scalar decays): ``P = (Q Kᵀ) ⊙ exp(D)`` (``j ≤ i``)
+  and ``Γ`` recomputed from ``g [BH, Tp]`` in the kernel;
+* `kda_output_forward` (per-channel decays): ``Q⊙Γ`` and ``P`` as stored by
+  `triton_intra.kda_intra_forward`.
+
+Arrays are heads-major and flattened (`layout`); float32 at ``Precision.HIGHEST``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ...core.pallas import F32, dot, dot_nt, operand, output, square_iota, triton_kernel_call
+from .configs import LinearAttentionConfig
+from .decay import masked_decay, tile_spans
+from .layout import check_flat_layout
+
+
+def _specs(chunk: int, kdim: int, bv: int):
+    """``(rows [C, K], value block [C, BV], state [K, BV])`` specs of grid ``(NT, BH, V/BV)``."""
+    return (pl.BlockSpec((None, chunk, kdim), lambda c, h, j: (h, c, 0)),
+            pl.BlockSpec((None, chunk, bv), lambda c, h, j: (h, c, j)),
+            pl.BlockSpec((None, None, kdim, bv), lambda c, h, j: (h, c, 0, j)))
+
+
+def _gdn_output_kernel(*, q, k, g, delta, states, o, chunk):
+    """``O = (Q ⊙ Γ) S_c + ((Q Kᵀ) ⊙ exp(D))_{j≤i} Δ``."""
+    qc = q[...].astype(F32)
+    kc = k[...].astype(F32)
+    rows, cols = square_iota(chunk)
+    spans, prefix, _, _ = tile_spans(g[...], chunk)
+    p = dot_nt(qc, kc) * masked_decay(spans, rows >= cols)
+    out = dot(qc * jnp.exp(prefix)[:, None], states[...]) + dot(p, delta[...])
+    o[...] = out.astype(o.dtype)
+
+
+def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAttentionConfig):
+    """``O [BH, Tp, V]`` float32 from ``q, k [BH, Tp, K]`` (q scaled), float32
+    ``g [BH, Tp]``, the residuals ``delta [BH, Tp, V]`` and the chunk-initial
+    ``states [BH, NT, K, V]``."""
+    bh, tp, kdim = q.shape
+    vdim = delta.shape[-1]
+    bv = min(config.block_v, vdim)
+    rows, block, state = _specs(chunk, kdim, bv)
+    outs = triton_kernel_call(
+        functools.partial(_gdn_output_kernel, chunk=chunk), grid=(tp // chunk, bh, vdim // bv),
+        inputs=dict(q=operand(q, rows), k=operand(k, rows),
+                    g=operand(g, pl.BlockSpec((None, chunk), lambda c, h, j: (h, c))),
+                    delta=operand(delta, block), states=operand(states, state)),
+        outputs=dict(o=output(delta.shape, F32, block)),
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_linear_attention_output",
+    )
+    return outs.o
+
+
+def _kda_output_kernel(*, qg, p, delta, states, o):
+    """``O = (Q⊙Γ) S_c + P Δ``."""
+    o[...] = dot(qg[...], states[...]) + dot(p[...], delta[...])
+
+
+def kda_output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttentionConfig):
+    """``O = (Q⊙Γ) S_c + P Δ``, float32 ``[BH, Tp, V]``, from ``qg [BH, Tp, K]``,
+    ``p [BH, Tp, C]`` (`triton_intra.kda_intra_forward`), ``delta [BH, Tp, V]`` and the
+    chunk-initial ``states [BH, NT, K, V]`` (`triton_scan.kda_state_forward`)."""
+    bh, tp, kdim = qg.shape
+    check_flat_layout(chunk, qg=(qg, (None, None, None)), p=(p, (bh, tp, chunk)), delta=(delta, (bh, tp, None)),
+                      states=(states, (bh, tp // chunk, kdim, delta.shape[-1])))
+    vdim = delta.shape[-1]
+    bv = min(config.block_v, vdim)
+    rows, block, state = _specs(chunk, kdim, bv)
+    outs = triton_kernel_call(
+        _kda_output_kernel, grid=(tp // chunk, bh, vdim // bv),
+        inputs=dict(qg=operand(qg, rows), p=operand(p, pl.BlockSpec((None, chunk, chunk), lambda c, h, j: (h, c, 0))),
+                    delta=operand(delta, block), states=operand(states, state)),
+        outputs=dict(o=output(delta.shape, F32, block)),
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_kda_output",
+    )
+    return outs.o
