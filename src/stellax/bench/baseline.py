@@ -1,20 +1,132 @@
 """Regression tracking: compare benchmark records with a baseline.
 
-Two measurements of the same key (op, case, implementation, mode) differ
-*beyond noise* when their medians differ by more than
-``noise_k × max(IQR_baseline, IQR_current, min_rel × median_baseline)``:
-the interquartile ranges of the two runs say how much the time moves from
-iteration to iteration on that machine, so a change inside them is noise.
-A slowdown beyond noise is a regression; it *fails* (non-zero exit of
-``stellax bench --baseline``) when it is also over ``threshold`` (relative).
+A suite measures every case in several *rounds* (``rounds_ms``: the median
+of each round; `RoundsRecord`). Two measurements of the same key (op, case,
+implementation, mode) are compared on the median of their rounds, and the
+noise band comes from the rounds' spread:
+
+    noise = max(noise_k × SE, min_rel × baseline)
+    SE    = 1.2533 × sqrt(s_b² / n_b + s_c² / n_c)
+
+where ``s`` is a robust standard deviation of a side's round medians (the
+larger of 1.4826 × MAD and half their range) and 1.2533 the standard error
+factor of a median. Records without rounds (older result files) fall back to
+the interquartile range of the iterations:
+``noise = noise_k × max(IQR_b, IQR_c, min_rel × median_b)``.
+
+A slowdown beyond the noise is a *regression*; it *fails* (non-zero exit of
+``stellax bench --baseline``) only when it is also over ``threshold``
+(relative), so the same benchmark run twice on a quiet machine fails nothing
+(the threshold absorbs run-to-run offsets the rounds cannot see) while a
+real 1.5× slowdown exceeds both.
+
+`measure_rounds` alternates several measurements round by round (ABBA
+order), so that load changes on a shared machine hit every side alike;
+`stellax bench bisect` compares commits that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
 
 from .measurement import BenchmarkRecord
+
+MEDIAN_SE = math.sqrt(math.pi / 2)  # standard error of a median / (sigma / sqrt(n)) for normal data
+
+
+@dataclasses.dataclass
+class RoundsRecord(BenchmarkRecord):
+    """A `BenchmarkRecord` measured in several rounds; ``rounds_ms`` holds
+    each round's median time (ms). ``times_ms`` holds every iteration of
+    every round, so the record's median/IQR are over all iterations."""
+
+    rounds_ms: list = dataclasses.field(default_factory=list)
+
+
+def with_rounds(record: BenchmarkRecord, rounds_ms: Sequence[float]) -> RoundsRecord:
+    """``record`` as a `RoundsRecord` carrying the per-round medians."""
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(BenchmarkRecord)}
+    return RoundsRecord(**fields, rounds_ms=[float(t) for t in rounds_ms])
+
+
+def rounds_of(record: BenchmarkRecord) -> list[float]:
+    """The per-round medians of ``record`` (empty for a single-round record)."""
+    return [float(t) for t in (getattr(record, "rounds_ms", None) or [])]
+
+
+def spread(samples: Sequence[float]) -> float:
+    """A robust standard deviation of ``samples``: max(1.4826 × MAD, range / 2); 0 for fewer than 2."""
+    x = np.asarray(list(samples), dtype=np.float64)
+    if x.size < 2:
+        return 0.0
+    mad = 1.4826 * float(np.median(np.abs(x - np.median(x))))
+    return max(mad, float(x.max() - x.min()) / 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The comparison of two sets of samples (ms)."""
+
+    baseline_ms: float
+    current_ms: float
+    ratio: float | None  # current / baseline (> 1: slower)
+    noise_ms: float
+    status: str  # regression | improvement | unchanged
+    fails: bool
+
+
+def compare_samples(baseline: Sequence[float], current: Sequence[float], *, threshold: float = 0.10,
+                    noise_k: float = 2.0, min_rel: float = 0.02) -> Verdict:
+    """Compare the medians of two sets of round times with a noise band from
+    their spread (see the module docstring)."""
+    base = [float(t) for t in baseline]
+    cur = [float(t) for t in current]
+    if not base or not cur:
+        raise ValueError(f"compare_samples: need at least one time per side, got {len(base)} baseline and "
+                         f"{len(cur)} current")
+    b, c = float(np.median(base)), float(np.median(cur))
+    se = MEDIAN_SE * math.sqrt(spread(base) ** 2 / len(base) + spread(cur) ** 2 / len(cur))
+    return _verdict(b, c, max(noise_k * se, min_rel * b), threshold)
+
+
+def _verdict(b: float, c: float, noise: float, threshold: float) -> Verdict:
+    delta = c - b
+    ratio = c / b if b else None
+    if delta > noise:
+        status = "regression"
+    elif -delta > noise:
+        status = "improvement"
+    else:
+        status = "unchanged"
+    fails = status == "regression" and ratio is not None and ratio - 1.0 > threshold
+    return Verdict(b, c, ratio, noise, status, fails)
+
+
+def measure_rounds(measures: Mapping[str, Callable[[], float | Sequence[float]]], rounds: int = 3, *,
+                   progress: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Call every measurement once per round, alternating them (ABBA: the order
+    is reversed every other round) so drifting load on a shared machine hits
+    each alike. A measurement returns milliseconds, or a list of them (rounds
+    it measured itself). Returns name → all its times."""
+    if rounds < 1:
+        raise ValueError(f"rounds: expected at least 1, got {rounds}")
+    names = list(measures)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            value = measures[name]()
+            values = [value] if isinstance(value, (int, float)) else list(value)
+            if not values or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
+                raise ValueError(f"measurement {name!r} (round {r + 1}): expected a positive time in ms, "
+                                 f"got {value!r}")
+            out[name].extend(float(v) for v in values)
+            if progress:
+                progress(f"round {r + 1}/{rounds} {name}: " + ", ".join(f"{v:.4g}" for v in values) + " ms")
+    return out
 
 
 @dataclasses.dataclass
@@ -26,12 +138,13 @@ class Change:
     noise_ms: float | None
     status: str  # regression | improvement | unchanged | new | missing | failed
     fails: bool = False
+    method: str = ""  # "rounds" or "iqr": where the noise band came from
 
     def describe(self) -> str:
         if self.ratio is None:
             return f"{self.status:<11} {self.key}"
         return (f"{self.status:<11} {self.key}: {self.baseline_ms:.4g} ms -> {self.current_ms:.4g} ms "
-                f"({self.ratio:.2f}x time, noise ±{self.noise_ms:.2g} ms)")
+                f"({self.ratio:.2f}x time, noise ±{self.noise_ms:.2g} ms{', ' + self.method if self.method else ''})")
 
 
 @dataclasses.dataclass
@@ -77,6 +190,19 @@ def _iqr(r: BenchmarkRecord) -> float:
     return 0.0
 
 
+def compare_records(current: BenchmarkRecord, baseline: BenchmarkRecord, *, threshold: float = 0.10,
+                    noise_k: float = 2.0, min_rel: float = 0.02) -> tuple[Verdict, str]:
+    """Compare two successful records of one key: on their rounds when both
+    have at least two, else on the iteration IQRs. Returns the verdict and
+    the method (``"rounds"`` or ``"iqr"``)."""
+    base_rounds, cur_rounds = rounds_of(baseline), rounds_of(current)
+    if len(base_rounds) >= 2 and len(cur_rounds) >= 2:
+        return compare_samples(base_rounds, cur_rounds, threshold=threshold, noise_k=noise_k,
+                               min_rel=min_rel), "rounds"
+    noise = noise_k * max(_iqr(baseline), _iqr(current), min_rel * baseline.median_ms)
+    return _verdict(baseline.median_ms, current.median_ms, noise, threshold), "iqr"
+
+
 def compare(current: Sequence[BenchmarkRecord], baseline: Sequence[BenchmarkRecord], *, threshold: float = 0.10,
             noise_k: float = 2.0, min_rel: float = 0.02) -> Comparison:
     """Match records by key and classify every change (see the module docstring)."""
@@ -92,17 +218,8 @@ def compare(current: Sequence[BenchmarkRecord], baseline: Sequence[BenchmarkReco
             status = "failed" if r.error else "missing"
             changes.append(Change(key, b.median_ms, None, None, None, status, fails=bool(r.error)))
             continue
-        noise = noise_k * max(_iqr(b), _iqr(r), min_rel * b.median_ms)
-        delta = r.median_ms - b.median_ms
-        ratio = r.median_ms / b.median_ms if b.median_ms else None
-        if delta > noise:
-            status = "regression"
-        elif -delta > noise:
-            status = "improvement"
-        else:
-            status = "unchanged"
-        fails = status == "regression" and ratio is not None and ratio - 1.0 > threshold
-        changes.append(Change(key, b.median_ms, r.median_ms, ratio, noise, status, fails))
+        v, method = compare_records(r, b, threshold=threshold, noise_k=noise_k, min_rel=min_rel)
+        changes.append(Change(key, v.baseline_ms, v.current_ms, v.ratio, v.noise_ms, v.status, v.fails, method))
     for key in base:
         if key not in cur:
             changes.append(Change(key, base[key].median_ms, None, None, None, "missing"))

@@ -1,8 +1,13 @@
-"""``stellax bench``: run benchmark suites, report, compare with a baseline."""
+"""``stellax bench``: run benchmark suites, report, compare with a baseline, record a history.
+
+``stellax bench history DIR`` and ``stellax bench bisect GOOD BAD`` are
+subcommands (`history_cli`, `bisect_cli`)."""
 
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -12,6 +17,8 @@ from rich.console import Console
 from ..autotune.cache import atomic_write_text
 from ..core.platform import current_platform
 from . import baseline as baseline_lib
+from . import bisect as bisect_lib
+from . import history as history_lib
 from . import report
 from . import roofline as roofline_lib
 from .calibrate import calibrate, describe
@@ -24,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stellax bench",
         description="Benchmark stellax ops per family against XLA and peers, with roofline numbers. "
-                    "With no suite named, every suite runs on the default shapes of this device.",
+                    "With no suite named, every suite runs on the default shapes of this device. "
+                    "Subcommands: `stellax bench history DIR [--plot OUT]` (the runs recorded with --record) and "
+                    "`stellax bench bisect GOOD BAD --case PATTERN` (the commit that made a case slower).",
     )
     p.add_argument("suites", nargs="*", help="op families to run (default: all); see --list")
     p.add_argument("--list", action="store_true", help="list the suites and their ops, then exit")
@@ -39,8 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cases", type=int, default=None, help="at most this many shapes per op")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run, shared among suites (default: 90 on a CPU, none elsewhere)")
-    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti"))
-    p.add_argument("--min-time", type=float, default=None, help="seconds of timed iterations per measurement")
+    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti", "profiler"))
+    p.add_argument("--min-time", type=float, default=None,
+                   help="seconds of timed iterations per measurement (shared by its rounds)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="time every case in this many rounds; their spread is the noise estimate of "
+                        "--baseline (default 3)")
+    p.add_argument("--case", metavar="PATTERN", default=None,
+                   help="only the cases whose key op|case|implementation|mode matches this regular expression")
+    p.add_argument("--record", metavar="DIR",
+                   help="append this run (commit, versions, device, per-case medians) to DIR/history.jsonl")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON ('-' for stdout)")
     p.add_argument("--markdown", metavar="PATH", help="write a markdown report")
     p.add_argument("--plot", metavar="DIR", help="write one PNG per suite into DIR (needs matplotlib)")
@@ -49,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=0.10,
                    help="relative slowdown that fails --baseline (default 0.10 = 10%%)")
     p.add_argument("--noise", type=float, default=2.0,
-                   help="changes within NOISE x IQR count as noise (default 2)")
+                   help="changes within NOISE standard errors of the rounds' medians (NOISE x IQR for results "
+                        "without rounds) count as noise (default 2)")
     p.add_argument("--input", metavar="RESULTS.json",
                    help="report on saved results instead of running (with --baseline: compare two files)")
     p.add_argument("--calibrate", action="store_true",
@@ -80,12 +98,21 @@ def _options(args, platform, err) -> SuiteOptions | None:
     if bad:
         err.print(f"--modes: unknown {bad}; expected some of {MODES}")
         return None
+    if args.rounds < 1:
+        err.print(f"--rounds: expected at least 1, got {args.rounds}")
+        return None
+    if args.case is not None:
+        try:
+            re.compile(args.case)
+        except re.error as e:
+            err.print(f"--case: {args.case!r} is not a valid regular expression ({e})")
+            return None
     budget = args.budget if args.budget is not None else (90.0 if platform.backend == "cpu" else None)
     return SuiteOptions(
         modes=modes, implementations=args.implementations.split(",") if args.implementations else None,
         peers=not args.no_peers, interpret=args.interpret,
-        timer="wall" if (args.profile and args.timer in ("auto", "cupti")) else args.timer,
-        max_cases=args.max_cases, budget_s=budget, min_time=args.min_time,
+        timer="wall" if (args.profile and args.timer in ("auto", "cupti", "profiler")) else args.timer,
+        max_cases=args.max_cases, budget_s=budget, min_time=args.min_time, rounds=args.rounds, case=args.case,
     )
 
 
@@ -106,10 +133,15 @@ def _run(args, platform, console, err):
         return 2
     progress = None if args.quiet else (lambda text: err.print(f"[dim]{text}", highlight=False))
     started = time.monotonic()
-    with profile(args.profile) as trace_dir:
-        records = run_suites(args.suites or None, options, progress=progress)
+    try:
+        with profile(args.profile) as trace_dir:
+            records = run_suites(args.suites or None, options, progress=progress)
+    except ValueError as e:  # a --case pattern that matches nothing
+        err.print(str(e), highlight=False)
+        return 2
     if not args.quiet:
-        err.print(f"[dim]{len(records)} measurements in {time.monotonic() - started:.1f} s")
+        err.print(f"[dim]{len(records)} records in {time.monotonic() - started:.1f} s: "
+                  f"{report.skip_summary(records)}", highlight=False)
     if trace_dir is not None:
         files = trace_files(str(trace_dir))
         console.print(f"profile trace: {len(files)} file(s) under {trace_dir} (open in Perfetto or XProf)")
@@ -149,8 +181,131 @@ def _compare_baseline(args, records, env, console) -> int:
     return 0 if comparison.ok else 1
 
 
+def _record(args, records, env, console) -> int:
+    """Append the run to the ``--record`` history; 0, or 2 when it cannot be written."""
+    try:
+        path = history_lib.append(args.record, history_lib.make_entry(records, env))
+    except (OSError, ValueError) as e:
+        console.print(f"--record {args.record}: nothing written: {e}", highlight=False)
+        return 2
+    if not args.quiet:
+        console.print(f"recorded {sum(r.ok for r in records)} case(s) in {path}", highlight=False)
+    return 0
+
+
+def history_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stellax bench history",
+                                description="Show the runs recorded with `stellax bench --record DIR`: a table of "
+                                            "each case's median over time, or plots (--plot).")
+    p.add_argument("dir", metavar="DIR", help="the history directory (or its history.jsonl)")
+    p.add_argument("--plot", metavar="OUT", help="draw each case over time: OUT.png (one file, a panel per "
+                                                  "suite) or a directory (one PNG per suite); needs matplotlib")
+    p.add_argument("--case", metavar="PATTERN", help="only cases whose key matches this regular expression")
+    p.add_argument("--last", type=int, default=8, help="runs shown in the table (default 8; 0: all)")
+    return p
+
+
+def history_cli(argv: list[str]) -> int:
+    """``stellax bench history DIR [--plot OUT]``."""
+    args = history_parser().parse_args(argv)
+    console = Console(width=max(Console().width, 200))
+    err = Console(stderr=True)
+    try:
+        entries = history_lib.load(args.dir)
+        if args.plot:
+            ok, reason = report.matplotlib_available()
+            if not ok:
+                err.print(f"--plot: {reason}", highlight=False)
+                return 2
+            for path in history_lib.plot(entries, args.plot, args.case):
+                console.print(f"wrote {path}", highlight=False)
+        else:
+            console.print(history_lib.table(entries, args.case, last=args.last))
+    except (history_lib.HistoryError, re.error) as e:
+        err.print(f"stellax bench history: {e}", highlight=False)
+        return 2
+    return 0
+
+
+def bisect_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stellax bench bisect",
+        description="Find the first commit of GOOD..BAD that made the benchmark cases matching --case slower "
+                    "than GOOD beyond --threshold and the noise. Drives `git bisect --no-checkout`; each commit "
+                    "is measured in a temporary worktree with PYTHONPATH=<checkout>/src (nothing is installed, "
+                    "your working tree is not touched), alternating with GOOD round by round.")
+    p.add_argument("good", metavar="GOOD", help="a commit (or any revision) without the slowdown")
+    p.add_argument("bad", metavar="BAD", help="a later commit with it")
+    p.add_argument("--case", metavar="PATTERN",
+                   help="the cases to time: a regular expression on op|case|implementation|mode (required "
+                        "unless --command is given); their medians are summed")
+    p.add_argument("--repo", metavar="DIR", default=None, help="the git repository (default: the current one)")
+    p.add_argument("--suites", default=None,
+                   help="comma list of suites to run (default: those with an op whose name matches --case, "
+                        "else all)")
+    p.add_argument("--command", default=None,
+                   help="instead of stellax bench: a command run in each checkout that prints a time in ms last")
+    p.add_argument("--threshold", type=float, default=0.10,
+                   help="relative slowdown that counts as a regression (default 0.10 = 10%%)")
+    p.add_argument("--noise", type=float, default=2.0, help="noise band in standard errors (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measurements per commit, alternated with GOOD's (default 3)")
+    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti", "profiler"))
+    p.add_argument("--min-time", type=float, default=None, help="seconds of timed iterations per case")
+    return p
+
+
+def _bisect_suites(pattern: str) -> list[str]:
+    """The suites with an op whose name the pattern matches (none: every suite)."""
+    regex = re.compile(pattern)
+    return [family for family, ops in families().items() if any(regex.search(op.name) for op in ops)]
+
+
+def bisect_cli(argv: list[str]) -> int:
+    """``stellax bench bisect GOOD BAD --case PATTERN``: 0 when a regressed commit is named, 1 when none
+    regressed, 2 on bad input."""
+    p = bisect_parser()
+    args = p.parse_args(argv)
+    console = Console(width=max(Console().width, 200))
+    err = Console(stderr=True)
+    if args.case is None and args.command is None:
+        p.error("--case PATTERN is required (or --command CMD)")
+    if args.rounds < 1:
+        p.error(f"--rounds: expected at least 1, got {args.rounds}")
+    if args.command is not None:
+        command = shlex.split(args.command)
+        if not command:
+            p.error("--command: empty command")
+        runner = bisect_lib.command_runner(command)
+        label = args.case or args.command
+    else:
+        try:
+            suites = args.suites.split(",") if args.suites else _bisect_suites(args.case)
+        except re.error as e:
+            p.error(f"--case: {args.case!r} is not a valid regular expression ({e})")
+        runner = bisect_lib.stellax_runner(args.case, suites, min_time=args.min_time, timer=args.timer)
+        label = args.case
+    try:
+        with bisect_lib.checkout_measure(args.repo, runner) as measure:
+            result = bisect_lib.bisect(args.repo, args.good, args.bad, measure, threshold=args.threshold,
+                                       noise_k=args.noise, rounds=args.rounds, label=label,
+                                       progress=lambda text: err.print(f"[dim]{text}", highlight=False))
+    except bisect_lib.BisectError as e:
+        err.print(f"stellax bench bisect: {e}", highlight=False)
+        return 2
+    console.print(result.message, highlight=False)
+    return 0 if result.found else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "history":
+        return history_cli(argv[1:])
+    if argv and argv[0] == "bisect":
+        import stellax  # noqa: F401  (registers the ops, for --case's default suites)
+
+        return bisect_cli(argv[1:])
+    args = build_parser().parse_args(argv)
     import stellax  # noqa: F401  (registers the ops; imported here: stellax imports this package)
 
     console = Console(stderr=False, width=max(Console().width, 240))
@@ -166,4 +321,6 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(records, int):
             return records
     _write_outputs(args, records, env, platform, console)
+    if args.record and _record(args, records, env, console):
+        return 2
     return _compare_baseline(args, records, env, console) if args.baseline else 0

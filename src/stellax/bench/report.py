@@ -20,6 +20,7 @@ from rich.table import Table
 from .._version import __version__
 from ..autotune.cache import atomic_write_text
 from ..core.platform import current_platform, interpret_enabled
+from .baseline import RoundsRecord
 from .measurement import BenchmarkRecord
 from .suites import speedups
 
@@ -87,7 +88,33 @@ def load_records(path_or_data) -> tuple[list[BenchmarkRecord], dict]:
         data = data["bench"]
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
         raise ValueError("not a stellax benchmark result (no 'records' list)")
-    return [BenchmarkRecord.from_json(r) for r in data["records"]], data.get("environment", {})
+    return [RoundsRecord.from_json(r) for r in data["records"]], data.get("environment", {})
+
+
+def skip_reason(record: BenchmarkRecord) -> str | None:
+    """The short reason a record was not measured (``None`` when it was or when it failed):
+    the text before the first ``:``, at most 60 characters."""
+    if record.skipped is None:
+        return None
+    return record.skipped.split(":", 1)[0].strip()[:60] or "skipped"
+
+
+def skip_summary(records: Sequence[BenchmarkRecord]) -> str:
+    """One line: how many records were measured, skipped (by reason, most first) and failed."""
+    reasons: dict[str, int] = {}
+    for r in records:
+        reason = skip_reason(r)
+        if reason is not None:
+            reasons[reason] = reasons.get(reason, 0) + 1
+    skipped = sum(reasons.values())
+    failed = sum(1 for r in records if r.error is not None)
+    measured = sum(1 for r in records if r.ok)
+    line = f"{measured} of {len(records)} records measured, {skipped} skipped"
+    if reasons:
+        line += " (" + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])) + ")"
+    if failed:
+        line += f", {failed} failed"
+    return line
 
 
 def _fmt(value, spec: str, empty: str = "-") -> str:

@@ -9,11 +9,24 @@ signature), in each mode (``forward``, plus ``forward_backward`` for
 differentiable ops by default). Failures are recorded, never fatal; peers
 that refuse a case (``UnsupportedError``/``NotImplementedError``) are
 recorded as skipped.
+
+Each case is timed in ``rounds`` rounds (the timing budget split among
+them); the records carry each round's median (`baseline.RoundsRecord`), the
+noise estimate of baseline comparisons. ``case`` (a regular expression on
+the record key ``op|case|implementation|mode``) selects cases.
+
+With a time budget, every op gets its turn first: the first case forward of
+every op of every suite is measured before anything else (always, even past
+the budget), then the rest runs in priority order with the remaining time
+shared among the suites; what the budget cuts off is recorded as skipped
+("time budget exhausted").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import time
 import traceback
 from typing import Any, Callable, Iterable, Sequence
@@ -23,6 +36,7 @@ import jax.numpy as jnp
 
 from ..core.op import Example, Op, UnsupportedError, registered_ops
 from ..core.platform import current_platform, interpret_mode
+from . import baseline as baseline_lib
 from . import measurement as bench_lib
 from . import roofline as roofline_lib
 from . import timing as timing_lib
@@ -75,8 +89,19 @@ class SuiteOptions:
     max_cases: int | None = None
     budget_s: float | None = None
     input_sets: int | None = None
-    min_time: float | None = None
+    min_time: float | None = None  # seconds of timed iterations per case, over all rounds
     use_examples: bool = False  # the small numerics examples instead of benchmark shapes (dry runs)
+    rounds: int = 3  # timing rounds per case (their spread is the noise estimate of --baseline)
+    case: str | None = None  # regular expression on the record key op|case|implementation|mode
+
+    def __post_init__(self):
+        if int(self.rounds) < 1:
+            raise ValueError(f"rounds: expected at least 1, got {self.rounds!r}")
+        if self.case is not None:
+            try:
+                re.compile(self.case)
+            except re.error as e:
+                raise ValueError(f"case: {self.case!r} is not a valid regular expression ({e})") from None
 
 
 def _targets(op: Op, options: SuiteOptions, platform) -> list[tuple[str, Callable, Any]]:
@@ -121,11 +146,14 @@ class _WorkItem:
 
 
 def _suite_timer(options: SuiteOptions, platform):
-    timer_kwargs = {"warmup": 0 if platform.backend == "cpu" else 1}
-    if platform.backend == "cpu":
-        timer_kwargs["min_iterations"] = 3
-    if options.min_time is not None:
-        timer_kwargs["min_time"] = options.min_time
+    """The timer of one round: the per-case time and minimum iterations split among the rounds."""
+    rounds = int(options.rounds)
+    defaults = timing_lib.default_budget()
+    min_iterations = 3 if platform.backend == "cpu" else defaults["min_iterations"]
+    min_time = options.min_time if options.min_time is not None else defaults["min_time"]
+    timer_kwargs = {"warmup": 0 if platform.backend == "cpu" else 1,
+                    "min_iterations": max(1, math.ceil(min_iterations / rounds)),
+                    "min_time": min_time / rounds}
     return timing_lib.make_timer(options.timer, **timer_kwargs)
 
 
@@ -144,10 +172,17 @@ def _unique_labels(examples) -> list[str]:
     return labels
 
 
+def item_key(op_name: str, case: str, label: str, mode: str) -> str:
+    """The record key of a work item (`BenchmarkRecord.key`)."""
+    return f"{op_name}|{case}|{label}|{mode}"
+
+
 def _plan(family: str, ops: list[Op], options: SuiteOptions, platform, deadline: float | None):
     """The suite's work items in natural order, and records for the ops the deadline cut off before
     their inputs were built. Priority: 0 = an op's first case forward with its own implementation,
-    1 = the peers and other modes of that case, 2 + i = case i."""
+    1 = the peers and other modes of that case, 2 + i = case i. Only items whose key matches
+    ``options.case`` (when set) are planned."""
+    pattern = re.compile(options.case) if options.case else None
     items: list[_WorkItem] = []
     unbuilt: list[bench_lib.BenchmarkRecord] = []
     for op_index, op in enumerate(ops):
@@ -167,6 +202,8 @@ def _plan(family: str, ops: list[Op], options: SuiteOptions, platform, deadline:
                      if m == "forward" or positions or kw]
             for mode_index, mode in enumerate(modes):
                 for target in _targets(op, options, platform):
+                    if pattern is not None and not pattern.search(item_key(op.name, label, target[0], mode)):
+                        continue
                     own = target[2] is not None
                     if case_index == 0 and mode_index == 0 and own:
                         priority = 0
@@ -200,11 +237,54 @@ def _run_item(item: _WorkItem, family: str, options: SuiteOptions, platform, tim
     if progress:
         progress(f"{family}: {name} [{item.mode}]")
     record = _measure(fn, example, item.mode, item.positions, item.kw, timer, input_sets, peaks, platform, name,
-                      meta, interpret=options.interpret and impl is not None and impl.is_kernel)
+                      meta, interpret=options.interpret and impl is not None and impl.is_kernel,
+                      rounds=int(options.rounds))
     if impl is None and record.error:
         # A peer that cannot run here (library or backend missing) is not a stellax failure.
         record.skipped, record.error = f"peer unavailable: {record.error}"[:300], None
     return record, True
+
+
+class _SuiteRun:
+    """One family's planned work items and the records measured so far."""
+
+    def __init__(self, family: str, ops: list[Op], options: SuiteOptions, platform, progress,
+                 deadline: float | None = None):
+        self.family, self.options, self.platform, self.progress = family, options, platform, progress
+        self.peaks = roofline_lib.device_peaks(platform)
+        self.timer = _suite_timer(options, platform)
+        self.input_sets = options.input_sets or (2 if platform.backend == "cpu" else 3)
+        self.items, self.unbuilt = _plan(family, ops, options, platform, deadline)
+        self.done: dict[int, bench_lib.BenchmarkRecord] = {}
+
+    def pending(self) -> list[_WorkItem]:
+        """The items not run yet, in priority order."""
+        return [t for t in sorted(self.items, key=lambda t: (t.priority, t.order)) if t.order not in self.done]
+
+    def run(self, item: _WorkItem, *, past_deadline: bool) -> bool:
+        """Measure (or skip) one item; whether it was measured."""
+        self.done[item.order], measured = _run_item(item, self.family, self.options, self.platform, self.timer,
+                                                    self.input_sets, self.peaks, self.progress,
+                                                    past_deadline=past_deadline)
+        return measured
+
+    def first_turns(self) -> None:
+        """Each op's turn: its first case forward with its own implementations until one is measured."""
+        for op_index in dict.fromkeys(t.group[0] for t in self.items):
+            for item in self.pending():
+                if item.group[0] == op_index and item.priority == 0 and self.run(item, past_deadline=False):
+                    break
+
+    def records(self) -> list[bench_lib.BenchmarkRecord]:
+        """The records in natural order (op, case, mode), peers given the op's cost model."""
+        records: list[bench_lib.BenchmarkRecord] = []
+        by_group: dict[tuple, list] = {}
+        for item in self.items:
+            by_group.setdefault(item.group, []).append(self.done[item.order])
+        for group in sorted(by_group):
+            _share_cost_model(by_group[group], self.peaks)
+            records.extend(by_group[group])
+        return records + self.unbuilt
 
 
 def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable[Op] | None = None,
@@ -224,38 +304,29 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
     if not ops:
         raise ValueError(f"suite {family!r}: no registered op of that family has benchmarks; "
                          f"known suites: {suite_names()}")
-    peaks = roofline_lib.device_peaks(platform)
-    timer = _suite_timer(options, platform)
-    input_sets = options.input_sets or (2 if platform.backend == "cpu" else 3)
-    items, unbuilt = _plan(family, ops, options, platform, deadline)
-
-    done: dict[int, bench_lib.BenchmarkRecord] = {}
+    suite = _SuiteRun(family, ops, options, platform, progress, deadline)
     first = True
-    for item in sorted(items, key=lambda t: (t.priority, t.order)):
+    for item in suite.pending():
         past = deadline is not None and time.monotonic() > deadline and not (first and guarantee_one)
-        done[item.order], measured = _run_item(item, family, options, platform, timer, input_sets, peaks, progress,
-                                               past_deadline=past)
-        first = first and not measured
-
-    records: list[bench_lib.BenchmarkRecord] = []
-    by_group: dict[tuple, list] = {}
-    for item in items:
-        by_group.setdefault(item.group, []).append(done[item.order])
-    for group in sorted(by_group):
-        _share_cost_model(by_group[group], peaks)
-        records.extend(by_group[group])
-    return records + unbuilt
+        first = first and not suite.run(item, past_deadline=past)
+    return suite.records()
 
 
-def _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platform, name, meta, *, interpret):
+def _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platform, name, meta, *, interpret,
+             rounds: int = 1):
     try:
         with interpret_mode(True) if interpret else _null():
             prepared = bench_lib.prepare(fn, example.args, example.kwargs, mode=mode,
                                          argnums=positions if mode != "forward" else None,
                                          grad_kwargs=kw if mode != "forward" else None, input_sets=input_sets)
+            times, medians, used = [], [], timer.name
             with jax.profiler.TraceAnnotation(f"stellax.bench {name} [{mode}]"):
-                times, used = timing_lib.measure(prepared.compiled, prepared.sets, timer)
-        return bench_lib.make_record(name, mode, prepared, times, used, peaks=peaks, platform=platform, **meta)
+                for _ in range(max(1, rounds)):
+                    round_times, used = timing_lib.measure(prepared.compiled, prepared.sets, timer)
+                    times.extend(round_times)
+                    medians.append(float(timing_lib.summarize(round_times).median))
+        record = bench_lib.make_record(name, mode, prepared, times, used, peaks=peaks, platform=platform, **meta)
+        return baseline_lib.with_rounds(record, medians)
     except (UnsupportedError, NotImplementedError) as e:
         return bench_lib.BenchmarkRecord(name=name, mode=mode, device_kind=platform.device_kind,
                                          backend=platform.backend, skipped=f"{type(e).__name__}: {e}"[:300], **meta)
@@ -286,23 +357,51 @@ def _share_cost_model(records: list[bench_lib.BenchmarkRecord], peaks) -> None:
 
 def run_suites(names: Sequence[str] | None = None, options: SuiteOptions | None = None, *,
                progress: Callable[[str], None] | None = None) -> list[bench_lib.BenchmarkRecord]:
-    """Run several suites (default: all). With ``options.budget_s`` the time
-    is shared evenly: each family gets its part (plus what earlier ones left)."""
+    """Run several suites (default: all).
+
+    Without a budget the suites run one after the other. With
+    ``options.budget_s`` every op gets its turn first: the first case forward
+    of every op of every suite is measured (even past the budget), then the
+    rest in priority order, the remaining time shared evenly among the suites
+    (each gets its part plus what earlier ones left). With ``options.case``,
+    a pattern that matches no case raises `ValueError`."""
     options = options or SuiteOptions()
     known = families()
     names = list(names) if names else list(known)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; known suites: {list(known)}")
-    records = []
-    start = time.monotonic()
-    for i, name in enumerate(names):
-        deadline = None
-        if options.budget_s is not None:
-            remaining = options.budget_s - (time.monotonic() - start)
-            deadline = time.monotonic() + max(0.0, remaining / (len(names) - i))
-        records.extend(run_suite(name, options, ops=known[name], progress=progress, deadline=deadline))
+    if options.budget_s is None:
+        records = [r for name in names for r in run_suite(name, options, ops=known[name], progress=progress)]
+    else:
+        records = _run_budgeted(names, known, options, progress)
+    if options.case and not records:
+        raise ValueError(f"case pattern {options.case!r} matches no benchmark of suite(s) {names}; keys look like "
+                         f"'op|case|implementation|mode', e.g. {_example_keys(names, known, options)}")
     return records
+
+
+def _run_budgeted(names, known, options: SuiteOptions, progress) -> list[bench_lib.BenchmarkRecord]:
+    start = time.monotonic()
+    platform = current_platform()
+    suites = [_SuiteRun(name, known[name], options, platform, progress) for name in names]
+    for suite in suites:
+        suite.first_turns()
+    for i, suite in enumerate(suites):
+        remaining = options.budget_s - (time.monotonic() - start)
+        deadline = time.monotonic() + max(0.0, remaining / (len(suites) - i))
+        for item in suite.pending():
+            suite.run(item, past_deadline=time.monotonic() > deadline)
+    return [r for suite in suites for r in suite.records()]
+
+
+def _example_keys(names, known, options: SuiteOptions, limit: int = 3) -> list[str]:
+    """A few record keys of the named suites (for an error message); examples are not built."""
+    keys = []
+    for name in names:
+        for op in known[name]:
+            keys.append(item_key(op.name, "<case>", "xla", "forward"))
+    return keys[:limit]
 
 
 def speedups(records: Sequence[bench_lib.BenchmarkRecord], baseline_impl: str = "xla") -> dict[str, float]:
@@ -316,5 +415,5 @@ def speedups(records: Sequence[bench_lib.BenchmarkRecord], baseline_impl: str = 
     return out
 
 
-__all__ = ["PEER_PREFIX", "SuiteOptions", "families", "grad_spec", "run_suite", "run_suites", "speedups",
-           "suite_names"]
+__all__ = ["PEER_PREFIX", "SuiteOptions", "families", "grad_spec", "item_key", "run_suite", "run_suites",
+           "speedups", "suite_names"]
