@@ -18,12 +18,13 @@ from __future__ import annotations
 import sys
 import types
 
-from .api import AutotuneResult, ObservedCall, ResultEntry, autotune, find_calls
+from .api import AutotuneResult, ObservedCall, ResultEntry, autotune, find_calls, tune_calls
 from .cache import (
     CacheWarning, ConfigCache, Entry, shipped_cache, shipped_dir, user_autotune_dir, user_cache,
     user_cache_root,
 )
 from .keys import call_key, device_slug, key_from_string, key_to_string, make_key
+from .programs import ProgramError, TracedCall, calls_from_hlo, calls_from_trace, observed_calls
 from .search import Candidate, TuneError, TuneResult, tune_call
 from .sources import (
     POLICIES, AutotuneMissWarning, CacheMissError, cached_config, get_policy, policy, register_sources,
@@ -32,10 +33,11 @@ from .sources import (
 
 __all__ = [
     "AutotuneMissWarning", "AutotuneResult", "CacheMissError", "CacheWarning", "Candidate", "ConfigCache",
-    "Entry", "ObservedCall", "POLICIES", "ResultEntry", "TuneError", "TuneResult", "autotune", "cached_config",
-    "call_key", "device_slug", "find_calls", "get_policy", "key_from_string", "key_to_string", "make_key",
-    "policy", "register_sources", "set_policy", "shipped_cache", "shipped_dir", "tune_call",
-    "user_autotune_dir", "user_cache", "user_cache_root",
+    "Entry", "ObservedCall", "POLICIES", "ProgramError", "ResultEntry", "TracedCall", "TuneError",
+    "TuneResult", "autotune", "cached_config", "call_key", "calls_from_hlo", "calls_from_trace",
+    "device_slug", "find_calls", "get_policy", "key_from_string", "key_to_string", "make_key",
+    "observed_calls", "policy", "register_sources", "set_policy", "shipped_cache", "shipped_dir", "tune_call",
+    "tune_calls", "user_autotune_dir", "user_cache", "user_cache_root",
 ]
 
 register_sources()

@@ -231,9 +231,19 @@ def autotune(fn: Callable[..., Any], *args, implementations: Sequence[str] | Non
     Returns:
       an `AutotuneResult` (``with result: ...`` applies its configs).
     """
+    calls = find_calls(fn, *args, implementations=implementations, **kwargs)
+    return tune_calls(calls, max_configs=max_configs, timer=timer, force=force, cache=cache,
+                      use_shipped=use_shipped, progress=progress, input_sets=input_sets, deadline=deadline)
+
+
+def tune_calls(calls: Sequence[ObservedCall], *, max_configs: int | None = None, timer: str = "auto",
+               force: bool = False, cache: bool | cache_lib.ConfigCache = True, use_shipped: bool = True,
+               progress: Callable[[str, int, int], None] | bool | None = None, input_sets: int = 2,
+               deadline: float | None = None) -> AutotuneResult:
+    """Tune already found calls (`find_calls`, or calls recovered from a program's HLO or a trace:
+    `stellax.autotune.programs`), in order; the arguments are those of `autotune`."""
     platform = current_platform()
     device = keys_lib.device_slug(platform)
-    calls = find_calls(fn, *args, implementations=implementations, **kwargs)
     write_cache, read_caches = _caches(cache, use_shipped, device, platform)
     report = progress_printer() if progress is True else (progress or None)
 

@@ -31,7 +31,8 @@ from ..core.platform import current_platform, interpret_mode
 from ..testing.numerics import random_array
 from . import cache as cache_lib
 from . import keys as keys_lib
-from .api import AutotuneResult, autotune, progress_printer
+from . import programs
+from .api import AutotuneResult, autotune, progress_printer, tune_calls
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                                             "from a JSON file; results go to the user autotuning cache.")
     p.add_argument("suites", nargs="*", help="op families to tune on their benchmark shapes (default: all)")
     p.add_argument("--shapes", metavar="FILE.json", help="tune these calls instead of suites")
+    p.add_argument("--from-hlo", metavar="FILE", help="tune the stellax calls of a program from its HLO / StableHLO "
+                                                      "text (jax.jit(f).lower(...).as_text()) or an XLA dump "
+                                                      "directory, without the program's code")
+    p.add_argument("--from-trace", metavar="DIR", help="tune the stellax calls of a jax.profiler / XProf trace "
+                                                       "directory, the most expensive first (their measured times "
+                                                       "are printed)")
     p.add_argument("--implementations", default=None, help="comma list of kernel implementations to tune")
     p.add_argument("--max-configs", type=int, default=None, help="at most this many configs per call")
     p.add_argument("--max-cases", type=int, default=None, help="at most this many shapes per op")
@@ -47,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-tune calls that are already cached")
     p.add_argument("--interpret", action="store_true",
                    help="tune interpreted kernels (on a CPU; for testing: the timings mean nothing)")
-    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti"))
+    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti", "profiler"))
     p.add_argument("--cache-dir", metavar="DIR", help="the cache directory (default: $STELLAX_CACHE_DIR or the "
                                                       "user cache dir)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the user cache")
@@ -150,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{entry.config} ({entry.time_ms} ms, stellax {entry.stellax_version}, "
                               f"jax {entry.jax_version})", highlight=False)
             return 0
+        if args.from_hlo or args.from_trace:
+            return _tune_program(args, console, err, device, platform)
         try:
             calls = load_shapes(args.shapes) if args.shapes else suite_calls(args.suites, args.max_cases)
         except (OSError, ValueError) as e:
@@ -192,18 +201,62 @@ def main(argv: list[str] | None = None) -> int:
             progress.close()
         results = AutotuneResult(results.entries, device=device, device_kind=platform.device_kind,
                                  failures=results.failures)
-        console.print(results.summary(), highlight=False, markup=False)
-        console.print(f"{len(results.entries)} config(s) ({len(results.tuned)} tuned) in "
-                      f"{time.monotonic() - started:.1f} s; cache: "
-                      f"{'not written' if args.no_cache else cache_lib.user_cache(device).path}", highlight=False)
-        if args.out:
-            results.save(args.out)
-            console.print(f"wrote {args.out}")
-        if args.export:
-            exported = cache_lib.ConfigCache(args.export, device=device, device_kind=platform.device_kind)
-            exported.put([e.entry for e in results.entries])
-            console.print(f"wrote {args.export}")
-        return 1 if results.failures and not results.entries else 0
+        return _report(args, console, results, device, platform, started)
+
+
+def _program_records(args, console):
+    """The calls recovered from ``--from-hlo`` / ``--from-trace`` (printed, with trace times)."""
+    if args.from_hlo:
+        records = programs.calls_from_hlo(args.from_hlo)
+        console.print(f"{len(records)} stellax call(s) in {args.from_hlo}:")
+        for r in records:
+            console.print(f"  {r.describe()}", highlight=False, markup=False)
+        return records
+    traced = programs.calls_from_trace(args.from_trace)
+    console.print(f"{len(traced)} stellax call(s) in the trace {args.from_trace}, most time first:")
+    for t in traced:
+        console.print(f"  {t.time_ms:10.3f} ms  {t.executions:4d} run(s)  {t.record.describe()}",
+                      highlight=False, markup=False)
+    return [t.record for t in traced]
+
+
+def _tune_program(args, console, err, device, platform) -> int:
+    """``--from-hlo`` / ``--from-trace``: tune the implementations the program used, as recorded."""
+    try:
+        records = _program_records(args, console)
+    except (OSError, ValueError) as e:
+        err.print(f"stellax autotune: {e}", highlight=False, markup=False)
+        return 2
+    calls, skipped = programs.observed_calls(records)
+    wanted = args.implementations.split(",") if args.implementations else None
+    calls = [c for c in calls if not wanted or c.implementation in wanted]
+    if not args.quiet:
+        for line in skipped:
+            err.print(f"[dim]skipped {line}", highlight=False)
+    if not calls:
+        err.print("stellax autotune: none of the recovered calls has a config to tune here")
+        return 0
+    started = time.monotonic()
+    results = tune_calls(calls, max_configs=args.max_configs, timer=args.timer, force=args.force,
+                         cache=not args.no_cache, use_shipped=not args.no_cache,
+                         progress=None if args.quiet else True)
+    return _report(args, console, results, device, platform, started)
+
+
+def _report(args, console, results, device, platform, started) -> int:
+    """Print the summary, write ``--out`` / ``--export``; exit status 1 when everything failed."""
+    console.print(results.summary(), highlight=False, markup=False)
+    console.print(f"{len(results.entries)} config(s) ({len(results.tuned)} tuned) in "
+                  f"{time.monotonic() - started:.1f} s; cache: "
+                  f"{'not written' if args.no_cache else cache_lib.user_cache(device).path}", highlight=False)
+    if args.out:
+        results.save(args.out)
+        console.print(f"wrote {args.out}")
+    if args.export:
+        exported = cache_lib.ConfigCache(args.export, device=device, device_kind=platform.device_kind)
+        exported.put([e.entry for e in results.entries])
+        console.print(f"wrote {args.export}")
+    return 1 if results.failures and not results.entries else 0
 
 
 class _Null:

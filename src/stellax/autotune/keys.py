@@ -15,6 +15,7 @@ import json
 import re
 from typing import Any
 
+from ..core import call as call_lib
 from ..core.platform import Platform, current_platform, interpret_enabled
 
 Key = tuple[str, str, tuple]
@@ -33,28 +34,14 @@ def device_slug(platform: Platform | None = None, interpret: bool | None = None)
     return f"{name}-interpret" if interpret else name
 
 
-def _to_json(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_to_json(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_from_json(v) for v in value)
-    return value
-
-
 def signature_to_json(signature: tuple) -> list:
     """A `Call.signature()` as JSON-able nested lists."""
-    return _to_json(signature)
+    return call_lib.signature_to_json(signature)
 
 
 def signature_from_json(data: Any) -> tuple:
     """Inverse of `signature_to_json` (lists back to tuples)."""
-    return _from_json(data)
+    return call_lib.signature_from_json(data)
 
 
 def make_key(op: str, implementation: str, signature: tuple) -> Key:

@@ -8,6 +8,12 @@
 * ``batched``: wall clock over a batch of back-to-back calls with one
   synchronization at the end, divided by the batch size (dispatch overlaps
   device work; the GPU fallback when CUPTI is unavailable).
+* ``profiler``: the device work of each call from a `jax.profiler` trace
+  (XProf's parser as shipped in jaxlib, `jax.profiler.ProfileData`): the
+  union of the intervals of the XLA operations the call executed (optionally
+  only those whose op or program name matches a regex), without host launch
+  overhead. The default on TPUs, and on GPUs when the ``xprof`` package is
+  installed. On a CPU it reads the thunk events of the host threads.
 
 Every timer rotates among several input sets and warms up first.
 """
@@ -15,7 +21,10 @@ Every timer rotates among several input sets and warms up first.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import re
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -23,6 +32,7 @@ import jax
 import numpy as np
 
 from ..core.platform import current_platform, host_platform
+from . import trace as trace_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +174,56 @@ class CuptiTimer(Timer):
         return times
 
 
-TIMERS = {"wall": WallTimer, "batched": BatchedWallTimer, "cupti": CuptiTimer}
+class ProfilerTimer(Timer):
+    """Device time of each call from a profiler trace: the union of its XLA op intervals.
+
+    Args:
+      op_filter: a regex; only XLA operations whose op name or program name it matches count
+        (``None``: all of them).
+    """
+
+    name = "profiler"
+
+    def __init__(self, *, op_filter: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.op_filter = re.compile(op_filter) if op_filter else None
+
+    def time(self, fn, sets, iterations=None):
+        per_call = self._warm(fn, sets)
+        n = iterations or self.iterations_for(per_call)
+        with tempfile.TemporaryDirectory(prefix="stellax-profile-") as directory:
+            jax.profiler.start_trace(directory)
+            try:
+                for i in range(n):
+                    jax.block_until_ready(_call(fn, sets[i % len(sets)]))
+            finally:
+                jax.profiler.stop_trace()
+            events = [e for f in trace_lib.xplane_files(directory) for e in trace_lib.op_events(f.read_bytes())]
+        if self.op_filter is not None:
+            events = [e for e in events if self.op_filter.search(e.op) or self.op_filter.search(e.module)]
+        return per_iteration_ms(events, n)
+
+
+def per_iteration_ms(events, iterations: int) -> list[float]:
+    """Per-call device times from the op events of ``iterations`` calls: each program execution
+    (run id) is one interval union; when a call runs several programs, consecutive executions
+    are grouped evenly into the calls."""
+    runs: dict[Any, list] = {}
+    for e in events:
+        runs.setdefault(e.run_id, []).append((e.start_ns, e.end_ns))
+    if not runs:
+        raise RuntimeError("profiler timer: the trace holds no XLA op events (nothing ran, or the filter "
+                           "matched no operation)")
+    ordered = sorted(runs.values(), key=lambda spans: min(s for s, _ in spans))
+    if len(ordered) % iterations:
+        raise RuntimeError(f"profiler timer: {len(ordered)} program executions for {iterations} calls; "
+                           "cannot tell which belong to which call")
+    per_call = len(ordered) // iterations
+    return [trace_lib.union_ns([s for spans in ordered[i * per_call:(i + 1) * per_call] for s in spans]) / 1e6
+            for i in range(iterations)]
+
+
+TIMERS = {"wall": WallTimer, "batched": BatchedWallTimer, "cupti": CuptiTimer, "profiler": ProfilerTimer}
 _CUPTI_OK: dict[str, tuple[bool, str]] = {}
 
 
@@ -190,19 +249,26 @@ def cupti_available() -> tuple[bool, str]:
     return result
 
 
+def xprof_installed() -> bool:
+    """Whether the ``xprof`` package (XProf's tools) is installed."""
+    return importlib.util.find_spec("xprof") is not None
+
+
 def default_timer_name() -> str:
-    """``cupti`` on NVIDIA GPUs where it works, ``batched`` on other
-    accelerators, ``wall`` on the CPU."""
+    """``profiler`` on TPUs, and on GPUs with the ``xprof`` package installed; else ``cupti`` on NVIDIA
+    GPUs where it works, ``batched`` on other accelerators; ``wall`` on the CPU."""
     platform = host_platform()
     if platform.backend == "cpu":
         return "wall"
+    if platform.backend == "tpu" or (platform.backend == "gpu" and xprof_installed()):
+        return "profiler"
     if platform.is_nvidia and cupti_available()[0]:
         return "cupti"
     return "batched"
 
 
 def make_timer(name: str | Timer = "auto", **kwargs) -> Timer:
-    """A timer by name (``auto``, ``wall``, ``batched``, ``cupti``)."""
+    """A timer by name (``auto``, ``wall``, ``batched``, ``cupti``, ``profiler``)."""
     if isinstance(name, Timer):
         return name
     if name == "auto":
@@ -222,12 +288,12 @@ def default_budget() -> dict:
 
 
 def measure(fn, sets: Sequence[tuple], timer: Timer) -> tuple[list[float], str]:
-    """Time ``fn`` over ``sets`` with ``timer``; when the CUPTI timer fails,
-    fall back to the batched wall clock. Returns (times in ms, timer used)."""
+    """Time ``fn`` over ``sets`` with ``timer``; when the CUPTI or profiler timer fails on an
+    accelerator, fall back to the batched wall clock. Returns (times in ms, timer used)."""
     try:
         return timer.time(fn, sets), timer.name
     except Exception:
-        if timer.name != "cupti":
+        if timer.name not in ("cupti", "profiler") or host_platform().backend == "cpu":
             raise
         fallback = BatchedWallTimer(min_time=timer.min_time, max_time=timer.max_time,
                                     min_iterations=timer.min_iterations, max_iterations=timer.max_iterations,

@@ -78,3 +78,20 @@ def _hashable(value: Any) -> Hashable:
     if callable(value):
         return getattr(value, "__qualname__", repr(value))
     return value
+
+
+def signature_to_json(signature: Any) -> Any:
+    """A `Call.signature()` as JSON-able nested lists (tuples → lists; values JSON cannot hold → their
+    ``repr``): the canonical form autotuning cache keys and HLO annotations use."""
+    if isinstance(signature, tuple):
+        return [signature_to_json(v) for v in signature]
+    if signature is None or isinstance(signature, (bool, int, float, str)):
+        return signature
+    return repr(signature)
+
+
+def signature_from_json(data: Any) -> Any:
+    """Inverse of `signature_to_json` (lists back to tuples; repr'd values stay strings)."""
+    if isinstance(data, list):
+        return tuple(signature_from_json(v) for v in data)
+    return data

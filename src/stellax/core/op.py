@@ -16,6 +16,10 @@ An `Op` is one public operator. It owns:
   and ``peers``: other libraries' functions for the same math (same
   arguments as the op) that benchmarks compare against.
 
+Every call annotates the XLA operations it emits with its identity (op,
+implementation, config, abstract call; `core.metadata`), so a compiled
+program or a profile names the stellax calls inside it.
+
 Backward passes are ops of their own (``<name>_backward``) wired in with
 ``jax.custom_vjp`` by the forward implementations.
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
-from . import selection
+from . import metadata, selection
 from .call import Call
 from .platform import Platform, current_platform, interpret_enabled
 
@@ -237,7 +241,8 @@ class Op:
         impl = self.select(call, implementation)
         cfg, _ = selection.resolve_config(self.name, impl, call, config)
         selection.notify(self, impl, call, cfg)
-        return impl.run(call, cfg)
+        with metadata.annotate(self.name, impl.name, cfg, call):
+            return impl.run(call, cfg)
 
     def __call__(self, *args, implementation=None, config=None, **kwargs):
         """Check the user arguments, pick the implementation and its config, run it
@@ -246,7 +251,8 @@ class Op:
         impl = self.select(call, implementation)
         cfg, _ = selection.resolve_config(self.name, impl, call, config)
         selection.notify(self, impl, call, cfg)
-        return impl.run(call, cfg)
+        with metadata.annotate(self.name, impl.name, cfg, call):
+            return impl.run(call, cfg)
 
     def run_implementation(self, name: str, call: Call, config=None):
         """Run one named implementation with a given (or resolved) config, no fallback."""
