@@ -2,7 +2,7 @@
 
 While an op runs, every XLA operation it emits carries the frontend attribute
 ``stellax="v1.<payload>"`` (`jax.experimental.xla_metadata`): the payload is
-base64url of compact JSON
+base64url of zlib-compressed compact JSON
 
     {"op": "attention", "impl": "xla_chunked", "config": {...} | null,
      "arrays": [["query", [1, 128, 4, 64], "float32"], null, ...],
@@ -28,6 +28,7 @@ import dataclasses
 import importlib
 import json
 import re
+import zlib
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -116,7 +117,7 @@ def encode_call(op_name: str, implementation: str, config: Any, call: Call) -> s
         "options": {k: _encode_value(v) for k, v in call.options.items()},
     }
     text = json.dumps(payload, separators=(",", ":"), sort_keys=True)
-    return f"{VERSION}.{base64.urlsafe_b64encode(text.encode()).decode()}"
+    return f"{VERSION}.{base64.urlsafe_b64encode(zlib.compress(text.encode(), 9)).decode()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +170,7 @@ def decode_call(value: str) -> CallRecord:
         raise MetadataError(f"stellax annotation: expected version {VERSION!r}, got {version!r} "
                             f"(written by another stellax version?)")
     try:
-        data = json.loads(base64.urlsafe_b64decode(payload.encode()).decode())
+        data = json.loads(zlib.decompress(base64.urlsafe_b64decode(payload.encode())).decode())
         arrays = {}
         for name, entry in zip(data["names"], data["arrays"]):
             arrays[name] = None if entry is None else jax.ShapeDtypeStruct(tuple(entry[1]), np.dtype(entry[2]))
@@ -179,7 +180,7 @@ def decode_call(value: str) -> CallRecord:
             config = {k: _decode_value(v) for k, v in config.items()}
         return CallRecord(data["op"], data["impl"], config, arrays, options,
                           signature_from_json(data["signature"]))
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ImportError) as e:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ImportError, zlib.error) as e:
         raise MetadataError(f"stellax annotation: corrupt payload ({type(e).__name__}: {e})") from None
 
 
