@@ -265,12 +265,12 @@ def test_fp8_attention_opcheck_and_errors():
     q = torch.randn(1, 8, 2, 16, requires_grad=True)
     qk = st.quantize_for_attention(torch.randn(1, 8, 2, 16), "fp8_e4m3", scales="tensor")
     qv = st.quantize_for_attention(torch.randn(1, 8, 2, 16))
-    (qa, qkm), (va, vm) = st_fp8.operand_args("key", qk), st_fp8.operand_args("value", qv)
+    # The flat custom-op arguments: the float query, then each QTensor as its tensors and statics.
+    args = st_fp8.dot_product_attention_fp8_op.flatten(q, qk, qv, None, None, None, None, None, None, None, None,
+                                                       False, None, None, "float32", None)
     # test_schema is left out: torch's SchemaCheckMode compares float8 inputs with a multiply that torch
     # does not implement for float8 on the CPU ("mul_cpu_reduced_float" not implemented for Float8_e4m3fn).
-    torch.library.opcheck(st_fp8.dot_product_attention_fp8_op.op,
-                          (q, None, None, *qa, *va, None, None, None, None, None, None, None, None, qkm, vm, None,
-                           False, None, None, "float32", None),
+    torch.library.opcheck(st_fp8.dot_product_attention_fp8_op.op, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     torch.library.opcheck(st_fp8.quantize_for_attention_op.op, (torch.randn(1, 8, 2, 16), "fp8_e4m3", "head"))
     with pytest.raises(ValueError, match="preferred_element_type: only for fp8 attention"):

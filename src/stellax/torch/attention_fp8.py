@@ -12,88 +12,73 @@ of attention over the dequantized operands.
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 import torch
+from jax import Array
+
+import stellax
+from stellax import QArray
+from stellax.ops.attention import quantize_for_attention as _jax_quantize_for_attention
 
 from . import bridge
-from .quant import QTensor, _cached, _qarray
-from .registry import define_op
+from .options import decode_window, dtype_name
+from .quant import QTensor
+from .registry import _cached, define_op
 
 _NAMES = ("query", "key", "value")
 
 
-def _meta(q: QTensor) -> str:
-    return json.dumps({"format": q.format, "shape": list(q.shape), "block_shape": list(q.block_shape),
-                       "axis": int(q.axis)})
-
-
-def _operand(x, values, scales, meta):
-    if meta is None:
-        return x
-    m = json.loads(meta)
-    return _qarray(values, scales, None, None, m["format"], m["shape"], m["block_shape"], m["axis"], None)
-
-
-def _fp8_attention(query, query_values, query_scales, key, key_values, key_scales, value, value_values, value_scales,
-                   bias, mask, q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths, sinks, *,
-                   query_meta, key_meta, value_meta, scale, is_causal, local_window_size, logits_soft_cap,
-                   preferred_element_type, implementation):
-    import stellax
-    window = None
-    if local_window_size is not None:
-        left, right = local_window_size
-        window = (None if left < 0 else left, None if right < 0 else right)
+def _fp8_attention(query: QArray | Array, key: QArray | Array, value: QArray | Array, bias: Array | None,
+                   mask: Array | None, q_segment_ids: Array | None, kv_segment_ids: Array | None,
+                   query_seq_lengths: Array | None, key_value_seq_lengths: Array | None, sinks: Array | None, *,
+                   scale: float | None, is_causal: bool, local_window_size: list[int] | None,
+                   logits_soft_cap: float | None, preferred_element_type: str | None,
+                   implementation: str | None) -> Array:
     return stellax.dot_product_attention(
-        _operand(query, query_values, query_scales, query_meta), _operand(key, key_values, key_scales, key_meta),
-        _operand(value, value_values, value_scales, value_meta), bias, mask, scale=scale, is_causal=is_causal,
-        local_window_size=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        logits_soft_cap=logits_soft_cap, sinks=sinks, preferred_element_type=preferred_element_type,
-        implementation=implementation)
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        local_window_size=decode_window(local_window_size), q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        preferred_element_type=preferred_element_type, implementation=implementation)
 
 
-def _fake(query, qv, qs, key, kv, ks, value, vv, vs, *rest, query_meta, value_meta, preferred_element_type, **_):
-    q_shape = json.loads(query_meta)["shape"] if query_meta is not None else query.shape
-    v_shape = json.loads(value_meta)["shape"] if value_meta is not None else value.shape
-    like = next(t for t in (query, qv) if t is not None)
-    dtype = torch.bfloat16 if preferred_element_type is None else getattr(torch, preferred_element_type)
-    return like.new_empty((*q_shape[:-1], v_shape[-1]), dtype=dtype)
-
-
+#: The quantized operands are constants: their float32 scales get no gradient.
 dot_product_attention_fp8_op = define_op(
     "dot_product_attention_fp8", _fp8_attention,
-    tensors=("query?", "query_values?!", "query_scales?!", "key?", "key_values?!", "key_scales?!", "value?",
-             "value_values?!", "value_scales?!", "bias?", "mask?!", "q_segment_ids?!", "kv_segment_ids?!",
-             "query_seq_lengths?!", "key_value_seq_lengths?!", "sinks?"),
-    options={"query_meta": "str?", "key_meta": "str?", "value_meta": "str?", "scale": "float?", "is_causal": "bool",
-             "local_window_size": "int[]?", "logits_soft_cap": "float?", "preferred_element_type": "str?",
-             "implementation": "str?"},
-    fake=_fake)
+    no_grad=tuple(f"{n}_{part}" for n in _NAMES for part in ("scales", "tensor_scale")))
 
 
-def operand_args(name: str, x) -> list:
-    """A float tensor or an fp8 `QTensor` → ``[float, values, scales]`` and its meta option."""
+def check_operand(name: str, x) -> None:
+    """An fp8 attention operand: a float tensor or an fp8 `QTensor` without
+    zero points, tensor scale or rotation."""
     if isinstance(x, QTensor):
         if x.zero_points is not None or x.tensor_scale is not None or x.rotation is not None:
             raise ValueError(f"{name}: fp8 attention takes QTensors in fp8_e4m3/fp8_e5m2 without zero points, "
                              f"tensor scale or rotation, got format {x.format}")
-        return [None, x.values, x.scales], _meta(x)
-    if not isinstance(x, torch.Tensor):
+    elif not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or a QTensor, got {type(x).__name__}")
-    return [x, None, None], None
 
 
-def _quantize_for_attention(x, *, format, scales):
-    from stellax.ops.attention import quantize_for_attention as qfa
-    q = qfa(x, format, scales=scales)
+def dot_product_attention_fp8(query, key, value, bias, mask, q_segment_ids, kv_segment_ids, query_seq_lengths,
+                              key_value_seq_lengths, sinks, scale, is_causal, local_window_size, logits_soft_cap,
+                              preferred_element_type, implementation) -> torch.Tensor:
+    """`stellax.torch.dot_product_attention` with at least one `QTensor`
+    operand (arguments already encoded: int32 ids, ``[left, right]`` window)."""
+    for name, x in zip(_NAMES, (query, key, value)):
+        check_operand(name, x)
+    return dot_product_attention_fp8_op(
+        query, key, value, bias, mask, q_segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths,
+        sinks, scale, is_causal, local_window_size, logits_soft_cap,
+        dtype_name("preferred_element_type", preferred_element_type), implementation)
+
+
+def _quantize_for_attention(x: Array, *, format: str, scales: str) -> tuple[Array, Array]:
+    q = _jax_quantize_for_attention(x, format, scales=scales)
     return q.values, q.scales
 
 
-quantize_for_attention_op = define_op("quantize_for_attention", _quantize_for_attention, tensors=("x!",),
-                                      options={"format": "str", "scales": "str"}, outputs=2, differentiable=False)
+quantize_for_attention_op = define_op("quantize_for_attention", _quantize_for_attention, differentiable=False)
 
 
 def quantize_for_attention(x: torch.Tensor, format: str = "fp8_e4m3", *, scales: str = "token") -> QTensor:
@@ -109,17 +94,8 @@ def quantize_for_attention(x: torch.Tensor, format: str = "fp8_e4m3", *, scales:
     key = ("quantize_for_attention", "aux", tuple(x.shape), x.dtype, format, scales)
 
     def aux():
-        from stellax.ops.attention import quantize_for_attention as qfa
-        q = jax.eval_shape(lambda a: qfa(a, format, scales=scales),
+        q = jax.eval_shape(lambda a: _jax_quantize_for_attention(a, format, scales=scales),
                            jax.ShapeDtypeStruct(tuple(x.shape), bridge.jax_dtype(x.dtype)))
         return q.format, tuple(q.shape), tuple(q.block_shape), int(q.axis)
     fmt, shape, block_shape, axis = _cached(key, aux)
     return QTensor(values, sc, None, None, fmt, shape, block_shape, axis, None)
-
-
-def dtype_option(dtype) -> str | None:
-    if dtype is None:
-        return None
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"preferred_element_type: expected a torch.dtype or None, got {dtype!r}")
-    return np.dtype(bridge.jax_dtype(dtype)).name

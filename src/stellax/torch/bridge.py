@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-__all__ = ["PackedTensor", "to_jax", "to_torch", "torch_dtype", "jax_dtype", "pack_jax", "unpack_jax"]
+__all__ = ["PackedTensor", "to_jax", "to_torch", "torch_dtype", "torch_struct", "jax_dtype", "pack_jax", "unpack_jax"]
 
 # -- dtype tables ----------------------------------------------------------------
 _TORCH_TO_JAX = {
@@ -81,6 +81,20 @@ def jax_dtype(dtype: torch.dtype):
         return _TORCH_TO_JAX[dtype]
     except KeyError:
         raise TypeError(f"dtype: torch {dtype} has no JAX equivalent") from None
+
+
+def torch_struct(shape, dtype) -> tuple[tuple, torch.dtype]:
+    """The torch ``(shape, dtype)`` a JAX array of ``shape``/``dtype`` crosses
+    as: the same for the dtypes torch has; ``uint8`` with the last axis
+    packed (`PackedTensor`'s layout) for the formats DLPack cannot carry."""
+    shape = tuple(int(d) for d in shape)
+    name = np.dtype(dtype).name
+    if name not in _PACKED_BITS:
+        return shape, torch_dtype(dtype)
+    bits = _PACKED_BITS[name]
+    if bits == 8 or not shape:
+        return shape, torch.uint8
+    return (*shape[:-1], -(-shape[-1] * bits // 8)), torch.uint8
 
 
 # -- packed formats ----------------------------------------------------------------

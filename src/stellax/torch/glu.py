@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import torch
+from jax import Array
 
 import stellax
 
 from .registry import define_op
 
 
-def _glu(x, w_gate, w_up, *, activation, implementation):
+def _glu(x: Array, w_gate: Array, w_up: Array | None, *, activation: str, implementation: str | None) -> Array:
     weights = w_gate if w_up is None else (w_gate, w_up)
     return stellax.gated_linear_unit(x, weights, activation=activation, implementation=implementation)
 
 
-def _fake(x, w_gate, w_up, **_):
-    n = w_gate.shape[-1]
-    return x.new_empty((*x.shape[:-1], n))
-
-
-gated_linear_unit_op = define_op(
-    "gated_linear_unit", _glu, tensors=("x", "w_gate", "w_up?"),
-    options={"activation": "str", "implementation": "str?"}, fake=_fake)
+gated_linear_unit_op = define_op("gated_linear_unit", _glu)
 
 
 def gated_linear_unit(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None = None, *,

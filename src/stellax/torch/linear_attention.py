@@ -10,44 +10,37 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from jax import Array
 from torch import nn
 
-from . import norm as _norm
-from .registry import define_op
+import stellax
 
-_OPTIONS = {"scale": "float?", "use_qk_l2norm": "bool", "chunk_size": "int", "implementation": "str?"}
+from . import norm as _norm
+from .options import int32, opt_float
+from .registry import define_op
 
 
 def _gdn(fn_name):
-    def run(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, use_qk_l2norm, chunk_size, implementation):
-        import stellax
-        fn = getattr(stellax, fn_name)
-        o, state = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
-                      use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                      implementation=implementation)
-        return o, state
+    fn = getattr(stellax, fn_name)
+
+    def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
+            cu_seqlens: Array | None, *, scale: float | None, use_qk_l2norm: bool, chunk_size: int,
+            implementation: str | None) -> tuple[Array, Array]:
+        return tuple(fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                        use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                        implementation=implementation))
     return run
 
 
-def _fake(q, k, v, g, beta, initial_state, cu_seqlens, **_):
-    n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state = q.new_empty((n, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
-    return torch.empty_like(v), state
-
-
-_TENSORS = ("q", "k", "v", "g", "beta", "initial_state?", "cu_seqlens?!")
-chunk_gated_delta_rule_op = define_op("chunk_gated_delta_rule", _gdn("chunk_gated_delta_rule"), tensors=_TENSORS,
-                                      options=_OPTIONS, outputs=2, fake=_fake)
-fused_recurrent_gated_delta_rule_op = define_op(
-    "fused_recurrent_gated_delta_rule", _gdn("fused_recurrent_gated_delta_rule"), tensors=_TENSORS,
-    options=_OPTIONS, outputs=2, fake=_fake)
+chunk_gated_delta_rule_op = define_op("chunk_gated_delta_rule", _gdn("chunk_gated_delta_rule"))
+fused_recurrent_gated_delta_rule_op = define_op("fused_recurrent_gated_delta_rule",
+                                                _gdn("fused_recurrent_gated_delta_rule"))
 
 
 def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
           implementation):
-    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
-    o, state = op(q, k, v, g, beta, initial_state, cu, None if scale is None else float(scale),
-                  bool(use_qk_l2norm), int(chunk_size), implementation)
+    o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens), opt_float(scale), bool(use_qk_l2norm),
+                  int(chunk_size), implementation)
     return o, (state if output_final_state else None)
 
 
@@ -75,37 +68,29 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
 
 
 # -- Kimi Delta Attention (per-channel decay) -------------------------------------------------
-_KDA_OPTIONS = {**_OPTIONS, "lower_bound": "float?", "use_gate_in_kernel": "bool",
-                "use_beta_sigmoid_in_kernel": "bool"}
-
-
 def _kda(fn_name):
-    def run(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, *, scale, use_qk_l2norm, chunk_size,
-            implementation, lower_bound, use_gate_in_kernel, use_beta_sigmoid_in_kernel):
-        import stellax
-        return tuple(getattr(stellax, fn_name)(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
-            use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, A_log=A_log,
-            dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, implementation=implementation))
+    fn = getattr(stellax, fn_name)
+
+    def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
+            cu_seqlens: Array | None, A_log: Array | None, dt_bias: Array | None, *, scale: float | None,
+            use_qk_l2norm: bool, chunk_size: int, implementation: str | None, lower_bound: float | None,
+            use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool) -> tuple[Array, Array]:
+        return tuple(fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                        use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, A_log=A_log,
+                        dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, implementation=implementation))
     return run
 
 
-_KDA_TENSORS = _TENSORS + ("A_log?", "dt_bias?")
-chunk_kda_op = define_op("chunk_kda", _kda("chunk_kda"), tensors=_KDA_TENSORS, options=_KDA_OPTIONS, outputs=2,
-                         fake=lambda q, k, v, g, beta, s0, cu, *r, **kw: _fake(q, k, v, g, beta, s0, cu))
-fused_recurrent_kda_op = define_op("fused_recurrent_kda", _kda("fused_recurrent_kda"), tensors=_KDA_TENSORS,
-                                   options=_KDA_OPTIONS, outputs=2,
-                                   fake=lambda q, k, v, g, beta, s0, cu, *r, **kw: _fake(q, k, v, g, beta, s0, cu))
+chunk_kda_op = define_op("chunk_kda", _kda("chunk_kda"))
+fused_recurrent_kda_op = define_op("fused_recurrent_kda", _kda("fused_recurrent_kda"))
 
 
 def _kda_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
               A_log, dt_bias, lower_bound, use_gate_in_kernel, use_beta_sigmoid_in_kernel, implementation):
-    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
-    o, state = op(q, k, v, g, beta, initial_state, cu, A_log, dt_bias, None if scale is None else float(scale),
-                  bool(use_qk_l2norm), int(chunk_size), implementation,
-                  None if lower_bound is None else float(lower_bound), bool(use_gate_in_kernel),
-                  bool(use_beta_sigmoid_in_kernel))
+    o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens), A_log, dt_bias, opt_float(scale),
+                  bool(use_qk_l2norm), int(chunk_size), implementation, opt_float(lower_bound),
+                  bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel))
     return o, (state if output_final_state else None)
 
 
@@ -136,24 +121,15 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
 
 
 # -- Mamba2 SSD --------------------------------------------------------------------------------
-def _ssd(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens, *, chunk_size, dt_softplus, dt_limit,
-         implementation):
-    import stellax
+def _ssd(x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, z: Array | None,
+         dt_bias: Array | None, initial_states: Array | None, cu_seqlens: Array | None, *, chunk_size: int,
+         dt_softplus: bool, dt_limit: list[float], implementation: str | None) -> tuple[Array, Array]:
     return tuple(stellax.ssd(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                              dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), initial_states=initial_states,
                              cu_seqlens=cu_seqlens, return_final_states=True, implementation=implementation))
 
 
-def _ssd_fake(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens, **_):
-    n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return torch.empty_like(x), x.new_empty((n, x.shape[2], x.shape[3], B.shape[3]), dtype=torch.float32)
-
-
-ssd_op = define_op("ssd", _ssd, tensors=("x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?", "initial_states?",
-                                         "cu_seqlens?!"),
-                   options={"chunk_size": "int", "dt_softplus": "bool", "dt_limit": "float[]",
-                            "implementation": "str?"},
-                   outputs=2, fake=_ssd_fake)
+ssd_op = define_op("ssd", _ssd)
 
 
 def ssd(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -162,21 +138,19 @@ def ssd(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_soft
     """Mamba2 SSD scan (``mamba_chunk_scan_combined``): ``x [B, T, H, P]``,
     ``dt [B, T, H]``, ``A [H]``, ``B``/``C [B, T, G, N]``; returns ``y`` or
     ``(y, final_states [N_seq, H, P, N])``. Differentiable in every float input."""
-    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
-    y, state = ssd_op(x, dt, A, B, C, D, z, dt_bias, initial_states, cu, int(chunk_size), bool(dt_softplus),
-                      [float(dt_limit[0]), float(dt_limit[1])], implementation)
+    y, state = ssd_op(x, dt, A, B, C, D, z, dt_bias, initial_states, int32(cu_seqlens), int(chunk_size),
+                      bool(dt_softplus), [float(dt_limit[0]), float(dt_limit[1])], implementation)
     return (y, state) if return_final_states else y
 
 
-def _ssd_step(state, x, dt, A, B, C, D, z, dt_bias, *, dt_softplus, dt_limit, implementation):
-    import stellax
+def _ssd_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, z: Array | None,
+              dt_bias: Array | None, *, dt_softplus: bool, dt_limit: list[float],
+              implementation: str | None) -> tuple[Array, Array]:
     return tuple(stellax.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                   dt_limit=tuple(dt_limit), implementation=implementation))
 
 
-ssd_step_op = define_op("ssd_step", _ssd_step, tensors=("state", "x", "dt", "A", "B", "C", "D?", "z?", "dt_bias?"),
-                        options={"dt_softplus": "bool", "dt_limit": "float[]", "implementation": "str?"}, outputs=2,
-                        fake=lambda state, x, *r, **_: (torch.empty_like(x), torch.empty_like(state)))
+ssd_step_op = define_op("ssd_step", _ssd_step)
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,

@@ -6,37 +6,18 @@ the `MoE` module. The expert-parallel MoE is in `stellax.torch.parallel`."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import torch
+from jax import Array
 from torch import nn
 
+import stellax
+from stellax import QArray
+
+from .options import dtype_name, precision_name, strict_int
+from .quant import QTensor
 from .registry import define_op
-
-
-def _moe():
-    import stellax
-    if hasattr(stellax, "moe_mlp"):
-        return stellax
-    from stellax.ops import moe
-    return moe
-
-
-# -- shared argument encoding -------------------------------------------------------------
-def _precision_name(precision) -> str | None:
-    """``None``, a `jax.lax.Precision` or its name → the name the op schema carries."""
-    if precision is None or isinstance(precision, str):
-        return precision
-    name = getattr(precision, "name", None)
-    if name is None:
-        raise TypeError(f"precision: expected None, a string or a jax.lax.Precision, got {precision!r}")
-    return name.lower()
-
-
-def _dtype_option(name: str, dtype) -> str | None:
-    if dtype is None:
-        return None
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{name}: expected a torch.dtype or None, got {dtype!r}")
-    return str(dtype).replace("torch.", "")
 
 
 def _group_offset(group_offset, device) -> torch.Tensor | None:
@@ -57,54 +38,30 @@ def _jax_offset(group_offset):
     return None if group_offset is None else group_offset.reshape(())
 
 
-def _opt_int(name: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int or None, got {type(value).__name__}")
-    return int(value)
+def _element_type(dtype) -> str | None:
+    return dtype_name("preferred_element_type", dtype)
 
 
 # -- ragged_dot ---------------------------------------------------------------------------
-def _ragged_dot(lhs, rhs, group_sizes, group_offset, *, activation, precision, preferred_element_type,
-                implementation):
-    return _moe().ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
-                             activation=activation, implementation=implementation)
+def _ragged_dot(lhs: Array, rhs: Array, group_sizes: Array, group_offset: Array | None, *, activation: str | None,
+                precision: str | None, preferred_element_type: str | None, implementation: str | None) -> Array:
+    return stellax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
+                              activation=activation, implementation=implementation)
 
 
-def _ragged_dot_fake(lhs, rhs, group_sizes, group_offset, *, preferred_element_type, **_):
-    dtype = lhs.dtype if preferred_element_type is None else getattr(torch, preferred_element_type)
-    return lhs.new_empty((lhs.shape[0], rhs.shape[-1]), dtype=dtype)
+ragged_dot_op = define_op("ragged_dot", _ragged_dot)
 
 
-_GMM_OPTIONS = {"precision": "str?", "preferred_element_type": "str?"}
-
-ragged_dot_op = define_op("ragged_dot", _ragged_dot, tensors=("lhs", "rhs", "group_sizes!", "group_offset?!"),
-                          options={"activation": "str?", **_GMM_OPTIONS, "implementation": "str?"},
-                          fake=_ragged_dot_fake)
-
-
-def _ragged_dot_quantized(lhs, values, scales, zero_points, tensor_scale, group_sizes, group_offset, *, format,
-                          shape, block_shape, axis, rotation, activation, precision, preferred_element_type,
-                          implementation):
-    from .quant import _qarray
-    w = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
-    return _moe().ragged_dot(lhs, w, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
-                             activation=activation, implementation=implementation)
+def _ragged_dot_quantized(lhs: Array, rhs: QArray, group_sizes: Array, group_offset: Array | None, *,
+                          activation: str | None, precision: str | None, preferred_element_type: str | None,
+                          implementation: str | None) -> Array:
+    return stellax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
+                              activation=activation, implementation=implementation)
 
 
-def _ragged_dot_quantized_fake(lhs, *rest, shape, preferred_element_type, **_):
-    dtype = lhs.dtype if preferred_element_type is None else getattr(torch, preferred_element_type)
-    return lhs.new_empty((lhs.shape[0], shape[-1]), dtype=dtype)
-
-
-ragged_dot_quantized_op = define_op(
-    "ragged_dot_quantized", _ragged_dot_quantized,
-    tensors=("lhs", "rhs_values!", "rhs_scales!", "rhs_zero_points?!", "rhs_tensor_scale?!", "group_sizes!",
-             "group_offset?!"),
-    options={"format": "str", "shape": "int[]", "block_shape": "int[]", "axis": "int", "rotation": "int?",
-             "activation": "str?", **_GMM_OPTIONS, "implementation": "str?"},
-    fake=_ragged_dot_quantized_fake)
+#: Frozen quantized experts: no gradient reaches their float32 scales.
+ragged_dot_quantized_op = define_op("ragged_dot_quantized", _ragged_dot_quantized,
+                                    no_grad=("rhs_scales", "rhs_tensor_scale"))
 
 
 def ragged_dot(lhs: torch.Tensor, rhs, group_sizes: torch.Tensor, *, group_offset=None,
@@ -126,15 +83,10 @@ def ragged_dot(lhs: torch.Tensor, rhs, group_sizes: torch.Tensor, *, group_offse
       preferred_element_type: output torch dtype (default ``lhs.dtype``).
 
     Returns ``[M, N]``. Differentiable in ``lhs`` and (dense) ``rhs``."""
-    from .quant import QTensor, _q_args
     offset = _group_offset(group_offset, lhs.device)
-    opts = (activation, _precision_name(precision), _dtype_option("preferred_element_type", preferred_element_type),
-            implementation)
-    if isinstance(rhs, QTensor):
-        values, scales, zp, ts, *qopts = _q_args(rhs)
-        return ragged_dot_quantized_op(lhs, values, scales, zp, ts, group_sizes.to(torch.int32), offset, *qopts,
-                                       *opts)
-    return ragged_dot_op(lhs, rhs, group_sizes.to(torch.int32), offset, *opts)
+    opts = (activation, precision_name(precision), _element_type(preferred_element_type), implementation)
+    op = ragged_dot_quantized_op if isinstance(rhs, QTensor) else ragged_dot_op
+    return op(lhs, rhs, group_sizes.to(torch.int32), offset, *opts)
 
 
 # -- ragged_dot_general / ragged_dot_tgmm ------------------------------------------------------
@@ -148,7 +100,6 @@ _LAYOUTS = {
 
 
 def _dimension_numbers(layout: str):
-    import jax
     (lc, rc), ragged, group = _LAYOUTS[layout]
     return jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=((list(lc), list(rc)), ([], [])),
                                              lhs_ragged_dimensions=list(ragged), rhs_group_dimensions=list(group))
@@ -174,16 +125,15 @@ def _layout_of(dims) -> str:
                      f"(see stellax.ragged_dot_general), got {dims}")
 
 
-def _ragged_dot_general(lhs, rhs, group_sizes, group_offset, *, layout, precision, preferred_element_type,
-                        num_local_groups, implementation):
-    return _moe().ragged_dot_general(lhs, rhs, group_sizes, _dimension_numbers(layout), precision,
-                                     preferred_element_type, _jax_offset(group_offset),
-                                     num_local_groups=num_local_groups, implementation=implementation)
+def _ragged_dot_general(lhs: Array, rhs: Array, group_sizes: Array, group_offset: Array | None, *, layout: str,
+                        precision: str | None, preferred_element_type: str | None, num_local_groups: int | None,
+                        implementation: str | None) -> Array:
+    return stellax.ragged_dot_general(lhs, rhs, group_sizes, _dimension_numbers(layout), precision,
+                                      preferred_element_type, _jax_offset(group_offset),
+                                      num_local_groups=num_local_groups, implementation=implementation)
 
 
-ragged_dot_general_op = define_op(
-    "ragged_dot_general", _ragged_dot_general, tensors=("lhs", "rhs", "group_sizes!", "group_offset?!"),
-    options={"layout": "str", **_GMM_OPTIONS, "num_local_groups": "int?", "implementation": "str?"})
+ragged_dot_general_op = define_op("ragged_dot_general", _ragged_dot_general)
 
 
 def ragged_dot_general(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, ragged_dot_dimension_numbers,
@@ -206,21 +156,19 @@ def ragged_dot_general(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.
     """
     layout = _layout_of(ragged_dot_dimension_numbers)
     return ragged_dot_general_op(lhs, rhs, group_sizes.to(torch.int32), _group_offset(group_offset, lhs.device),
-                                 layout, _precision_name(precision),
-                                 _dtype_option("preferred_element_type", preferred_element_type),
-                                 _opt_int("num_local_groups", num_local_groups), implementation)
+                                 layout, precision_name(precision), _element_type(preferred_element_type),
+                                 strict_int("num_local_groups", num_local_groups), implementation)
 
 
-def _ragged_dot_tgmm(lhs, rhs, group_sizes, group_offset, *, precision, preferred_element_type, num_local_groups,
-                     transpose_lhs, implementation):
-    return _moe().ragged_dot_tgmm(lhs, rhs, group_sizes, precision, preferred_element_type, _jax_offset(group_offset),
-                                  num_local_groups=num_local_groups, transpose_lhs=transpose_lhs,
-                                  implementation=implementation)
+def _ragged_dot_tgmm(lhs: Array, rhs: Array, group_sizes: Array, group_offset: Array | None, *,
+                     precision: str | None, preferred_element_type: str | None, num_local_groups: int | None,
+                     transpose_lhs: bool, implementation: str | None) -> Array:
+    return stellax.ragged_dot_tgmm(lhs, rhs, group_sizes, precision, preferred_element_type,
+                                   _jax_offset(group_offset), num_local_groups=num_local_groups,
+                                   transpose_lhs=transpose_lhs, implementation=implementation)
 
 
-ragged_dot_tgmm_op = define_op(
-    "ragged_dot_tgmm", _ragged_dot_tgmm, tensors=("lhs", "rhs", "group_sizes!", "group_offset?!"),
-    options={**_GMM_OPTIONS, "num_local_groups": "int?", "transpose_lhs": "bool", "implementation": "str?"})
+ragged_dot_tgmm_op = define_op("ragged_dot_tgmm", _ragged_dot_tgmm)
 
 
 def ragged_dot_tgmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, *, precision=None,
@@ -235,28 +183,20 @@ def ragged_dot_tgmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Ten
     ``[num_local_groups, K, N]`` with ``group_offset``); an empty group gives
     zeros. Differentiable in ``lhs`` and ``rhs``."""
     return ragged_dot_tgmm_op(lhs, rhs, group_sizes.to(torch.int32), _group_offset(group_offset, lhs.device),
-                              _precision_name(precision),
-                              _dtype_option("preferred_element_type", preferred_element_type),
-                              _opt_int("num_local_groups", num_local_groups), bool(transpose_lhs), implementation)
+                              precision_name(precision), _element_type(preferred_element_type),
+                              strict_int("num_local_groups", num_local_groups), bool(transpose_lhs), implementation)
 
 
 # -- routing ---------------------------------------------------------------------------------
-def _route(logits, bias, *, top_k, scoring, num_groups, top_k_groups, normalize_weights, routed_scaling):
-    return tuple(_moe().route(logits, top_k, scoring=scoring, bias=bias, num_groups=num_groups,
-                              top_k_groups=top_k_groups, normalize_weights=normalize_weights,
-                              routed_scaling=routed_scaling))
+def _route(logits: Array, bias: Array | None, *, top_k: int, scoring: str, num_groups: int | None,
+           top_k_groups: int | None, normalize_weights: bool, routed_scaling: float) -> tuple[Array, Array]:
+    return tuple(stellax.route(logits, top_k, scoring=scoring, bias=bias, num_groups=num_groups,
+                               top_k_groups=top_k_groups, normalize_weights=normalize_weights,
+                               routed_scaling=routed_scaling))
 
 
-def _route_fake(logits, bias, *, top_k, **_):
-    t = logits.shape[0]
-    return logits.new_empty((t, top_k), dtype=torch.float32), logits.new_empty((t, top_k), dtype=torch.int32)
-
-
-_ROUTE_OPTIONS = {"top_k": "int", "scoring": "str", "num_groups": "int?", "top_k_groups": "int?",
-                  "normalize_weights": "bool", "routed_scaling": "float"}
-
-route_op = define_op("route", _route, tensors=("logits", "bias?!"), options=_ROUTE_OPTIONS, outputs=2,
-                     fake=_route_fake)
+#: The bias only selects experts (DeepSeek-V3 style): it gets no gradient.
+route_op = define_op("route", _route, no_grad=("bias",))
 
 
 def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", bias: torch.Tensor | None = None,
@@ -269,23 +209,16 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", bias: t
 
 
 # -- token permutation ---------------------------------------------------------------------
-def _permute(x, expert_ids, *, num_experts, capacity_factor):
-    import jax.numpy as jnp
-    out = _moe().permute(x, expert_ids, num_experts, capacity_factor=capacity_factor)
+def _permute(x: Array, expert_ids: Array, *, num_experts: int,
+             capacity_factor: float | None) -> tuple[Array, Array, Array, Array]:
+    out = stellax.permute(x, expert_ids, num_experts, capacity_factor=capacity_factor)
     if capacity_factor is None:
         rows, sizes, order = out
         return rows, sizes, order, jnp.zeros_like(sizes)
     return tuple(out)
 
 
-def _permute_fake(x, expert_ids, *, num_experts, **_):
-    copies = expert_ids.shape[0] * expert_ids.shape[1]
-    ints = lambda *shape: x.new_empty(shape, dtype=torch.int32)
-    return x.new_empty((copies, x.shape[1])), ints(num_experts), ints(copies), ints(num_experts)
-
-
-permute_op = define_op("permute", _permute, tensors=("x", "expert_ids!"),
-                       options={"num_experts": "int", "capacity_factor": "float?"}, outputs=4, fake=_permute_fake)
+permute_op = define_op("permute", _permute)
 
 
 def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, capacity_factor: float | None = None):
@@ -310,12 +243,11 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, capa
     return (rows, sizes, order) if cf is None else (rows, sizes, order, dropped)
 
 
-def _unpermute(y, permutation, weights):
-    return _moe().unpermute(y, permutation, weights)
+def _unpermute(y: Array, permutation: Array, weights: Array) -> Array:
+    return stellax.unpermute(y, permutation, weights)
 
 
-unpermute_op = define_op("unpermute", _unpermute, tensors=("y", "permutation!", "weights"),
-                         fake=lambda y, permutation, weights: y.new_empty((weights.shape[0], y.shape[1])))
+unpermute_op = define_op("unpermute", _unpermute)
 
 
 def unpermute(y: torch.Tensor, permutation: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -328,14 +260,11 @@ def unpermute(y: torch.Tensor, permutation: torch.Tensor, weights: torch.Tensor)
 
 
 # -- auxiliary router losses ------------------------------------------------------------------
-def _load_balancing_loss(router_logits, expert_ids, *, scoring):
-    return _moe().load_balancing_loss(router_logits, expert_ids, scoring=scoring)
+def _load_balancing_loss(router_logits: Array, expert_ids: Array, *, scoring: str) -> Array:
+    return stellax.load_balancing_loss(router_logits, expert_ids, scoring=scoring)
 
 
-load_balancing_loss_op = define_op(
-    "load_balancing_loss", _load_balancing_loss, tensors=("router_logits", "expert_ids!"),
-    options={"scoring": "str"},
-    fake=lambda router_logits, expert_ids, **_: router_logits.new_empty((), dtype=torch.float32))
+load_balancing_loss_op = define_op("load_balancing_loss", _load_balancing_loss)
 
 
 def load_balancing_loss(router_logits: torch.Tensor, expert_ids: torch.Tensor, *,
@@ -350,9 +279,11 @@ def load_balancing_loss(router_logits: torch.Tensor, expert_ids: torch.Tensor, *
     return load_balancing_loss_op(router_logits, expert_ids.to(torch.int32), scoring)
 
 
-router_z_loss_op = define_op("router_z_loss", lambda router_logits: _moe().router_z_loss(router_logits),
-                             tensors=("router_logits",),
-                             fake=lambda router_logits: router_logits.new_empty((), dtype=torch.float32))
+def _router_z_loss(router_logits: Array) -> Array:
+    return stellax.router_z_loss(router_logits)
+
+
+router_z_loss_op = define_op("router_z_loss", _router_z_loss)
 
 
 def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
@@ -362,18 +293,17 @@ def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
 
 
 # -- MoE MLP ----------------------------------------------------------------------------------
-def _moe_mlp(x, router_logits, w_gate_up, w_down, bias, *, top_k, scoring, num_groups, top_k_groups,
-             normalize_weights, routed_scaling, capacity_factor, activation, implementation):
-    return _moe().moe_mlp(x, router_logits, w_gate_up, w_down, top_k=top_k, scoring=scoring, bias=bias,
-                          num_groups=num_groups, top_k_groups=top_k_groups, normalize_weights=normalize_weights,
-                          routed_scaling=routed_scaling, capacity_factor=capacity_factor, activation=activation,
-                          implementation=implementation)
+def _moe_mlp(x: Array, router_logits: Array, w_gate_up: Array, w_down: Array, bias: Array | None, *, top_k: int,
+             scoring: str, num_groups: int | None, top_k_groups: int | None, normalize_weights: bool,
+             routed_scaling: float, capacity_factor: float | None, activation: str,
+             implementation: str | None) -> Array:
+    return stellax.moe_mlp(x, router_logits, w_gate_up, w_down, top_k=top_k, scoring=scoring, bias=bias,
+                           num_groups=num_groups, top_k_groups=top_k_groups, normalize_weights=normalize_weights,
+                           routed_scaling=routed_scaling, capacity_factor=capacity_factor, activation=activation,
+                           implementation=implementation)
 
 
-moe_mlp_op = define_op(
-    "moe_mlp", _moe_mlp, tensors=("x", "router_logits", "w_gate_up", "w_down", "bias?!"),
-    options={**_ROUTE_OPTIONS, "capacity_factor": "float?", "activation": "str", "implementation": "str?"},
-    fake=lambda x, *rest, **_: torch.empty_like(x))
+moe_mlp_op = define_op("moe_mlp", _moe_mlp, no_grad=("bias",))
 
 
 def moe_mlp(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, *,

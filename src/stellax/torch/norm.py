@@ -3,32 +3,27 @@
 from __future__ import annotations
 
 import torch
+from jax import Array
 
 import stellax
 
 from .registry import define_op
 
 
-def _layer_norm(x, scale, offset, *, epsilon, subtract_mean, implementation):
+def _layer_norm(x: Array, scale: Array | None, offset: Array | None, *, epsilon: float, subtract_mean: bool,
+                implementation: str | None) -> Array:
     return stellax.layer_norm(x, scale, offset, axis=-1, epsilon=epsilon, subtract_mean=subtract_mean,
                               implementation=implementation)
 
 
-def _layer_norm_residual(x, residual, scale, offset, *, epsilon, subtract_mean, implementation):
+def _layer_norm_residual(x: Array, residual: Array, scale: Array | None, offset: Array | None, *, epsilon: float,
+                         subtract_mean: bool, implementation: str | None) -> tuple[Array, Array]:
     return stellax.layer_norm(x, scale, offset, axis=-1, epsilon=epsilon, subtract_mean=subtract_mean,
                               residual=residual, implementation=implementation)
 
 
-_OPTIONS = {"epsilon": "float", "subtract_mean": "bool", "implementation": "str?"}
-
-layer_norm_op = define_op(
-    "layer_norm", _layer_norm, tensors=("x", "scale?", "offset?"), options=_OPTIONS,
-    fake=lambda x, scale, offset, **_: torch.empty_like(x))
-
-layer_norm_residual_op = define_op(
-    "layer_norm_residual", _layer_norm_residual, tensors=("x", "residual", "scale?", "offset?"),
-    options=_OPTIONS, outputs=2,
-    fake=lambda x, residual, scale, offset, **_: (torch.empty_like(x), torch.empty_like(x)))
+layer_norm_op = define_op("layer_norm", _layer_norm)
+layer_norm_residual_op = define_op("layer_norm_residual", _layer_norm_residual)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,

@@ -20,22 +20,24 @@ have no backward). Asking for a gradient through any of them raises
 from __future__ import annotations
 
 import dataclasses
-import json
 
-import numpy as np
 import torch
+from jax import Array
+
+import stellax
+from stellax import KVQuant
+from stellax.ops import paged_attention as _paged
 
 from . import bridge
+from .options import int32, left_window, opt_float
 from .registry import define_op
+from .structs import PAGES, decode_kvquant, encode_kvquant
 
 _FORWARD_ONLY = ("a serving op over a paged KV cache; stellax (JAX) defines no gradient for it (its kernels have "
                  "no backward). Train with stellax.torch.dot_product_attention(_varlen) instead.")
 _CACHE_ONLY = "a KV-cache helper that writes or reads quantized codes; it has no gradient."
 
-
-def _paged():
-    from stellax.ops import paged_attention
-    return paged_attention
+Pages = stellax.QuantizedPages  # the JAX pool type, in the custom ops' annotations
 
 
 # -- quantized pools ---------------------------------------------------------------------
@@ -43,30 +45,14 @@ def _kvquant(spec):
     """A `KVQuant`, a format name or None → a `KVQuant` or None."""
     if spec is None:
         return None
-    kv = _paged().KVQuant
     if isinstance(spec, str):
-        return kv(spec)
-    if not isinstance(spec, kv):
+        return KVQuant(spec)
+    if not isinstance(spec, KVQuant):
         raise TypeError(f"quant: expected a stellax.paged.KVQuant, a format name or None, got {type(spec).__name__}")
     return spec
 
 
-def _encode_spec(spec) -> str:
-    """A `KVQuant` as the JSON string a custom-op option carries (static, part of the cache key)."""
-    d = dataclasses.asdict(spec)
-    d["scale_dtype"] = np.dtype(d["scale_dtype"]).name
-    d["window_dtype"] = np.dtype(d["window_dtype"]).name
-    return json.dumps(d, sort_keys=True)
-
-
-def _decode_spec(text: str | None):
-    if text is None:
-        return None
-    d = json.loads(text)
-    import jax.numpy as jnp
-    for key in ("scale_dtype", "window_dtype"):
-        d[key] = getattr(jnp, d[key])
-    return _paged().KVQuant(**d)
+_encode_spec = encode_kvquant  # the name the tests know
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +93,7 @@ class QuantizedPages:
     def to_jax(self):
         """The JAX `stellax.paged.QuantizedPages` with the same buffers (zero-copy)."""
         conv = lambda t: None if t is None else bridge.to_jax(t)
-        return _paged().QuantizedPages(conv(self.data), conv(self.scale), conv(self.zero), conv(self.signs),
+        return Pages(conv(self.data), conv(self.scale), conv(self.zero), conv(self.signs),
                                        conv(self.window), self.spec, int(self.head_dim))
 
     @classmethod
@@ -118,97 +104,23 @@ class QuantizedPages:
                    pages.spec, int(pages.head_dim))
 
 
-_POOL_PARTS = ("pages", "scale", "zero", "signs", "window")
-
-
-def _pool_tensors(prefix: str, optional: bool = False) -> tuple[str, ...]:
-    first = f"{prefix}_pages" + ("?" if optional else "")
-    return (first,) + tuple(f"{prefix}_{p}?!" for p in _POOL_PARTS[1:])
-
-
-def _pool_options(prefix: str) -> dict:
-    return {f"{prefix}_quant": "str?", f"{prefix}_head_dim": "int?"}
-
-
-def _pool_args(name: str, pool) -> tuple[list, list]:
-    """A dense tensor / `QuantizedPages` / None → (5 tensors, 2 options)."""
-    if pool is None or isinstance(pool, torch.Tensor):
-        return [pool, None, None, None, None], [None, None]
-    if isinstance(pool, QuantizedPages):
-        return ([pool.data, pool.scale, pool.zero, pool.signs, pool.window], [pool.quant, int(pool.head_dim)])
+def _pool(name: str, pool):
+    """A pool argument: a dense tensor, a torch `QuantizedPages` or None (checked; `structs.PAGES` flattens it)."""
+    if pool is None or isinstance(pool, (torch.Tensor, QuantizedPages)):
+        return pool
     raise TypeError(f"{name}: expected a torch.Tensor or a stellax.torch.QuantizedPages, got {type(pool).__name__}")
 
 
-def _jax_pool(data, scale, zero, signs, window, quant, head_dim):
-    spec = _decode_spec(quant)
-    if spec is None:
-        return data
-    return _paged().QuantizedPages(data, scale, zero, signs, window, spec, head_dim)
-
-
-def _pool_outputs(pool):
-    """A JAX pool → 5 arrays (empty placeholders where a part is absent)."""
-    import jax.numpy as jnp
-    empty = jnp.zeros((0,), jnp.float32)
-    if not isinstance(pool, _paged().QuantizedPages):
-        return pool, empty, empty, empty, empty
-    fill = lambda a: empty if a is None else a
-    return pool.data, pool.scale, fill(pool.zero), fill(pool.signs), fill(pool.window)
-
-
-def _torch_pool(parts, like, head_dim=None, spec=None, quant=None):
-    """5 torch outputs of `_pool_outputs` → a dense tensor, or a torch
-    `QuantizedPages` with the spec of ``like`` (a `QuantizedPages`) or ``spec``."""
-    data, scale, zero, signs, window = parts
-    if isinstance(like, QuantizedPages):
-        spec, quant, head_dim = like.spec, like.quant, like.head_dim
-    if spec is None:
-        return data
-    return QuantizedPages(data, scale, None if spec.symmetric else zero, signs if spec.rotation else None,
-                          window if spec.window else None, spec, int(head_dim), quant)
-
-
-def _window(local_window_size):
-    if local_window_size is None:
-        return None
-    return int(local_window_size[0]) if isinstance(local_window_size, (tuple, list)) else int(local_window_size)
-
-
-def _opt_float(value):
-    return None if value is None else float(value)
-
-
 # -- paged_attention ------------------------------------------------------------------------
-def _paged_attention(q, kp, ks, kz, ksg, kw, vp, vs, vz, vsg, vw, block_tables, lengths, sinks, *, k_quant,
-                     k_head_dim, v_quant, v_head_dim, scale, logits_soft_cap, local_window_size, implementation):
-    return _paged().paged_attention(q, _jax_pool(kp, ks, kz, ksg, kw, k_quant, k_head_dim),
-                                    _jax_pool(vp, vs, vz, vsg, vw, v_quant, v_head_dim), block_tables, lengths,
-                                    scale=scale, logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-                                    sinks=sinks, implementation=implementation)
+def _paged_attention(q: Array, k: Pages | Array, v: Pages | Array | None, block_tables: Array, lengths: Array,
+                     sinks: Array | None, *, scale: float | None, logits_soft_cap: float | None,
+                     local_window_size: int | None, implementation: str | None) -> Array:
+    return _paged.paged_attention(q, k, v, block_tables, lengths, scale=scale, logits_soft_cap=logits_soft_cap,
+                                   local_window_size=local_window_size, sinks=sinks, implementation=implementation)
 
 
-_OPTIONS = {"scale": "float?", "logits_soft_cap": "float?", "local_window_size": "int?", "implementation": "str?"}
-_KV_OPTIONS = {**_pool_options("k"), **_pool_options("v"), **_OPTIONS}
-
-
-def _value_dim(k_pages, v_pages, v_head_dim, k_head_dim):
-    if v_pages is not None:
-        return v_head_dim if v_head_dim is not None else v_pages.shape[-1]
-    return k_head_dim if k_head_dim is not None else k_pages.shape[-1]  # combined kv_pages
-
-
-paged_attention_op = define_op(
-    "paged_attention", _paged_attention,
-    tensors=("q", *_pool_tensors("k"), *_pool_tensors("v", optional=True), "block_tables!", "lengths!", "sinks?"),
-    options=_KV_OPTIONS, differentiable=False, forward_only_reason=_FORWARD_ONLY,
-    fake=lambda q, k_pages, *r, k_head_dim, v_head_dim, **_: q.new_empty(
-        (*q.shape[:-1], _value_dim(k_pages, r[4], v_head_dim, k_head_dim))))
-
-
-def _kv_args(k_pages, v_pages):
-    kt, ko = _pool_args("k_pages", k_pages)
-    vt, vo = _pool_args("v_pages", v_pages)
-    return kt + vt, ko + vo
+paged_attention_op = define_op("paged_attention", _paged_attention, differentiable=False,
+                               forward_only_reason=_FORWARD_ONLY)
 
 
 def paged_attention(q: torch.Tensor, k_pages, v_pages, block_tables: torch.Tensor, lengths: torch.Tensor, *,
@@ -230,29 +142,22 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, block_tables: torch.Tenso
 
     Returns ``[B, (Q,) N, Hv]`` in ``q.dtype``. Forward only (`ForwardOnlyError`
     on backward)."""
-    tensors, opts = _kv_args(k_pages, v_pages)
-    return paged_attention_op(q, *tensors, block_tables.to(torch.int32), lengths.to(torch.int32), sinks, *opts,
-                              _opt_float(scale), _opt_float(logits_soft_cap), _window(local_window_size),
-                              implementation)
+    return paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(block_tables),
+                              int32(lengths), sinks, opt_float(scale), opt_float(logits_soft_cap),
+                              left_window(local_window_size), implementation)
 
 
 # -- ragged_paged_attention -------------------------------------------------------------------
-def _ragged(q, kp, ks, kz, ksg, kw, vp, vs, vz, vsg, vw, kv_lens, block_tables, cu_q_lens, num_seqs, sinks, *,
-            k_quant, k_head_dim, v_quant, v_head_dim, scale, logits_soft_cap, local_window_size, implementation):
-    return _paged().ragged_paged_attention(q, _jax_pool(kp, ks, kz, ksg, kw, k_quant, k_head_dim),
-                                           _jax_pool(vp, vs, vz, vsg, vw, v_quant, v_head_dim), kv_lens,
-                                           block_tables, cu_q_lens, num_seqs, scale=scale,
-                                           logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-                                           sinks=sinks, implementation=implementation)
+def _ragged(q: Array, k: Pages | Array, v: Pages | Array | None, kv_lens: Array, block_tables: Array,
+            cu_q_lens: Array, num_seqs: Array, sinks: Array | None, *, scale: float | None,
+            logits_soft_cap: float | None, local_window_size: int | None, implementation: str | None) -> Array:
+    return _paged.ragged_paged_attention(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, scale=scale,
+                                          logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
+                                          sinks=sinks, implementation=implementation)
 
 
-ragged_paged_attention_op = define_op(
-    "ragged_paged_attention", _ragged,
-    tensors=("q", *_pool_tensors("k"), *_pool_tensors("v", optional=True), "kv_lens!", "block_tables!",
-             "cu_q_lens!", "num_seqs!", "sinks?"),
-    options=_KV_OPTIONS, differentiable=False, forward_only_reason=_FORWARD_ONLY,
-    fake=lambda q, k_pages, *r, k_head_dim, v_head_dim, **_: q.new_empty(
-        (*q.shape[:-1], _value_dim(k_pages, r[4], v_head_dim, k_head_dim))))
+ragged_paged_attention_op = define_op("ragged_paged_attention", _ragged, differentiable=False,
+                                      forward_only_reason=_FORWARD_ONLY)
 
 
 def ragged_paged_attention(q: torch.Tensor, k_pages, v_pages, kv_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -269,28 +174,22 @@ def ragged_paged_attention(q: torch.Tensor, k_pages, v_pages, kv_lens: torch.Ten
     Returns ``[total_q, N, Hv]``. Forward only."""
     if not isinstance(num_seqs, torch.Tensor):
         num_seqs = torch.tensor([int(num_seqs)], dtype=torch.int32, device=q.device)
-    i32 = lambda t: t.to(torch.int32)
-    tensors, opts = _kv_args(k_pages, v_pages)
-    return ragged_paged_attention_op(q, *tensors, i32(kv_lens), i32(block_tables), i32(cu_q_lens),
-                                     i32(num_seqs).reshape(1), sinks, *opts, _opt_float(scale),
-                                     _opt_float(logits_soft_cap), _window(local_window_size), implementation)
+    return ragged_paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(kv_lens),
+                                     int32(block_tables), int32(cu_q_lens), int32(num_seqs).reshape(1), sinks,
+                                     opt_float(scale), opt_float(logits_soft_cap), left_window(local_window_size),
+                                     implementation)
 
 
 # -- mla_decode -------------------------------------------------------------------------------
-def _mla(q_nope, q_pe, lp, ls, lz, lsg, lw, pp, ps, pz, psg, pw, block_tables, lengths, *, latent_quant,
-         latent_head_dim, pe_quant, pe_head_dim, scale, logits_soft_cap, local_window_size, implementation):
-    return _paged().mla_decode(q_nope, q_pe, _jax_pool(lp, ls, lz, lsg, lw, latent_quant, latent_head_dim),
-                               _jax_pool(pp, ps, pz, psg, pw, pe_quant, pe_head_dim), block_tables, lengths,
-                               scale=scale, logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-                               implementation=implementation)
+def _mla(q_nope: Array, q_pe: Array, latent: Pages | Array, pe: Pages | Array, block_tables: Array,
+         lengths: Array, *, scale: float, logits_soft_cap: float | None, local_window_size: int | None,
+         implementation: str | None) -> Array:
+    return _paged.mla_decode(q_nope, q_pe, latent, pe, block_tables, lengths, scale=scale,
+                              logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
+                              implementation=implementation)
 
 
-mla_decode_op = define_op(
-    "mla_decode", _mla,
-    tensors=("q_nope", "q_pe", *_pool_tensors("latent"), *_pool_tensors("pe"), "block_tables!", "lengths!"),
-    options={**_pool_options("latent"), **_pool_options("pe"), "scale": "float", "logits_soft_cap": "float?",
-             "local_window_size": "int?", "implementation": "str?"},
-    differentiable=False, forward_only_reason=_FORWARD_ONLY, fake=lambda q_nope, *r, **_: torch.empty_like(q_nope))
+mla_decode_op = define_op("mla_decode", _mla, differentiable=False, forward_only_reason=_FORWARD_ONLY)
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_pages, pe_pages, block_tables: torch.Tensor,
@@ -301,20 +200,19 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_pages, pe_pages,
     against the shared latent cache ``latent_pages [num_pages, page_size, R]``
     (dense or `QuantizedPages`) and ``pe_pages [num_pages, page_size, P]``.
     Returns ``[B, (Q,) N, R]``. Forward only."""
-    lt, lo = _pool_args("latent_pages", latent_pages)
-    pt, po = _pool_args("pe_pages", pe_pages)
-    return mla_decode_op(q_nope, q_pe, *lt, *pt, block_tables.to(torch.int32), lengths.to(torch.int32), *lo, *po,
-                         float(scale), _opt_float(logits_soft_cap), _window(local_window_size), implementation)
+    return mla_decode_op(q_nope, q_pe, _pool("latent_pages", latent_pages), _pool("pe_pages", pe_pages),
+                         int32(block_tables), int32(lengths), float(scale), opt_float(logits_soft_cap),
+                         left_window(local_window_size), implementation)
 
 
 # -- cache helpers ----------------------------------------------------------------------------
-def _quantize_pages(pages, block_tables, lengths, *, quant, max_seqs):
-    return _pool_outputs(_paged().quantize_pages(pages, _decode_spec(quant), max_seqs=max_seqs,
-                                                 block_tables=block_tables, lengths=lengths))
+def _quantize_pages(pages: Array, block_tables: Array | None, lengths: Array | None, *, quant: str,
+                    max_seqs: int | None) -> Pages:
+    return _paged.quantize_pages(pages, decode_kvquant(quant), max_seqs=max_seqs, block_tables=block_tables,
+                                 lengths=lengths)
 
 
-quantize_pages_op = define_op("quantize_pages", _quantize_pages, tensors=("pages", "block_tables?!", "lengths?!"),
-                              options={"quant": "str", "max_seqs": "int?"}, outputs=5, differentiable=False,
+quantize_pages_op = define_op("quantize_pages", _quantize_pages, differentiable=False,
                               forward_only_reason=_CACHE_ONLY)
 
 
@@ -327,17 +225,16 @@ def quantize_pages(pages: torch.Tensor, spec, *, max_seqs: int | None = None, bl
     the windows hold. Returns a `QuantizedPages`."""
     spec = _kvquant(spec)
     quant = _encode_spec(spec)
-    i32 = lambda t: None if t is None else t.to(torch.int32)
-    parts = quantize_pages_op(pages, i32(block_tables), i32(lengths), quant, None if max_seqs is None else int(max_seqs))
-    return _torch_pool(parts, None, pages.shape[-1], spec, quant)
+    parts = quantize_pages_op(pages, int32(block_tables), int32(lengths), quant,
+                              None if max_seqs is None else int(max_seqs))
+    return PAGES.to_torch(parts, (spec, int(pages.shape[-1]), quant))
 
 
-def _dequantize_pages(data, scale, zero, signs, window, *, quant, head_dim, rotated):
-    return _paged().dequantize_pages(_jax_pool(data, scale, zero, signs, window, quant, head_dim), rotated=rotated)
+def _dequantize_pages(pool: Pages, *, rotated: bool) -> Array:
+    return _paged.dequantize_pages(pool, rotated=rotated)
 
 
-dequantize_pages_op = define_op("dequantize_pages", _dequantize_pages, tensors=_pool_tensors("pool"),
-                                options={"quant": "str", "head_dim": "int", "rotated": "bool"}, differentiable=False,
+dequantize_pages_op = define_op("dequantize_pages", _dequantize_pages, differentiable=False,
                                 forward_only_reason=_CACHE_ONLY)
 
 
@@ -347,26 +244,15 @@ def dequantize_pages(pages: QuantizedPages, *, rotated: bool = False) -> torch.T
     ``rotated=True`` keeps the rotated basis."""
     if not isinstance(pages, QuantizedPages):
         raise TypeError(f"pages: expected a stellax.torch.QuantizedPages, got {type(pages).__name__}")
-    tensors, (quant, head_dim) = _pool_args("pages", pages)
-    return dequantize_pages_op(*tensors, quant, head_dim, bool(rotated))
+    return dequantize_pages_op(pages, bool(rotated))
 
 
-def _update(kp, ks, kz, ksg, kw, vp, vs, vz, vsg, vw, new_k, new_v, slot_mapping, positions, seq_ids, *, k_quant,
-            k_head_dim, v_quant, v_head_dim):
-    k, v = _paged().update_kv_cache(_jax_pool(kp, ks, kz, ksg, kw, k_quant, k_head_dim),
-                                    _jax_pool(vp, vs, vz, vsg, vw, v_quant, v_head_dim), new_k, new_v, slot_mapping,
-                                    positions=positions, seq_ids=seq_ids)
-    import jax.numpy as jnp
-    v_parts = _pool_outputs(v) if v is not None else (jnp.zeros((0,), jnp.float32),) * 5
-    return (*_pool_outputs(k), *v_parts)
+def _update(k: Pages | Array, v: Pages | Array | None, new_k: Array, new_v: Array | None, slot_mapping: Array,
+            positions: Array | None, seq_ids: Array | None) -> tuple[Pages | Array, Pages | Array | None]:
+    return _paged.update_kv_cache(k, v, new_k, new_v, slot_mapping, positions=positions, seq_ids=seq_ids)
 
 
-update_kv_cache_op = define_op(
-    "update_kv_cache", _update,
-    tensors=(*_pool_tensors("k"), *_pool_tensors("v", optional=True), "new_k", "new_v?", "slot_mapping!",
-             "positions?!", "seq_ids?!"),
-    options={**_pool_options("k"), **_pool_options("v")}, outputs=10, differentiable=False,
-    forward_only_reason=_CACHE_ONLY)
+update_kv_cache_op = define_op("update_kv_cache", _update, differentiable=False, forward_only_reason=_CACHE_ONLY)
 
 
 def update_kv_cache(k_pages, v_pages, new_k: torch.Tensor, new_v: torch.Tensor | None, slot_mapping: torch.Tensor, *,
@@ -379,11 +265,11 @@ def update_kv_cache(k_pages, v_pages, new_k: torch.Tensor, new_v: torch.Tensor |
     integers (``page * page_size + offset``, negative = padding);
     ``positions``/``seq_ids [T_new]`` only for pools with windows. For dense
     pools `update_kv_cache_` writes in place without a copy."""
-    tensors, opts = _kv_args(k_pages, v_pages)
-    i32 = lambda t: None if t is None else t.to(torch.int32)
-    out = update_kv_cache_op(*tensors, new_k, new_v, i32(slot_mapping), i32(positions), i32(seq_ids), *opts)
-    k = _torch_pool(out[:5], k_pages)
-    return k, None if v_pages is None else _torch_pool(out[5:], v_pages)
+    out = update_kv_cache_op(_pool("k_pages", k_pages), _pool("v_pages", v_pages), new_k, new_v,
+                             int32(slot_mapping), int32(positions), int32(seq_ids))
+    n = PAGES.n_tensors
+    k = PAGES.like(out[:n], k_pages)
+    return k, None if v_pages is None else PAGES.like(out[n:], v_pages)
 
 
 def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head_dim: int, *,
@@ -399,14 +285,14 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
     def conv(pool):
         if pool is None:
             return None
-        if isinstance(pool, _paged().QuantizedPages):
+        if isinstance(pool, Pages):
             qp = QuantizedPages.from_jax(pool)
             move = lambda t: None if t is None else t.to(device) if device is not None else t.clone()
             return QuantizedPages(move(qp.data), move(qp.scale), move(qp.zero), move(qp.signs), move(qp.window),
                                   qp.spec, qp.head_dim, qp.quant)
         t = bridge.to_torch(pool)
         return t.to(device) if device is not None else t.clone()
-    k, v = _paged().init_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype=bridge.jax_dtype(dtype),
+    k, v = _paged.init_kv_cache(num_pages, page_size, num_kv_heads, head_dim, dtype=bridge.jax_dtype(dtype),
                                   quant=quant, value_quant=value_quant, value_head_dim=value_head_dim,
                                   max_seqs=max_seqs, combined=combined)
     return conv(k), conv(v)

@@ -29,9 +29,17 @@ use under a name derived from its axes and devices) or the name returned by
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import torch
+from jax import Array
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import stellax
+from stellax import parallel
+
+from .options import decode_window, encode_window, int32, opt_float, opt_int
 from .registry import _cached, define_op
 
 _MESHES: dict = {}
@@ -42,7 +50,6 @@ def register_mesh(mesh) -> str:
     its name (``"axis=size,...@platform:device ids[axis types]"``); the
     functions here accept either the mesh or the name (pass the name inside
     `torch.compile`d code)."""
-    from jax.sharding import Mesh
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     axes = ",".join(f"{name}={size}" for name, size in mesh.shape.items())
@@ -67,7 +74,6 @@ def _device_name(t: torch.Tensor) -> str:
 
 
 def _jax_device(name: str):
-    import jax
     if name == "cpu":
         return jax.devices("cpu")[0]
     return jax.devices("gpu")[int(name.split(":")[1])]
@@ -75,23 +81,18 @@ def _jax_device(name: str):
 
 def _place(arrays, mesh, specs):
     """Put each array (or None) on ``mesh`` with its `PartitionSpec`."""
-    import jax
-    from jax.sharding import NamedSharding
     return [None if a is None else jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
 
 
 def _gather(outs, device):
-    import jax
     return tuple(jax.device_put(o, device) for o in outs)
 
 
 # -- expert parallelism ------------------------------------------------------------------
-def _ep(x, router_logits, w_gate_up, w_down, bias, *, mesh, axis_name, device, top_k, scoring, num_groups,
-        top_k_groups, normalize_weights, routed_scaling, capacity_factor, activation, dispatch, collective,
-        implementation):
-    import jax
-    from jax.sharding import PartitionSpec as P
-    import stellax
+def _ep(x: Array, router_logits: Array, w_gate_up: Array, w_down: Array, bias: Array | None, *, mesh: str,
+        axis_name: str, device: str, top_k: int, scoring: str, num_groups: int | None, top_k_groups: int | None,
+        normalize_weights: bool, routed_scaling: float, capacity_factor: float | None, activation: str,
+        dispatch: str, collective: str, implementation: str | None) -> Array:
     m = _MESHES[mesh]
     kwargs = dict(top_k=top_k, scoring=scoring, num_groups=num_groups, top_k_groups=top_k_groups,
                   normalize_weights=normalize_weights, routed_scaling=routed_scaling,
@@ -102,17 +103,10 @@ def _ep(x, router_logits, w_gate_up, w_down, bias, *, mesh, axis_name, device, t
         x, lg, wgu, wd, mesh=m, axis_name=axis_name, bias=b, **kwargs)))
     shard = P(axis_name)
     placed = _place([x, router_logits, w_gate_up, w_down, bias], m, [shard, shard, shard, shard, P()])
-    return _gather((spmd(*placed),), _jax_device(device))
+    return _gather((spmd(*placed),), _jax_device(device))[0]
 
 
-_ROUTING = {"top_k": "int", "scoring": "str", "num_groups": "int?", "top_k_groups": "int?",
-            "normalize_weights": "bool", "routed_scaling": "float"}
-
-moe_mlp_expert_parallel_op = define_op(
-    "moe_mlp_expert_parallel", _ep, tensors=("x", "router_logits", "w_gate_up", "w_down", "bias?!"),
-    options={"mesh": "str", "axis_name": "str", "device": "str", **_ROUTING, "capacity_factor": "float?",
-             "activation": "str", "dispatch": "str", "collective": "str", "implementation": "str?"},
-    fake=lambda x, *r, **_: torch.empty_like(x), jit=False)
+moe_mlp_expert_parallel_op = define_op("moe_mlp_expert_parallel", _ep, no_grad=("bias",), jit=False)
 
 
 def moe_mlp_expert_parallel(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
@@ -140,29 +134,25 @@ def moe_mlp_expert_parallel(x: torch.Tensor, router_logits: torch.Tensor, w_gate
     Differentiable in x, the router logits and both expert weights."""
     return moe_mlp_expert_parallel_op(
         x, router_logits, w_gate_up, w_down, bias, _mesh_name(mesh), str(axis_name), _device_name(x), int(top_k),
-        scoring, num_groups, top_k_groups, bool(normalize_weights), float(routed_scaling),
-        None if capacity_factor is None else float(capacity_factor), activation, dispatch, collective,
-        implementation)
+        scoring, num_groups, top_k_groups, bool(normalize_weights), float(routed_scaling), opt_float(capacity_factor),
+        activation, dispatch, collective, implementation)
 
 
 # -- context-parallel attention -----------------------------------------------------------------
 def _seq_spec(strategy, axis_name, ulysses_axis, ring_axis):
-    from jax.sharding import PartitionSpec as P
     seq = (ring_axis, ulysses_axis) if strategy == "usp" else axis_name
     return P(None, seq), P(None, seq, None, None)
 
 
-def _cp_attention(query, key, value, q_segment_ids, kv_segment_ids, sinks, *, mesh, device, axis_name, strategy,
-                  ulysses_axis, ring_axis, load_balance, is_causal, local_window_size, chunk_size, scale,
-                  logits_soft_cap, precision, implementation):
-    import jax
-    from jax.sharding import PartitionSpec as P
-    from stellax import parallel
+def _cp_attention(query: Array, key: Array, value: Array, q_segment_ids: Array | None,
+                  kv_segment_ids: Array | None, sinks: Array | None, *, mesh: str, device: str,
+                  axis_name: str | None, strategy: str, ulysses_axis: str | None, ring_axis: str | None,
+                  load_balance: str | None, is_causal: bool, local_window_size: list[int] | None,
+                  chunk_size: int | None, scale: float | None, logits_soft_cap: float | None,
+                  precision: str | None, implementation: str | None) -> tuple[Array, Array]:
     m = _MESHES[mesh]
     kwargs = dict(axis_name=axis_name, strategy=strategy, ulysses_axis=ulysses_axis, ring_axis=ring_axis,
-                  load_balance=load_balance, is_causal=is_causal,
-                  local_window_size=None if local_window_size is None else tuple(
-                      None if v < 0 else int(v) for v in local_window_size),
+                  load_balance=load_balance, is_causal=is_causal, local_window_size=decode_window(local_window_size),
                   chunk_size=chunk_size, scale=scale, logits_soft_cap=logits_soft_cap, precision=precision,
                   implementation=implementation)
     cache_key = ("context_parallel_attention", "spmd", mesh, tuple(sorted(kwargs.items())), q_segment_ids is None,
@@ -175,29 +165,7 @@ def _cp_attention(query, key, value, q_segment_ids, kv_segment_ids, sinks, *, me
     return _gather(spmd(*placed), _jax_device(device))
 
 
-def _cp_attention_fake(query, key, value, *r, **_):
-    b, t, n, _ = query.shape
-    return query.new_empty((b, t, n, value.shape[-1])), query.new_empty((b, n, t), dtype=torch.float32)
-
-
-context_parallel_attention_op = define_op(
-    "context_parallel_attention", _cp_attention,
-    tensors=("query", "key", "value", "q_segment_ids?!", "kv_segment_ids?!", "sinks?"),
-    options={"mesh": "str", "device": "str", "axis_name": "str?", "strategy": "str", "ulysses_axis": "str?",
-             "ring_axis": "str?", "load_balance": "str?", "is_causal": "bool", "local_window_size": "int[]?",
-             "chunk_size": "int?", "scale": "float?", "logits_soft_cap": "float?", "precision": "str?",
-             "implementation": "str?"},
-    outputs=2, fake=_cp_attention_fake, jit=False)
-
-
-def _window_pair(local_window_size):
-    if local_window_size is None:
-        return None
-    if isinstance(local_window_size, (tuple, list)):
-        if len(local_window_size) != 2:
-            raise ValueError(f"local_window_size: expected an int or a (left, right) pair, got {local_window_size!r}")
-        return [-1 if v is None else int(v) for v in local_window_size]
-    return [int(local_window_size), 0]
+context_parallel_attention_op = define_op("context_parallel_attention", _cp_attention, jit=False)
 
 
 def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mesh,
@@ -233,27 +201,20 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         if q_segment_ids is not None or kv_segment_ids is not None:
             raise ValueError("segment_ids: pass either segment_ids or q_segment_ids/kv_segment_ids, not both")
         q_segment_ids = kv_segment_ids = segment_ids
-    i32 = lambda t: None if t is None else t.to(torch.int32)
-    window = _window_pair(local_window_size)
+    window = encode_window(local_window_size, int_means="left")  # an int w: (w, 0), w past keys
     out, lse = context_parallel_attention_op(
-        query, key, value, i32(q_segment_ids), i32(kv_segment_ids), sinks, _mesh_name(mesh), _device_name(query),
-        axis_name, strategy, ulysses_axis, ring_axis, load_balance, bool(is_causal), window,
-        None if chunk_size is None else int(chunk_size), None if scale is None else float(scale),
-        None if logits_soft_cap is None else float(logits_soft_cap), precision, implementation)
+        query, key, value, int32(q_segment_ids), int32(kv_segment_ids), sinks, _mesh_name(mesh), _device_name(query),
+        axis_name, strategy, ulysses_axis, ring_axis, load_balance, bool(is_causal), window, opt_int(chunk_size),
+        opt_float(scale), opt_float(logits_soft_cap), precision, implementation)
     return (out, lse) if return_residuals else out
 
 
 # -- context-parallel linear attention ----------------------------------------------------------
 def _cp_linear(fn_name: str):
-    def run(q, k, v, g, beta, initial_state, A_log, dt_bias, *, mesh, device, axis_name, scale, use_qk_l2norm,
-            chunk_size, implementation, **extra):
-        import jax
-        from jax.sharding import PartitionSpec as P
-        from stellax import parallel
+    fn = getattr(parallel, fn_name)
+
+    def spmd_call(q, k, v, g, beta, initial_state, A_log, dt_bias, mesh, device, axis_name, kwargs):
         m = _MESHES[mesh]
-        fn = getattr(parallel, fn_name)
-        kwargs = dict(axis_name=axis_name, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                      implementation=implementation, **extra)
         params = {} if fn_name.endswith("gated_delta_rule") else {"A_log": A_log, "dt_bias": dt_bias}
         present = tuple(name for name, value in params.items() if value is not None)
         cache_key = (fn_name, "spmd", mesh, tuple(sorted(kwargs.items())), initial_state is None, present)
@@ -268,32 +229,36 @@ def _cp_linear(fn_name: str):
         placed = _place([q, k, v, g, beta, initial_state, *[params[n] for n in present]], m,
                         [seq] * 5 + [P()] * (1 + len(present)))
         return _gather(_cached(cache_key, build)(*placed), _jax_device(device))
+
+    if fn_name.endswith("gated_delta_rule"):
+        def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
+                A_log: Array | None, dt_bias: Array | None, *, mesh: str, device: str, axis_name: str,
+                scale: float | None, use_qk_l2norm: bool, chunk_size: int,
+                implementation: str | None) -> tuple[Array, Array]:
+            kwargs = dict(axis_name=axis_name, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                          implementation=implementation)
+            return spmd_call(q, k, v, g, beta, initial_state, A_log, dt_bias, mesh, device, axis_name, kwargs)
+    else:
+        def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
+                A_log: Array | None, dt_bias: Array | None, *, mesh: str, device: str, axis_name: str,
+                scale: float | None, use_qk_l2norm: bool, chunk_size: int, implementation: str | None,
+                lower_bound: float | None, use_gate_in_kernel: bool,
+                use_beta_sigmoid_in_kernel: bool) -> tuple[Array, Array]:
+            kwargs = dict(axis_name=axis_name, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                          implementation=implementation, lower_bound=lower_bound,
+                          use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+            return spmd_call(q, k, v, g, beta, initial_state, A_log, dt_bias, mesh, device, axis_name, kwargs)
     return run
 
 
-def _linear_fake(q, k, v, g, beta, initial_state, *r, **_):
-    state = q.new_empty((q.shape[0], v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
-    return torch.empty_like(v), state
-
-
-_LINEAR_OPTIONS = {"mesh": "str", "device": "str", "axis_name": "str", "scale": "float?", "use_qk_l2norm": "bool",
-                   "chunk_size": "int", "implementation": "str?"}
-_LINEAR_TENSORS = ("q", "k", "v", "g", "beta", "initial_state?", "A_log?", "dt_bias?")
-
 context_parallel_gated_delta_rule_op = define_op(
-    "context_parallel_gated_delta_rule", _cp_linear("context_parallel_gated_delta_rule"), tensors=_LINEAR_TENSORS,
-    options=_LINEAR_OPTIONS, outputs=2, fake=_linear_fake, jit=False)
-
-context_parallel_kda_op = define_op(
-    "context_parallel_kda", _cp_linear("context_parallel_kda"), tensors=_LINEAR_TENSORS,
-    options={**_LINEAR_OPTIONS, "lower_bound": "float?", "use_gate_in_kernel": "bool",
-             "use_beta_sigmoid_in_kernel": "bool"},
-    outputs=2, fake=_linear_fake, jit=False)
+    "context_parallel_gated_delta_rule", _cp_linear("context_parallel_gated_delta_rule"), jit=False)
+context_parallel_kda_op = define_op("context_parallel_kda", _cp_linear("context_parallel_kda"), jit=False)
 
 
 def _linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation):
-    return (_mesh_name(mesh), _device_name(q), str(axis_name), None if scale is None else float(scale),
-            bool(use_qk_l2norm), int(chunk_size), implementation)
+    return (_mesh_name(mesh), _device_name(q), str(axis_name), opt_float(scale), bool(use_qk_l2norm),
+            int(chunk_size), implementation)
 
 
 def context_parallel_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -329,15 +294,13 @@ def context_parallel_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     o, state = context_parallel_kda_op(
         q, k, v, g, beta, initial_state, A_log, dt_bias,
         *_linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation),
-        None if lower_bound is None else float(lower_bound), bool(use_gate_in_kernel),
-        bool(use_beta_sigmoid_in_kernel))
+        opt_float(lower_bound), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel))
     return o, (state if output_final_state else None)
 
 
 # -- load-balancing layouts (pure torch) ----------------------------------------------------------
 def _layout_index(length: int, axis_size: int, strategy, device, inverse: bool) -> torch.Tensor:
-    from stellax.parallel import load_balance_permutation
-    perm = load_balance_permutation(int(length), int(axis_size), strategy)
+    perm = parallel.load_balance_permutation(int(length), int(axis_size), strategy)
     if inverse:
         perm = np.argsort(perm)
     return torch.as_tensor(np.asarray(perm, np.int64), device=device)

@@ -15,14 +15,15 @@ import dataclasses
 import jax
 import numpy as np
 import torch
+from jax import Array
+
+import stellax
+from stellax import QArray
 
 from . import bridge
+from .options import dtype_name, opt_int
 from .registry import _cached, define_op
-
-
-def _quant():
-    from stellax.ops import quant
-    return quant
+from .structs import QARRAY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +43,9 @@ class QTensor:
     def to_qarray(self):
         """The JAX `QArray` with the same buffers (zero-copy)."""
         conv = lambda t: None if t is None else bridge.to_jax(t)
-        return _quant().QArray(conv(self.values), conv(self.scales), conv(self.zero_points),
-                               conv(self.tensor_scale), format=self.format, shape=self.shape,
-                               block_shape=self.block_shape, axis=self.axis, rotation=self.rotation)
+        return QArray(conv(self.values), conv(self.scales), conv(self.zero_points), conv(self.tensor_scale),
+                      format=self.format, shape=self.shape, block_shape=self.block_shape, axis=self.axis,
+                      rotation=self.rotation)
 
     @classmethod
     def from_qarray(cls, q) -> "QTensor":
@@ -94,21 +95,16 @@ def _xla_vjp(run):
     return f
 
 
-def _quantize(x, *, format, axis, block_size, scale_dtype, rotate, seed, implementation):
+def _quantize(x: Array, *, format: str, axis: int, block_size: str | None, scale_dtype: str | None,
+              rotate: int | None, seed: int | None, implementation: str | None) -> QArray:
     def run(impl, x):
         key = None if seed is None else jax.random.PRNGKey(seed)
-        q = _quant().quantize(x, format, axis=axis, block_size=_block_size(block_size), scale_dtype=scale_dtype,
-                              rotate=rotate, stochastic_rounding_key=key, implementation=impl or implementation)
-        zp = q.zero_points if q.zero_points is not None else jax.numpy.zeros((0,), np.int8)
-        ts = q.tensor_scale if q.tensor_scale is not None else jax.numpy.zeros((0,), np.float32)
-        return q.values, q.scales, zp, ts
+        return stellax.quantize(x, format, axis=axis, block_size=_block_size(block_size), scale_dtype=scale_dtype,
+                                rotate=rotate, stochastic_rounding_key=key, implementation=impl or implementation)
     return _xla_vjp(run)(x)
 
 
-quantize_op = define_op("quantize", _quantize, tensors=("x",),
-                        options={"format": "str", "axis": "int", "block_size": "str?", "scale_dtype": "str?",
-                                 "rotate": "int?", "seed": "int?", "implementation": "str?"},
-                        outputs=4)
+quantize_op = define_op("quantize", _quantize)
 
 
 def quantize(x: torch.Tensor, format: str, *, axis: int = -1, block_size=None, scale_dtype=None,
@@ -145,50 +141,31 @@ def quantize(x: torch.Tensor, format: str, *, axis: int = -1, block_size=None, s
                 rotate=None if rotate is None else int(rotate),
                 seed=None if stochastic_rounding_seed is None else int(stochastic_rounding_seed),
                 implementation=implementation)
-    values, scales, zp, ts = quantize_op(x, *opts.values())
     key = ("quantize", "aux", tuple(x.shape), x.dtype, tuple(opts.items()))
 
     def aux():
         struct = jax.ShapeDtypeStruct(tuple(x.shape), bridge.jax_dtype(x.dtype))
-        q = jax.eval_shape(lambda a: _quant().quantize(a, format, axis=axis, block_size=_block_size(
+        q = jax.eval_shape(lambda a: stellax.quantize(a, format, axis=axis, block_size=_block_size(
             opts["block_size"]), scale_dtype=sd, rotate=opts["rotate"]), struct)
-        return (q.format, tuple(q.shape), tuple(q.block_shape), int(q.axis), q.rotation,
-                q.zero_points is not None, q.tensor_scale is not None)
-    fmt, shape, block_shape, qaxis, rotation, has_zp, has_ts = _cached(key, aux)
-    return QTensor(values, scales, zp if has_zp else None, ts if has_ts else None, fmt, shape, block_shape, qaxis,
-                   rotation)
+        return q.format, tuple(q.shape), tuple(q.block_shape), int(q.axis), q.rotation
+    return QARRAY.to_torch(quantize_op(x, *opts.values()), _cached(key, aux))
 
 
-def _qarray(values, scales, zero_points, tensor_scale, fmt, shape, block_shape, axis, rotation):
-    return _quant().QArray(values, scales, zero_points, tensor_scale, format=fmt, shape=tuple(shape),
-                           block_shape=tuple(block_shape), axis=axis, rotation=rotation, _validate=False)
-
-
-_QOPTS = {"format": "str", "shape": "int[]", "block_shape": "int[]", "axis": "int", "rotation": "int?"}
-
-
-def _dequantize(values, scales, zero_points, tensor_scale, *, format, shape, block_shape, axis, rotation, dtype,
-                implementation):
+def _dequantize(q: QArray, *, dtype: str, implementation: str | None) -> Array:
     def run(impl, values, scales, zero_points, tensor_scale):
-        q = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
-        return _quant().dequantize(q, np.dtype(dtype), implementation=impl or implementation)
-    return _xla_vjp(run)(values, scales, zero_points, tensor_scale)
+        w = QArray.tree_unflatten(q.tree_flatten()[1], (values, scales, zero_points, tensor_scale))
+        return stellax.dequantize(w, np.dtype(dtype), implementation=impl or implementation)
+    return _xla_vjp(run)(q.values, q.scales, q.zero_points, q.tensor_scale)
 
 
-dequantize_op = define_op("dequantize", _dequantize,
-                          tensors=("values!", "scales", "zero_points?!", "tensor_scale?"),
-                          options={**_QOPTS, "dtype": "str", "implementation": "str?"},
-                          fake=lambda values, *r, shape, dtype, **_: values.new_empty(
-                              tuple(shape), dtype=bridge.torch_dtype(np.dtype(dtype))))
+#: Gradients reach the float32/bfloat16/float16 scales and tensor scale (learned scales).
+dequantize_op = define_op("dequantize", _dequantize)
 
 
-def _q_args(q: QTensor):
-    return (q.values, q.scales, q.zero_points, q.tensor_scale, q.format, list(q.shape), list(q.block_shape),
-            int(q.axis), q.rotation)
-
-
-def _dtype_name(dtype) -> str:
-    return np.dtype(bridge.jax_dtype(dtype)).name
+def _q_args(q: QTensor) -> tuple:
+    """The custom-op arguments of a `QTensor`: its 4 tensors and 5 statics (`structs.QARRAY`)."""
+    tensors, statics = QARRAY.flatten(q, "q", dense=False)
+    return (*tensors, *statics)
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, implementation: str | None = None) -> torch.Tensor:
@@ -202,20 +179,15 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, implementation
     and get no gradient (``None``)."""
     if not isinstance(q, QTensor):
         raise TypeError(f"q: expected a QTensor, got {type(q).__name__}")
-    return dequantize_op(*_q_args(q), _dtype_name(dtype), implementation)
+    return dequantize_op(q, dtype_name("dtype", dtype), implementation)
 
 
-def _qmatmul(x, values, scales, zero_points, tensor_scale, *, format, shape, block_shape, axis, rotation, dtype,
-             implementation):
-    w = _qarray(values, scales, zero_points, tensor_scale, format, shape, block_shape, axis, rotation)
-    return _quant().quantized_matmul(x, w, preferred_element_type=np.dtype(dtype), implementation=implementation)
+def _qmatmul(x: Array, w: QArray, *, dtype: str, implementation: str | None) -> Array:
+    return stellax.quantized_matmul(x, w, preferred_element_type=np.dtype(dtype), implementation=implementation)
 
 
-quantized_matmul_op = define_op(
-    "quantized_matmul", _qmatmul, tensors=("x", "w_values!", "w_scales!", "w_zero_points?!", "w_tensor_scale?!"),
-    options={**_QOPTS, "dtype": "str", "implementation": "str?"},
-    fake=lambda x, *r, shape, dtype, **_: x.new_empty((*x.shape[:-1], shape[1]),
-                                                       dtype=bridge.torch_dtype(np.dtype(dtype))))
+#: Frozen quantized weights: no gradient reaches their float32 scales.
+quantized_matmul_op = define_op("quantized_matmul", _qmatmul, no_grad=("w_scales", "w_tensor_scale"))
 
 
 def quantized_matmul(x: torch.Tensor, w: QTensor, *, out_dtype: torch.dtype | None = None,
@@ -225,19 +197,17 @@ def quantized_matmul(x: torch.Tensor, w: QTensor, *, out_dtype: torch.dtype | No
     ``out_dtype`` (default ``x.dtype``). Differentiable in ``x``."""
     if not isinstance(w, QTensor):
         raise TypeError(f"w: expected a QTensor (quantize the weights with axis=0), got {type(w).__name__}")
-    return quantized_matmul_op(x, *_q_args(w), _dtype_name(out_dtype or x.dtype), implementation)
+    return quantized_matmul_op(x, w, dtype_name("out_dtype", out_dtype or x.dtype), implementation)
 
 
-def _hadamard(x, *, block_size, inverse, seed, implementation):
+def _hadamard(x: Array, *, block_size: int | None, inverse: bool, seed: int | None,
+              implementation: str | None) -> Array:
     key = None if seed is None else jax.random.PRNGKey(seed)
-    return _quant().hadamard_transform(x, block_size=block_size, random_signs_key=key, inverse=inverse,
-                                       implementation=implementation)
+    return stellax.hadamard_transform(x, block_size=block_size, random_signs_key=key, inverse=inverse,
+                                      implementation=implementation)
 
 
-hadamard_transform_op = define_op("hadamard_transform", _hadamard, tensors=("x",),
-                                  options={"block_size": "int?", "inverse": "bool", "seed": "int?",
-                                           "implementation": "str?"},
-                                  fake=lambda x, **_: torch.empty_like(x))
+hadamard_transform_op = define_op("hadamard_transform", _hadamard)
 
 
 def hadamard_transform(x: torch.Tensor, *, block_size: int | None = None, seed: int | None = None,
@@ -245,5 +215,4 @@ def hadamard_transform(x: torch.Tensor, *, block_size: int | None = None, seed: 
     """Normalized (blockwise) fast Walsh–Hadamard transform over the last
     dimension; ``seed`` gives random ±1 signs (``jax.random.PRNGKey(seed)``).
     Differentiable."""
-    return hadamard_transform_op(x, None if block_size is None else int(block_size), bool(inverse),
-                                 None if seed is None else int(seed), implementation)
+    return hadamard_transform_op(x, opt_int(block_size), bool(inverse), opt_int(seed), implementation)

@@ -6,8 +6,13 @@
 * a forward that crosses the tensors to JAX over DLPack (`bridge`), runs a
   jitted JAX function taken from a cache keyed by (op, input shapes/dtypes,
   options), and crosses the outputs back;
-* a fake (meta) implementation, so `torch.compile(fullgraph=True)` and
-  `torch.library.opcheck` trace through it without running JAX;
+* a schema derived from the JAX function's annotations (`signature`):
+  arrays are tensors, keyword options are static options, `QArray` /
+  `QuantizedPages` operands and outputs cross as their tensors and statics
+  (`structs`);
+* a fake (meta) implementation from ``jax.eval_shape`` of the same function
+  (`fake`), so `torch.compile(fullgraph=True)` and `torch.library.opcheck`
+  trace through it without running JAX;
 * autograd through `torch.library.register_autograd`: the backward is a
   second custom op, ``stellax::<name>_backward``, which runs the JAX VJP
   (``jax.vjp`` of the same function with respect to the inputs autograd asks
@@ -20,7 +25,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 from typing import Any, Callable, Sequence
 
@@ -30,6 +34,8 @@ import numpy as np
 import torch
 
 from . import bridge
+from .fake import fake_shapes
+from .signature import Signature, derive, explicit
 
 __all__ = ["ForwardOnlyError", "TorchOp", "define_op", "cache_info", "clear_cache"]
 
@@ -71,24 +77,6 @@ def clear_cache() -> None:
 
 
 # -- op definition -----------------------------------------------------------------------
-_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorArg:
-    name: str
-    optional: bool = False
-    differentiable: bool = True
-
-
-def _parse_tensor(spec: str) -> TensorArg:
-    """``"x"``, ``"scale?"`` (optional), ``"segment_ids?!"``/``"lengths!"`` (``!``: not differentiable)."""
-    diff = not spec.endswith("!")
-    spec = spec.rstrip("!")
-    optional = spec.endswith("?")
-    return TensorArg(spec.rstrip("?"), optional, diff)
-
-
 def _signature(t):
     return None if t is None else (tuple(t.shape), t.dtype, t.device.type)
 
@@ -112,22 +100,20 @@ class ForwardOnlyError(RuntimeError):
 class TorchOp:
     """A stellax op as a torch custom op; see `define_op`."""
 
-    def __init__(self, name: str, jax_fn: Callable, *, tensors: Sequence[str], options: dict[str, str],
-                 outputs: int = 1, fake: Callable | None = None, differentiable: bool = True,
+    def __init__(self, name: str, jax_fn: Callable, *, signature: Signature, differentiable: bool = True,
                  forward_only_reason: str | None = None, jit: bool = True):
         self.name = name
         self.jax_fn = jax_fn
         self.jit = bool(jit)
         self.forward_only_reason = forward_only_reason
-        self.tensors = [_parse_tensor(s) for s in tensors]
-        self.options = dict(options)
-        self.outputs = int(outputs)
-        self._fake = fake
+        self.signature = signature
+        self.tensors = signature.tensors
+        self.options = dict(signature.options)
+        self.outputs = signature.n_outputs
         self.n_tensors = len(self.tensors)
-        params = [f"Tensor{'?' if a.optional else ''} {a.name}" for a in self.tensors]
-        params += [f"{typ} {opt}" for opt, typ in self.options.items()]
-        returns = "Tensor" if self.outputs == 1 else "(" + ", ".join(["Tensor"] * self.outputs) + ")"
-        self.schema = "(" + ", ".join(params) + ") -> " + returns
+        self._own = signature.own_options
+        self.schema = signature.schema()
+        params = self.schema[1:self.schema.index(") -> ")].split(", ")
         qualname = f"{NAMESPACE}::{name}"
         self.op = torch.library.custom_op(qualname, self._forward_impl, mutates_args=(), schema=self.schema)
         self.op.register_fake(self._forward_fake)
@@ -148,7 +134,34 @@ class TorchOp:
         return f"TorchOp(stellax::{self.name}{self.schema})"
 
     def __call__(self, *args, **kwargs):
-        return self.op(*args, **kwargs)
+        """Call with the JAX function's arguments (structured operands as their
+        torch twins, options positionally or by name)."""
+        return self.op(*self.flatten(*args, **kwargs))
+
+    def flatten(self, *args, **kwargs) -> tuple:
+        """The custom op's flat arguments for the JAX function's arguments:
+        each structured operand (`QTensor`, `QuantizedPages`) becomes its
+        tensors, and its statics go in front of the options."""
+        names = [op.name for op in self.signature.operands] + self._own
+        if len(args) > len(names):
+            raise TypeError(f"stellax::{self.name}: expected at most {len(names)} arguments, got {len(args)}")
+        values = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names or key in values:
+                raise TypeError(f"stellax::{self.name}: unexpected or repeated argument {key!r}")
+            values[key] = value
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise TypeError(f"stellax::{self.name}: missing arguments {missing}")
+        tensors, statics = [], []
+        for op in self.signature.operands:
+            if op.struct is None:
+                tensors.append(values[op.name])
+            else:
+                parts, opts = op.struct.flatten(values[op.name], op.name, dense=op.dense)
+                tensors += parts
+                statics += opts
+        return (*tensors, *statics, *[values[n] for n in self._own])
 
     # -- helpers -------------------------------------------------------------------
     def _split(self, args):
@@ -161,17 +174,31 @@ class TorchOp:
         return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items())
 
     def _call_jax(self, present: list[int], opts: dict):
-        """``f(*present_arrays) -> outputs``: the user function with the absent
-        optional tensors filled with None and the options bound."""
+        """``f(*present_arrays) -> flat outputs``: the user function with the
+        absent optional tensors filled with None, the structured operands
+        rebuilt, the options bound and structured outputs flattened."""
         n = self.n_tensors
-        jax_fn = self.jax_fn
+        jax_fn, sig = self.jax_fn, self.signature
+        own = {k: opts[k] for k in self._own}
 
         def f(*arrays):
             full = [None] * n
             for i, a in zip(present, arrays):
                 full[i] = a
-            out = jax_fn(*full, **opts)
-            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            args, start = [], 0
+            for op in sig.operands:
+                part = full[start:start + len(op.tensors)]
+                start += len(op.tensors)
+                args.append(part[0] if op.struct is None else op.struct.to_jax(part, [opts[o] for o in op.options]))
+            out = jax_fn(*args, **own)
+            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            if len(outs) != len(sig.outputs):
+                raise TypeError(f"stellax::{self.name}: the JAX function returned {len(outs)} outputs, its "
+                                f"signature declares {len(sig.outputs)}")
+            flat = []
+            for struct, o in zip(sig.outputs, outs):
+                flat += [o] if struct is None else struct.outputs(o)
+            return tuple(flat)
         return f
 
     def _diff_positions(self, tensors) -> list[int]:
@@ -187,6 +214,8 @@ class TorchOp:
         ptrs = {t.data_ptr() for t in inputs if t is not None and t.numel()}
         for o in outs:
             t = bridge.to_torch(o)
+            if isinstance(t, bridge.PackedTensor):
+                t = t.data  # formats torch lacks cross as their packed bytes (as the fake says)
             if t.numel() and t.data_ptr() in ptrs:
                 t = t.clone()  # XLA forwarded an input buffer: a custom op's output must not alias
             result.append(t)
@@ -202,40 +231,29 @@ class TorchOp:
         result = self._outputs_to_torch(outs, tensors)
         return result[0] if self.outputs == 1 else tuple(result)
 
-    def _abstract_outputs(self, tensors, opts):
-        """Output ``(shape, dtype)`` from ``jax.eval_shape``. Symbolic (dynamic)
-        input sizes are evaluated at their hints, and an output size equal to
-        a symbolic input size's hint is given that symbol."""
-        present = [i for i, t in enumerate(tensors) if t is not None]
-        symbols = {}
-        concrete = []
-        for i in present:
-            dims = []
-            for d in tensors[i].shape:
-                if isinstance(d, torch.SymInt):
-                    hint = d.node.hint if d.node.has_hint() else None
-                    value = int(hint) if hint is not None else int(d)
-                    symbols.setdefault(value, d)
-                    dims.append(value)
-                else:
-                    dims.append(int(d))
-            concrete.append((tuple(dims), tensors[i].dtype))
-        key = (self.name, "shape", tuple(concrete), self._opts_key(opts))
+    def _eval_shape(self, present, shapes, dtypes, opts):
+        """Output ``(shape, torch dtype)`` of the JAX function at concrete
+        input shapes (cached by the abstract signature)."""
+        key = (self.name, "shape", tuple(shapes), tuple(dtypes), self._opts_key(opts))
 
         def build():
-            structs = [jax.ShapeDtypeStruct(shape, bridge.jax_dtype(dtype) if dtype != torch.int64 else np.int32)
-                       for shape, dtype in concrete]
+            structs = [jax.ShapeDtypeStruct(s, np.int32 if d == torch.int64 else bridge.jax_dtype(d))
+                       for s, d in zip(shapes, dtypes)]
             outs = jax.eval_shape(self._call_jax(present, opts), *structs)
-            return [(tuple(o.shape), bridge.torch_dtype(o.dtype)) for o in outs]
-        outs = _cached(key, build)
-        if not symbols:
-            return outs
-        return [(tuple(symbols.get(d, d) for d in shape), dtype) for shape, dtype in outs]
+            return [bridge.torch_struct(o.shape, o.dtype) for o in outs]
+        return _cached(key, build)
+
+    def _abstract_outputs(self, tensors, opts):
+        """Output ``(shape, dtype)`` from ``jax.eval_shape`` (see `fake_shapes`)."""
+        present = [i for i, t in enumerate(tensors) if t is not None]
+        dtypes = [tensors[i].dtype for i in present]
+
+        def evaluate(shapes):
+            return self._eval_shape(present, shapes, dtypes, opts)
+        return fake_shapes([tuple(tensors[i].shape) for i in present], evaluate)
 
     def _forward_fake(self, *args):
         tensors, opts = self._split(args)
-        if self._fake is not None:
-            return self._fake(*tensors, **opts)
         like = next(t for t in tensors if t is not None)
         outs = [like.new_empty(shape, dtype=dtype) for shape, dtype in self._abstract_outputs(tensors, opts)]
         return outs[0] if self.outputs == 1 else tuple(outs)
@@ -324,24 +342,19 @@ class TorchOp:
 _OPS: dict[str, TorchOp] = {}
 
 
-def define_op(name: str, jax_fn: Callable, *, tensors: Sequence[str], options: dict[str, str] | None = None,
-              outputs: int = 1, fake: Callable | None = None, differentiable: bool = True,
-              forward_only_reason: str | None = None, jit: bool = True) -> TorchOp:
+def define_op(name: str, jax_fn: Callable, *, no_grad: Sequence[str] = (), differentiable: bool = True,
+              forward_only_reason: str | None = None, jit: bool = True, tensors: Sequence[str] | None = None,
+              options: dict[str, str] | None = None, outputs: int = 1) -> TorchOp:
     """Register ``jax_fn`` as the torch custom op ``stellax::<name>``.
 
     Args:
       name: the op name inside the ``stellax`` namespace.
-      jax_fn: ``jax_fn(*arrays, **options) -> array | tuple of arrays``; absent
-        optional tensors arrive as ``None``.
-      tensors: the tensor parameters in order: ``"x"``; ``"scale?"`` for an
-        optional tensor; a trailing ``"!"`` marks a non-differentiable one
-        (integer ids, masks). Only floating-point tensors get gradients.
-      options: static parameters ``{name: schema type}`` (``"float"``,
-        ``"bool"``, ``"int"``, ``"str?"``, ``"int[]?"``, ...); part of the
-        cache key.
-      outputs: the number of output tensors.
-      fake: ``fake(*tensors, **options)`` building the outputs on the fake /
-        meta device; by default the shapes come from ``jax.eval_shape``.
+      jax_fn: ``jax_fn(*operands, **options) -> output(s)``, annotated: the
+        schema (tensors, structured operands, option types, outputs) is
+        derived from its signature (`stellax.torch.signature`); absent
+        optional operands arrive as ``None``.
+      no_grad: floating-point tensors (schema names) that are data and get
+        no gradient (integer, boolean and fp8 tensors never do).
       differentiable: register the VJP backward.
       forward_only_reason: with ``differentiable=False``: register a backward
         that raises `ForwardOnlyError` with this explanation (the op is an
@@ -351,17 +364,27 @@ def define_op(name: str, jax_fn: Callable, *, tensors: Sequence[str], options: d
         functions that place arrays on other devices themselves (the
         expert- and context-parallel front ends jit their SPMD core and move
         the inputs onto the mesh eagerly).
+      tensors, options, outputs: an explicit schema instead of the derived
+        one, for unannotated functions: tensor specs ``"x"``, ``"scale?"``
+        (optional), ``"ids!"`` (no gradient), options ``{name: schema type}``
+        and the number of outputs.
 
-    Only float32/float16/bfloat16/float64 tensors are differentiated; fp8 and
+    The fake (meta) implementation is always derived: ``jax.eval_shape`` of
+    ``jax_fn`` (cached by the abstract signature; see `fake_shapes`). Only
+    float32/float16/bfloat16/float64 tensors are differentiated; fp8 and
     E8M0 tensors (quantized codes and scales) are data, like integers.
 
     Returns:
-      The `TorchOp`; call it with tensors and options positionally.
+      The `TorchOp`; call it with the JAX function's arguments (`TorchOp.flatten`).
     """
     if name in _OPS:
         return _OPS[name]
-    op = TorchOp(name, jax_fn, tensors=tensors, options=options or {}, outputs=outputs, fake=fake,
-                 differentiable=differentiable, forward_only_reason=forward_only_reason, jit=jit)
+    if tensors is not None:
+        signature = explicit(tensors, options or {}, outputs)
+    else:
+        signature = derive(jax_fn, no_grad=no_grad, where=f"stellax::{name}")
+    op = TorchOp(name, jax_fn, signature=signature, differentiable=differentiable,
+                 forward_only_reason=forward_only_reason, jit=jit)
     _OPS[name] = op
     return op
 
