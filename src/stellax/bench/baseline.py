@@ -1,15 +1,18 @@
 """Regression tracking: compare benchmark records with a baseline.
 
-A suite measures every case in several *rounds* (``rounds_ms``: the median
-of each round; `RoundsRecord`). Two measurements of the same key (op, case,
-implementation, mode) are compared on the median of their rounds, and the
-noise band comes from the rounds' spread:
+A suite measures every case in several *rounds* (``rounds_ms``: the fastest
+iteration of each round; `RoundsRecord`). On a shared machine interference
+only ever adds time, and it comes in bursts: a burst can slow most iterations
+of a round (and so its median), rarely all of them, and rarely most rounds.
+Two measurements of the same key (op, case, implementation, mode) are
+therefore compared on the median over rounds of each round's best time, and
+the noise band comes from the rounds' spread:
 
     noise = max(noise_k × SE, min_rel × baseline)
     SE    = 1.2533 × sqrt(s_b² / n_b + s_c² / n_c)
 
-where ``s`` is a robust standard deviation of a side's round medians (the
-larger of 1.4826 × MAD and half their range) and 1.2533 the standard error
+where ``s = 1.4826 × MAD`` is a robust standard deviation of a side's rounds
+(one round hit by a burst does not widen it) and 1.2533 the standard error
 factor of a median. Records without rounds (older result files) fall back to
 the interquartile range of the iterations:
 ``noise = noise_k × max(IQR_b, IQR_c, min_rel × median_b)``.
@@ -41,30 +44,59 @@ MEDIAN_SE = math.sqrt(math.pi / 2)  # standard error of a median / (sigma / sqrt
 @dataclasses.dataclass
 class RoundsRecord(BenchmarkRecord):
     """A `BenchmarkRecord` measured in several rounds; ``rounds_ms`` holds
-    each round's median time (ms). ``times_ms`` holds every iteration of
-    every round, so the record's median/IQR are over all iterations."""
+    each round's fastest iteration (ms). ``times_ms`` holds every iteration
+    of every round, so the record's median/IQR are over all iterations."""
 
     rounds_ms: list = dataclasses.field(default_factory=list)
 
 
 def with_rounds(record: BenchmarkRecord, rounds_ms: Sequence[float]) -> RoundsRecord:
-    """``record`` as a `RoundsRecord` carrying the per-round medians."""
+    """``record`` as a `RoundsRecord` carrying the per-round times."""
     fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(BenchmarkRecord)}
     return RoundsRecord(**fields, rounds_ms=[float(t) for t in rounds_ms])
 
 
 def rounds_of(record: BenchmarkRecord) -> list[float]:
-    """The per-round medians of ``record`` (empty for a single-round record)."""
+    """The per-round times of ``record`` (empty for a record measured without rounds)."""
     return [float(t) for t in (getattr(record, "rounds_ms", None) or [])]
 
 
+def merge_rounds(runs: Sequence[Sequence[BenchmarkRecord]]) -> list[RoundsRecord]:
+    """Merge several runs of the same cases into one record per key: the rounds
+    of every run (a run without rounds counts as one round: its minimum), and
+    every iteration, with the median/IQR recomputed over them. A key that
+    failed in any run keeps that run's failed record."""
+    from .timing import summarize
+
+    by_key: dict[str, list[BenchmarkRecord]] = {}
+    for run in runs:
+        for r in run:
+            by_key.setdefault(r.key, []).append(r)
+    merged = []
+    for key, recs in by_key.items():
+        bad = next((r for r in recs if not r.ok), None)
+        if bad is not None:
+            merged.append(with_rounds(bad, rounds_of(bad)))
+            continue
+        times = [float(t) for r in recs for t in r.times_ms]
+        rounds = [t for r in recs for t in (rounds_of(r) or [float(r.min_ms if r.min_ms is not None
+                                                                   else r.median_ms)])]
+        out = with_rounds(recs[0], rounds)
+        if times:
+            s = summarize(times)
+            out.times_ms, out.median_ms, out.min_ms, out.mean_ms = times, s.median, s.min, s.mean
+            out.p25_ms, out.p75_ms, out.iqr_ms, out.iterations = s.p25, s.p75, s.iqr, s.n
+        merged.append(out)
+    return merged
+
+
 def spread(samples: Sequence[float]) -> float:
-    """A robust standard deviation of ``samples``: max(1.4826 × MAD, range / 2); 0 for fewer than 2."""
+    """A robust standard deviation of ``samples``: 1.4826 × their median absolute deviation
+    (an outlier does not widen it); 0 for fewer than 2."""
     x = np.asarray(list(samples), dtype=np.float64)
     if x.size < 2:
         return 0.0
-    mad = 1.4826 * float(np.median(np.abs(x - np.median(x))))
-    return max(mad, float(x.max() - x.min()) / 2)
+    return 1.4826 * float(np.median(np.abs(x - np.median(x))))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Each line of ``DIR/history.jsonl`` is one run: when, the git commit of the
 stellax source tree (when it is a checkout), the stellax / jax versions, the
 device, and per case (record key ``op|case|implementation|mode``) the median
-time, the spread and the round medians. A run is appended with a single
+time, the spread and the rounds' best times. A run is appended with a single
 ``write`` of the complete line on a file opened for appending, so readers and
 concurrent writers never see half a run. `load` names the file and line of
 anything it cannot read; `table` and `plot` show each case over time.
@@ -224,7 +224,7 @@ def plot(entries: Sequence[dict], out: str | os.PathLike, pattern: str | None = 
             ys = [entries[i]["cases"][key]["median_ms"] for i in xs]
             errs = [entries[i]["cases"][key].get("spread_ms") or 0.0 for i in xs]
             ax.errorbar(xs, ys, yerr=errs, marker="o", markersize=3, capsize=2, linewidth=1,
-                        label=key.split("|", 1)[-1] if len(suite_keys) > 1 else key)
+                        label=key)
         ax.set_yscale("log")
         ax.set_ylabel("median ms (log)")
         ax.set_title(f"stellax bench history: {suite}")

@@ -11,8 +11,9 @@ that refuse a case (``UnsupportedError``/``NotImplementedError``) are
 recorded as skipped.
 
 Each case is timed in ``rounds`` rounds (the timing budget split among
-them); the records carry each round's median (`baseline.RoundsRecord`), the
-noise estimate of baseline comparisons. ``case`` (a regular expression on
+them); the records carry each round's fastest iteration
+(`baseline.RoundsRecord`), what baseline comparisons use and take their
+noise estimate from. ``case`` (a regular expression on
 the record key ``op|case|implementation|mode``) selects cases.
 
 With a time budget, every op gets its turn first: the first case forward of
@@ -319,14 +320,14 @@ def _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platfor
             prepared = bench_lib.prepare(fn, example.args, example.kwargs, mode=mode,
                                          argnums=positions if mode != "forward" else None,
                                          grad_kwargs=kw if mode != "forward" else None, input_sets=input_sets)
-            times, medians, used = [], [], timer.name
+            times, best, used = [], [], timer.name
             with jax.profiler.TraceAnnotation(f"stellax.bench {name} [{mode}]"):
                 for _ in range(max(1, rounds)):
                     round_times, used = timing_lib.measure(prepared.compiled, prepared.sets, timer)
                     times.extend(round_times)
-                    medians.append(float(timing_lib.summarize(round_times).median))
+                    best.append(float(min(round_times)))
         record = bench_lib.make_record(name, mode, prepared, times, used, peaks=peaks, platform=platform, **meta)
-        return baseline_lib.with_rounds(record, medians)
+        return baseline_lib.with_rounds(record, best)
     except (UnsupportedError, NotImplementedError) as e:
         return bench_lib.BenchmarkRecord(name=name, mode=mode, device_kind=platform.device_kind,
                                          backend=platform.backend, skipped=f"{type(e).__name__}: {e}"[:300], **meta)
