@@ -218,7 +218,7 @@ def _run(argv: Sequence[str], checkout: Path, commit: str, timeout: float) -> su
         raise MeasureError(f"{commit[:12]}: cannot run {argv[0]!r}: {e}") from None
 
 
-def _tail(text: str, n: int = 3) -> str:
+def _tail(text: str, n: int = 5) -> str:
     return " | ".join(text.strip().splitlines()[-n:])
 
 
@@ -255,7 +255,12 @@ def stellax_runner(case: str, suites: Sequence[str] = (), *, rounds: int = 3, mi
                 proc = _run(base, checkout, commit, timeout)  # an older CLI: filter the records here
             if proc.returncode != 0 or not out.is_file():
                 raise MeasureError(f"{commit[:12]}: stellax bench exited {proc.returncode}: {_tail(proc.stderr)}")
-            records = json.loads(out.read_text()).get("records", [])
+            data = json.loads(out.read_text())
+        ran = (data.get("environment") or {}).get("git_commit")
+        if ran and not commit.startswith(ran):
+            raise MeasureError(f"{commit[:12]}: the benchmark ran the stellax of commit {ran}, not the checkout's "
+                               f"(is another stellax importable ahead of PYTHONPATH?)")
+        records = data.get("records", [])
         matched = [r for r in records if pattern.search(r.get("key") or "")]
         timed = [r for r in matched if r.get("median_ms") and not r.get("error") and not r.get("skipped")]
         if not timed:

@@ -209,7 +209,7 @@ def history_cli(argv: list[str]) -> int:
     """``stellax bench history DIR [--plot OUT]``."""
     args = history_parser().parse_args(argv)
     console = Console(width=max(Console().width, 200))
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     try:
         entries = history_lib.load(args.dir)
         if args.plot:
@@ -267,7 +267,7 @@ def bisect_cli(argv: list[str]) -> int:
     p = bisect_parser()
     args = p.parse_args(argv)
     console = Console(width=max(Console().width, 200))
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     if args.case is None and args.command is None:
         p.error("--case PATTERN is required (or --command CMD)")
     if args.rounds < 1:
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     import stellax  # noqa: F401  (registers the ops; imported here: stellax imports this package)
 
     console = Console(stderr=False, width=max(Console().width, 240))
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     if args.list:
         return _list(console)
     platform = current_platform()
