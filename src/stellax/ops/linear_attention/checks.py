@@ -10,18 +10,21 @@ from ...core.config import is_power_of_two
 
 
 def require_bool(name: str, value) -> bool:
+    """``value`` as a Python bool; ``TypeError`` naming ``name`` for anything but a bool."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return bool(value)
 
 
 def check_scale(scale, head_dim: int) -> float:
+    """The query scale: ``head_dim ** -0.5`` for ``None``, else a positive float."""
     if scale is None:
         return float(head_dim) ** -0.5
     return checks.require_positive_float("scale", scale)
 
 
 def check_chunk_size(chunk_size) -> int | None:
+    """``None`` or a power-of-two int in ``[1, 1024]`` (the XLA path's chunk)."""
     if chunk_size is None:
         return None
     is_int = isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool)
@@ -61,6 +64,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, length: int, what: str = "q"):
 
 
 def check_state(name: str, state, shape, what: str):
+    """``None`` or a float array of ``shape`` (``what`` describes it in the error)."""
     if state is None:
         return None
     state = checks.require_float(name, state)
@@ -70,6 +74,7 @@ def check_state(name: str, state, shape, what: str):
 
 
 def check_optional_float(name: str, value):
+    """``None`` or ``value`` as a Python float (``TypeError`` naming ``name`` otherwise)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):

@@ -52,12 +52,16 @@ def fits_shared_memory(kdim: int, config: LinearAttentionConfig) -> bool:
 
 
 def linear_attention_heuristic(call: Call) -> LinearAttentionConfig:
+    """The default config: ``block_v = min(64, V)``, 4 warps up to a ``128 × 64``
+    state tile (8 above), one stage (head sizes padded as the kernels pad them)."""
     kdim, vdim = (padded_dim(d) for d in _dims(call))
     block_v = min(64, vdim)
     return LinearAttentionConfig(block_v=block_v, num_warps=4 if kdim * block_v <= 128 * 64 else 8, num_stages=1)
 
 
 def linear_attention_space(call: Call) -> list[LinearAttentionConfig]:
+    """The autotuning space: ``block_v ∈ {32, 64, 128}`` (≤ V), 4 or 8 warps, 1 or 2
+    stages, keeping the configs that fit sm_80's shared memory (`fits_shared_memory`)."""
     kdim, vdim = (padded_dim(d) for d in _dims(call))
     configs = product_space(LinearAttentionConfig, block_v=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2))
     return [c for c in configs if c.block_v <= vdim and fits_shared_memory(kdim, c)]

@@ -41,6 +41,9 @@ def _concrete(x):
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
+    """How ``[B, T, ...]`` tokens map onto ``[Bs, Tp, ...]`` rows of whole chunks
+    (module docstring); the varlen fields are ``None`` for dense batches."""
+
     batch: int          # B of the user's arrays
     length: int         # T
     rows: int           # Bs
