@@ -250,7 +250,7 @@ def quantize_rows(x, spec: KVQuant):
     y = x.reshape(*x.shape[:-1], x.shape[-1] // g, g)
     codes, scale, zero = _quantize_groups(y, spec, axis=-1)
     codes = codes.reshape(x.shape)
-    return _store_codes(codes, spec), scale[..., 0], None if zero is None else zero[..., 0]
+    return store_codes(codes, spec), scale[..., 0], None if zero is None else zero[..., 0]
 
 
 def _quantize_groups(y, spec: KVQuant, axis: int):
@@ -268,10 +268,14 @@ def _quantize_groups(y, spec: KVQuant, axis: int):
         return codes, scale, None
     lo = jnp.min(y, axis=axis, keepdims=True)
     hi = jnp.max(y, axis=axis, keepdims=True)
-    return _codes_for_range(y, lo, hi, spec)
+    return codes_for_range(y, lo, hi, spec)
 
 
-def _codes_for_range(y, lo, hi, spec: KVQuant):
+def codes_for_range(y, lo, hi, spec: KVQuant):
+    """Asymmetric codes of ``y`` for the range ``[lo, hi]`` (broadcast against
+    ``y``): ``zero = lo``, ``scale = (hi - zero) / qmax`` (in the spec's scale
+    dtype), ``codes = clip(round((y - zero) / scale), 0, qmax)`` (float32)
+    → ``(codes, scale, zero)``."""
     sdt = spec.scale_dtype
     zero = lo.astype(sdt)
     z = zero.astype(jnp.float32)
@@ -282,7 +286,9 @@ def _codes_for_range(y, lo, hi, spec: KVQuant):
     return codes, scale, zero
 
 
-def _store_codes(codes, spec: KVQuant):
+def store_codes(codes, spec: KVQuant):
+    """Float32 codes ``[..., H]`` → the stored data: int8, float8_e4m3fn, or
+    uint8 with ``8 / bits`` codes per byte (`pack_codes`)."""
     if spec.format == "int8":
         return codes.astype(jnp.int8)
     if spec.format == "fp8":
@@ -445,7 +451,7 @@ def quantize_token_groups(x, spec: KVQuant):
     y = x.reshape(np_, ps // g, g, *x.shape[2:])
     codes, scale, zero = _quantize_groups(y, spec, axis=2)
     codes = codes.reshape(x.shape)
-    return _store_codes(codes, spec), scale[:, :, 0], None if zero is None else zero[:, :, 0]
+    return store_codes(codes, spec), scale[:, :, 0], None if zero is None else zero[:, :, 0]
 
 
 def expand_token_groups(a, page_size: int):

@@ -27,20 +27,22 @@ sink)``, ``out = Σ_s e^{m_s - M} o_s / (Σ_s e^{m_s - M} l_s + e^{sink - M})``
 (zeros when the denominator is 0).
 
 Page ids and lengths are clamped before the kernels (`plan`), so no load
-leaves its array.
+leaves its array. The kernels take their operands by name (`kv_len`,
+`tables`, `row_pos`, `q`, `q_pe`, the pools `k` / `v` / `pe` with their
+`*_scale` / `*_zero`, `sinks`, ...; ``None`` when absent).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core import next_power_of_two
-from ...core.pallas import triton_call
+from ...core.pallas import cdiv, dot, dot_nt, operand, output, pad_axis, padded_dim, triton_kernel_call
 from . import plan as plan_mod
 from .cache import Source
 from .configs import MlaConfig, PagedConfig, RaggedConfig
@@ -56,26 +58,32 @@ class _SrcMeta:
     head_dim: int
 
     @property
-    def n_refs(self) -> int:
-        if self.spec is None:
-            return 1
-        return 2 if self.spec.symmetric else 3
-
-    @property
     def column_scale(self) -> bool:
         """Per-token-per-head symmetric scale: applied to logits/probabilities."""
         s = self.spec
         return s is not None and s.symmetric and s.group_axis == "head_dim" and s.group(self.head_dim) == self.head_dim
 
 
-def _src_arrays(src: Source):
-    meta = _SrcMeta(src.spec, src.part, src.head_dim)
-    arrays = [src.data]
-    if src.spec is not None:
-        arrays.append(src.scale)
-        if not src.spec.symmetric:
-            arrays.append(src.zero)
-    return meta, arrays
+class _Pool(NamedTuple):
+    """A paged source's refs: codes (or values), scales, zero points (``None`` when absent)."""
+
+    data: Any
+    scale: Any
+    zero: Any
+
+
+def _pool_operands(name: str, src: Source | None) -> tuple[_SrcMeta | None, dict]:
+    """``src`` as named whole-array operands ``{name, name_scale, name_zero}``
+    (scales only for a quantized pool, zero points only for an asymmetric one)."""
+    if src is None:
+        return None, {name: None, f"{name}_scale": None, f"{name}_zero": None}
+    full = pl.no_block_spec
+    quantized = src.spec is not None
+    return _SrcMeta(src.spec, src.part, src.head_dim), {
+        name: operand(src.data, full),
+        f"{name}_scale": operand(src.scale, full) if quantized else None,
+        f"{name}_zero": operand(src.zero, full) if quantized and not src.spec.symmetric else None,
+    }
 
 
 def _unpack(b, bits: int, tokens: int):
@@ -89,19 +97,20 @@ def _unpack(b, bits: int, tokens: int):
     return jnp.stack([y0, y1], axis=-1).reshape(tokens, 4 * hb)
 
 
-def _load_tile(refs, meta: _SrcMeta, ids, kv, *, ppb: int, page_size: int, dtype):
+def _load_tile(pool: _Pool, meta: _SrcMeta, ids, kv, *, ppb: int, page_size: int, dtype):
     """A ``[T, H]`` tile (``T = ppb·page_size``) of pages ``ids`` for kv head
-    ``kv`` in ``dtype``, and per-token column scales ``[T]`` or None."""
+    ``kv`` in ``dtype``, and per-token column scales ``[T]`` or None.
+
+    Quantized: ``x = codes · scale (+ zero)`` with the group scales expanded
+    over their head-dim or token groups; int4/int2 codes unpacked from bytes."""
     tokens = ppb * page_size
-    data_ref = refs[0]
-    raw = data_ref[ids, :, kv, :] if meta.part is None else data_ref[ids, :, meta.part, kv, :]
+    raw = pool.data[ids, :, kv, :] if meta.part is None else pool.data[ids, :, meta.part, kv, :]
     raw = raw.reshape(tokens, raw.shape[-1])
     spec = meta.spec
     if spec is None:
         return raw.astype(dtype), None
-    scale_ref = refs[1]
     if meta.column_scale:
-        col = scale_ref[ids, :, kv, :].reshape(tokens).astype(jnp.float32)
+        col = pool.scale[ids, :, kv, :].reshape(tokens).astype(jnp.float32)
         return raw.astype(dtype), col
     h = meta.head_dim
     if spec.per_byte == 1:
@@ -118,251 +127,297 @@ def _load_tile(refs, meta: _SrcMeta, ids, kv, *, ppb: int, page_size: int, dtype
         groups = page_size // g
         return jnp.broadcast_to(a[:, :, None, :], (ppb, groups, g, h)).reshape(tokens, h)
 
-    x = codes * expand(scale_ref)
+    x = codes * expand(pool.scale)
     if not spec.symmetric:
-        x = x + expand(refs[2])
+        x = x + expand(pool.zero)
     return x.astype(dtype), None
 
 
-def _dot_t(a, b):
-    """``a [M, K] · b [N, K]ᵀ`` → float32 ``[M, N]``."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+# -- main kernel ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Static parameters of the main kernel."""
+
+    k: _SrcMeta
+    v: _SrcMeta | None      # None: the values are the keys (MLA latent)
+    pe: _SrcMeta | None     # MLA rope part
+    ppb: int                # pages per step
+    page_size: int
+    num_splits: int
+    hb: int                 # row blocks per kv head
+    window_left: int | None
+    sink_tokens: int
+    recent_tokens: int
+    scale: float
+    soft_cap: float | None
+    dtype: Any              # the dots' input dtype
+
+    @property
+    def tokens(self) -> int:
+        return self.ppb * self.page_size
+
+    def load(self, pool: _Pool, meta: _SrcMeta, ids, kv):
+        return _load_tile(pool, meta, ids, kv, ppb=self.ppb, page_size=self.page_size, dtype=self.dtype)
 
 
-def _dot(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _key_blocks(kv_len, row_pos, split, st: _Static):
+    """``[start, end)``: the steps of ``st.tokens`` keys split ``split`` visits.
 
-
-def _main_kernel(*refs, k_meta, v_meta, pe_meta, ppb, page_size, num_splits, hb, window_left, sink_tokens,
-                 recent_tokens, scale, soft_cap, finalize, has_sinks, dtype):
-    it = iter(refs)
-    kv_len_ref, tables_ref, rowpos_ref, q_ref = next(it), next(it), next(it), next(it)
-    qpe_ref = next(it) if pe_meta is not None else None
-    k_refs = [next(it) for _ in range(k_meta.n_refs)]
-    v_refs = [next(it) for _ in range(v_meta.n_refs)] if v_meta is not None else None
-    pe_refs = [next(it) for _ in range(pe_meta.n_refs)] if pe_meta is not None else None
-    sink_ref = next(it) if (finalize and has_sinks) else None
-    outs = list(it)
-
-    b, c, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kv = c // hb
-    tokens = ppb * page_size
-    kv_len = kv_len_ref[b]
-    row_pos = rowpos_ref[...]                                                  # [R]
-    rows = row_pos.shape[0]
+    The rows see positions ``[lo, hi)`` (causal end, local window start, minus
+    the full-precision windows), cut into ``num_splits`` contiguous ranges of
+    whole steps."""
     valid = row_pos >= 0
-    hi = jnp.minimum(kv_len - recent_tokens, jnp.max(jnp.where(valid, row_pos, -1)) + 1)
-    lo = jnp.int32(sink_tokens)
-    if window_left is not None:
-        lo = jnp.maximum(lo, jnp.min(jnp.where(valid, row_pos, 2**30)) - window_left)
+    hi = jnp.minimum(kv_len - st.recent_tokens, jnp.max(jnp.where(valid, row_pos, -1)) + 1)
+    lo = jnp.int32(st.sink_tokens)
+    if st.window_left is not None:
+        lo = jnp.maximum(lo, jnp.min(jnp.where(valid, row_pos, 2**30)) - st.window_left)
     lo = jnp.maximum(lo, 0)
     hi = jnp.maximum(hi, lo)
-    blk_lo = lo // tokens
-    blk_hi = (hi + tokens - 1) // tokens
-    per_split = (blk_hi - blk_lo + num_splits - 1) // num_splits
+    blk_lo = lo // st.tokens
+    blk_hi = (hi + st.tokens - 1) // st.tokens
+    per_split = (blk_hi - blk_lo + st.num_splits - 1) // st.num_splits
     start = blk_lo + split * per_split
-    end = jnp.minimum(start + per_split, blk_hi)
+    return start, jnp.minimum(start + per_split, blk_hi)
 
-    q = q_ref[...]
-    q_pe = qpe_ref[...] if qpe_ref is not None else None
-    hv = outs[0].shape[-1]
-    rp = row_pos[:, None]
+
+def _step_logits(j, q, q_pe, k: _Pool, pe: _Pool | None, ids, kv, rp, kv_len, st: _Static):
+    """Step ``j``'s masked logits ``s = scale · (q Kᵀ + q_pe PEᵀ)`` (soft-capped,
+    ``-inf`` where not visible) ``[R, T]``, and the key tile and its column scales."""
+    k_tile, k_col = st.load(k, st.k, ids, kv)
+    s = dot_nt(q, k_tile, precision=None)
+    if k_col is not None:
+        s = s * k_col[None, :]
+    if pe is not None:
+        pe_tile, pe_col = st.load(pe, st.pe, ids, kv)
+        s_pe = dot_nt(q_pe, pe_tile, precision=None)
+        s = s + (s_pe * pe_col[None, :] if pe_col is not None else s_pe)
+    s = s * st.scale
+    if st.soft_cap is not None:
+        s = st.soft_cap * jnp.tanh(s / st.soft_cap)
+    pos = j * st.tokens + jax.lax.broadcasted_iota(jnp.int32, (1, st.tokens), 1)
+    mask = plan_mod.visible(pos, rp, kv_len, window_left=st.window_left, sink_tokens=st.sink_tokens,
+                            recent_tokens=st.recent_tokens)
+    return jnp.where(mask, s, -jnp.inf), k_tile, k_col
+
+
+def _online_softmax(s, carry, v_tile, v_col, dtype):
+    """``m' = max(m, rowmax s)``, ``α = e^{m - m'}``, ``p = e^{s - m'}``,
+    ``l' = α l + rowsum p``, ``o' = α o + p V`` (``p`` times the value column scales)."""
+    o, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    l = alpha * l + jnp.sum(p, axis=1)
+    if v_col is not None:
+        p = p * v_col[None, :]
+    o = alpha[:, None] * o + dot(p.astype(dtype), v_tile, precision=None)
+    return o, m_new, l
+
+
+def _normalize(o, m, l, sink):
+    """``o / (l + e^{sink - m})`` with the sink logits ``[R]`` (or ``None``); zeros where the denominator is 0."""
+    if sink is not None:
+        m_all = jnp.maximum(m, sink)
+        m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+        w = jnp.exp(m - m_safe)
+        o = o * w[:, None]
+        l = l * w + jnp.exp(sink - m_safe)
+    safe = jnp.where(l > 0, l, 1.0)
+    return jnp.where((l > 0)[:, None], o / safe[:, None], 0.0)
+
+
+def _main_kernel(*, kv_len, tables, row_pos, q, q_pe, k, k_scale, k_zero, v, v_scale, v_zero, pe, pe_scale,
+                 pe_zero, sinks, out, o_part, m_part, l_part, st: _Static):
+    """Program ``(b, c, split)``: the online softmax of ``R`` rows of kv head
+    ``c // hb`` over split ``split``'s key steps; writes the normalized rows
+    (``out``, one split) or the partials ``(o_part, m_part, l_part)``."""
+    b, c, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv = c // st.hb
+    seq_len = kv_len[b]
+    positions = row_pos[...]                                                  # [R]
+    start, end = _key_blocks(seq_len, positions, split, st)
+    q_rows = q[...]
+    q_pe_rows = None if q_pe is None else q_pe[...]
+    k_pool = _Pool(k, k_scale, k_zero)
+    v_pool = None if v is None else _Pool(v, v_scale, v_zero)
+    pe_pool = None if pe is None else _Pool(pe, pe_scale, pe_zero)
+    rp = positions[:, None]
 
     def body(j, carry):
-        o, m, l = carry
-        ids = tables_ref[b, pl.ds(j * ppb, ppb)]
-        load = functools.partial(_load_tile, ids=ids, kv=kv, ppb=ppb, page_size=page_size, dtype=dtype)
-        k_tile, k_col = load(k_refs, k_meta)
-        s = _dot_t(q, k_tile)
-        if k_col is not None:
-            s = s * k_col[None, :]
-        if pe_meta is not None:
-            pe_tile, pe_col = load(pe_refs, pe_meta)
-            s_pe = _dot_t(q_pe, pe_tile)
-            s = s + (s_pe * pe_col[None, :] if pe_col is not None else s_pe)
-        s = s * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        pos = j * tokens + jax.lax.broadcasted_iota(jnp.int32, (1, tokens), 1)
-        mask = plan_mod.visible(pos, rp, kv_len, window_left=window_left, sink_tokens=sink_tokens,
-                                recent_tokens=recent_tokens)
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
-        if v_meta is None:
-            v_tile, v_col = k_tile, k_col
-        else:
-            v_tile, v_col = load(v_refs, v_meta)
-        if v_col is not None:
-            p = p * v_col[None, :]
-        o = alpha[:, None] * o + _dot(p.astype(dtype), v_tile)
-        return o, m_new, l
+        ids = tables[b, pl.ds(j * st.ppb, st.ppb)]
+        s, k_tile, k_col = _step_logits(j, q_rows, q_pe_rows, k_pool, pe_pool, ids, kv, rp, seq_len, st)
+        v_tile, v_col = (k_tile, k_col) if v_pool is None else st.load(v_pool, st.v, ids, kv)
+        return _online_softmax(s, carry, v_tile, v_col, st.dtype)
 
+    rows = positions.shape[0]
+    hv = (o_part if out is None else out).shape[-1]
     init = (jnp.zeros((rows, hv), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(start, end, body, init)
-    if finalize:
-        if sink_ref is not None:
-            sink = sink_ref[...]
-            m_all = jnp.maximum(m, sink)
-            m_safe = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-            w = jnp.exp(m - m_safe)
-            o = o * w[:, None]
-            l = l * w + jnp.exp(sink - m_safe)
-        safe = jnp.where(l > 0, l, 1.0)
-        outs[0][...] = jnp.where((l > 0)[:, None], o / safe[:, None], 0.0)
+    o_acc, m_acc, l_acc = jax.lax.fori_loop(start, end, body, init)
+    if out is not None:
+        out[...] = _normalize(o_acc, m_acc, l_acc, None if sinks is None else sinks[...])
     else:
-        o_ref, m_ref, l_ref = outs
-        o_ref[...] = o
-        m_ref[...] = m
-        l_ref[...] = l
+        o_part[...] = o_acc
+        m_part[...] = m_acc
+        l_part[...] = l_acc
 
 
-def _merge_kernel(*refs, num_splits, has_sinks, has_window):
-    it = iter(refs)
-    o_ref, m_ref, l_ref = next(it), next(it), next(it)
-    sink_ref = next(it) if has_sinks else None
-    if has_window:
-        ow_ref, mw_ref, lw_ref = next(it), next(it), next(it)
-    out_ref = next(it)
-    m_all = m_ref[...]                                                          # [S, R]
+# -- merge kernel --------------------------------------------------------------------
+def _merge_kernel(*, o_part, m_part, l_part, sinks, o_window, m_window, l_window, out, num_splits):
+    """``M = max(max_s m_s, m_window, sink)``, ``out = (Σ_s e^{m_s - M} o_s +
+    e^{m_w - M} o_w) / (Σ_s e^{m_s - M} l_s + e^{m_w - M} l_w + e^{sink - M})``."""
+    m_all = m_part[...]                                                         # [S, R]
     big = jnp.max(m_all, axis=0)
-    if has_window:
-        mw = mw_ref[...]
+    if m_window is not None:
+        mw = m_window[...]
         big = jnp.maximum(big, mw)
-    if has_sinks:
-        sink = sink_ref[...]
+    if sinks is not None:
+        sink = sinks[...]
         big = jnp.maximum(big, sink)
     big_safe = jnp.where(big == -jnp.inf, 0.0, big)
-    denom = jnp.sum(jnp.exp(m_all - big_safe[None, :]) * l_ref[...], axis=0)
-    acc = jnp.zeros(out_ref.shape, jnp.float32)
-    if has_window:
+    denom = jnp.sum(jnp.exp(m_all - big_safe[None, :]) * l_part[...], axis=0)
+    acc = jnp.zeros(out.shape, jnp.float32)
+    if m_window is not None:
         ww = jnp.exp(mw - big_safe)
-        acc = acc + ow_ref[...] * ww[:, None]
-        denom = denom + lw_ref[...] * ww
-    if has_sinks:
+        acc = acc + o_window[...] * ww[:, None]
+        denom = denom + l_window[...] * ww
+    if sinks is not None:
         denom = denom + jnp.exp(sink - big_safe)
 
     def body(s, acc):
-        w = jnp.exp(m_ref[s, :] - big_safe)
-        return acc + o_ref[s, :, :] * w[:, None]
+        w = jnp.exp(m_part[s, :] - big_safe)
+        return acc + o_part[s, :, :] * w[:, None]
 
     acc = jax.lax.fori_loop(0, num_splits, body, acc)
     safe = jnp.where(denom > 0, denom, 1.0)
-    out_ref[...] = jnp.where((denom > 0)[:, None], acc / safe[:, None], 0.0)
+    out[...] = jnp.where((denom > 0)[:, None], acc / safe[:, None], 0.0)
 
 
-def _pad_rows(x, rows: int, value=0):
-    pad = rows - x.shape[2]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[2] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
+# -- launch -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """The query rows ``[Bp, K, Rt, ...]`` cut into ``hb`` blocks of ``r`` per kv
+    head: programs ``c = kv·hb + block`` over ``[Bp, K·hb, r, ...]``."""
+
+    bp: int
+    kv_heads: int
+    rt: int
+    r: int
+
+    @property
+    def hb(self) -> int:
+        return cdiv(self.rt, self.r)
+
+    @property
+    def padded(self) -> int:
+        return self.hb * self.r
+
+    @property
+    def programs(self) -> int:
+        return self.kv_heads * self.hb
+
+    def blocks(self, x, value=0):
+        """``[Bp, K, Rt, ...]`` → ``[Bp, K·hb, r, ...]`` (padding rows hold ``value``)."""
+        x = pad_axis(x, 2, self.padded, value)
+        return x.reshape(self.bp, self.programs, self.r, *x.shape[3:])
+
+
+def _main_call(problem: Problem, config: PagedConfig, rows: _Rows, finalize: bool, sinks):
+    """Launch the main kernel: `Outputs` ``out`` (finalized) or ``o_part`` / ``m_part`` / ``l_part``."""
+    r, hb, hv, splits = rows.r, rows.hb, problem.value_dim, config.num_splits
+    bp, programs = rows.bp, rows.programs
+    ppb = config.pages_per_block
+    q = rows.blocks(problem.q)
+    q_pe = None if problem.q_pe is None else rows.blocks(problem.q_pe)
+    row_pos = pad_axis(problem.row_pos, 1, rows.padded, -1).reshape(bp, hb, r)
+    tables = pad_axis(problem.tables, 1, cdiv(problem.tables.shape[1], ppb) * ppb)
+    k_meta, k_ops = _pool_operands("k", problem.k)
+    v_meta, v_ops = _pool_operands("v", problem.v)
+    pe_meta, pe_ops = _pool_operands("pe", problem.pe)
+    st = _Static(k=k_meta, v=v_meta, pe=pe_meta, ppb=ppb, page_size=problem.page_size, num_splits=splits, hb=hb,
+                 window_left=problem.window_left, sink_tokens=problem.sink_tokens,
+                 recent_tokens=problem.recent_tokens, scale=problem.scale, soft_cap=problem.soft_cap,
+                 dtype=problem.q.dtype)
+    full = pl.no_block_spec
+
+    def rows_of(b, c, s):  # program (b, c)'s rows
+        return b, c, 0, 0
+
+    def part(*tail):  # split s's partial of program (b, c)
+        return pl.BlockSpec((None, None, None, r, *tail), lambda b, c, s: (b, c, s, 0, *(0,) * len(tail)))
+
+    inputs = dict(
+        kv_len=operand(problem.kv_len, full), tables=operand(tables, full),
+        row_pos=operand(row_pos, pl.BlockSpec((None, None, r), lambda b, c, s: (b, c % hb, 0))),
+        q=operand(q, pl.BlockSpec((None, None, r, q.shape[-1]), rows_of)),
+        q_pe=operand(q_pe, None if q_pe is None else pl.BlockSpec((None, None, r, q_pe.shape[-1]), rows_of)),
+        **k_ops, **v_ops, **pe_ops,
+        sinks=operand(sinks if finalize else None, pl.BlockSpec((None, r), lambda b, c, s: (c, 0))))
+    partial = not finalize
+    outputs = dict(
+        out=output((bp, programs, r, hv), jnp.float32, pl.BlockSpec((None, None, r, hv), rows_of)) if finalize
+        else None,
+        o_part=output((bp, programs, splits, r, hv), jnp.float32, part(hv)) if partial else None,
+        m_part=output((bp, programs, splits, r), jnp.float32, part()) if partial else None,
+        l_part=output((bp, programs, splits, r), jnp.float32, part()) if partial else None)
+    return triton_kernel_call(functools.partial(_main_kernel, st=st), grid=(bp, programs, splits), inputs=inputs,
+                              outputs=outputs, num_warps=config.num_warps, num_stages=config.num_stages,
+                              name="stellax_paged_attention")
+
+
+def _merge_call(problem: Problem, rows: _Rows, parts, sinks, splits: int):
+    """Launch the merge kernel over the main kernel's partials (and the window partial): ``[Bp, K·hb, r, Hv]``."""
+    r, hv = rows.r, problem.value_dim
+    rows_of = pl.BlockSpec((None, None, r, hv), lambda b, c: (b, c, 0, 0))
+    stat = pl.BlockSpec((None, None, r), lambda b, c: (b, c, 0))
+    window = window_partial(problem)
+    ow = mw = lw = None
+    if window is not None:
+        ow, mw, lw = window
+        ow, mw, lw = rows.blocks(ow), rows.blocks(mw[..., None], -jnp.inf)[..., 0], rows.blocks(lw[..., None])[..., 0]
+    inputs = dict(
+        o_part=operand(parts.o_part, pl.BlockSpec((None, None, splits, r, hv), lambda b, c: (b, c, 0, 0, 0))),
+        m_part=operand(parts.m_part, pl.BlockSpec((None, None, splits, r), lambda b, c: (b, c, 0, 0))),
+        l_part=operand(parts.l_part, pl.BlockSpec((None, None, splits, r), lambda b, c: (b, c, 0, 0))),
+        sinks=operand(sinks, pl.BlockSpec((None, r), lambda b, c: (c, 0))),
+        o_window=operand(ow, rows_of), m_window=operand(mw, stat), l_window=operand(lw, stat))
+    result = triton_kernel_call(
+        functools.partial(_merge_kernel, num_splits=splits), grid=(rows.bp, rows.programs), inputs=inputs,
+        outputs=dict(out=output((rows.bp, rows.programs, r, hv), jnp.float32, rows_of)),
+        num_warps=4, num_stages=1, name="stellax_paged_attention_merge")
+    return result.out
 
 
 def attention_rows(problem: Problem, config: PagedConfig):
-    """Normalized float32 output rows ``[Bp, K, Rt, Hv]`` of a problem."""
-    bp, kv_heads, rt, hq = problem.q.shape
-    hv = problem.value_dim
-    ppb, splits = config.pages_per_block, config.num_splits
-    ps = problem.page_size
+    """Normalized float32 output rows ``[Bp, K, Rt, Hv]`` of a problem: the
+    main kernel, then (several splits or full-precision windows) the merge."""
+    bp, kv_heads, rt, _ = problem.q.shape
+    ppb, ps = config.pages_per_block, problem.page_size
     if ppb * ps < 16:
         raise ValueError(f"config.pages_per_block: {ppb} pages of {ps} tokens give a {ppb * ps}-token step; "
                          "the Triton kernel needs at least 16")
-    r = min(config.block_rows, max(16, next_power_of_two(rt)))
-    hb = -(-rt // r)
-    rp = hb * r
-    programs = kv_heads * hb
-
-    def to_blocks(x, value=0):  # [Bp, K, Rt, ...] → [Bp, K·hb, R, ...]
-        x = _pad_rows(x, rp, value)
-        return x.reshape(bp, programs, r, *x.shape[3:])
-
-    q = to_blocks(problem.q)
-    q_pe = None if problem.q_pe is None else to_blocks(problem.q_pe)
-    row_pos = jnp.pad(problem.row_pos, ((0, 0), (0, rp - rt)), constant_values=-1).reshape(bp, hb, r)
-    tables = problem.tables
-    width = -(-tables.shape[1] // ppb) * ppb
-    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-    finalize = splits == 1 and not problem.has_windows
-    has_sinks = problem.sinks is not None
-    sinks = None
-    if has_sinks:
-        sinks = jnp.pad(problem.sinks, ((0, 0), (0, rp - rt))).reshape(programs, r)
-
-    k_meta, k_arrays = _src_arrays(problem.k)
-    v_meta, v_arrays = (None, []) if problem.v is None else _src_arrays(problem.v)
-    pe_meta, pe_arrays = (None, []) if problem.pe is None else _src_arrays(problem.pe)
-    full = pl.no_block_spec
-    inputs = [problem.kv_len, tables, row_pos, q]
-    in_specs = [full, full, pl.BlockSpec((None, None, r), lambda b, c, s: (b, c % hb, 0)),
-                pl.BlockSpec((None, None, r, hq), lambda b, c, s: (b, c, 0, 0))]
-    if q_pe is not None:
-        inputs.append(q_pe)
-        in_specs.append(pl.BlockSpec((None, None, r, q_pe.shape[-1]), lambda b, c, s: (b, c, 0, 0)))
-    for arr in (*k_arrays, *v_arrays, *pe_arrays):
-        inputs.append(arr)
-        in_specs.append(full)
-    if finalize and has_sinks:
-        inputs.append(sinks)
-        in_specs.append(pl.BlockSpec((None, r), lambda b, c, s: (c, 0)))
-    if finalize:
-        out_shape = jax.ShapeDtypeStruct((bp, programs, r, hv), jnp.float32)
-        out_specs = pl.BlockSpec((None, None, r, hv), lambda b, c, s: (b, c, 0, 0))
-    else:
-        out_shape = [jax.ShapeDtypeStruct((bp, programs, splits, r, hv), jnp.float32),
-                     jax.ShapeDtypeStruct((bp, programs, splits, r), jnp.float32),
-                     jax.ShapeDtypeStruct((bp, programs, splits, r), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, r, hv), lambda b, c, s: (b, c, s, 0, 0)),
-                     pl.BlockSpec((None, None, None, r), lambda b, c, s: (b, c, s, 0)),
-                     pl.BlockSpec((None, None, None, r), lambda b, c, s: (b, c, s, 0))]
-    kernel = functools.partial(
-        _main_kernel, k_meta=k_meta, v_meta=v_meta, pe_meta=pe_meta, ppb=ppb, page_size=ps, num_splits=splits,
-        hb=hb, window_left=problem.window_left, sink_tokens=problem.sink_tokens,
-        recent_tokens=problem.recent_tokens, scale=problem.scale, soft_cap=problem.soft_cap, finalize=finalize,
-        has_sinks=has_sinks, dtype=problem.q.dtype)
-    result = triton_call(kernel, out_shape=out_shape, grid=(bp, programs, splits), in_specs=in_specs,
-                         out_specs=out_specs, num_warps=config.num_warps, num_stages=config.num_stages,
-                         name="stellax_paged_attention")(*inputs)
-    if not finalize:
-        o_part, m_part, l_part = result
-        inputs = [o_part, m_part, l_part]
-        in_specs = [pl.BlockSpec((None, None, splits, r, hv), lambda b, c: (b, c, 0, 0, 0)),
-                    pl.BlockSpec((None, None, splits, r), lambda b, c: (b, c, 0, 0)),
-                    pl.BlockSpec((None, None, splits, r), lambda b, c: (b, c, 0, 0))]
-        if has_sinks:
-            inputs.append(sinks)
-            in_specs.append(pl.BlockSpec((None, r), lambda b, c: (c, 0)))
-        extra = window_partial(problem)
-        if extra is not None:
-            ow, mw, lw = extra
-            inputs += [to_blocks(ow), to_blocks(mw[..., None], -jnp.inf)[..., 0], to_blocks(lw[..., None])[..., 0]]
-            in_specs += [pl.BlockSpec((None, None, r, hv), lambda b, c: (b, c, 0, 0)),
-                         pl.BlockSpec((None, None, r), lambda b, c: (b, c, 0)),
-                         pl.BlockSpec((None, None, r), lambda b, c: (b, c, 0))]
-        merge = functools.partial(_merge_kernel, num_splits=splits, has_sinks=has_sinks, has_window=extra is not None)
-        result = triton_call(merge, out_shape=jax.ShapeDtypeStruct((bp, programs, r, hv), jnp.float32),
-                             grid=(bp, programs), in_specs=in_specs,
-                             out_specs=pl.BlockSpec((None, None, r, hv), lambda b, c: (b, c, 0, 0)),
-                             num_warps=4, num_stages=1, name="stellax_paged_attention_merge")(*inputs)
-    out = result.reshape(bp, kv_heads, rp, hv)
-    return out[:, :, :rt]
+    rows = _Rows(bp=bp, kv_heads=kv_heads, rt=rt, r=min(config.block_rows, padded_dim(rt)))
+    finalize = config.num_splits == 1 and not problem.has_windows
+    sinks = None if problem.sinks is None else pad_axis(problem.sinks, 1, rows.padded).reshape(rows.programs, rows.r)
+    parts = _main_call(problem, config, rows, finalize, sinks)
+    out = parts.out if finalize else _merge_call(problem, rows, parts, sinks, config.num_splits)
+    return out.reshape(bp, kv_heads, rows.padded, problem.value_dim)[:, :, :rt]
 
 
 def run_paged(call, config: PagedConfig):
+    """`paged_attention` on the Triton kernels."""
     problem, finish = plan_mod.paged_problem(call)
     return finish(attention_rows(problem, config))
 
 
 def run_ragged(call, config: RaggedConfig):
+    """`ragged_paged_attention` on the Triton kernels (query blocks of ``config.block_q`` tokens)."""
     problem, finish = plan_mod.ragged_problem(call, block_q=config.block_q)
     return finish(attention_rows(problem, config))
 
 
 def run_mla(call, config: MlaConfig):
+    """`mla_decode` on the Triton kernels."""
     problem, finish = plan_mod.mla_problem(call)
     return finish(attention_rows(problem, config))
