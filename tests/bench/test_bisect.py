@@ -62,7 +62,8 @@ def scratch(tmp_path_factory):
                                                  "bench.py": BENCH})]
     commits.append(_commit(repo, "docs", {"README.md": "scratch\n"}))
     commits.append(_commit(repo, "refactor the names", {"src/scratch/util.py": "NAME = 'scratch'\n"}))
-    commits.append(_commit(repo, "planted: three times the loops", {"src/scratch/__init__.py": WORK.format(loops=60000)}))
+    commits.append(_commit(repo, "planted: three times the loops",
+                           {"src/scratch/__init__.py": WORK.format(loops=60000)}))
     commits.append(_commit(repo, "more docs", {"README.md": "scratch, documented\n"}))
     commits.append(_commit(repo, "a test", {"tests/test_scratch.py": "def test_nothing():\n    pass\n"}))
     return repo, commits

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..autotune.cache import atomic_write_text
 from ..core.platform import current_platform
@@ -131,17 +132,17 @@ def _run(args, platform, console, err):
     options = _options(args, platform, err)
     if options is None:
         return 2
-    progress = None if args.quiet else (lambda text: err.print(f"[dim]{text}", highlight=False))
+    progress = None if args.quiet else (lambda text: err.print(f"[dim]{escape(text)}", highlight=False))
     started = time.monotonic()
     try:
         with profile(args.profile) as trace_dir:
             records = run_suites(args.suites or None, options, progress=progress)
     except ValueError as e:  # a --case pattern that matches nothing
-        err.print(str(e), highlight=False)
+        err.print(escape(str(e)), highlight=False)
         return 2
     if not args.quiet:
-        err.print(f"[dim]{len(records)} records in {time.monotonic() - started:.1f} s: "
-                  f"{report.skip_summary(records)}", highlight=False)
+        err.print("[dim]" + escape(f"{len(records)} records in {time.monotonic() - started:.1f} s: "
+                                   f"{report.skip_summary(records)}"), highlight=False)
     if trace_dir is not None:
         files = trace_files(str(trace_dir))
         console.print(f"profile trace: {len(files)} file(s) under {trace_dir} (open in Perfetto or XProf)")
@@ -186,10 +187,10 @@ def _record(args, records, env, console) -> int:
     try:
         path = history_lib.append(args.record, history_lib.make_entry(records, env))
     except (OSError, ValueError) as e:
-        console.print(f"--record {args.record}: nothing written: {e}", highlight=False)
+        console.print(escape(f"--record {args.record}: nothing written: {e}"), highlight=False)
         return 2
     if not args.quiet:
-        console.print(f"recorded {sum(r.ok for r in records)} case(s) in {path}", highlight=False)
+        console.print(escape(f"recorded {sum(r.ok for r in records)} case(s) in {path}"), highlight=False)
     return 0
 
 
@@ -218,11 +219,11 @@ def history_cli(argv: list[str]) -> int:
                 err.print(f"--plot: {reason}", highlight=False)
                 return 2
             for path in history_lib.plot(entries, args.plot, args.case):
-                console.print(f"wrote {path}", highlight=False)
+                console.print(escape(f"wrote {path}"), highlight=False)
         else:
             console.print(history_lib.table(entries, args.case, last=args.last))
     except (history_lib.HistoryError, re.error) as e:
-        err.print(f"stellax bench history: {e}", highlight=False)
+        err.print(escape(f"stellax bench history: {e}"), highlight=False)
         return 2
     return 0
 
@@ -289,11 +290,11 @@ def bisect_cli(argv: list[str]) -> int:
         with bisect_lib.checkout_measure(args.repo, runner) as measure:
             result = bisect_lib.bisect(args.repo, args.good, args.bad, measure, threshold=args.threshold,
                                        noise_k=args.noise, rounds=args.rounds, label=label,
-                                       progress=lambda text: err.print(f"[dim]{text}", highlight=False))
+                                       progress=lambda text: err.print(f"[dim]{escape(text)}", highlight=False))
     except bisect_lib.BisectError as e:
-        err.print(f"stellax bench bisect: {e}", highlight=False)
+        err.print(escape(f"stellax bench bisect: {e}"), highlight=False)
         return 2
-    console.print(result.message, highlight=False)
+    console.print(escape(result.message), highlight=False)
     return 0 if result.found else 1
 
 

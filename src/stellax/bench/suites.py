@@ -11,7 +11,7 @@ that refuse a case (``UnsupportedError``/``NotImplementedError``) are
 recorded as skipped.
 
 Each case is timed in ``rounds`` rounds (the timing budget split among
-them); the records carry each round's fastest iteration
+them; a case slower than its budget gets two); the records carry each round's fastest iteration
 (`baseline.RoundsRecord`), what baseline comparisons use and take their
 noise estimate from. ``case`` (a regular expression on
 the record key ``op|case|implementation|mode``) selects cases.
@@ -321,8 +321,11 @@ def _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platfor
                                          argnums=positions if mode != "forward" else None,
                                          grad_kwargs=kw if mode != "forward" else None, input_sets=input_sets)
             times, best, used = [], [], timer.name
+            started, total = time.perf_counter(), timer.min_time * max(1, rounds)
             with jax.profiler.TraceAnnotation(f"stellax.bench {name} [{mode}]"):
-                for _ in range(max(1, rounds)):
+                for r in range(max(1, rounds)):
+                    if r >= 2 and time.perf_counter() - started > total:
+                        break  # a slow case: two rounds give the spread, more would cost a warm-up each
                     round_times, used = timing_lib.measure(prepared.compiled, prepared.sets, timer)
                     times.extend(round_times)
                     best.append(float(min(round_times)))
