@@ -15,7 +15,7 @@ import pytest
 
 import stellax
 from stellax.ops.moe import GroupedMatmulConfig, ragged_dot_quantized_op
-from stellax.ops.moe.quantized import flatten
+from stellax.ops.moe.checks import flatten_quantized as flatten
 from stellax.ops.quant import QArray
 from stellax.testing import assert_close, check_op_lowering
 from stellax.testing.lowering import (assert_fits_smem, compile_triton_to_ptx, lower_for_gpu,

@@ -30,6 +30,7 @@ def check_activation(activation):
 
 
 def activation_fn(activation) -> Callable:
+    """``None`` → identity, a callable as is, a name → its float32 activation (XLA code)."""
     if activation is None:
         return lambda x: x
     if callable(activation):

@@ -5,6 +5,9 @@
   along the contraction; the ``tgmm`` kernel tiles the ``[K, N]`` output of a
   group in ``[block_k, block_n]`` and steps ``block_m`` rows of the group.
 * `XlaGroupedMatmulConfig`: the row tile of the XLA loop (`xla.py`).
+
+Heuristics and spaces for `ragged_dot`, `ragged_dot_tgmm` and the quantized
+`ragged_dot` (whose ``block_k`` is capped at the scales' K block).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class XlaGroupedMatmulConfig(KernelConfig):
     block_m: int = 128
 
     def validate(self) -> None:
+        """``block_m`` must be one of 8 … 512 (a power of two)."""
         require_in("XlaGroupedMatmulConfig", "block_m", self.block_m, (8, 16, 32, 64, 128, 256, 512))
 
 
@@ -62,7 +66,7 @@ def _itemsize(call: Call) -> int:
     return np.dtype(call.lhs.dtype).itemsize
 
 
-def _cap(block: int, dim: int) -> int:
+def cap_block(block: int, dim: int) -> int:
     """The largest useful block for a dimension of size ``dim`` (≥ 16)."""
     return max(16, min(block, next_power_of_two(dim)))
 
@@ -73,12 +77,15 @@ def _smem(bm: int, bn: int, bk: int, stages: int, itemsize: int, b_tiles: int = 
 
 # -- forward / dlhs kernel -----------------------------------------------------------
 def gmm_heuristic(call: Call) -> GroupedMatmulConfig:
+    """The `ragged_dot` Triton tiles: ``block_m`` ≈ rows per group, the widest ``block_n`` of the
+    output (halved for a gated rhs), stages cut to the shared-memory budget."""
     m, k, n, g, gated = gmm_dims(call)
     rows_per_group = max(1, m // max(g, 1))
-    bm = _cap(16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64 if rows_per_group <= 96 else 128, m)
+    bm = cap_block(16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64 if rows_per_group <= 96
+                   else 128, m)
     half_n = n // 2 if gated else n
-    bn = _cap(64 if gated else 128, half_n)
-    bk = _cap(32 if _itemsize(call) >= 4 else 64, k)
+    bn = cap_block(64 if gated else 128, half_n)
+    bk = cap_block(32 if _itemsize(call) >= 4 else 64, k)
     warps = 8 if bm * bn * (2 if gated else 1) >= 128 * 128 else 4
     stages = 3
     while stages > 1 and _smem(bm, bn, bk, stages, _itemsize(call), 2 if gated else 1) > SMEM_BUDGET:
@@ -87,13 +94,14 @@ def gmm_heuristic(call: Call) -> GroupedMatmulConfig:
 
 
 def gmm_space(call: Call) -> list[GroupedMatmulConfig]:
+    """The `ragged_dot` Triton autotuning space, capped at the call's dimensions and the shared memory."""
     m, k, n, _, gated = gmm_dims(call)
     half_n = n // 2 if gated else n
     configs = product_space(GroupedMatmulConfig, block_m=(16, 32, 64, 128), block_n=(64, 128, 256),
                             block_k=(32, 64), num_warps=(4, 8), num_stages=(3, 4))
     out = []
     for c in configs:
-        if c.block_m > _cap(128, m) or c.block_n > _cap(256, half_n) or c.block_k > _cap(64, k):
+        if c.block_m > cap_block(128, m) or c.block_n > cap_block(256, half_n) or c.block_k > cap_block(64, k):
             continue
         if _smem(c.block_m, c.block_n, c.block_k, c.num_stages, _itemsize(call), 2 if gated else 1) > SMEM_BUDGET:
             continue
@@ -105,11 +113,12 @@ def gmm_space(call: Call) -> list[GroupedMatmulConfig]:
 
 # -- tgmm kernel ------------------------------------------------------------------------
 def tgmm_heuristic(call: Call) -> GroupedMatmulConfig:
+    """The `ragged_dot_tgmm` Triton tiles: ``[block_k, block_n]`` outputs, ``block_m`` rows per step."""
     m, k, n, g = tgmm_dims(call)
     rows_per_group = max(1, m // max(g, 1))
-    bm = _cap(32 if rows_per_group <= 32 else 64, m)
-    bk = _cap(64 if _itemsize(call) >= 4 else 128, k)
-    bn = _cap(64 if _itemsize(call) >= 4 else 128, n)
+    bm = cap_block(32 if rows_per_group <= 32 else 64, m)
+    bk = cap_block(64 if _itemsize(call) >= 4 else 128, k)
+    bn = cap_block(64 if _itemsize(call) >= 4 else 128, n)
     warps = 8 if bk * bn >= 128 * 128 else 4
     stages = 3
     while stages > 1 and _smem(bk, bn, bm, stages, _itemsize(call)) > SMEM_BUDGET:
@@ -118,17 +127,18 @@ def tgmm_heuristic(call: Call) -> GroupedMatmulConfig:
 
 
 def tgmm_space(call: Call) -> list[GroupedMatmulConfig]:
+    """The `ragged_dot_tgmm` Triton autotuning space, capped at the call's dimensions and the shared memory."""
     m, k, n, _ = tgmm_dims(call)
     configs = product_space(GroupedMatmulConfig, block_m=(32, 64), block_n=(64, 128), block_k=(64, 128),
                             num_warps=(4, 8), num_stages=(2, 3))
     out = [c for c in configs
-           if c.block_m <= _cap(64, m) and c.block_n <= _cap(128, n) and c.block_k <= _cap(128, k)
+           if c.block_m <= cap_block(64, m) and c.block_n <= cap_block(128, n) and c.block_k <= cap_block(128, k)
            and _smem(c.block_k, c.block_n, c.block_m, c.num_stages, _itemsize(call)) <= SMEM_BUDGET]
     return out or [tgmm_heuristic(call)]
 
 
 # -- XLA loop -----------------------------------------------------------------------------
-def _xla_block(m: int, g: int) -> XlaGroupedMatmulConfig:
+def xla_block(m: int, g: int) -> XlaGroupedMatmulConfig:
     """Row tile ≈ rows per group (capped at 128, measured best on CPU): the
     last tile of a group is padding, so small groups want small tiles."""
     rows_per_group = max(1, m // max(g, 1))
@@ -136,14 +146,68 @@ def _xla_block(m: int, g: int) -> XlaGroupedMatmulConfig:
 
 
 def gmm_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
+    """The XLA row tile of a `ragged_dot` call (`xla_block`)."""
     m, _, _, g, _ = gmm_dims(call)
-    return _xla_block(m, g)
+    return xla_block(m, g)
 
 
 def tgmm_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
+    """The XLA row tile of a `ragged_dot_tgmm` call (`xla_block`)."""
     m, _, _, g = tgmm_dims(call)
-    return _xla_block(m, g)
+    return xla_block(m, g)
 
 
 def xla_space(call: Call) -> list[XlaGroupedMatmulConfig]:
+    """Row tiles 32 … 256 of the XLA loop."""
     return [XlaGroupedMatmulConfig(block_m=b) for b in (32, 64, 128, 256)]
+
+
+# -- quantized ragged_dot ----------------------------------------------------------------
+def quantized_dims(call: Call) -> tuple[int, int, int, int]:
+    """``(M, K, N, G_local)`` of a quantized `ragged_dot` call."""
+    g, k, n = call.rhs_shape
+    return call.lhs.shape[0], k, n, g
+
+
+def quantized_k_block(call: Call) -> int | None:
+    """The K block of the quantized weights' scales, or None when per channel (one scale row)."""
+    return None if call.rhs_scales.shape[1] == 1 else call.rhs_block_shape[1]
+
+
+def effective_block_k(config: GroupedMatmulConfig, k_block: int | None) -> int:
+    """``block_k`` capped at the scales' K block, so a step reads one scale row."""
+    return config.block_k if k_block is None else min(config.block_k, k_block)
+
+
+def quantized_heuristic(call: Call) -> GroupedMatmulConfig:
+    """The quantized `ragged_dot` Triton tiles (``block_k`` is capped at the scales' K block at launch)."""
+    m, k, n, g = quantized_dims(call)
+    rows_per_group = max(1, m // max(g, 1))
+    bm = cap_block(16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64, m)
+    bn = cap_block(128, n)
+    bk = cap_block(64, k)
+    return GroupedMatmulConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=4 if bm * bn < 64 * 128 else 8,
+                               num_stages=3)
+
+
+def quantized_space(call: Call) -> list[GroupedMatmulConfig]:
+    """A modest space: the effective block_k is capped at the K block, so
+    configs that collapse to the same kernel are dropped."""
+    m, k, n, _ = quantized_dims(call)
+    kb = quantized_k_block(call)
+    out, seen = [], set()
+    for c in product_space(GroupedMatmulConfig, block_m=(16, 64), block_n=(64, 128), block_k=(32, 64),
+                           num_warps=(4,), num_stages=(3,)):
+        if c.block_m > cap_block(64, m) or c.block_n > cap_block(128, n) or c.block_k > cap_block(64, k):
+            continue
+        key = (c.block_m, c.block_n, effective_block_k(c, kb))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out or [quantized_heuristic(call)]
+
+
+def quantized_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
+    """The XLA row tile of a quantized `ragged_dot` call (`xla_block`)."""
+    m, _, _, g = quantized_dims(call)
+    return xla_block(m, g)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core import Call, Example, Implementation, Op, checks, register
+from ...core import Call, Implementation, Op, checks, register
 from .activations import activation_fn, check_activation
 from .api import ragged_dot
 from .checks import check_precision
 from .dispatch import capacity, permute, unpermute
+from .examples import mlp_benchmarks, mlp_examples
 from .routing import check_route, compute_route
 
 _HI = jax.lax.Precision.HIGHEST
@@ -56,6 +57,7 @@ def check_moe_mlp(x, router_logits, w_gate_up, w_down, *, top_k, scoring="softma
 
 
 def route_call_of(call: Call) -> Call:
+    """The `moe_route` call (logits, bias and routing options) inside a `moe_mlp` call."""
     names = ("top_k", "scoring", "num_groups", "top_k_groups", "normalize_weights", "routed_scaling")
     return Call({"logits": call.router_logits, "bias": call.bias}, {n: call.options[n] for n in names})
 
@@ -105,33 +107,6 @@ def _runner(name: str):
     return run
 
 
-def _examples(dtype):
-    keys = jax.random.split(jax.random.PRNGKey(31), 4)
-    t, d, f, e = 24, 16, 32, 4
-    from ...testing import random_array
-    x = random_array(keys[0], (t, d), dtype)
-    logits = random_array(keys[1], (t, e), jnp.float32)
-    w_gate_up = random_array(keys[2], (e, d, 2, f), dtype, scale=0.3)
-    w_down = random_array(keys[3], (e, f, d), dtype, scale=0.3)
-    return [
-        Example("T=24 D=16 F=32 E=4 top-2", (x, logits, w_gate_up, w_down), {"top_k": 2}),
-        Example("T=24 E=4 top-2 capacity 0.75", (x, logits, w_gate_up, w_down),
-                {"top_k": 2, "capacity_factor": 0.75}),
-    ]
-
-
-def _benchmarks(platform):
-    from ...testing import random_array
-    if platform.backend == "cpu":
-        t, d, f, e, k, dtype = 2048, 256, 512, 16, 2, jnp.float32
-    else:
-        t, d, f, e, k, dtype = 8192, 7168, 2048, 64, 8, jnp.bfloat16
-    keys = jax.random.split(jax.random.PRNGKey(41), 4)
-    args = (random_array(keys[0], (t, d), dtype), random_array(keys[1], (t, e), jnp.float32),
-            random_array(keys[2], (e, d, 2, f), dtype, scale=0.05), random_array(keys[3], (e, f, d), dtype, scale=0.05))
-    return [Example(f"T={t} D={d} F={f} E={e} top-{k}", args, {"top_k": k})]
-
-
 def _flops(call: Call) -> float:
     tokens, d = call.x.shape
     f = call.w_gate_up.shape[-1]
@@ -142,7 +117,7 @@ moe_mlp_op = register(Op(
     "moe_mlp", family="moe", check=check_moe_mlp, reference=moe_mlp_reference,
     implementations=[Implementation("triton", _runner("triton"), backend="triton"),
                      Implementation("xla", _runner("xla"))],
-    flops=_flops, examples=_examples, benchmarks=_benchmarks,
+    flops=_flops, examples=mlp_examples, benchmarks=mlp_benchmarks,
     differentiable=("x", "router_logits", "w_gate_up", "w_down"),
 ))
 

@@ -34,6 +34,8 @@ def _row_masks(call: Call, m: int, num_local: int):
 
 
 def ragged_dot_reference(call: Call):
+    """Golden `ragged_dot`: per local group ``act(lhs @ rhs[g])`` (gated: ``act(lhs @ gate) · (lhs @ up)``)
+    in float32 HIGHEST precision on that group's rows, zeros elsewhere; ``[M, N]`` in ``out_dtype``."""
     lhs = call.lhs.astype(jnp.float32)
     rhs = call.rhs.astype(jnp.float32)
     if call.transpose_rhs:
@@ -55,6 +57,8 @@ def ragged_dot_reference(call: Call):
 
 
 def ragged_dot_tgmm_reference(call: Call):
+    """Golden `ragged_dot_tgmm`: ``out[g] = lhs[rows of g]ᵀ @ rhs[rows of g]`` (``lhs`` as ``[M, K]``)
+    in float32 HIGHEST precision; ``[G_local, K, N]`` in ``out_dtype``."""
     lhs = call.lhs.astype(jnp.float32)
     if not call.transpose_lhs:
         lhs = lhs.T  # [M, K]

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Example, Implementation, Op, checks, register
+from ...core import Call, Implementation, Op, checks, register
+from .examples import route_examples
 
 _SCORINGS = ("softmax", "sigmoid")
 
@@ -33,6 +34,8 @@ def _scores(logits, scoring: str):
 
 def check_route(logits, top_k, *, scoring="softmax", bias=None, num_groups=None, top_k_groups=None,
                  normalize_weights=True, routed_scaling=1.0) -> Call:
+    """`moe_route`: ``logits [T, E]`` float, ``1 ≤ top_k ≤ E``, the scoring, an optional selection ``bias [E]``
+    and group-limited routing (``num_groups`` dividing E, ``top_k_groups``) options."""
     logits = checks.require_float("logits", logits)
     checks.require_ndim("logits", logits, 2)
     experts = logits.shape[1]
@@ -69,6 +72,7 @@ def check_route(logits, top_k, *, scoring="softmax", bias=None, num_groups=None,
 
 
 def compute_route(call: Call):
+    """Golden and XLA `moe_route` (see the module doc): ``(weights [T, k] float32, expert_ids [T, k] int32)``."""
     scores = _scores(call.logits, call.scoring)
     choice = scores if call.bias is None else scores + call.bias.astype(jnp.float32)[None, :]
     choice = jax.lax.stop_gradient(choice)
@@ -92,23 +96,11 @@ def _run(call: Call, config):
     return compute_route(call)
 
 
-def _examples(dtype):
-    keys = jax.random.split(jax.random.PRNGKey(11), 3)
-    logits = jax.random.normal(keys[0], (37, 16), jnp.float32).astype(dtype)
-    bias = (0.1 * jax.random.normal(keys[1], (16,))).astype(jnp.float32)
-    return [
-        Example("T=37 E=16 top-2 softmax", (logits,), {"top_k": 2}),
-        Example("T=37 E=16 top-4 sigmoid bias, 4 groups keep 2", (logits,),
-                {"top_k": 4, "scoring": "sigmoid", "bias": bias, "num_groups": 4, "top_k_groups": 2,
-                 "routed_scaling": 2.5}),
-    ]
-
-
 route_op = register(Op(
     "moe_route", family="moe", check=check_route, reference=compute_route,
     implementations=[Implementation("xla", _run)],
     flops=lambda call: 8.0 * float(np.prod(call.logits.shape)),
-    examples=_examples, differentiable=("logits",),
+    examples=route_examples, differentiable=("logits",),
 ))
 
 

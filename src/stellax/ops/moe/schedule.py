@@ -66,10 +66,12 @@ class TileSchedule:
 
     @property
     def max_tiles(self) -> int:
+        """The tile bound ``⌈m / block_m⌉ + num_groups - 1`` (each group adds at most one partial tile)."""
         return int(self.group.shape[0])
 
 
 def max_tiles(m: int, num_groups: int, block_m: int) -> int:
+    """The tile bound ``⌈m / block_m⌉ + num_groups - 1`` (each group adds at most one partial tile)."""
     return max(1, -(-m // block_m) + num_groups - 1)
 
 

@@ -39,15 +39,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ...core.pallas import triton_call
+from ...core.pallas import dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call
 from .activations import activation_fn, fusable_in_kernel, kernel_activation_fn
 from .checks import kernel_precision
 from .configs import GroupedMatmulConfig
 from .schedule import group_bounds, tile_schedule
 
-
-def _iota(n: int):
-    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+#: Operands the kernels index themselves (masked loads at schedule offsets).
+_FULL = pl.BlockSpec()
 
 
 class OutputTile(NamedTuple):
@@ -66,19 +65,21 @@ class OutputTile(NamedTuple):
     col_block: pl.Slice
 
     @classmethod
-    def of(cls, group_ref, start_ref, rows_ref, *, bm: int, width: int, n_cols: int) -> "OutputTile":
+    def of(cls, tile_group, tile_start, tile_rows, *, bm: int, width: int, n_cols: int) -> "OutputTile":
+        """The tile of program ``(t, j)`` from the schedule refs ``tile_group/start/rows [T_max]``."""
         t, j = pl.program_id(0), pl.program_id(1)
-        group, start, rows = group_ref[t], start_ref[t], rows_ref[t]
-        row_ok = _iota(bm) < rows
+        group, start, rows = tile_group[t], tile_start[t], tile_rows[t]
+        row_ok = iota(bm) < rows
         col0 = j * width
-        col_ok = col0 + _iota(width) < n_cols
+        col_ok = col0 + iota(width) < n_cols
         return cls(group, rows, row_ok, col0, col_ok, row_ok[:, None] & col_ok[None, :], pl.ds(start, bm),
                    pl.ds(col0, width))
 
 
-def _dot(a, b, contracting, precision):
-    return jax.lax.dot_general(a, b, (contracting, ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+def schedule_operands(sched) -> dict:
+    """The tile schedule as named kernel operands ``tile_group/tile_start/tile_rows [T_max]``."""
+    return dict(tile_group=operand(sched.group, _FULL), tile_start=operand(sched.start, _FULL),
+                tile_rows=operand(sched.rows, _FULL))
 
 
 def _epilogue(accs, *, activation, gated: bool):
@@ -92,59 +93,67 @@ def _epilogue(accs, *, activation, gated: bool):
     return act(accs[0])
 
 
-def _gmm_kernel(group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, *out_refs, bm, bn, bk, k_dim, n_dim,
-                transpose_rhs, gated, activation, write_out, write_pre, precision):
-    out_ref = out_refs[0] if write_out else None
-    pre_ref = out_refs[-1] if write_pre else None
-    group, rows, row_ok, col0, col_ok, out_mask, row_block, col_block = OutputTile.of(
-        group_ref, start_ref, rows_ref, bm=bm, width=bn, n_cols=n_dim)
-    k_steps = pl.cdiv(k_dim, bk)
+def _gmm_products(lhs, rhs, tile: OutputTile, *, bm, bn, bk, k_dim, n_dim, transpose_rhs, gated, precision):
+    """``Σ_k lhs[rows, k-block] @ rhs[g][k-block, cols]`` float32 (two for a gated rhs)."""
     mask_k = k_dim % bk != 0
 
-    @pl.when((rows > 0) & (group >= 0))
+    def step(kb, accs):
+        k0 = kb * bk
+        k_ok = (k0 + iota(bk) < k_dim) if mask_k else jnp.ones((bk,), jnp.bool_)
+        a = pltriton.load(lhs.at[tile.row_block, pl.ds(k0, bk)], mask=tile.row_ok[:, None] & k_ok[None, :],
+                          other=0.0)
+        if transpose_rhs:
+            b = pltriton.load(rhs.at[tile.group, tile.col_block, pl.ds(k0, bk)],
+                              mask=tile.col_ok[:, None] & k_ok[None, :], other=0.0)
+            return (accs[0] + dot_nt(a, b, precision=precision),)
+        b_mask = k_ok[:, None] & tile.col_ok[None, :]
+        if gated:  # rhs viewed as [G, K, 2N]: gate columns, then up columns
+            gate = pltriton.load(rhs.at[tile.group, pl.ds(k0, bk), tile.col_block], mask=b_mask, other=0.0)
+            up = pltriton.load(rhs.at[tile.group, pl.ds(k0, bk), pl.ds(n_dim + tile.col0, bn)], mask=b_mask,
+                               other=0.0)
+            return (accs[0] + dot(a, gate, precision=precision), accs[1] + dot(a, up, precision=precision))
+        b = pltriton.load(rhs.at[tile.group, pl.ds(k0, bk), tile.col_block], mask=b_mask, other=0.0)
+        return (accs[0] + dot(a, b, precision=precision),)
+
+    init = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(2 if gated else 1))
+    return jax.lax.fori_loop(0, pl.cdiv(k_dim, bk), step, init)
+
+
+def _gmm_kernel(*, tile_group, tile_start, tile_rows, lhs, rhs, out, pre, bm, bn, bk, k_dim, n_dim, transpose_rhs,
+                gated, activation, precision):
+    """Program ``(t, j)``: ``out = epilogue(acc)`` and/or the pre-activation ``pre``
+    (``None`` when not written) of one schedule tile; zero-fill tiles write zeros."""
+    tile = OutputTile.of(tile_group, tile_start, tile_rows, bm=bm, width=bn, n_cols=n_dim)
+    halves = 2 if gated else 1
+
+    def store_pre(values):  # pre-activation [M, N] or [M, 2N]
+        for half, value in enumerate(values):
+            pltriton.store(pre.at[tile.row_block, pl.ds(half * n_dim + tile.col0, bn)], value.astype(pre.dtype),
+                           mask=tile.out_mask)
+
+    @pl.when((tile.rows > 0) & (tile.group >= 0))
     def _compute():
-        def step(kb, accs):
-            k0 = kb * bk
-            k_ok = (k0 + _iota(bk) < k_dim) if mask_k else jnp.ones((bk,), jnp.bool_)
-            a = pltriton.load(lhs_ref.at[row_block, pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :],
-                              other=0.0)
-            if transpose_rhs:
-                b = pltriton.load(rhs_ref.at[group, col_block, pl.ds(k0, bk)],
-                                  mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                return (accs[0] + _dot(a, b, ((1,), (1,)), precision),)
-            b_mask = k_ok[:, None] & col_ok[None, :]
-            if gated:  # rhs viewed as [G, K, 2N]: gate columns, then up columns
-                gate = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), col_block], mask=b_mask, other=0.0)
-                up = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(n_dim + col0, bn)], mask=b_mask,
-                                   other=0.0)
-                return (accs[0] + _dot(a, gate, ((1,), (0,)), precision),
-                        accs[1] + _dot(a, up, ((1,), (0,)), precision))
-            b = pltriton.load(rhs_ref.at[group, pl.ds(k0, bk), col_block], mask=b_mask, other=0.0)
-            return (accs[0] + _dot(a, b, ((1,), (0,)), precision),)
-
-        init = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(2 if gated else 1))
-        accs = jax.lax.fori_loop(0, k_steps, step, init)
-        if write_out:
+        accs = _gmm_products(lhs, rhs, tile, bm=bm, bn=bn, bk=bk, k_dim=k_dim, n_dim=n_dim,
+                             transpose_rhs=transpose_rhs, gated=gated, precision=precision)
+        if out is not None:
             y = _epilogue(accs, activation=activation, gated=gated)
-            pltriton.store(out_ref.at[row_block, col_block], y.astype(out_ref.dtype), mask=out_mask)
-        if write_pre:
-            for half, acc in enumerate(accs):  # pre-activation [M, N] or [M, 2N]
-                pltriton.store(pre_ref.at[row_block, pl.ds(half * n_dim + col0, bn)], acc.astype(pre_ref.dtype),
-                               mask=out_mask)
+            pltriton.store(out.at[tile.row_block, tile.col_block], y.astype(out.dtype), mask=tile.out_mask)
+        if pre is not None:
+            store_pre(accs)
 
-    @pl.when((rows > 0) & (group < 0))
+    @pl.when((tile.rows > 0) & (tile.group < 0))
     def _zero_fill():
-        if write_out:
-            pltriton.store(out_ref.at[row_block, col_block], jnp.zeros((bm, bn), out_ref.dtype), mask=out_mask)
-        if write_pre:
-            for half in range(2 if gated else 1):
-                pltriton.store(pre_ref.at[row_block, pl.ds(half * n_dim + col0, bn)],
-                               jnp.zeros((bm, bn), pre_ref.dtype), mask=out_mask)
+        if out is not None:
+            pltriton.store(out.at[tile.row_block, tile.col_block], jnp.zeros((bm, bn), out.dtype),
+                           mask=tile.out_mask)
+        if pre is not None:
+            store_pre([jnp.zeros((bm, bn), pre.dtype)] * halves)
 
 
 def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation, precision, out_dtype,
         save_preactivation: bool, config: GroupedMatmulConfig):
-    """Same contract as `xla.gmm`: ``(out [M, N], preactivation or None)``.
+    """Same contract as `xla.gmm`: ``lhs [M, K]``, ``rhs [G, K, N]`` (``[G, N, K]``
+    transposed, ``[G, K, 2, N]`` gated) → ``(out [M, N], preactivation or None)``.
 
     A callable activation is not traced into the kernel: the kernel writes the
     pre-activation and XLA applies the activation (rows outside the local
@@ -163,24 +172,19 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     pre_shape = (m, 2 * n_dim) if gated else (m, n_dim)
     if gated:
         rhs = rhs.reshape(num_local, k, 2 * n_dim)
-    out_shape = []
-    if fused:
-        out_shape.append(jax.ShapeDtypeStruct((m, n_dim), out_dtype))
-    if write_pre:
-        out_shape.append(jax.ShapeDtypeStruct(pre_shape, out_dtype))
     kernel = functools.partial(
         _gmm_kernel, bm=bm, bn=bn, bk=bk, k_dim=k, n_dim=n_dim, transpose_rhs=transpose_rhs, gated=gated,
-        activation=activation if fused else None, write_out=fused, write_pre=write_pre, precision=precision)
-    full = pl.BlockSpec()
-    outs = triton_call(
-        kernel, out_shape=out_shape, grid=(sched.max_tiles, pl.cdiv(n_dim, bn)), in_specs=[full] * 5,
-        out_specs=[full] * len(out_shape), num_warps=config.num_warps, num_stages=config.num_stages,
-        name="stellax_ragged_dot",
-    )(sched.group, sched.start, sched.rows, lhs, rhs)
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    pre = outs[-1].reshape((m, 2, n_dim) if gated else (m, n_dim)) if write_pre else None
+        activation=activation if fused else None, precision=precision)
+    outs = triton_kernel_call(
+        kernel, grid=(sched.max_tiles, pl.cdiv(n_dim, bn)),
+        inputs=dict(**schedule_operands(sched), lhs=operand(lhs, _FULL), rhs=operand(rhs, _FULL)),
+        outputs=dict(out=output((m, n_dim), out_dtype, _FULL) if fused else None,
+                     pre=output(pre_shape, out_dtype, _FULL) if write_pre else None),
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_ragged_dot",
+    )
+    pre = outs.pre.reshape((m, 2, n_dim) if gated else (m, n_dim)) if write_pre else None
     if fused:
-        out = outs[0]
+        out = outs.out
     else:
         z = pre.astype(jnp.float32)
         act = activation_fn(activation)
@@ -190,37 +194,35 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     return out, (pre if save_preactivation else None)
 
 
-def _tgmm_kernel(start_ref, size_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, k_dim, n_dim, transpose_lhs,
-                 precision):
+def _tgmm_kernel(*, group_start, group_size, lhs, rhs, out, bm, bk, bn, k_dim, n_dim, transpose_lhs, precision):
+    """Program ``(g, i, j)``: ``out[g][k-block, n-block] = Σ_rows lhs[rows, k-block]ᵀ @ rhs[rows, n-block]``
+    over the ``group_size[g]`` rows from ``group_start[g]`` (zeros for an empty group)."""
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start, size = start_ref[g], size_ref[g]
+    start, size = group_start[g], group_size[g]
     k0, n0 = i * bk, j * bn
-    k_ok = k0 + _iota(bk) < k_dim
-    n_ok = n0 + _iota(bn) < n_dim
+    k_ok = k0 + iota(bk) < k_dim
+    n_ok = n0 + iota(bn) < n_dim
 
     def step(s, acc):
         r0 = start + s * bm
-        r_ok = s * bm + _iota(bm) < size
-        if transpose_lhs:  # lhs [M, K]
-            a = pltriton.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=r_ok[:, None] & k_ok[None, :],
+        r_ok = s * bm + iota(bm) < size
+        if transpose_lhs:  # lhs [M, K]: contract its rows
+            a = pltriton.load(lhs.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=r_ok[:, None] & k_ok[None, :],
                               other=0.0)
-            contract_a = 0
         else:  # lhs [K, M]
-            a = pltriton.load(lhs_ref.at[pl.ds(k0, bk), pl.ds(r0, bm)], mask=k_ok[:, None] & r_ok[None, :],
+            a = pltriton.load(lhs.at[pl.ds(k0, bk), pl.ds(r0, bm)], mask=k_ok[:, None] & r_ok[None, :],
                               other=0.0)
-            contract_a = 1
-        b = pltriton.load(rhs_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], mask=r_ok[:, None] & n_ok[None, :],
-                          other=0.0)
-        return acc + _dot(a, b, ((contract_a,), (0,)), precision)
+        b = pltriton.load(rhs.at[pl.ds(r0, bm), pl.ds(n0, bn)], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        return acc + (dot_tn(a, b, precision=precision) if transpose_lhs else dot(a, b, precision=precision))
 
     acc = jax.lax.fori_loop(0, (size + bm - 1) // bm, step, jnp.zeros((bk, bn), jnp.float32))
-    pltriton.store(out_ref.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out_ref.dtype),
+    pltriton.store(out.at[g, pl.ds(k0, bk), pl.ds(n0, bn)], acc.astype(out.dtype),
                    mask=k_ok[:, None] & n_ok[None, :])
 
 
 def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: bool, precision, out_dtype,
          config: GroupedMatmulConfig):
-    """Same contract as `xla.tgmm`: ``[L, K, N]``."""
+    """Same contract as `xla.tgmm`: ``lhs [K, M]`` (``[M, K]`` transposed), ``rhs [M, N]`` → ``[L, K, N]``."""
     if transpose_lhs:
         m, k = lhs.shape
     else:
@@ -231,9 +233,10 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     bounds = group_bounds(group_sizes, group_offset, num_local, m)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, k_dim=k, n_dim=n, transpose_lhs=transpose_lhs,
                                precision=precision)
-    full = pl.BlockSpec()
-    return triton_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((num_local, k, n), out_dtype),
-        grid=(num_local, pl.cdiv(k, bk), pl.cdiv(n, bn)), in_specs=[full] * 4, out_specs=full,
+    return triton_kernel_call(
+        kernel, grid=(num_local, pl.cdiv(k, bk), pl.cdiv(n, bn)),
+        inputs=dict(group_start=operand(bounds.starts, _FULL), group_size=operand(bounds.sizes, _FULL),
+                    lhs=operand(lhs, _FULL), rhs=operand(rhs, _FULL)),
+        outputs=dict(out=output((num_local, k, n), out_dtype, _FULL)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_ragged_dot_tgmm",
-    )(bounds.starts, bounds.sizes, lhs, rhs)
+    ).out

@@ -15,6 +15,11 @@ Tiles run in row order, so the rows a partial tile writes past its group are
 rewritten by the next tile; rows outside the local groups are zeroed at the
 end. ``tgmm`` accumulates ``lhs_tile^T @ rhs_tile`` (rows outside the group
 masked) into ``out[g]`` in float32.
+
+``gmm_quantized`` (a `QArray` rhs) dequantizes only the tile's own expert
+``rhs[g]`` (``[K, N]`` in the activation dtype) per tile — never all experts
+at once. (The work is repeated per tile of a group: the XLA path is the
+portable fallback, not the fast one.)
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..quant.qarray import QArray
+from ..quant.reference import dequantize_reference
 from .activations import activation_fn
 from .checks import kernel_precision
 from .schedule import group_bounds, tile_schedule
@@ -108,3 +115,36 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
 
     out = jax.lax.fori_loop(0, sched.count, body, jnp.zeros((num_local, k, n), jnp.float32))
     return out.astype(out_dtype)
+
+
+def _expert(rhs: QArray, g, dtype):
+    """``dequantize(rhs[g])`` ``[K, N]`` in ``dtype`` (``g`` traced)."""
+    pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, g, 0, keepdims=False)  # noqa: E731
+    one = QArray(pick(rhs.values), pick(rhs.scales), pick(rhs.zero_points), rhs.tensor_scale, format=rhs.format,
+                 shape=rhs.shape[1:], block_shape=rhs.block_shape[1:], axis=0, _validate=False)
+    return dequantize_reference(one, dtype)
+
+
+def gmm_quantized(lhs, rhs: QArray, group_sizes, group_offset, *, transpose: bool, precision, out_dtype,
+                  block_m: int):
+    """Pre-activation ``z = lhs [M, K] @ dequantize(rhs[g]) [K, N]`` per group (``transpose``:
+    ``lhs [M, N] @ dequantize(rhs[g])ᵀ → [M, K]``), zeros outside the local groups."""
+    m = lhs.shape[0]
+    num_local, k, n = rhs.shape
+    precision = kernel_precision(precision, lhs.dtype)
+    width = k if transpose else n
+    contracting = ((1,), (1,)) if transpose else ((1,), (0,))
+    bounds = group_bounds(group_sizes, group_offset, num_local, m)
+    sched = tile_schedule(bounds, m, block_m, fill=False)
+    padded = jnp.pad(lhs, ((0, block_m), (0, 0)))
+
+    def body(t, out):
+        start = sched.start[t]
+        tile = jax.lax.dynamic_slice_in_dim(padded, start, block_m, 0)
+        weight = _expert(rhs, sched.group[t], lhs.dtype)
+        z = _accumulator_dot(tile, weight, contracting, precision)
+        return jax.lax.dynamic_update_slice_in_dim(out, z.astype(out.dtype), start, 0)
+
+    out = jax.lax.fori_loop(0, sched.count, body, jnp.zeros((m + block_m, width), out_dtype))
+    rows = jnp.arange(m)[:, None]
+    return jnp.where((rows >= bounds.begin) & (rows < bounds.end), out[:m], 0).astype(out_dtype)
