@@ -240,16 +240,20 @@ def command_runner(command: Sequence[str], *, timeout: float = 600.0) -> Callabl
 
 def stellax_runner(case: str, suites: Sequence[str] = (), *, rounds: int = 3, min_time: float | None = None,
                    timer: str = "auto", timeout: float = 1800.0) -> Callable[[Path, str], float]:
-    """Run ``stellax bench SUITES --case CASE`` of the checkout; its time is the sum of the medians
-    of the matching records. A checkout whose CLI has no ``--case`` runs the suites whole and the
+    """Run ``stellax bench SUITES --case CASE`` of the checkout (no time budget); its time is the sum
+    of the best times (``min_ms``) of the matching records. The first commit measured (GOOD) fixes
+    the set of cases: later commits are timed on those cases only, and one that lacks any of them
+    cannot be measured. A checkout whose CLI has no ``--case`` runs the suites whole and the
     records are filtered here."""
     pattern = re.compile(case)
+    reference: dict[str, list[str]] = {}
 
     def run(checkout: Path, commit: str) -> float:
         with tempfile.TemporaryDirectory(prefix="stellax-bisect-run-") as tmp:
             out = Path(tmp) / "result.json"
             base = [sys.executable, "-m", "stellax.cli", "bench", *suites, "--json", str(out), "--quiet",
-                    "--timer", timer] + (["--min-time", str(min_time)] if min_time is not None else [])
+                    "--budget", "1e9", "--timer", timer]
+            base += ["--min-time", str(min_time)] if min_time is not None else []
             proc = _run(base + ["--case", case, "--rounds", str(rounds)], checkout, commit, timeout)
             if proc.returncode == 2 and "unrecognized arguments" in proc.stderr:
                 proc = _run(base, checkout, commit, timeout)  # an older CLI: filter the records here
@@ -260,15 +264,20 @@ def stellax_runner(case: str, suites: Sequence[str] = (), *, rounds: int = 3, mi
         if ran and not commit.startswith(ran):
             raise MeasureError(f"{commit[:12]}: the benchmark ran the stellax of commit {ran}, not the checkout's "
                                f"(is another stellax importable ahead of PYTHONPATH?)")
-        records = data.get("records", [])
-        matched = [r for r in records if pattern.search(r.get("key") or "")]
-        timed = [r for r in matched if r.get("median_ms") and not r.get("error") and not r.get("skipped")]
+        records = [r for r in data.get("records", []) if pattern.search(r.get("key") or "")]
+        timed = {r["key"]: float(r.get("min_ms") or r["median_ms"]) for r in records
+                 if r.get("median_ms") and not r.get("error") and not r.get("skipped")}
         if not timed:
-            why = (f"no record matches --case {case!r}" if not matched else
-                   f"the {len(matched)} matching record(s) were not measured: "
-                   + "; ".join(str(r.get("error") or r.get("skipped"))[:80] for r in matched[:3]))
+            why = (f"no record matches --case {case!r}" if not records else
+                   f"the {len(records)} matching record(s) were not measured: "
+                   + "; ".join(str(r.get("error") or r.get("skipped"))[:80] for r in records[:3]))
             raise MeasureError(f"{commit[:12]}: {why}")
-        return float(sum(r["median_ms"] for r in timed))
+        keys = reference.setdefault("keys", sorted(timed))
+        missing = [k for k in keys if k not in timed]
+        if missing:
+            raise MeasureError(f"{commit[:12]}: {len(missing)} case(s) measured at the first commit were not "
+                               f"measured here, e.g. {missing[0]!r}")
+        return float(sum(timed[k] for k in keys))
 
     return run
 

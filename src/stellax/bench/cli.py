@@ -239,11 +239,11 @@ def bisect_parser() -> argparse.ArgumentParser:
     p.add_argument("bad", metavar="BAD", help="a later commit with it")
     p.add_argument("--case", metavar="PATTERN",
                    help="the cases to time: a regular expression on op|case|implementation|mode (required "
-                        "unless --command is given); their medians are summed")
+                        "unless --command is given); their best times are summed")
     p.add_argument("--repo", metavar="DIR", default=None, help="the git repository (default: the current one)")
     p.add_argument("--suites", default=None,
-                   help="comma list of suites to run (default: those with an op whose name matches --case, "
-                        "else all)")
+                   help="comma list of suites to run (default: those with an op whose name --case matches "
+                        "or contains, else all)")
     p.add_argument("--command", default=None,
                    help="instead of stellax bench: a command run in each checkout that prints a time in ms last")
     p.add_argument("--threshold", type=float, default=0.10,
@@ -257,9 +257,10 @@ def bisect_parser() -> argparse.ArgumentParser:
 
 
 def _bisect_suites(pattern: str) -> list[str]:
-    """The suites with an op whose name the pattern matches (none: every suite)."""
+    """The suites with an op whose name the pattern matches or names (none: every suite)."""
     regex = re.compile(pattern)
-    return [family for family, ops in families().items() if any(regex.search(op.name) for op in ops)]
+    return [family for family, ops in families().items()
+            if any(regex.search(op.name) or op.name in pattern for op in ops)]
 
 
 def bisect_cli(argv: list[str]) -> int:
