@@ -130,9 +130,10 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, measure: Measure, *, th
     good_id, bad_id = check_range(root, good, bad)
 
     def judge(commit: str) -> Verdict:
-        times = measure_rounds({"good": lambda: measure(good_id), "candidate": lambda: measure(commit)},
-                               rounds=rounds)
-        return compare_samples(times["good"], times["candidate"], threshold=threshold, noise_k=noise_k)
+        names = (f"GOOD {good_id[:9]}", commit[:9])
+        times = measure_rounds({names[0]: lambda: measure(good_id), names[1]: lambda: measure(commit)},
+                               rounds=rounds, progress=progress)
+        return compare_samples(times[names[0]], times[names[1]], threshold=threshold, noise_k=noise_k)
 
     say(f"measuring GOOD {subject(root, good_id)} against BAD {subject(root, bad_id)}")
     try:

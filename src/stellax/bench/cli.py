@@ -25,7 +25,7 @@ from . import roofline as roofline_lib
 from .calibrate import calibrate, describe
 from .measurement import MODES
 from .profiler import profile, trace_files
-from .suites import SuiteOptions, families, run_suites
+from .suites import NoMatchingCase, SuiteOptions, families, run_suites
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +137,7 @@ def _run(args, platform, console, err):
     try:
         with profile(args.profile) as trace_dir:
             records = run_suites(args.suites or None, options, progress=progress)
-    except ValueError as e:  # a --case pattern that matches nothing
+    except NoMatchingCase as e:
         err.print(escape(str(e)), highlight=False)
         return 2
     if not args.quiet:

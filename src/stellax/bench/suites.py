@@ -45,6 +45,10 @@ from . import timing as timing_lib
 PEER_PREFIX = "peer:"
 
 
+class NoMatchingCase(ValueError):
+    """A ``case`` pattern that matches no benchmark of the suites run."""
+
+
 def families(ops: dict[str, Op] | None = None) -> dict[str, list[Op]]:
     """Op families (suite names) → their registered ops that have benchmarks."""
     ops = registered_ops() if ops is None else ops
@@ -368,7 +372,7 @@ def run_suites(names: Sequence[str] | None = None, options: SuiteOptions | None 
     of every op of every suite is measured (even past the budget), then the
     rest in priority order, the remaining time shared evenly among the suites
     (each gets its part plus what earlier ones left). With ``options.case``,
-    a pattern that matches no case raises `ValueError`."""
+    a pattern that matches no case raises `NoMatchingCase` (a `ValueError`)."""
     options = options or SuiteOptions()
     known = families()
     names = list(names) if names else list(known)
@@ -380,12 +384,13 @@ def run_suites(names: Sequence[str] | None = None, options: SuiteOptions | None 
     else:
         records = _run_budgeted(names, known, options, progress)
     if options.case and not records:
-        raise ValueError(f"case pattern {options.case!r} matches no benchmark of suite(s) {names}; keys look like "
-                         f"'op|case|implementation|mode', e.g. {_example_keys(names, known, options)}")
+        raise NoMatchingCase(f"case pattern {options.case!r} matches no benchmark of suite(s) {names}; keys "
+                             f"look like 'op|case|implementation|mode', e.g. {_example_keys(names, known)}")
     return records
 
 
 def _run_budgeted(names, known, options: SuiteOptions, progress) -> list[bench_lib.BenchmarkRecord]:
+    """Every op's first turn in every suite, then the rest suite by suite within the shared budget."""
     start = time.monotonic()
     platform = current_platform()
     suites = [_SuiteRun(name, known[name], options, platform, progress) for name in names]
@@ -399,7 +404,7 @@ def _run_budgeted(names, known, options: SuiteOptions, progress) -> list[bench_l
     return [r for suite in suites for r in suite.records()]
 
 
-def _example_keys(names, known, options: SuiteOptions, limit: int = 3) -> list[str]:
+def _example_keys(names, known, limit: int = 3) -> list[str]:
     """A few record keys of the named suites (for an error message); examples are not built."""
     keys = []
     for name in names:
@@ -419,5 +424,5 @@ def speedups(records: Sequence[bench_lib.BenchmarkRecord], baseline_impl: str = 
     return out
 
 
-__all__ = ["PEER_PREFIX", "SuiteOptions", "families", "grad_spec", "item_key", "run_suite", "run_suites",
-           "speedups", "suite_names"]
+__all__ = ["NoMatchingCase", "PEER_PREFIX", "SuiteOptions", "families", "grad_spec", "item_key", "run_suite",
+           "run_suites", "speedups", "suite_names"]
