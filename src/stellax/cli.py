@@ -36,41 +36,33 @@ def _info(args) -> int:
 
 
 def _check(args) -> int:
-    import jax.numpy as jnp
     from rich.console import Console
-    from rich.table import Table
 
     import stellax
-    from stellax.testing import check_op
+    from stellax.testing import report as check_report
+    from stellax.testing.plan import plan_checks, select_ops
 
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 150), stderr=bool(args.json == "-"))
     ops = stellax.registered_ops()
-    selected = ops if not args.ops else {n: op for n, op in ops.items() if n in args.ops or op.family in args.ops}
+    selected = select_ops(ops, args.ops)
     if args.ops and not selected:
         console.print(f"[red]no registered op or family matches {args.ops}; known: {sorted(ops)}")
         return 2
-    dtypes = [getattr(jnp, d) for d in args.dtypes.split(",")]
-    table = Table(title=f"stellax check on {stellax.current_platform().describe()}")
-    for column in ("op", "impl", "dtype", "example", "result", "rel L2 (tol)", "max abs", "% within"):
-        table.add_column(column)
-    failures = 0
-    for name, op in sorted(selected.items()):
-        impls = None if not args.implementations else [
-            i for i in args.implementations.split(",") if i in op.implementations]
-        for r in check_op(op, implementations=impls, dtypes=dtypes, gradients=not args.no_gradients):
-            if r.skipped:
-                table.add_row(r.op, r.implementation, r.dtype, r.example, "[yellow]skip", r.skipped[:60], "", "")
-                continue
-            failures += not r.passed
-            w = r.worst
-            result = "[green]ok" if r.passed else f"[red]FAIL {r.detail}"
-            table.add_row(r.op, r.implementation, r.dtype, r.example, result,
-                          "" if w is None else f"{w.rel_l2:.1e} ({w.tolerance:.0e})",
-                          "" if w is None else f"{w.max_abs:.1e}",
-                          "" if w is None else f"{100 * w.fraction_within:.1f}")
-    console.print(table)
-    console.print(f"{'[red]' if failures else '[green]'}{failures} failure(s)")
-    return 1 if failures else 0
+    try:
+        jobs = plan_checks(selected, full=args.all, dtypes=args.dtypes.split(",") if args.dtypes else None,
+                           implementations=args.implementations.split(",") if args.implementations else None,
+                           gradients=not args.no_gradients)
+    except ValueError as e:
+        console.print(f"[red]{e}")
+        return 2
+    platform = stellax.current_platform().describe()
+    mode = "all" if args.all else "quick"
+    if args.json:
+        report = check_report.run_quietly(jobs, platform=platform, mode=mode)
+        check_report.write_json(report, args.json)
+    else:
+        report = check_report.run_watched(jobs, console, platform=platform, mode=mode)
+    return 1 if report.failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,11 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stellax", description="stellax kernels: info, check, bench, autotune")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices, which implementations run here and why not")
-    check = sub.add_parser("check", help="validate every op and implementation against the golden")
+    check = sub.add_parser(
+        "check", help="validate every op against its golden (quick by default; --all for the full sweep)",
+        description="Check ops against their golden references. By default every op runs its first example "
+                    "in float32 (gradients too for differentiable ops) through its XLA implementations and the "
+                    "kernels that interpret quickly on a CPU; --all runs every example, implementation and "
+                    "dtype (float32, bfloat16). Exit code 1 on any failure.")
     check.add_argument("ops", nargs="*", help="op names or families (default: all)")
-    check.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
+    check.add_argument("--all", action="store_true",
+                       help="the full sweep: every example, every implementation, float32 and bfloat16")
+    check.add_argument("--dtypes", default="", help="comma-separated dtypes (default: float32; with --all "
+                                                     "float32,bfloat16)")
     check.add_argument("--implementations", default="", help="comma-separated implementation names")
     check.add_argument("--no-gradients", action="store_true", help="forward only")
+    check.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                       help="write one JSON document (rows and summary) to PATH or stdout, no progress bar")
     sub.add_parser("bench", help="benchmark ops (see `stellax bench --help`)")
     sub.add_parser("autotune", help="tune kernel configs (see `stellax autotune --help`)")
     args = parser.parse_args(argv)

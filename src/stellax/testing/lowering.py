@@ -1,11 +1,16 @@
 """Lowering checks: does a kernel get through the real compiler front end?
 
-* `lower_for_gpu` lowers a function for ``cuda`` on any machine (CPU
+* `lower_for` lowers a function for ``cuda`` or ``tpu`` on any machine (CPU
   included) inside `stellax.lowering_target`, so dispatch picks the kernel
-  implementations with interpret mode off; it fails on what Pallas/Triton
-  lowering rejects (non-power-of-two blocks, unsupported primitives, ...).
+  implementations with interpret mode off; it fails on what Pallas lowering
+  rejects (non-power-of-two Triton blocks, unsupported primitives, TPU
+  tiling, ...). `lower_for_gpu` is the ``cuda`` case.
 * `assert_custom_call` checks the expected kernel launch is in the module
-  (``__gpu$xla.gpu.triton`` for Triton, ``mosaic_gpu`` for Mosaic GPU).
+  (``__gpu$xla.gpu.triton`` for Triton, ``mosaic_gpu`` for Mosaic GPU,
+  ``tpu_custom_call`` for Mosaic TPU).
+* `lower_config` lowers one op with one implementation and one config for one
+  platform (and its gradient) and asserts the backend's custom call;
+  `check_op_lowering` runs it over a whole autotuning space.
 * `compile_triton_to_ptx` (the slower tier) compiles each Triton kernel of a
   lowered module to PTX with the jax CUDA plugin's Triton compiler and reports
   shared memory, which `assert_fits_smem` checks against the SM's limit.
@@ -18,13 +23,26 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from ..core import Op, lowering_target, use_configs
+from ..core import Op, Platform, lowering_target, use_configs
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_GPU_CUSTOM_CALL = "mosaic_gpu"
 TPU_CUSTOM_CALL = "tpu_custom_call"
 CUSTOM_CALL_OF_BACKEND = {"triton": TRITON_CUSTOM_CALL, "mosaic_gpu": MOSAIC_GPU_CUSTOM_CALL,
                           "mosaic_tpu": TPU_CUSTOM_CALL}
+
+#: The platforms ``jax.jit(...).lower(lowering_platforms=...)`` targets for each kernel backend.
+PLATFORMS_OF_BACKEND = {"triton": ("cuda",), "mosaic_gpu": ("cuda",), "mosaic_tpu": ("tpu",)}
+
+#: The device dispatch pretends to run on while lowering for a platform
+#: (`stellax.core.LOWERING_TARGETS` names the GPUs; TPUs are described here).
+TPU_TARGETS = {
+    "v5e": Platform("tpu", "TPU v5 lite"),
+    "v5p": Platform("tpu", "TPU v5"),
+    "v6e": Platform("tpu", "TPU v6 lite"),
+    "tpu7x": Platform("tpu", "TPU7x"),
+}
+DEFAULT_TARGET = {"cuda": "h100", "tpu": TPU_TARGETS["v6e"]}
 
 #: Shared memory per block an SM can give (bytes).
 SMEM_LIMIT = {"8.0": 163 * 1024, "9.0": 227 * 1024}
@@ -39,11 +57,20 @@ def abstract(tree):
     return jax.tree_util.tree_map(to_struct, tree)
 
 
+def lower_for(fn: Callable[..., Any], *args, platform: str = "cuda", target: str | Platform | None = None):
+    """Lower ``fn(*args)`` for ``platform`` (``"cuda"`` or ``"tpu"``; args may be
+    arrays or shape structs), dispatching as if on ``target`` (default: an H100
+    for cuda, a TPU v6e for tpu)."""
+    if platform not in DEFAULT_TARGET:
+        raise ValueError(f"platform: expected one of {sorted(DEFAULT_TARGET)}, got {platform!r}")
+    with lowering_target(target if target is not None else DEFAULT_TARGET[platform]):
+        traced = jax.jit(fn).trace(*abstract(args))
+        return traced.lower(lowering_platforms=(platform,))
+
+
 def lower_for_gpu(fn: Callable[..., Any], *args, target: str = "h100"):
     """Lower ``fn(*args)`` for ``cuda`` (args may be arrays or shape structs)."""
-    with lowering_target(target):
-        traced = jax.jit(fn).trace(*abstract(args))
-        return traced.lower(lowering_platforms=("cuda",))
+    return lower_for(fn, *args, platform="cuda", target=target)
 
 
 def assert_custom_call(lowered, name: str = TRITON_CUSTOM_CALL, *, count: int | None = None) -> int:
@@ -57,44 +84,67 @@ def assert_custom_call(lowered, name: str = TRITON_CUSTOM_CALL, *, count: int | 
     return found
 
 
+def platforms_of(backend: str) -> tuple[str, ...]:
+    """The lowering platforms of a kernel backend (``()`` for ``"xla"``)."""
+    return PLATFORMS_OF_BACKEND.get(backend, ())
+
+
+def lower_config(op: Op, implementation: str, args: tuple, kwargs: dict | None = None, *, config: Any = None,
+                 platform: str | None = None, grad: bool = False, target: str | Platform | None = None) -> list:
+    """Lower ``op(*args, **kwargs)`` with ``implementation`` and ``config``
+    (``None``: the one dispatch resolves) for ``platform`` (default: the first
+    platform the implementation's backend targets) and assert the backend's
+    custom call. With ``grad`` the VJP of the float arguments is lowered too.
+    Returns the lowered modules (forward, then gradient)."""
+    kwargs = dict(kwargs or {})
+    impl = op.implementations[implementation]
+    if platform is None:
+        platforms = platforms_of(impl.backend)
+        if not platforms:
+            raise ValueError(f"implementation: {op.name}/{implementation} has backend {impl.backend!r}, "
+                             f"expected a kernel backend in {sorted(PLATFORMS_OF_BACKEND)}")
+        platform = platforms[0]
+    backend_call = CUSTOM_CALL_OF_BACKEND.get(impl.backend)
+    array_kwargs = {k: v for k, v in kwargs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
+    static_kwargs = {k: v for k, v in kwargs.items() if k not in array_kwargs}
+    table = {} if config is None else {(op.name, implementation): config}
+
+    def forward(*a, **kw):
+        with use_configs(table):
+            return op(*a, implementation=implementation, **kw, **static_kwargs)
+
+    def loss(diff):
+        out = forward(*diff[0], **diff[1])
+        return sum(jax.numpy.sum(l.astype(jax.numpy.float32))
+                   for l in jax.tree_util.tree_leaves(out)
+                   if jax.numpy.issubdtype(l.dtype, jax.numpy.inexact))
+
+    def grad_fn(a, kw):
+        # Differentiate float leaves only; integer operands stay closed over.
+        return jax.grad(lambda d: loss(_merge(d, (a, kw))))(_float_part((a, kw)))
+
+    fns = [lambda a, kw: forward(*a, **kw)] + ([grad_fn] if grad else [])
+    modules = []
+    for fn in fns:
+        lowered = lower_for(fn, tuple(args), array_kwargs, platform=platform, target=target)
+        if backend_call:
+            assert_custom_call(lowered, backend_call)
+        modules.append(lowered)
+    return modules
+
+
 def check_op_lowering(op: Op, implementation: str, args: tuple, kwargs: dict | None = None, *,
                       configs: Iterable[Any] | None = None, grad: bool = False, target: str = "h100"):
     """Lower ``op`` with ``implementation`` for cuda once per config (default:
     the whole autotuning space of the example's call); with ``grad`` the VJP of
     the differentiable float arguments is lowered too. Returns the number of
     configs checked."""
-    kwargs = dict(kwargs or {})
-    impl = op.implementations[implementation]
-    call = op.check(*args, **kwargs)
     if configs is None:
-        configs = impl.config_space(call) or [None]
-    backend_call = CUSTOM_CALL_OF_BACKEND.get(impl.backend)
-    array_kwargs = {k: v for k, v in kwargs.items() if hasattr(v, "shape") and hasattr(v, "dtype")}
-    static_kwargs = {k: v for k, v in kwargs.items() if k not in array_kwargs}
+        call = op.check(*args, **dict(kwargs or {}))
+        configs = op.implementations[implementation].config_space(call) or [None]
     n = 0
     for config in configs:
-        def forward(*a, **kw):
-            table = {} if config is None else {(op.name, implementation): config}
-            with use_configs(table):
-                return op(*a, implementation=implementation, **kw, **static_kwargs)
-
-        lowered = lower_for_gpu(lambda a, kw: forward(*a, **kw), tuple(args), array_kwargs, target=target)
-        if backend_call:
-            assert_custom_call(lowered, backend_call)
-        if grad:
-            def loss(diff):
-                out = forward(*diff[0], **diff[1])
-                return sum(jax.numpy.sum(l.astype(jax.numpy.float32))
-                           for l in jax.tree_util.tree_leaves(out)
-                           if jax.numpy.issubdtype(l.dtype, jax.numpy.inexact))
-
-            def grad_fn(a, kw):
-                # Differentiate float leaves only; integer operands stay closed over.
-                return jax.grad(lambda d: loss(_merge(d, (a, kw))))(_float_part((a, kw)))
-
-            lowered_grad = lower_for_gpu(grad_fn, tuple(args), array_kwargs, target=target)
-            if backend_call:
-                assert_custom_call(lowered_grad, backend_call)
+        lower_config(op, implementation, args, kwargs, config=config, platform="cuda", grad=grad, target=target)
         n += 1
     return n
 

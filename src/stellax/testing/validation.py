@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import Example, Op, current_platform, interpret_enabled, interpret_mode
+from ..core import Example, Op, current_platform, interpret_enabled, interpret_mode, use_configs
 from .numerics import ErrorSummary, compare, golden, random_array, upcast
 
 
@@ -55,9 +55,17 @@ def _loss_fn(fn, args, kwargs, positions, cotangents):
     return loss
 
 
-def check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True) -> CheckResult:
+def check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True,
+                  config: Any = None) -> CheckResult:
     """Run one example with one implementation and compare (forward and, for
-    differentiable ops, the gradients of a random projection of the output)."""
+    differentiable ops, the gradients of a random projection of the output).
+
+    ``config`` pins the implementation's kernel config (default: the one
+    dispatch resolves, the heuristic unless a cache or context says otherwise);
+    the backward op, when there is one, resolves its own."""
+    if config is not None:
+        with use_configs({(op.name, implementation): config}):
+            return check_example(op, implementation, example, dtype, gradients=gradients)
     dtype_name = np.dtype(dtype).name
     call = op.check(*example.args, **example.kwargs)
     impl = op.implementations[implementation]
@@ -104,24 +112,39 @@ def check_example(op: Op, implementation: str, example: Example, dtype, *, gradi
     return CheckResult(op.name, implementation, dtype_name, example.label, passed, worst, detail=detail)
 
 
-def check_op(op: Op, *, implementations: Iterable[str] | None = None,
-             dtypes: Iterable = (jnp.float32, jnp.bfloat16), gradients: bool = True) -> list[CheckResult]:
-    """Check every (implementation, dtype, example) of ``op`` on this device.
+def iter_checks(op: Op, *, implementations: Iterable[str] | None = None,
+                dtypes: Iterable = (jnp.float32, jnp.bfloat16), gradients: bool = True,
+                examples: int | None = None) -> Iterator[CheckResult]:
+    """Check every (implementation, dtype, example) of ``op`` on this device,
+    yielding each result as it finishes (``examples``: only the first that
+    many examples of each dtype).
 
     On a CPU, kernel implementations run interpreted (interpret mode is
-    switched on for them)."""
+    switched on for them). A crash is a failed result carrying its message."""
     names = list(implementations) if implementations is not None else list(op.implementations)
-    results = []
     on_cpu = current_platform().backend == "cpu"
     for name in names:
-        impl = op.implementations[name]
+        kernel = op.implementations[name].is_kernel
         for dtype in dtypes:
-            interpret = interpret_enabled() or (on_cpu and impl.is_kernel)
-            with interpret_mode(interpret):
-                for example in op.examples(dtype):
-                    try:
-                        results.append(check_example(op, name, example, dtype, gradients=gradients))
-                    except Exception as e:  # a crash is a failure, reported with its message
-                        results.append(CheckResult(op.name, name, np.dtype(dtype).name, example.label, False,
-                                                   None, detail=f"{type(e).__name__}: {e}"[:300]))
-    return results
+            interpret = interpret_enabled() or (on_cpu and kernel)
+            for example in op.examples(dtype)[:examples]:
+                # The switch is set per example, not across a yield: the caller's code runs between rows.
+                with interpret_mode(interpret):
+                    result = safe_check_example(op, name, example, dtype, gradients=gradients)
+                yield result
+
+
+def safe_check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True) -> CheckResult:
+    """`check_example`, with a crash turned into a failed result carrying its message."""
+    try:
+        return check_example(op, implementation, example, dtype, gradients=gradients)
+    except Exception as e:  # a crash is a failure, reported with its message
+        return CheckResult(op.name, implementation, np.dtype(dtype).name, example.label, False, None,
+                           detail=f"{type(e).__name__}: {e}"[:300])
+
+
+def check_op(op: Op, *, implementations: Iterable[str] | None = None,
+             dtypes: Iterable = (jnp.float32, jnp.bfloat16), gradients: bool = True) -> list[CheckResult]:
+    """Check every (implementation, dtype, example) of ``op`` on this device
+    (`iter_checks`, collected)."""
+    return list(iter_checks(op, implementations=implementations, dtypes=dtypes, gradients=gradients))

@@ -1,0 +1,141 @@
+"""Verification cases generated from the op registry: every registered op ×
+every kernel implementation × its examples and its whole config space.
+
+`tests/test_registry_tiers.py` parametrizes its tiers with these cases (at
+collection time); the GPU suite and the lab can walk the same list.
+
+* `kernel_implementations`: the (op, implementation) pairs whose backend is a
+  Pallas kernel backend (triton, mosaic_gpu, mosaic_tpu).
+* `example_cases`: one case per example the implementation supports, with
+  its heuristic config (``config=None``: dispatch resolves it).
+* `config_cases`: one case per config of the autotuning space, on the space's
+  example: the op's first example for which the implementation has a
+  non-empty space (every example with ``every_example``). An implementation
+  without configs gets one case with ``config=None``.
+
+Examples are built in float32 unless told otherwise; which examples and
+configs exist is decided where they run: in interpret mode for tier 1
+(``platform=None``), as on the lowering target for tier 2/3
+(``platform="cuda"`` or ``"tpu"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+from ..core import Example, Op, interpret_mode, lowering_target
+from .lowering import DEFAULT_TARGET
+
+#: Short names for config fields in case ids.
+_FIELD_ABBREVIATIONS = {"num_warps": "w", "num_stages": "s"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    """One (op, implementation, example, config) to verify.
+
+    ``config`` is ``None`` for the heuristic (or an implementation without
+    configs); ``config_index`` is its position in the autotuning space."""
+
+    op: Op
+    implementation: str
+    dtype: str
+    example_index: int
+    example: Example
+    config: Any = None
+    config_index: int | None = None
+    platform: str | None = None
+
+    @property
+    def id(self) -> str:
+        parts = [self.op.name, self.implementation]
+        if self.platform:
+            parts.append(self.platform)
+        if self.dtype != "float32":
+            parts.append(self.dtype)
+        parts.append(f"ex{self.example_index}")
+        if self.config_index is not None:
+            parts.append(f"cfg{self.config_index:02d}({config_id(self.config)})")
+        return "-".join(parts)
+
+
+def config_id(config: Any) -> str:
+    """A short readable name for a config: ``w4,s2,bq64,bk32``."""
+    if config is None:
+        return "default"
+    if not dataclasses.is_dataclass(config):
+        return repr(config)
+    items = []
+    for field in dataclasses.fields(config):
+        name = _FIELD_ABBREVIATIONS.get(field.name)
+        if name is None:
+            name = "b" + field.name[len("block_"):] if field.name.startswith("block_") else field.name
+        items.append(f"{name}{getattr(config, field.name)}")
+    return ",".join(items)
+
+
+def kernel_implementations(ops: Mapping[str, Op]) -> list[tuple[Op, str]]:
+    """(op, implementation name) for every kernel implementation, by op name."""
+    return [(op, name) for _, op in sorted(ops.items())
+            for name, impl in op.implementations.items() if impl.is_kernel]
+
+
+@contextlib.contextmanager
+def _where(platform: str | None):
+    """Interpret mode (``None``) or the default lowering target of ``platform``."""
+    if platform is None:
+        with interpret_mode(True):
+            yield
+    else:
+        with lowering_target(DEFAULT_TARGET[platform]):
+            yield
+
+
+@functools.lru_cache(maxsize=None)
+def examples_of(op: Op, dtype_name: str) -> tuple[Example, ...]:
+    """``op.examples(dtype)``, built once per op and dtype (cases share the arrays)."""
+    return tuple(op.examples(jnp.dtype(dtype_name)))
+
+
+def _supported_examples(op: Op, implementation: str, dtype, platform: str | None) -> list[tuple[int, Example, Any]]:
+    """(index, example, checked call) of the examples the implementation supports there."""
+    impl = op.implementations[implementation]
+    found = []
+    with _where(platform):
+        for index, example in enumerate(examples_of(op, jnp.dtype(dtype).name)):
+            call = op.check(*example.args, **example.kwargs)
+            if impl.supported(call):
+                found.append((index, example, call))
+    return found
+
+
+def example_cases(op: Op, implementation: str, *, dtype=jnp.float32, platform: str | None = None) -> list[KernelCase]:
+    """One heuristic-config case per supported example."""
+    name = jnp.dtype(dtype).name
+    return [KernelCase(op, implementation, name, i, example, platform=platform)
+            for i, example, _ in _supported_examples(op, implementation, dtype, platform)]
+
+
+def config_cases(op: Op, implementation: str, *, dtype=jnp.float32, platform: str | None = None,
+                 every_example: bool = False) -> list[KernelCase]:
+    """One case per config of the autotuning space (see the module docstring)."""
+    impl = op.implementations[implementation]
+    name = jnp.dtype(dtype).name
+    cases, first = [], None
+    for i, example, call in _supported_examples(op, implementation, dtype, platform):
+        if first is None:
+            first = (i, example)
+        with _where(platform):
+            space = impl.config_space(call)
+        cases += [KernelCase(op, implementation, name, i, example, config, k, platform)
+                  for k, config in enumerate(space)]
+        if space and not every_example:
+            break
+    if not cases and first is not None:  # no configs: the implementation's one way to run
+        cases.append(KernelCase(op, implementation, name, first[0], first[1], platform=platform))
+    return cases
