@@ -154,3 +154,20 @@ def test_stellax_runner_times_a_checkout_and_names_an_unknown_case(tmp_path):
         with pytest.raises(bisect_lib.MeasureError, match="no_such_case.*matches no benchmark"):
             measure(head)
     assert _git(repo, "worktree", "list").count("\n") == 0  # the temporary worktrees are gone
+
+
+def test_commits_that_cannot_be_measured_are_skipped(scratch):
+    repo, commits = scratch
+    before = _state(repo)
+
+    def run(checkout: Path, commit: str) -> float:
+        if commit not in (commits[0], commits[-1]):
+            raise bisect_lib.MeasureError(f"{commit[:12]}: does not build")
+        return 1.0 if commit == commits[0] else 3.0
+
+    with bisect_lib.checkout_measure(repo, run) as measure:
+        result = bisect_lib.bisect(repo, commits[0], commits[-1], measure, rounds=2)
+    assert not result.found and {s.mark for s in result.steps} == {"skip"}
+    assert "one of" in result.message and "could not be measured" in result.message
+    assert all(_git(repo, "log", "-1", "--format=%h", c) in result.message for c in commits[1:])
+    assert _state(repo) == before

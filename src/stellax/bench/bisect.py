@@ -156,8 +156,8 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, measure: Measure, *, th
             if "only 'skip'ped commits left" in out:
                 left = re.findall(r"^([0-9a-f]{40})$", out, re.M)
                 names = ", ".join(subject(root, c) for c in left) or "(see git)"
-                return BisectResult(good, bad, None, "", f"the first regressed commit is one of {names}: "
-                                    f"the others could not be measured", steps, whole)
+                return BisectResult(good, bad, None, "", f"the first regressed commit is one of {names} "
+                                    f"(the commits between could not be measured)", steps, whole)
             candidate = git(root, "rev-parse", "BISECT_HEAD").stdout.strip()
             try:
                 verdict = judge(candidate)
@@ -166,7 +166,12 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, measure: Measure, *, th
                 verdict, mark, note = None, "skip", f"measurement failed: {e}"
             steps.append(Step(candidate, verdict, mark, note))
             say(f"{mark:<4} {subject(root, candidate)}: {note}")
-            out = git(root, "bisect", mark, candidate).stdout
+            proc = git(root, "bisect", mark, candidate, check=False)
+            out = proc.stdout
+            if proc.returncode != 0 and "only 'skip'ped commits left" not in out:
+                detail = (proc.stderr or out).strip().splitlines()
+                raise BisectError(f"`git bisect {mark} {candidate[:12]}` failed in {root}: "
+                                  f"{detail[-1] if detail else proc.returncode}")
     finally:
         git(root, "bisect", "reset", check=False)
 
