@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds of timed iterations per measurement (shared by its rounds)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="time every case in this many rounds; their spread is the noise estimate of "
-                        "--baseline (default 3)")
+                   help="time every case in this many rounds (two when a case is slower than its timing "
+                        "budget); their best times and spread are what --baseline compares (default 3)")
     p.add_argument("--case", metavar="PATTERN", default=None,
                    help="only the cases whose key op|case|implementation|mode matches this regular expression")
     p.add_argument("--record", metavar="DIR",
@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=0.10,
                    help="relative slowdown that fails --baseline (default 0.10 = 10%%)")
     p.add_argument("--noise", type=float, default=2.0,
-                   help="changes within NOISE standard errors of the rounds' medians (NOISE x IQR for results "
-                        "without rounds) count as noise (default 2)")
+                   help="changes within NOISE standard errors of the median of the rounds' best times "
+                        "(NOISE x IQR for results without rounds) count as noise (default 2)")
     p.add_argument("--input", metavar="RESULTS.json",
                    help="report on saved results instead of running (with --baseline: compare two files)")
     p.add_argument("--calibrate", action="store_true",
