@@ -87,7 +87,7 @@ def _milestones(archive, run_id: str) -> dict:
             "curve": curve}
 
 
-def run_mutate(out: Path, budget: int, options: dict) -> dict:
+def run_mutate(out: Path, budget: int, options: dict, only: list[str] | None = None) -> dict:
     import stellax
     from stellax.lab import archive as archive_lib
     from stellax.lab import template
@@ -108,6 +108,8 @@ def run_mutate(out: Path, budget: int, options: dict) -> dict:
     results = {}
     with archive_lib.Archive(out / "stellax-lab.sqlite") as archive:
         for op, seed_source, shapes in plans:
+            if only and op not in only:
+                continue
             t0 = time.time()
             run = f"demo-{op}-mutate"
             search(op, MutateProposer(), budget=budget, seed_source=seed_source, archive=archive, run_id=run,
@@ -151,13 +153,14 @@ def main() -> int:
     parser.add_argument("--part", choices=("mutate", "llm"), required=True)
     parser.add_argument("--budget", type=int, default=12)
     parser.add_argument("--out", default="/tmp/lab-demo")
+    parser.add_argument("--ops", default=None, help="comma-separated subset of the mutate part's ops")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     options = {"dtypes": ["float32"], "max_examples": 2, "benchmark_min_time": 0.3, "benchmark_rounds": 3}
     load_before = os.getloadavg()
     t0 = time.time()
-    result = run_mutate(out, args.budget, options) if args.part == "mutate" else run_llm(out, options)
+    result = run_mutate(out, args.budget, options, args.ops and args.ops.split(",")) if args.part == "mutate" else run_llm(out, options)
     record = {"part": args.part, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{host.processor() or host.machine()}, {os.cpu_count()} cores",
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
