@@ -390,18 +390,22 @@ def run_suites(names: Sequence[str] | None = None, options: SuiteOptions | None 
 
 
 def _run_budgeted(names, known, options: SuiteOptions, progress) -> list[bench_lib.BenchmarkRecord]:
-    """Every op's first turn in every suite, then the rest suite by suite within the shared budget."""
+    """Every op's first turn in every suite, then the rest suite by suite within the shared budget.
+    Every suite's inputs are built first (they are alive until the suite is done)."""
     start = time.monotonic()
     platform = current_platform()
     suites = [_SuiteRun(name, known[name], options, platform, progress) for name in names]
     for suite in suites:
         suite.first_turns()
+    records = []
     for i, suite in enumerate(suites):
         remaining = options.budget_s - (time.monotonic() - start)
         deadline = time.monotonic() + max(0.0, remaining / (len(suites) - i))
         for item in suite.pending():
             suite.run(item, past_deadline=time.monotonic() > deadline)
-    return [r for suite in suites for r in suite.records()]
+        records.extend(suite.records())
+        suites[i] = None  # its inputs can go
+    return records
 
 
 def _example_keys(names, known, limit: int = 3) -> list[str]:
