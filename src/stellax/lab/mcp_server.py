@@ -144,9 +144,9 @@ def build_server(tools: LabTools):
     server = server_class()(name="stellax-lab", instructions="Evaluate and search stellax kernel candidates.")
 
     @server.tool()
-    def list_ops() -> list[dict]:
+    def list_ops() -> dict:
         """Every registered stellax op with its implementations."""
-        return tools.list_ops()
+        return {"ops": tools.list_ops()}
 
     @server.tool()
     def describe_op(name: str) -> dict:
@@ -160,14 +160,14 @@ def build_server(tools: LabTools):
         return tools.evaluate_candidate(op, source, dtypes, max_examples, benchmark)
 
     @server.tool()
-    def benchmark(op: str, implementation: str | None = None, max_shapes: int = 1) -> list[dict]:
+    def benchmark(op: str, implementation: str | None = None, max_shapes: int = 1) -> dict:
         """Time an op's implementations on its benchmark shapes."""
-        return tools.benchmark(op, implementation, max_shapes)
+        return {"results": tools.benchmark(op, implementation, max_shapes)}
 
     @server.tool()
-    def search_status(run: str | None = None) -> list[dict]:
+    def search_status(run: str | None = None) -> dict:
         """Runs in the lab archive and their best candidates."""
-        return tools.search_status(run)
+        return {"runs": tools.search_status(run)}
 
     return server
 
