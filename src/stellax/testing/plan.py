@@ -1,18 +1,19 @@
 """What `stellax check` runs: a list of check jobs, planned before anything runs
 (so a progress bar knows the total), then run one at a time.
 
-A `CheckJob` is one (op, implementation, dtype, example) with or without
-gradients. `plan_checks` builds the list:
+A `CheckJob` is one (op, implementation, dtype, example index) with or
+without gradients; its example is built when it runs (`examples_of`, once per
+op and dtype), so the first row appears after one op's examples, not all.
+`plan_checks` builds the list:
 
 * the full sweep (``full=True``, `stellax check --all`): every example of every
   selected op and implementation in every requested dtype (default float32 and
   bfloat16), gradients for differentiable ops;
 * the quick default: every registered op against its golden on its first
-  example in float32, with gradients for the ops that have them, through every
-  XLA implementation and every kernel implementation whose interpreted run is
-  cheap on a CPU. Kernels listed in `SLOW_INTERPRETED` are left to ``--all``
-  (and to the registry tests, which check every kernel and config) unless
-  named explicitly with ``implementations``.
+  example in float32 (for a kernel, the first example it supports), with gradients for the ops that have them, through every
+  implementation except the kernels in `SLOW_INTERPRETED` (interpreting them
+  on a CPU costs several seconds each; ``--all``, an explicit
+  ``--implementations`` and the registry tests check them).
 """
 
 from __future__ import annotations
@@ -21,15 +22,14 @@ import dataclasses
 from typing import Iterable, Mapping
 
 import jax.numpy as jnp
-import numpy as np
 
-from ..core import Example, Op, current_platform, interpret_enabled, interpret_mode
-from .validation import CheckResult, safe_check_example
+from ..core import Op, current_platform, interpret_enabled, interpret_mode
+from .validation import CheckResult, examples_of, safe_check_example
 
-#: (op, implementation) pairs whose interpreted run on a CPU costs several
-#: seconds of compile and interpretation for one example; the quick default
-#: leaves them to ``--all`` (measured on a 2-core CPU, see docs/testing notes
-#: in the registry tests).
+#: (op, implementation) pairs the quick default leaves out: their interpreted
+#: run on a CPU is the slowest (seconds of CPU each for the first example with
+#: gradients, measured on a 2-core machine), and each op keeps its XLA
+#: implementations in the quick run.
 SLOW_INTERPRETED: frozenset[tuple[str, str]] = frozenset()
 
 QUICK_DTYPES = ("float32",)
@@ -38,21 +38,39 @@ FULL_DTYPES = ("float32", "bfloat16")
 
 @dataclasses.dataclass(frozen=True)
 class CheckJob:
-    """One check: ``op`` with ``implementation`` on ``example`` (built in ``dtype``)."""
+    """One check: ``op`` with ``implementation`` on example number ``example``
+    of ``op.examples(dtype)`` (``None``: the first the implementation supports)."""
 
     op: Op
     implementation: str
     dtype: str
-    example: Example
+    example: int | None
     gradients: bool
 
+    @property
+    def description(self) -> str:
+        return f"{self.op.name} · {self.implementation} · {self.dtype}"
+
     def run(self) -> CheckResult:
-        """Check against the golden; kernels run interpreted on a CPU."""
-        kernel = self.op.implementations[self.implementation].is_kernel
-        interpret = interpret_enabled() or (current_platform().backend == "cpu" and kernel)
+        """Check against the golden; kernels run interpreted on a CPU. An op
+        without examples gives a skipped result saying so."""
+        examples = examples_of(self.op, self.dtype)
+        if not examples:
+            return CheckResult(self.op.name, self.implementation, self.dtype, "-", True, None,
+                               skipped=f"{self.op.name} has no examples")
+        impl = self.op.implementations[self.implementation]
+        interpret = interpret_enabled() or (current_platform().backend == "cpu" and impl.is_kernel)
         with interpret_mode(interpret):
-            return safe_check_example(self.op, self.implementation, self.example, jnp.dtype(self.dtype),
+            index = self.example if self.example is not None else self._first_supported(impl, examples)
+            return safe_check_example(self.op, self.implementation, examples[index], jnp.dtype(self.dtype),
                                       gradients=self.gradients)
+
+    def _first_supported(self, impl, examples) -> int:
+        """The first example ``impl`` supports here (0 when none does: its row says why)."""
+        for index, example in enumerate(examples):
+            if impl.supported(self.op.check(*example.args, **example.kwargs)):
+                return index
+        return 0
 
 
 def select_ops(ops: Mapping[str, Op], names: Iterable[str]) -> dict[str, Op]:
@@ -63,19 +81,25 @@ def select_ops(ops: Mapping[str, Op], names: Iterable[str]) -> dict[str, Op]:
     return {n: op for n, op in ops.items() if n in names or op.family in names}
 
 
-def plan_checks(ops: Mapping[str, Op], *, full: bool = False, dtypes: Iterable[str] | None = None,
-                implementations: Iterable[str] | None = None, gradients: bool = True) -> list[CheckJob]:
-    """The jobs of one `stellax check` run, in order (sorted by op name).
-
-    ``dtypes``: dtype names (default float32, plus bfloat16 with ``full``);
-    ``implementations``: names to keep (others are dropped per op; an op with
-    none of them gets no job)."""
-    dtype_names = list(dtypes) if dtypes else list(FULL_DTYPES if full else QUICK_DTYPES)
-    for name in dtype_names:
+def _dtype_names(dtypes: Iterable[str] | None, full: bool) -> list[str]:
+    names = list(dtypes) if dtypes else list(FULL_DTYPES if full else QUICK_DTYPES)
+    for name in names:
         try:
-            np.dtype(jnp.dtype(name))
+            jnp.dtype(name)
         except TypeError:
             raise ValueError(f"dtypes: expected dtype names such as float32,bfloat16, got {name!r}") from None
+    return [jnp.dtype(n).name for n in names]
+
+
+def plan_checks(ops: Mapping[str, Op], *, full: bool = False, dtypes: Iterable[str] | None = None,
+                implementations: Iterable[str] | None = None, gradients: bool = True) -> list[CheckJob]:
+    """The jobs of one `stellax check` run, in order (by op name, then
+    implementation, dtype and example).
+
+    ``dtypes``: dtype names (default float32, plus bfloat16 with ``full``);
+    ``implementations``: names to keep (an op with none of them gets no job).
+    Only ``full`` builds examples here (to count them)."""
+    dtype_names = _dtype_names(dtypes, full)
     wanted = list(implementations) if implementations else None
     jobs = []
     for name, op in sorted(ops.items()):
@@ -83,9 +107,8 @@ def plan_checks(ops: Mapping[str, Op], *, full: bool = False, dtypes: Iterable[s
         if not full and wanted is None:
             chosen = [i for i in chosen if (name, i) not in SLOW_INTERPRETED]
         grads = gradients and bool(op.differentiable)
-        examples = {d: op.examples(jnp.dtype(d)) for d in dtype_names} if chosen else {}
         for impl in chosen:
             for dtype in dtype_names:
-                selected = examples[dtype] if full else examples[dtype][:1]
-                jobs += [CheckJob(op, impl, dtype, example, grads) for example in selected]
+                indices = range(max(1, len(examples_of(op, dtype)))) if full else [None]
+                jobs += [CheckJob(op, impl, dtype, i, grads) for i in indices]
     return jobs

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 
 from ..core import Example, Op, interpret_mode, lowering_target
 from .lowering import DEFAULT_TARGET
+from .validation import examples_of
 
 #: Short names for config fields in case ids.
 _FIELD_ABBREVIATIONS = {"num_warps": "w", "num_stages": "s"}
@@ -94,12 +94,6 @@ def _where(platform: str | None):
     else:
         with lowering_target(DEFAULT_TARGET[platform]):
             yield
-
-
-@functools.lru_cache(maxsize=None)
-def examples_of(op: Op, dtype_name: str) -> tuple[Example, ...]:
-    """``op.examples(dtype)``, built once per op and dtype (cases share the arrays)."""
-    return tuple(op.examples(jnp.dtype(dtype_name)))
 
 
 def _supported_examples(op: Op, implementation: str, dtype, platform: str | None) -> list[tuple[int, Example, Any]]:

@@ -124,7 +124,7 @@ def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str) -> C
         task = progress.add_task("starting", total=len(jobs))
 
         def describe(job: CheckJob) -> str:
-            return escape(f"{job.op.name} · {job.implementation} · {job.dtype}")
+            return escape(job.description)
 
         def on_row(job: CheckJob, row: dict) -> None:
             progress.console.print(format_row(row), highlight=False)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterable, Iterator
 
 import jax
@@ -24,6 +25,13 @@ class CheckResult:
     worst: ErrorSummary | None
     detail: str = ""
     skipped: str = ""
+
+
+@functools.lru_cache(maxsize=None)
+def examples_of(op: Op, dtype_name: str) -> tuple[Example, ...]:
+    """``op.examples(dtype)``, built once per op and dtype name in a process
+    (building them compiles the random-number programs of their shapes)."""
+    return tuple(op.examples(jnp.dtype(dtype_name)))
 
 
 def _is_float_tree(a) -> bool:
