@@ -21,6 +21,7 @@ import dataclasses
 
 from ...core import Call, TritonConfig, current_platform, is_power_of_two, next_power_of_two, product_space
 from ...core.config import require_in, require_power_of_two
+from ...core.pallas import cdiv
 from .quant_cache import KVQuant
 
 #: Smallest dot dimension on tensor cores (rows, tokens per step, head dims).
@@ -98,7 +99,7 @@ def geometry(call: Call, kind: str, block_q: int = 1) -> Geometry:
         programs = q.shape[0]
     else:
         nq = block_q
-        programs = -(-q.shape[0] // block_q) + min(call.kv_lens.shape[0], q.shape[0])
+        programs = cdiv(q.shape[0], block_q) + min(call.kv_lens.shape[0], q.shape[0])
     hv = q.shape[-1] if combined else _dim(call, "v")
     return Geometry(data.shape[1], call.block_tables.shape[1], programs, kv_heads, nq * g,
                     (q.shape[-1], hv), _quants(call, ("k", "v")))
@@ -138,7 +139,7 @@ def mla_requirements(call: Call) -> str | None:
 # -- heuristics ------------------------------------------------------------------------------------
 def _pages_per_block(geo: Geometry, tokens: int) -> int:
     ppb = max(1, tokens // geo.page_size)
-    ppb = max(ppb, -(-MIN_DOT // geo.page_size))
+    ppb = max(ppb, cdiv(MIN_DOT, geo.page_size))
     widest = max(geo.dims)
     while ppb > 1 and ppb * geo.page_size * widest > MAX_TILE // 2:
         ppb //= 2
@@ -150,8 +151,8 @@ def _block_rows(geo: Geometry, cap: int = 64) -> int:
 
 
 def _splits(geo: Geometry, ppb: int, block_rows: int) -> int:
-    programs = geo.programs * geo.kv_heads * -(-geo.rows // block_rows)
-    blocks = -(-geo.max_pages // ppb)
+    programs = geo.programs * geo.kv_heads * cdiv(geo.rows, block_rows)
+    blocks = cdiv(geo.max_pages, ppb)
     splits = 1
     while programs * splits < 2 * TARGET_SMS and splits * 2 <= min(32, blocks):
         splits *= 2

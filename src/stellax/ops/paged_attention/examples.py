@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Example, Platform
+from ...core.pallas import cdiv
 from .quant_cache import KVQuant, quantize_pages
 
 
@@ -23,7 +24,7 @@ def random_block_tables(rng: np.random.Generator, lengths, page_size: int, max_p
     which all sequences share (prefix caching). Unused entries hold a random
     (valid) page. Returns ``(tables, num_pages)``."""
     lengths = np.asarray(lengths)
-    need = [-(-int(n) // page_size) for n in lengths]
+    need = [cdiv(int(n), page_size) for n in lengths]
     shared = min(shared_prefix_pages, max(need) if len(need) else 0)
     own = [max(0, k - shared) for k in need]
     num_pages = shared + sum(own) + extra_pages
@@ -60,7 +61,7 @@ def paged_inputs(seed: int, *, lengths, page_size: int, kv_heads: int, q_heads: 
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, np.int32)
     if max_pages is None:
-        max_pages = max(1, -(-int(lengths.max(initial=1)) // page_size))
+        max_pages = max(1, cdiv(int(lengths.max(initial=1)), page_size))
     tables, num_pages = random_block_tables(rng, lengths, page_size, max_pages,
                                             shared_prefix_pages=shared_prefix_pages)
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -89,7 +90,7 @@ def ragged_inputs(seed: int, *, q_lens, kv_lens, page_size: int, kv_heads: int, 
     kv_all = np.concatenate([np.asarray(kv_lens, np.int32),
                              rng.integers(0, 3 * page_size, padding_seqs).astype(np.int32)])
     if max_pages is None:
-        max_pages = max(1, -(-int(kv_all.max(initial=1)) // page_size))
+        max_pages = max(1, cdiv(int(kv_all.max(initial=1)), page_size))
     tables, num_pages = random_block_tables(rng, kv_all, page_size, max_pages)
     total = int(q_lens.sum()) + padding_tokens
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -112,7 +113,7 @@ def mla_inputs(seed: int, *, lengths, page_size: int, heads: int, latent_dim: in
     """``(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths)`` for `mla_decode`."""
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, np.int32)
-    max_pages = max(1, -(-int(lengths.max(initial=1)) // page_size))
+    max_pages = max(1, cdiv(int(lengths.max(initial=1)), page_size))
     tables, num_pages = random_block_tables(rng, lengths, page_size, max_pages)
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
     b = len(lengths)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call
+from ...core.pallas import cdiv
 from .cache import Source, as_source, pool_from_call
 from .quant_cache import expand_token_groups, load_codes, rotate, unrotate
 
@@ -228,7 +229,7 @@ def ragged_programs(cu_q_lens, kv_lens, num_seqs, total: int, block_q: int):
     blocks = (q_len + block_q - 1) // block_q
     ends = jnp.cumsum(blocks)
     starts = ends - blocks
-    num_programs = -(-total // block_q) + min(s, total)
+    num_programs = cdiv(total, block_q) + min(s, total)
     g = jnp.arange(num_programs, dtype=jnp.int32)
     seq = jnp.sum(ends[None, :] <= g[:, None], axis=1).astype(jnp.int32)
     live = seq < s

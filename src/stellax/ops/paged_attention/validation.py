@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ...core.pallas import cdiv
 from .cache import pages_shape
 from .mla import check_mla
 from .paged import check_paged
@@ -89,7 +90,7 @@ def validate(q=None, k_pages=None, v_pages=None, block_tables=None, lengths=None
             if q_len > length:
                 raise ValueError(f"cu_q_lens: sequence {b} has {q_len} new tokens but kv_lens[{b}] = {length}; "
                                  "expected q_len <= kv_len (the new tokens are the last q_len of the sequence)")
-        live = -(-length // page_size)
+        live = cdiv(length, page_size)
         row = tables[b, :live]
         bad = np.nonzero((row < 0) | (row >= num_pages))[0]
         if bad.size:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ...core.pallas import cdiv
 from . import plan as plan_mod
 from .plan import Problem, gather_block, key_range, merge, scores, visible, window_partial
 
@@ -32,7 +33,7 @@ def attention_rows(problem: Problem, *, block_tokens: int = BLOCK_TOKENS):
     ps = problem.page_size
     ppb = max(1, block_tokens // ps)
     tables = problem.tables
-    num_blocks = -(-tables.shape[1] // ppb)
+    num_blocks = cdiv(tables.shape[1], ppb)
     tables = jnp.pad(tables, ((0, 0), (0, num_blocks * ppb - tables.shape[1])))
     tokens = ppb * ps
     lo, hi = key_range(problem.row_pos, problem.kv_len, window_left=problem.window_left,

@@ -6,6 +6,7 @@ import dataclasses
 
 from ...core import Call, TritonConfig, product_space
 from ...core.config import MatmulTileConfig, require_in, require_power_of_two
+from ...core.pallas import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ class DequantConfig(TritonConfig):
 
 def _dequant_ok(call: Call, c: DequantConfig) -> bool:
     g = call.block_shape[call.axis]
-    one_block = -(-call.shape[call.axis] // g) == 1
+    one_block = cdiv(call.shape[call.axis], g) == 1
     return one_block or g % c.block_k == 0 or c.block_k % g == 0
 
 

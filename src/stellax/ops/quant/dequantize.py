@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
+from ...core.pallas import cdiv
 from . import examples
 from . import triton as kernels
 from .base import array_bytes
@@ -50,7 +51,7 @@ def _triton_requirements(call: Call):
         return ("the Triton dequantize kernel takes 1-D blocks along the last axis (quantize with axis=-1); "
                 f"got axis {call.axis}, block_shape {call.block_shape}")
     g = call.block_shape[-1]
-    if -(-call.shape[-1] // g) > 1 and (g & (g - 1)):
+    if cdiv(call.shape[-1], g) > 1 and (g & (g - 1)):
         return f"the Triton dequantize kernel needs a power-of-two block along the axis, got {g}"
     return None
 
