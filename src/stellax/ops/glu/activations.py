@@ -12,6 +12,7 @@ _SQRT_2_OVER_PI = 0.7978845608028654
 
 
 def silu(x):
+    """SiLU / swish: ``x·σ(x)``."""
     return x * jax.nn.sigmoid(x)
 
 
@@ -45,10 +46,12 @@ def gelu_tanh(x):
 
 
 def relu(x):
+    """``max(x, 0)``."""
     return jnp.maximum(x, 0.0)
 
 
 def sigmoid(x):
+    """``σ(x) = 1 / (1 + e^{-x})`` (the original GLU gate)."""
     return jax.nn.sigmoid(x)
 
 

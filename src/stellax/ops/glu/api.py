@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Example, Implementation, Op, backward_implementation, register
+from ...core import Call, Implementation, Op, backward_implementation, register
 from ...core import checks
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .activations import ACTIVATIONS
 from .configs import GluConfig, glu_heuristic, glu_space
+from .examples import backward_examples, benchmarks, forward_examples
 from .reference import glu_backward_reference, glu_reference
 
 _PRECISIONS = (None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST)
@@ -37,7 +37,8 @@ def _check_weights(weights, features: int, x):
     """Canonical ``(w_gate, w_up)``: ``([K, 2, N], None)`` or two ``[K, N]``."""
     if isinstance(weights, (tuple, list)):
         if len(weights) != 2:
-            raise ValueError(f"weights: expected a [K, 2, N] array or a pair of [K, N] arrays, got a sequence of {len(weights)}")
+            raise ValueError(f"weights: expected a [K, 2, N] array or a pair of [K, N] arrays, got a sequence of "
+                             f"{len(weights)}")
         w_gate = checks.require_float("weights[0]", weights[0])
         w_up = checks.require_float("weights[1]", weights[1])
         checks.require_ndim("weights[0]", w_gate, 2)
@@ -100,47 +101,6 @@ def _backward_bytes(call: Call) -> float:
     return float(2 * m * k * xs + 4 * k * n * ws + 5 * m * n * xs)
 
 
-def _random_case(seed, m, k, n, dtype, stacked):
-    kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (k, 2, n), jnp.float32) / np.sqrt(k)).astype(dtype)
-    weights = w if stacked else (w[:, 0], w[:, 1])
-    dy = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
-    return x, weights, dy
-
-
-_CASES = ((3, 17, 33, "silu", True), (40, 100, 70, "gelu", False), (1, 64, 16, "gelu_tanh", True),
-          (20, 9, 130, "relu", True), (17, 48, 5, "sigmoid", False))
-
-
-def _examples(dtype):
-    out = []
-    for i, (m, k, n, act, stacked) in enumerate(_CASES):
-        x, weights, _ = _random_case(i, m, k, n, dtype, stacked)
-        out.append(Example(f"M={m} K={k} N={n} {act} {'stacked' if stacked else 'pair'}", (x, weights),
-                           {"activation": act}))
-    return out
-
-
-def _backward_examples(dtype):
-    out = []
-    for i, (m, k, n, act, stacked) in enumerate(_CASES[:3]):
-        x, weights, dy = _random_case(100 + i, m, k, n, dtype, stacked)
-        w_gate, w_up = (weights, None) if stacked else weights
-        out.append(Example(f"M={m} K={k} N={n} {act}", (dy, x, w_gate, w_up), {"activation": act}))
-    return out
-
-
-def _benchmarks(platform):
-    shapes = ((256, 512, 1024),) if platform.backend == "cpu" else ((4096, 4096, 14336), (16384, 2048, 8192))
-    out = []
-    for m, k, n in shapes:
-        dtype = jnp.float32 if platform.backend == "cpu" else jnp.bfloat16
-        x, w, _ = _random_case(0, m, k, n, dtype, True)
-        out.append(Example(f"M={m} K={k} N={n} silu", (x, w), {"activation": "silu"}))
-    return out
-
-
 def _backward_runner(kernels):
     def run(call: Call, config):
         return kernels.glu_backward(call.dy, call.x, call.w_gate, call.w_up, activation=call.activation,
@@ -160,7 +120,7 @@ gated_linear_unit_backward_op = register(Op(
     ],
     flops=_backward_flops,
     bytes_accessed=_backward_bytes,
-    examples=_backward_examples,
+    examples=backward_examples,
 ))
 
 
@@ -201,8 +161,8 @@ gated_linear_unit_op = register(Op(
     ],
     flops=_flops,
     bytes_accessed=_bytes,
-    examples=_examples,
-    benchmarks=_benchmarks,
+    examples=forward_examples,
+    benchmarks=benchmarks,
     differentiable=("x", "w_gate", "w_up"),
 ))
 

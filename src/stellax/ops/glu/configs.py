@@ -29,10 +29,12 @@ _SPACE = (
 
 
 def glu_space(call: Call) -> list[GluConfig]:
+    """The GLU Triton autotuning space (seven tile shapes)."""
     return list(_SPACE)
 
 
 def glu_heuristic(call: Call) -> GluConfig:
+    """GLU Triton tiles by the row count ``M`` (small ``block_m`` for decode-sized inputs)."""
     rows = 1
     for d in call.x.shape[:-1]:
         rows *= d

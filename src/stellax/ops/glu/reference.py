@@ -18,6 +18,7 @@ from .activations import activation_fn
 
 
 def split_weights(call: Call):
+    """``(w_gate [K, N], w_up [K, N])`` of either weight form."""
     if call.w_up is None:
         return call.w_gate[:, 0, :], call.w_gate[:, 1, :]
     return call.w_gate, call.w_up

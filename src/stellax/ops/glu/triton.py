@@ -129,7 +129,8 @@ def _tiles(cfg: GluConfig, rows: str, cols: str):
 
 
 def glu_forward(x, w_gate, w_up, *, activation, precision, config: GluConfig):
-    """``x [M, K]``, weights ``[K, 2, N]`` or two ``[K, N]`` → ``y = act(x @ Wg)·(x @ Wu)`` ``[M, N]`` in ``x.dtype``."""
+    """``x [M, K]``, weights ``[K, 2, N]`` or two ``[K, N]`` → ``y = act(x @ Wg)·(x @ Wu)``
+    ``[M, N]`` in ``x.dtype``."""
     m, k = x.shape
     wg, wu, gate_col, up_col, n = weight_panels(w_gate, w_up)
     cfg = config

@@ -24,12 +24,15 @@ def _gate_up(x, w_gate, w_up, precision):
 
 
 def glu_forward(x, w_gate, w_up, *, activation, precision, config=None):
+    """``x [M, K]`` → ``act(x @ Wg)·(x @ Wu)`` ``[M, N]`` in ``x.dtype`` (float32 accumulation)."""
     del config
     gate, up = _gate_up(x, w_gate, w_up, precision)
     return (activation_fn(activation)(gate) * up).astype(x.dtype)
 
 
 def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config=None):
+    """``dy [M, N]`` → ``(dx [M, K], dw_gate, dw_up)`` in the weights' form: ``dgate = dy·up·act'(gate)``,
+    ``dup = dy·act(gate)``, ``dx = dgate @ Wgᵀ + dup @ Wuᵀ``, ``dW = xᵀ @ d(gate|up)``."""
     del config
     gate, up = _gate_up(x, w_gate, w_up, precision)
     act, act_grad = activation_and_grad(activation, gate)

@@ -7,12 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Example, Implementation, Op, backward_implementation, register
+from ...core import Call, Implementation, Op, backward_implementation, register
 from ...core import checks
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .configs import NormConfig, norm_heuristic, norm_requirements, norm_space
-from .reference import layer_norm_backward_reference, layer_norm_reference, normalize_rows
+from .examples import backward_examples, benchmarks, forward_examples
+from .reference import layer_norm_backward_reference, layer_norm_reference
 
 
 # -- argument checks -----------------------------------------------------------
@@ -97,22 +98,6 @@ def _backward_runner(kernels):
     return run
 
 
-def _backward_examples(dtype):
-    out = []
-    for rows, features, subtract_mean, with_dh in ((5, 127, True, False), (3, 1000, False, True)):
-        key = jax.random.PRNGKey(rows * features)
-        kx, ks, ko, kd, kh = jax.random.split(key, 5)
-        x = jax.random.normal(kx, (rows, features), jnp.float32).astype(dtype)
-        scale = (1 + 0.1 * jax.random.normal(ks, (features,))).astype(dtype)
-        offset = (0.1 * jax.random.normal(ko, (features,))).astype(dtype)
-        _, mean, rstd = normalize_rows(x, None, None, epsilon=1e-6, subtract_mean=subtract_mean)
-        dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
-        dh = jax.random.normal(kh, (rows, features), jnp.float32).astype(dtype) if with_dh else None
-        out.append(Example(f"rows={rows} D={features}", (dy, x, scale, offset, mean, rstd, dh),
-                           {"subtract_mean": subtract_mean}))
-    return out
-
-
 layer_norm_backward_op = register(Op(
     "layer_norm_backward",
     family="norm",
@@ -126,7 +111,7 @@ layer_norm_backward_op = register(Op(
     ],
     flops=_backward_flops,
     bytes_accessed=_backward_bytes,
-    examples=_backward_examples,
+    examples=backward_examples,
 ))
 
 
@@ -170,47 +155,6 @@ def _forward_runner(kernels, name: str):
     return run
 
 
-def _forward_examples(dtype):
-    shapes = (((4, 1), -1, True, False), ((3, 127), -1, True, False), ((2, 3, 1000), -1, False, False),
-              ((64, 6), 0, True, False), ((5, 333), -1, True, True))
-    out = []
-    for i, (shape, axis, subtract_mean, with_residual) in enumerate(shapes):
-        kx, ks, ko, kr = jax.random.split(jax.random.PRNGKey(i), 4)
-        features = shape[axis]
-        x = jax.random.normal(kx, shape, jnp.float32).astype(dtype)
-        scale = (1 + 0.1 * jax.random.normal(ks, (features,))).astype(dtype)
-        offset = (0.1 * jax.random.normal(ko, (features,))).astype(dtype) if subtract_mean else None
-        kwargs = {"axis": axis, "subtract_mean": subtract_mean}
-        if with_residual:
-            kwargs["residual"] = jax.random.normal(kr, shape, jnp.float32).astype(dtype)
-        label = f"{'layer' if subtract_mean else 'rms'} x={shape} axis={axis}" + (" +residual" if with_residual else "")
-        out.append(Example(label, (x, scale, offset), kwargs))
-    return out
-
-
-def _benchmarks(platform):
-    """Benchmark calls: small on a CPU; transformer hidden sizes on accelerators."""
-    if platform.backend == "cpu":
-        cases = (((512, 1024), jnp.float32, True, False), ((512, 1024), jnp.float32, False, True))
-    else:
-        cases = (((16384, 4096), jnp.bfloat16, True, False), ((16384, 8192), jnp.bfloat16, False, True),
-                 ((8192, 2048), jnp.float32, True, False), ((4096, 16384), jnp.bfloat16, False, False))
-    out = []
-    for i, (shape, dtype, subtract_mean, with_residual) in enumerate(cases):
-        kx, ks, ko, kr = jax.random.split(jax.random.PRNGKey(100 + i), 4)
-        features = shape[-1]
-        x = jax.random.normal(kx, shape, jnp.float32).astype(dtype)
-        scale = (1 + 0.1 * jax.random.normal(ks, (features,))).astype(dtype)
-        offset = (0.1 * jax.random.normal(ko, (features,))).astype(dtype) if subtract_mean else None
-        kwargs = {"subtract_mean": subtract_mean}
-        if with_residual:
-            kwargs["residual"] = jax.random.normal(kr, shape, jnp.float32).astype(dtype)
-        label = (f"{'layer' if subtract_mean else 'rms'} {np.dtype(dtype).name} {shape[0]}x{shape[1]}"
-                 + (" +residual" if with_residual else ""))
-        out.append(Example(label, (x, scale, offset), kwargs))
-    return out
-
-
 layer_norm_op = register(Op(
     "layer_norm",
     family="norm",
@@ -224,8 +168,8 @@ layer_norm_op = register(Op(
     ],
     flops=_forward_flops,
     bytes_accessed=_forward_bytes,
-    examples=_forward_examples,
-    benchmarks=_benchmarks,
+    examples=forward_examples,
+    benchmarks=benchmarks,
     differentiable=("x", "scale", "offset", "residual"),
 ))
 
