@@ -113,3 +113,25 @@ def test_dynamic_shapes_compile_soundly():
             torch.tensor(cu, dtype=torch.int32))
         for a, b in zip(compiled(*args), packed_step(*args)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_derived_arrays_and_options_agree_with_the_registered_ops():
+    """Where a front end wraps a registered `Op` of the same name, no argument
+    is an array on one side and a static option on the other (the Op's
+    checked `Call` on its first example decides)."""
+    import jax.numpy as jnp
+    from stellax.core.op import registered_ops
+
+    ops = registered_ops()
+    checked = 0
+    for name, top in registry.registered_torch_ops().items():
+        op = ops.get(name)
+        examples = op.examples(jnp.float32) if op is not None else []
+        if not examples:
+            continue
+        call = op.check(*examples[0].args, **examples[0].kwargs)
+        tensors = {t.name for t in top.tensors}
+        assert not tensors & set(call.options), (name, tensors & set(call.options))
+        assert not set(top.options) & set(call.arrays), (name, set(top.options) & set(call.arrays))
+        checked += 1
+    assert checked >= 5

@@ -55,8 +55,9 @@ class Struct:
       option_values: ``twin -> tuple`` of option values, in ``options`` order.
       build_jax: ``(children, option values) -> JAX pytree``.
       present: ``twin statics -> tuple[bool]``: which children exist.
-      jax_type / torch_type: zero-argument functions giving the classes
-        (imported late: the twins live in the front-end modules).
+      jax_type: the JAX pytree class.
+      torch_type: a zero-argument function giving the twin class (imported
+        late: the twins live in the front-end modules, which import this one).
     """
 
     name: str
@@ -68,7 +69,7 @@ class Struct:
     option_values: Callable[[Any], tuple]
     build_jax: Callable[[list, tuple], Any]
     present: Callable[[tuple], tuple]
-    jax_type: Callable[[], type]
+    jax_type: type
     torch_type: Callable[[], type]
 
     @property
@@ -114,14 +115,10 @@ class Struct:
         empty = jnp.zeros((0,), jnp.float32)
         if value is None:
             return [empty] * self.n_tensors
-        if not isinstance(value, self.jax_type()):
+        if not isinstance(value, self.jax_type):
             return [value] + [empty] * (self.n_tensors - 1)
         children = jax.tree_util.tree_leaves(value, is_leaf=lambda x: x is None)
         return [empty if c is None else c for c in children]
-
-
-def _qarray_type():
-    return QArray
 
 
 def _qtensor_type():
@@ -141,13 +138,9 @@ QARRAY = Struct(
     options={"format": "str", "shape": "int[]", "block_shape": "int[]", "axis": "int", "rotation": "int?"},
     twin_statics=("format", "shape", "block_shape", "axis", "rotation"),
     option_values=lambda q: (q.format, list(q.shape), list(q.block_shape), int(q.axis), q.rotation),
-    build_jax=lambda c, o: _qarray_type().tree_unflatten((o[0], tuple(o[1]), tuple(o[2]), o[3], o[4]), c),
-    present=_qarray_present, jax_type=_qarray_type, torch_type=_qtensor_type,
+    build_jax=lambda c, o: QArray.tree_unflatten((o[0], tuple(o[1]), tuple(o[2]), o[3], o[4]), c),
+    present=_qarray_present, jax_type=QArray, torch_type=_qtensor_type,
 )
-
-
-def _pages_type():
-    return QuantizedPages
 
 
 def _torch_pages_type():
@@ -195,13 +188,13 @@ PAGES = Struct(
     options={"quant": "str", "head_dim": "int"},
     twin_statics=("spec", "head_dim", "quant"),
     option_values=lambda p: (p.quant, int(p.head_dim)),
-    build_jax=_jax_pages, present=_pages_present, jax_type=_pages_type, torch_type=_torch_pages_type,
+    build_jax=_jax_pages, present=_pages_present, jax_type=QuantizedPages, torch_type=_torch_pages_type,
 )
 
 
 def struct_of(cls) -> Struct | None:
     """The `Struct` of a JAX pytree class used in an annotation, or None."""
     for s in (QARRAY, PAGES):
-        if cls is s.jax_type():
+        if cls is s.jax_type:
             return s
     return None
