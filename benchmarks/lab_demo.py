@@ -148,19 +148,49 @@ def run_llm(out: Path, options: dict) -> dict:
     return result
 
 
+def run_confirm(out: Path, options: dict) -> dict:
+    """Re-time each mutate run's winner and its starting candidate against the
+    baseline with more rounds (a search ranks on a short measurement)."""
+    from stellax.lab import archive as archive_lib
+    from stellax.lab.evaluate import Worker
+    results = {}
+    confirm = {**options, "benchmark_rounds": 5, "benchmark_min_time": 0.5}
+    with archive_lib.Archive(out / "stellax-lab.sqlite") as archive, Worker(time_limit=1800) as worker:
+        for run in archive.runs():
+            if run["proposer"] != "mutate":
+                continue
+            best = archive.best(run["id"])
+            report = worker.evaluate(best["source"], run["op"], options=confirm, shapes=run["params"]["shapes"])
+            bench = report.get("benchmark") or {}
+            results[run["id"]] = {"winner_id": best["id"], "status": report["status"],
+                                  "speedup": bench.get("speedup"),
+                                  "cases": [{k: c.get(k) for k in ("example", "baseline", "candidate_ms", "baseline_ms",
+                                                                   "speedup", "candidate_median_ms",
+                                                                   "baseline_median_ms")}
+                                            for c in bench.get("cases", [])],
+                                  "knobs": [l for l in best["source"].splitlines() if "# lab: choices" in l]}
+            print(json.dumps(results[run["id"]], indent=1))
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("mutate", "llm"), required=True)
+    parser.add_argument("--part", choices=("mutate", "llm", "confirm"), required=True)
     parser.add_argument("--budget", type=int, default=12)
     parser.add_argument("--out", default="/tmp/lab-demo")
     parser.add_argument("--ops", default=None, help="comma-separated subset of the mutate part's ops")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    options = {"dtypes": ["float32"], "max_examples": 2, "benchmark_min_time": 0.3, "benchmark_rounds": 3}
+    options = {"dtypes": ["float32"], "max_examples": 1, "benchmark_min_time": 0.5, "benchmark_rounds": 3}
     load_before = os.getloadavg()
     t0 = time.time()
-    result = run_mutate(out, args.budget, options, args.ops and args.ops.split(",")) if args.part == "mutate" else run_llm(out, options)
+    if args.part == "mutate":
+        result = run_mutate(out, args.budget, options, args.ops and args.ops.split(","))
+    elif args.part == "llm":
+        result = run_llm(out, options)
+    else:
+        result = run_confirm(out, options)
     record = {"part": args.part, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{host.processor() or host.machine()}, {os.cpu_count()} cores",
               "load_average_before": load_before, "load_average_after": os.getloadavg(),

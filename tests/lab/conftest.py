@@ -1,4 +1,4 @@
-"""Shared fixtures of the lab tests: one evaluation child for a module, tiny
+"""Shared fixtures of the lab tests: one evaluation child for the session, tiny
 options, and tiny benchmark shapes for `hadamard_transform` (the cheapest op
 with a benchmark: no gradients, four small examples)."""
 
@@ -16,7 +16,7 @@ def BENCHMARKS(platform):
 '''
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def worker():
     with Worker(time_limit=240, memory_limit_mb=8192) as w:
         yield w

@@ -3,7 +3,6 @@ input is a clear error or a report naming the problem, and a candidate that
 crashes, hangs or exhausts memory yields a report, never a crash here."""
 
 import json
-import sys
 
 import pytest
 
@@ -114,23 +113,16 @@ SPACE = lambda call: []
 
 
 def test_crash_hang_and_memory_yield_reports():
-    with Worker(time_limit=40, memory_limit_mb=4096) as worker:
+    with Worker(time_limit=25, memory_limit_mb=4096) as worker:
         segv = HEAD + "import ctypes\nctypes.string_at(0)\n"
         report = worker.evaluate(segv, "hadamard_transform", options=NO_BENCH)
         assert report["status"] == "crashed" and "SIGSEGV" in report["first_failure"]["message"]
         assert report["first_failure"]["tier"] == "load"
 
-        hang = HEAD + '''
-def run(call, config):
-    import time
-    while True:
-        time.sleep(0.1)
-
-IMPLEMENTATION = dataclasses.replace(_BASE, name="hang", run=run)
-'''
+        hang = HEAD + "import time\nwhile True:\n    time.sleep(0.1)\n"
         t_limit = worker.time_limit
         report = worker.evaluate(hang, "hadamard_transform", options=NO_BENCH)
-        assert report["status"] == "timeout" and report["first_failure"]["tier"] == "contract"
+        assert report["status"] == "timeout" and report["first_failure"]["tier"] == "load"
         assert f"time limit of {t_limit:g} s" in report["first_failure"]["message"]
         assert report["wall_s"] >= t_limit
 

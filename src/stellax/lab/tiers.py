@@ -32,10 +32,15 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
 
-from ..core import Example, Implementation, Op, current_platform, interpret_mode
+from ..core import Example, Implementation, Op, current_platform, interpret_mode, lowering_target
+from ..bench import analyze, device_peaks
+from ..bench.inputs import materialize_example
 from ..testing import compare, golden, lower_config, platforms_of, random_array, upcast
 from ..testing import assert_fits_smem, compile_triton_to_ptx, lower_for, triton_compiler_available
+from ..testing.lowering import DEFAULT_TARGET
 from . import report as report_lib
 
 
@@ -303,8 +308,6 @@ class Runner:
         return f"skipped: no compile tier for backend {backend!r}"
 
     def _compile_tpu(self) -> str:
-        from jax.experimental import topologies
-        from jax.sharding import SingleDeviceSharding
         topology = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu")
         device = topology.devices[0]
         example = self._lowering_example()
@@ -316,8 +319,6 @@ class Runner:
                 return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device))
             return x
         args, kw = jax.tree_util.tree_map(struct, (example.args, arrays))
-        from ..core import lowering_target
-        from ..testing.lowering import DEFAULT_TARGET
         with lowering_target(DEFAULT_TARGET["tpu"]):
             compiled = jax.jit(lambda a, k: lab_op(*a, implementation=name, **k, **static)).trace(args, kw).lower(
                 lowering_platforms=("tpu",)).compile()
@@ -330,50 +331,66 @@ class Runner:
         if self.interpret:
             return {"skipped": "an interpreted kernel is not timed on a CPU; the candidate is scored by the "
                                "tiers it passes"}
-        from ..bench import benchmark
-        from ..bench.inputs import materialize_example
         examples = self.bench_examples if self.bench_examples is not None else self.op.benchmarks(self.platform)
         examples = list(examples)[:self.options.max_benchmarks]
         if not examples:
             return {"skipped": f"{self.op.name} has no benchmark shapes on {self.platform.describe()}"}
+        peaks = device_peaks(self.platform)
         cases, baselines = [], set()
         for raw in examples:
             example = materialize_example(raw)
             call = self.op.check(*example.args, **example.kwargs)
-            if not self.impl.supported(call):
-                cases.append({"example": example.label, "skipped": self.impl.supported(call).reason})
+            support = self.impl.supported(call)
+            if not support:
+                cases.append({"example": example.label, "skipped": support.reason})
                 continue
             best = self.op.select(call)
             baselines.add(best.name)
-            timings = {"candidate": [], "baseline": []}
-            records = {}
-            targets = {"candidate": self.impl.name, "baseline": best.name}
-            for r in range(self.options.benchmark_rounds):
-                order = ("candidate", "baseline") if r % 2 == 0 else ("baseline", "candidate")
-                for who in order:
-                    op = self.lab_op if who == "candidate" else self.op
-                    name = targets[who]
-
-                    def fn(*args, _op=op, _name=name, **kwargs):
-                        return _op(*args, implementation=_name, **kwargs)
-                    record = benchmark(fn, *example.args, timer="wall", min_time=self.options.benchmark_min_time,
-                                       input_sets=1, randomize=False, name=f"{who}:{name}",
-                                       **example.kwargs)
-                    # The fastest iteration: on a shared machine the least disturbed by other load.
-                    timings[who].append(record.min_ms)
-                    records[who] = record
-            c, b = min(timings["candidate"]), min(timings["baseline"])
-            cases.append({"example": example.label, "baseline": best.name, "candidate_ms": c, "baseline_ms": b,
-                          "speedup": b / c if c > 0 else None, "rounds_ms": timings,
-                          "candidate_median_ms": records["candidate"].median_ms,
-                          "baseline_median_ms": records["baseline"].median_ms,
-                          "pct_roofline": records["candidate"].roofline.get("pct_roofline"),
-                          "baseline_pct_roofline": records["baseline"].roofline.get("pct_roofline"),
-                          "flops": records["candidate"].flops, "bytes_accessed": records["candidate"].bytes_accessed})
+            arrays, static = _split_kwargs(example)
+            compiled = {}
+            for who, op, name in (("candidate", self.lab_op, self.impl.name), ("baseline", self.op, best.name)):
+                def fn(*args, _op=op, _name=name, **kw):
+                    return _op(*args, implementation=_name, **kw, **static)
+                compiled[who] = jax.jit(fn).lower(*example.args, **arrays).compile()
+            times = interleaved_times(compiled, example.args, arrays, self.options.benchmark_min_time,
+                                      self.options.benchmark_rounds)
+            c, b = times["candidate"], times["baseline"]
+            ratios = sorted(bt / ct for bt, ct in zip(b, c) if ct > 0)
+            flops, nbytes = self.op.flops(call), self.op.bytes_accessed(call)
+            dtype = next((np.dtype(a.dtype).name for a in example.args if hasattr(a, "dtype")), None)
+            roof = {who: analyze(flops, nbytes, min(t) / 1e3, dtype, peaks).get("pct_roofline")
+                    for who, t in times.items()}
+            cases.append({"example": example.label, "baseline": best.name, "candidate_ms": float(np.median(c)),
+                          "baseline_ms": float(np.median(b)), "candidate_min_ms": min(c), "baseline_min_ms": min(b),
+                          "speedup": float(np.median(ratios)) if ratios else None,
+                          "speedup_of_minima": min(b) / min(c) if min(c) > 0 else None, "pairs": len(ratios),
+                          "pct_roofline": roof["candidate"], "baseline_pct_roofline": roof["baseline"],
+                          "flops": flops or None, "bytes_accessed": nbytes or None})
         timed = [c["speedup"] for c in cases if c.get("speedup")]
         speedup = math.exp(sum(math.log(s) for s in timed) / len(timed)) if timed else None
         return {"baseline": ",".join(sorted(baselines)) or None, "cases": cases, "speedup": speedup,
-                "timer": "wall (fastest iteration of each round, best round)", "rounds": self.options.benchmark_rounds}
+                "timer": "wall clock, candidate and baseline interleaved; speedup = median of paired ratios"}
+
+
+def interleaved_times(compiled: dict, args, kwargs, min_time: float, rounds: int) -> dict[str, list[float]]:
+    """Per-iteration milliseconds of each compiled function, the functions run
+    alternately (order flipped every iteration) so that both see the same
+    machine load; ``rounds`` × ``min_time`` seconds in all, at least 5 pairs."""
+    names = list(compiled)
+    for name in names:  # warm up
+        jax.block_until_ready(compiled[name](*args, **kwargs))
+    out: dict[str, list[float]] = {n: [] for n in names}
+    budget = max(1, rounds) * min_time
+    start = time.perf_counter()
+    i = 0
+    while i < 5 or (time.perf_counter() - start < budget and i < 2000):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled[name](*args, **kwargs))
+            out[name].append((time.perf_counter() - t0) * 1e3)
+        i += 1
+    return out
 
 
 def run_tiers(runner: Runner, progress: Callable[[str], None], started: list[dict]) -> tuple[list[dict], dict | None,
