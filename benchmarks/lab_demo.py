@@ -12,6 +12,8 @@ Writes ``<out>/demo.json`` (appending per part), the archive
 * attention ``xla_chunked`` (`ChunkedConfig` block_q / block_k; heuristic
   256×256, measured at T = S = 2048, head dim 64) on T = S = 1024, 4 heads,
   head dim 128, causal and full;
+* attention again on T = 128 queries against S = 4096 keys (8 heads, head dim
+  64), a prefill-with-long-context shape;
 * chunk_gated_delta_rule's XLA chunk size (heuristic 32 on a CPU, measured at
   T = 4096, H = 16, K = V = 128) on T = 2048, 4 heads, K = V = 32.
 
@@ -42,6 +44,17 @@ def BENCHMARKS(platform):
         out.append(Example(f"B=1 T=S=1024 N=4 H=128 {'causal' if causal else 'full'}", (q, k, v),
                            {"is_causal": causal}))
     return out
+'''
+
+ATTENTION_KV_SHAPES = '''
+import jax, jax.numpy as jnp
+from stellax.core import Example
+
+def BENCHMARKS(platform):
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(keys[0], (1, 128, 8, 64), jnp.float32)
+    k, v = (jax.random.normal(key, (1, 4096, 8, 64), jnp.float32) for key in keys[1:])
+    return [Example("B=1 T=128 S=4096 N=8 H=64 full (short queries, long keys)", (q, k, v), {})]
 '''
 
 GDN_SHAPES = '''
@@ -99,24 +112,25 @@ def run_mutate(out: Path, budget: int, options: dict, only: list[str] | None = N
     shapes_dir.mkdir(parents=True, exist_ok=True)
     (shapes_dir / "attention_shapes.py").write_text(ATTENTION_SHAPES)
     (shapes_dir / "gdn_shapes.py").write_text(GDN_SHAPES)
+    (shapes_dir / "attention_kv_shapes.py").write_text(ATTENTION_KV_SHAPES)
+    chunked = _lowest(template.config_template(ops["attention"], "xla_chunked"))
     plans = [
-        ("attention", _lowest(template.config_template(ops["attention"], "xla_chunked")),
-         shapes_dir / "attention_shapes.py"),
-        ("chunk_gated_delta_rule", _lowest(template.implementation_template(ops["chunk_gated_delta_rule"])),
-         shapes_dir / "gdn_shapes.py"),
+        ("demo-attention-mutate", "attention", chunked, shapes_dir / "attention_shapes.py"),
+        ("demo-chunk_gated_delta_rule-mutate", "chunk_gated_delta_rule",
+         _lowest(template.implementation_template(ops["chunk_gated_delta_rule"])), shapes_dir / "gdn_shapes.py"),
+        ("demo-attention-long-kv-mutate", "attention", chunked, shapes_dir / "attention_kv_shapes.py"),
     ]
     results = {}
     with archive_lib.Archive(out / "stellax-lab.sqlite") as archive:
-        for op, seed_source, shapes in plans:
-            if only and op not in only:
+        for run, op, seed_source, shapes in plans:
+            if only and run not in only:
                 continue
             t0 = time.time()
-            run = f"demo-{op}-mutate"
             search(op, MutateProposer(), budget=budget, seed_source=seed_source, archive=archive, run_id=run,
                    seed=0, population=4, time_limit=1200, options=options, shapes=str(shapes))
-            results[op] = {"run": run, "wall_s": round(time.time() - t0, 1), **_milestones(archive, run)}
+            results[run] = {"op": op, "wall_s": round(time.time() - t0, 1), **_milestones(archive, run)}
             write_report(archive, run, out / run)
-            print(json.dumps({k: v for k, v in results[op].items() if k != "curve"}, indent=1))
+            print(json.dumps({k: v for k, v in results[run].items() if k != "curve"}, indent=1))
     return results
 
 
@@ -178,7 +192,7 @@ def main() -> int:
     parser.add_argument("--part", choices=("mutate", "llm", "confirm"), required=True)
     parser.add_argument("--budget", type=int, default=12)
     parser.add_argument("--out", default="/tmp/lab-demo")
-    parser.add_argument("--ops", default=None, help="comma-separated subset of the mutate part's ops")
+    parser.add_argument("--ops", default=None, help="comma-separated subset of the mutate part's runs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

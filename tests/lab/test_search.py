@@ -125,3 +125,16 @@ def test_killed_search_resumes_without_losing_evaluations(tmp_path, worker, hada
         assert not archive.candidates("k", status="pending") and archive.integrity() == "ok"
         with pytest.raises(LabError, match="proposer mutate, not hadamard_transform with llm"):
             archive.start_run("k", "hadamard_transform", "llm", {})
+
+
+@pytest.mark.slow
+def test_config_only_attention_search(tmp_path, worker):
+    """A config-only `xla_chunked` search on the op's own examples and benchmark shapes."""
+    seed = template.config_template(find_op("attention"), "xla_chunked")
+    with Archive(tmp_path / "lab.sqlite") as archive:
+        result = search("attention", MutateProposer(), budget=3, seed_source=seed, archive=archive, run_id="a",
+                        options={**FAST, "max_benchmarks": 1}, worker=worker, progress=None)
+        rows = archive.evaluated("a")
+        assert result["evaluated"] == 3 and all(c["passed"] for c in rows), [c["first_failure"] for c in rows]
+        assert rows[0]["report"]["candidate"]["kind"] == "config"
+        assert all(c["report"]["benchmark"]["cases"][0]["baseline"] == "xla_chunked" for c in rows)

@@ -23,8 +23,8 @@ def _add_eval_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the numerics tiers (comma-separated)")
     p.add_argument("--max-examples", type=int, default=None, help="only the first N examples per dtype")
     p.add_argument("--no-benchmark", action="store_true", help="skip the benchmark tier")
-    p.add_argument("--bench-time", type=float, default=0.2, help="seconds of timing per implementation and round")
-    p.add_argument("--bench-rounds", type=int, default=2, help="alternating timing rounds per shape")
+    p.add_argument("--bench-time", type=float, default=0.2, help="seconds of interleaved timing per round")
+    p.add_argument("--bench-rounds", type=int, default=2, help="timing lasts rounds x --bench-time seconds per shape, candidate and baseline interleaved")
     p.add_argument("--max-benchmarks", type=int, default=None, help="only the first N benchmark shapes")
     p.add_argument("--shapes", default=None, help="a Python file defining BENCHMARKS(platform) -> [Example]: the "
                                                   "benchmark shapes (default: the op's)")
