@@ -131,3 +131,15 @@ def test_crash_hang_and_memory_yield_reports():
         assert report["status"] in ("memory", "failed")
         assert "MemoryError" in json.dumps(report["first_failure"]) or report["status"] == "memory"
         assert report["score"] < 1.0
+
+
+def test_kernel_candidate_runs_interpreted_and_lowers(worker):
+    """A Pallas (Triton) candidate on a CPU: numerics interpreted, lowered for cuda, scored by its tiers."""
+    kernel = HEAD + 'IMPLEMENTATION = dataclasses.replace(stellax.registered_ops()[OP].implementations["triton"], ' \
+                    'name="tri")\n'
+    report = worker.evaluate(kernel, "hadamard_transform", options=FAST)
+    assert report["status"] == "passed", report["summary"]
+    assert report["candidate"]["backend"] == "triton" and report["environment"]["interpret"] is True
+    assert _tier(report, "lowering")["detail"].startswith("lowered for cuda")
+    assert _tier(report, "benchmark")["status"] == "skipped" and "not timed on a CPU" in report["summary"]
+    assert report["score"] == 1.0

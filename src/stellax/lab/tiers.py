@@ -147,7 +147,8 @@ class Runner:
         impl = self.impl
         for dtype, example in self.examples():
             call = self.op.check(*example.args, **example.kwargs)
-            support = impl.supported(call)
+            with self.mode():  # a kernel on a CPU runs interpreted
+                support = impl.supported(call)
             if not support:
                 self.unsupported.append(f"{example.label} ({dtype}): {support.reason}")
                 continue
