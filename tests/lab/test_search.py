@@ -88,8 +88,9 @@ def _search_process(archive_path: Path, shapes: str, run: str, budget: int, seed
             "--archive", str(archive_path), "--seed-file", str(seed_file), "--shapes", shapes, "--dtypes", "float32",
             "--max-examples", "1", "--bench-time", "0.05"]
     code = f"import sys; from stellax.lab.cli import main; sys.exit(main({argv!r}))"
+    env = {**os.environ, "TMPDIR": str(archive_path.parent)}  # the killed child's directories stay in tmp_path
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env=env)
 
 
 def test_killed_search_resumes_without_losing_evaluations(tmp_path, worker, hadamard_shapes):

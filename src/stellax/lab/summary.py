@@ -76,6 +76,7 @@ def plot(archive: Archive, run_id: str, path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     table = generation_table(archive, run_id)
     best = archive.best(run_id)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -83,6 +84,7 @@ def plot(archive: Archive, run_id: str, path: Path) -> Path:
     a.plot(gens, [r["best"] for r in table], "o", label="best in generation")
     a.step(gens, [r["best_so_far"] for r in table], where="post", label="best so far")
     a.axhline(2.0, color="grey", lw=0.8, ls="--", label="matches the baseline (score 2)")
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
     a.set_xlabel("generation")
     a.set_ylabel("score (1 + speedup if correct)")
     a.legend(fontsize=7)
