@@ -153,7 +153,11 @@ def _cmd_promote(args) -> int:
 
 
 def _cmd_mcp(args) -> int:
-    from .mcp_server import serve
+    from .mcp_server import serve, server_class
+    try:
+        server_class()
+    except ImportError as e:
+        raise LabError(str(e)) from None
     serve(archive_path=args.archive)
     return 0
 
