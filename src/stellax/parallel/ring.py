@@ -69,8 +69,8 @@ def _flash_backward_chain(implementation):
         names = tuple(implementation)
     if any(n not in FLASH_BACKWARDS for n in names):
         return ()
-    from ..ops.attention.registry import BACKWARD_KERNELS
-    return tuple(n for n in names if n in BACKWARD_KERNELS)
+    from ..ops.attention import backward_kernels
+    return tuple(n for n in names if n in backward_kernels())
 
 
 def _ring_loop(step, carry, block, axis_name, axis_size):

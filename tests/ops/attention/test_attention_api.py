@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 import stellax
-from stellax.ops.attention import dot_product_attention_varlen
+from stellax.ops.attention import (
+    attention_backward_op, attention_fp8_op, attention_op, backward_kernels, base, dot_product_attention_varlen, triton,
+    xla_chunked,
+)
 from stellax.testing import assert_close
 
 def jitted(fn):
@@ -251,3 +254,17 @@ def test_triton_on_cpu_without_interpret_explains():
         pytest.skip("no triton implementation registered")
     with pytest.raises(stellax.UnsupportedError, match="GPU"):
         dpa(*qkv(0, 1, 8, 8, 2, 2, 16), implementation="triton")
+
+
+def test_implementations_run_their_kernels_directly():
+    """Each forward implementation's ``run`` is bound to its kernel and the
+    shared custom VJP (no lookup table by name); fp8 attention has the same
+    implementations; the backward kernels are named by the backward op."""
+    for op in (attention_op, attention_fp8_op):
+        run = {name: impl.run for name, impl in op.implementations.items()}
+        assert isinstance(run["triton"], base.KernelRunner) and run["triton"].forward is triton.forward
+        assert run["triton"].backward_op is attention_backward_op and run["triton"].backward == ("triton",)
+        assert run["xla_chunked"].forward is xla_chunked.forward and run["xla_chunked"].backward == ("xla_chunked",)
+        assert run["xla"] is base.reference
+    assert backward_kernels() == ("triton", "xla_chunked")
+    assert set(attention_backward_op.implementations) == {"triton", "xla_chunked", "xla"}

@@ -13,7 +13,7 @@ import pytest
 
 import stellax
 from stellax.core import use_configs
-from stellax.ops.attention import api, attention_backward_op, attention_op
+from stellax.ops.attention import attention_backward_op, attention_op, base
 from stellax.ops.attention import triton as triton_fwd
 from stellax.ops.attention.configs import FlashBackwardConfig, FlashConfig
 from stellax.ops.attention.masks import MaskSpec, classify_blocks, default_positions, schedule_counts, visit_schedule
@@ -101,7 +101,7 @@ def _kernel_visits(spec_kwargs, t, s, block_q, block_k):
     q = jax.random.normal(jax.random.PRNGKey(0), (1, t, 1, 16))
     k = jax.random.normal(jax.random.PRNGKey(1), (1, s, 1, 16))
     call = attention_op.check(q, k, k, **spec_kwargs)
-    c = api.canonicalize(call)
+    c = base.canonicalize(call)
     with stellax.interpret_mode():
         _, _, counts = triton_fwd.forward(c, FlashConfig(block_q=block_q, block_k=block_k), debug=True)
     counts = np.asarray(counts[0, 0])  # per query row

@@ -21,7 +21,9 @@ of K/V in memory), converts them to bf16 in registers (exact for e4m3 and
 e5m2), multiplies the ``q·kᵀ`` logits by ``s_q·s_k`` and the probabilities by
 ``s_v`` before ``p·v``. ``xla_chunked`` dequantizes q/k/v up front (to the
 output dtype) and runs the usual chunked loop. The output dtype is
-``preferred_element_type`` (bfloat16 by default).
+``preferred_element_type`` (bfloat16 by default). The op has the float op's
+implementations (`base.forward_implementations`): its canonical operands carry
+the codes, their per-row scales and the output dtype (`base.Canonical`).
 
 Gradients: the quantized operands are constants — their codes and scales get
 zero cotangents. Float operands mixed with quantized ones (e.g. a bf16 query
@@ -32,15 +34,14 @@ dequantized copies).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, backward_implementation, checks, register
-from ..quant.quantize import quantize_op
-from ..quant.qarray import QArray
+from ...core import Call, Op, checks, register
+from ..quant import QArray, quantize_op
+from .backward import attention_backward_op
+from .base import check_attention, forward_bytes, forward_flops, forward_implementations, reference
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -95,7 +96,6 @@ def quantize_for_attention(x, format: str = "fp8_e4m3", *, scales: str = "token"
 def check_fp8_attention(query, key, value, bias=None, mask=None, *, preferred_element_type=None, **kwargs) -> Call:
     """Checks of `dot_product_attention` (run on bf16 stand-ins for the
     operands' shapes) plus the fp8 operands' formats and scale layouts."""
-    from .api import check_attention
     trio = (query, key, value)
     if not is_quantized(*trio):
         raise ValueError("query/key/value: fp8 attention needs at least one QArray operand")
@@ -113,141 +113,21 @@ def check_fp8_attention(query, key, value, bias=None, mask=None, *, preferred_el
     if dtype not in [np.dtype(d) for d in OUT_DTYPES]:
         raise TypeError(f"preferred_element_type: expected bfloat16/float16/float32, got {dtype.name}")
     stand_ins = [jax.ShapeDtypeStruct(tuple(x.shape), jnp.bfloat16) for x in trio]
-    base = check_attention(*stand_ins, bias, mask, **kwargs)
-    arrays = dict(base.arrays)
+    checked = check_attention(*stand_ins, bias, mask, **kwargs)
+    arrays = dict(checked.arrays)
     for n, (values, s) in zip(_NAMES, operands):
         arrays[n] = values
         arrays[n[0] + "_scales"] = s
-    return Call(arrays, {**base.options, "preferred_element_type": dtype.name})
-
-
-# -- canonical form -----------------------------------------------------------------------
-def _canonical_scales(s, b, length, heads):
-    """``[B...|1, L|1, heads|1]`` → ``[B, L, heads]`` float32 (None for a float operand)."""
-    if s is None:
-        return None
-    lead = s.shape[:-2]
-    s = s.reshape((int(np.prod(lead)) if lead else 1,) + tuple(s.shape[-2:]))
-    return jnp.broadcast_to(s, (b, length, heads))
-
-
-def _canonical(call: Call):
-    from .api import canonicalize
-    c = canonicalize(call)
-    b, t, n, _ = c.q.shape
-    s, kh = c.k.shape[1:3]
-    scales = (_canonical_scales(call.q_scales, b, t, n), _canonical_scales(call.k_scales, b, s, kh),
-              _canonical_scales(call.v_scales, b, s, kh))
-    return c, scales
-
-
-def _dequantize(x, s, dtype):
-    """Canonical codes and row scales → ``dtype`` (a constant: no gradient)."""
-    if s is None:
-        return x
-    x, s = jax.lax.stop_gradient(x), jax.lax.stop_gradient(s)
-    return (x.astype(jnp.float32) * s[..., None]).astype(dtype)
-
-
-def _dequantized(c, scales, dtype):
-    q, k, v = (_dequantize(x, s, dtype) for x, s in zip((c.q, c.k, c.v), scales))
-    # Mixed float/quantized operands: compute in the common dtype.
-    return dataclasses.replace(c, q=q.astype(dtype), k=k.astype(dtype), v=v.astype(dtype))
-
-
-def _finalize(call, out, lse):
-    from .api import finalize
-    return finalize(call, out.astype(call.preferred_element_type), lse)
-
-
-# -- implementations ----------------------------------------------------------------------
-def _reference(call: Call):
-    from .reference import attention_forward_reference
-    c, scales = _canonical(call)
-    d = _dequantized(c, scales, jnp.float32)
-    out, lse = attention_forward_reference(*d.arrays, **d.statics)
-    return _finalize(call, out, lse)
-
-
-def _run_chunked(call: Call, config):
-    from .api import attention_with_vjp
-    c, scales = _canonical(call)
-    d = _dequantized(c, scales, jnp.dtype(call.preferred_element_type))
-    out, lse = attention_with_vjp("xla_chunked", config, d)
-    return _finalize(call, out, lse)
-
-
-def _run_triton(call: Call, config):
-    from . import triton as kernels
-    from .api import attention_backward_op
-    c, scales = _canonical(call)
-    out_dtype = jnp.dtype(call.preferred_element_type)
-    kernel_scales = tuple(jnp.ones(x.shape[:3], jnp.float32) if s is None else s
-                          for x, s in zip((c.q, c.k, c.v), scales))
-    statics = c.statics
-
-    def run_forward(q, k, v, sq, sk, sv, bias, sinks, mask, q_pos, kv_pos, q_seg, kv_seg):
-        cc = dataclasses.replace(c, q=q, k=k, v=v, bias=bias, sinks=sinks, mask=mask, q_pos=q_pos,
-                                 kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg)
-        return kernels.forward(cc, config, scales=(sq, sk, sv), out_dtype=out_dtype)
-
-    @jax.custom_vjp
-    def attend(*operands):
-        return run_forward(*operands)
-
-    def fwd(*operands):
-        out, lse = run_forward(*operands)
-        return (out, lse), (operands, out, lse)
-
-    def bwd(res, cotangents):
-        (q, k, v, sq, sk, sv, bias, sinks, mask, q_pos, kv_pos, q_seg, kv_seg), out, lse = res
-        d_out, d_lse = cotangents
-        quantized = [s is not None for s in scales]
-        dq_, dk_, dv_ = (_dequantize(x, s, out_dtype) if qz else x.astype(out_dtype)
-                         for x, s, qz in zip((q, k, v), (sq, sk, sv), quantized))
-        dq, dk, dv, dbias, dsinks = attention_backward_op(
-            dq_, dk_, dv_, bias, mask, sinks, out, lse, d_out.astype(out.dtype), d_lse, q_pos, kv_pos, q_seg,
-            kv_seg, **statics, implementation=backward_implementation(attention_backward_op, "triton"))
-        grads = [jnp.zeros_like(x) if qz else g.astype(x.dtype)
-                 for x, g, qz in zip((q, k, v), (dq, dk, dv), quantized)]
-        return (*grads, jnp.zeros_like(sq), jnp.zeros_like(sk), jnp.zeros_like(sv), dbias, dsinks,
-                None, None, None, None, None)
-
-    attend.defvjp(fwd, bwd)
-    out, lse = attend(c.q, c.k, c.v, *kernel_scales, c.bias, c.sinks, c.mask, c.q_pos, c.kv_pos, c.q_seg,
-                      c.kv_seg)
-    return _finalize(call, out, lse)
-
-
-def _flops(call: Call) -> float:
-    from .api import _attention_flops
-    return _attention_flops(call)
-
-
-def _bytes(call: Call) -> float:
-    from .api import _attention_bytes
-    return _attention_bytes(call)
-
-
-def _implementations():
-    from . import configs
-    return [
-        Implementation("triton", _run_triton, backend="triton", config_type=configs.FlashConfig,
-                       heuristic=configs.flash_heuristic, space=configs.flash_space,
-                       requirements=configs.flash_requirements),
-        Implementation("xla_chunked", _run_chunked, config_type=configs.ChunkedConfig,
-                       heuristic=configs.chunked_heuristic, space=configs.chunked_space),
-        Implementation("xla", lambda call, config: _reference(call)),
-    ]
+    return Call(arrays, {**checked.options, "preferred_element_type": dtype.name})
 
 
 attention_fp8_op = register(Op(
     "attention_fp8",
     family="attention",
     check=check_fp8_attention,
-    reference=_reference,
-    implementations=_implementations(),
-    flops=_flops,
-    bytes_accessed=_bytes,
+    reference=reference,
+    implementations=forward_implementations(attention_backward_op),
+    flops=forward_flops,
+    bytes_accessed=forward_bytes,
     differentiable=("bias", "sinks"),
 ))

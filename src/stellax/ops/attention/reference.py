@@ -1,6 +1,6 @@
 """Golden dot-product attention: plain einsum/softmax in float32.
 
-On canonical operands (see `api.canonicalize`): ``q [B, T, N, H]``,
+On canonical operands (see `base.canonicalize`): ``q [B, T, N, H]``,
 ``k [B, S, K, H]``, ``v [B, S, K, Hv]``, GQA with ``G = N // K`` (query head
 ``n`` reads kv head ``n // G``, never materialized repeated), optional
 ``bias``/``mask [B|1, N|1, T|1, S|1]``, ``sinks [N]``:

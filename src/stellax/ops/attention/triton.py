@@ -28,36 +28,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...core.pallas import triton_call
+from ...core.pallas import cdiv, operand, output, pad_axis, padded_dim, triton_kernel_call
 from .masks import MaskSpec, classify_blocks, mask_fn, visit_schedule
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def padded_dim(d: int) -> int:
-    return max(16, 1 << (int(d) - 1).bit_length())
-
-
-def pad_axis(x, axis: int, length: int, value=0):
-    extra = length - x.shape[axis]
-    if extra <= 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +118,10 @@ class Tiling(NamedTuple):
         return cls(b, t, n, h, s, n // kh, hv, bq, bk, nq, nk, nq * bq, nk * bk, padded_dim(h), padded_dim(hv))
 
 
-def _schedule(spec, q_pos, kv_pos, q_seg, kv_seg, block_q, block_k, *, kv_major=False):
-    classes = classify_blocks(spec, q_pos, kv_pos, q_seg, kv_seg, block_q=block_q, block_k=block_k)
+def block_schedule(c, tiling: Tiling, *, kv_major: bool = False):
+    """The `visit_schedule` of the mask's blocks: ``[Bc, nq, 4]`` per query
+    block, or (``kv_major``) ``[Bc, nk, 4]`` per key block."""
+    classes = classify_blocks(c.spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, block_q=tiling.bq, block_k=tiling.bk)
     if kv_major:
         classes = jnp.swapaxes(classes, 1, 2)
     return visit_schedule(classes)
@@ -161,54 +145,137 @@ def prepare_dense(x, tp: int, sp: int, dtype=None):
     return pad_axis(pad_axis(x, 2, tp), 3, sp)
 
 
-def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, has_sinks, debug, reverse,
-                    quantized=False):
-    refs = list(refs)
-    q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    # fp8 attention (see fp8.py): q/k/v tiles are codes, decoded to bf16 in
-    # registers; per-row float32 scales multiply the logits (s_q·s_k) and p (s_v).
-    qs_ref, ks_ref, vs_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if quantized else (None, None, None)
-    decode = (lambda x: x.astype(jnp.float32).astype(jnp.bfloat16)) if quantized else (lambda x: x)
-    bias_ref = refs.pop(0) if math_.has_bias else None
-    mask_ref = refs.pop(0) if math_.has_mask else None
-    sink_ref = refs.pop(0) if has_sinks else None
-    qpos_ref, kvpos_ref = refs.pop(0), refs.pop(0)
-    qseg_ref = refs.pop(0) if segments else None
-    kvseg_ref = refs.pop(0) if segments else None
-    sched_ref = refs.pop(0)
-    o_ref, lse_ref = refs.pop(0), refs.pop(0)
-    count_ref = refs.pop(0) if debug else None
+class MaskOperands(NamedTuple):
+    """The mask inputs of every attention kernel, padded to the block
+    multiples: ``bias``/``mask`` ``[Bx, Nx, Tp, Sp]`` (mask as int8),
+    positions ``[Bp, Tp|Sp]``, segments ``[Bs, Tp|Sp]`` (None without)."""
 
-    hp, hvp = q_ref.shape[-1], v_ref.shape[-1]
+    bias: Any
+    mask: Any
+    q_pos: Any
+    kv_pos: Any
+    q_seg: Any
+    kv_seg: Any
+
+    @classmethod
+    def of(cls, c, tiling: Tiling) -> "MaskOperands":
+        tp, sp = tiling.tp, tiling.sp
+        q_seg = kv_seg = None
+        if c.spec.segments:
+            segb = max(c.q_seg.shape[0], c.kv_seg.shape[0])
+            q_seg = pad_axis(jnp.broadcast_to(c.q_seg, (segb, tiling.t)), 1, tp)
+            kv_seg = pad_axis(jnp.broadcast_to(c.kv_seg, (segb, tiling.s)), 1, sp)
+        return cls(prepare_dense(c.bias, tp, sp), prepare_dense(c.mask, tp, sp, jnp.int8),
+                   pad_axis(c.q_pos, 1, tp), pad_axis(c.kv_pos, 1, sp), q_seg, kv_seg)
+
+    def inputs(self, layout, schedule) -> dict:
+        """The named operands (block specs from ``layout``, `QMajor` or a
+        kv-major layout), with the block ``schedule``."""
+        def named(x, spec):
+            return None if x is None else operand(x, spec(x))
+        return dict(bias=named(self.bias, layout.dense), mask=named(self.mask, layout.dense),
+                    q_pos=named(self.q_pos, layout.q_tokens), kv_pos=named(self.kv_pos, layout.kv_tokens),
+                    q_seg=named(self.q_seg, layout.q_tokens), kv_seg=named(self.kv_seg, layout.kv_tokens),
+                    schedule=named(schedule, layout.schedule))
+
+
+class QMajor:
+    """Block specs of a launch over ``(i, b, n)``: query block ``i`` (with
+    ``reverse``, the last block first), batch ``b``, query head ``n``; the
+    program sees every key of kv head ``n // G``."""
+
+    def __init__(self, tiling: Tiling, *, reverse: bool = False):
+        self.tiling = tiling
+        self.reverse = reverse
+
+    def qi(self, i):
+        return self.tiling.nq - 1 - i if self.reverse else i
+
+    def rows(self, d: int):
+        """``[B, Tp, N, d]``: the query block's rows of head ``n``."""
+        return pl.BlockSpec((None, self.tiling.bq, None, d), lambda i, b, n: (b, self.qi(i), n, 0))
+
+    def keys(self, d: int):
+        """``[B, Sp, K, d]``: every key of kv head ``n // G``."""
+        g = self.tiling.g
+        return pl.BlockSpec((None, self.tiling.sp, None, d), lambda i, b, n: (b, 0, n // g, 0))
+
+    def stats(self):
+        """``[B, N, Tp]``: per-row statistics (lse, delta) of the query block."""
+        return pl.BlockSpec((None, None, self.tiling.bq), lambda i, b, n: (b, n, self.qi(i)))
+
+    def q_scales(self):
+        """``[B, Tp, N]``: fp8 per-row query scales."""
+        return pl.BlockSpec((None, self.tiling.bq, None), lambda i, b, n: (b, self.qi(i), n))
+
+    def kv_scales(self):
+        """``[B, Sp, K]``: fp8 per-row key/value scales of kv head ``n // G``."""
+        g = self.tiling.g
+        return pl.BlockSpec((None, self.tiling.sp, None), lambda i, b, n: (b, 0, n // g))
+
+    def heads(self):
+        """``[N]``: one value per query head (sinks)."""
+        return pl.BlockSpec((1,), lambda i, b, n: (n,))
+
+    def dense(self, x):
+        """``[Bx, Nx, Tp, Sp]``: the query block's rows (bias, mask)."""
+        fb, fn = bcast_index(x.shape[0]), bcast_index(x.shape[1])
+        return pl.BlockSpec((None, None, self.tiling.bq, self.tiling.sp),
+                            lambda i, b, n: (fb(b), fn(n), self.qi(i), 0))
+
+    def q_tokens(self, x):
+        """``[Bx, Tp]``: the query block's positions or segments."""
+        fb = bcast_index(x.shape[0])
+        return pl.BlockSpec((None, self.tiling.bq), lambda i, b, n: (fb(b), self.qi(i)))
+
+    def kv_tokens(self, x):
+        """``[Bx, Sp]``: every key's positions or segments."""
+        fb = bcast_index(x.shape[0])
+        return pl.BlockSpec((None, self.tiling.sp), lambda i, b, n: (fb(b), 0))
+
+    def schedule(self, x):
+        """``[Bc, nq, 4]``: the query block's key-block schedule."""
+        fb = bcast_index(x.shape[0])
+        return pl.BlockSpec((None, None, 4), lambda i, b, n: (fb(b), self.qi(i), 0))
+
+
+def _forward_kernel(*, q, k, v, q_scale, k_scale, v_scale, bias, mask, sinks, q_pos, kv_pos, q_seg, kv_seg,
+                    schedule, out, lse, visits, math_: TileMath, block_k: int, h: int, hv: int):
+    """One (query block, batch, head) program: online softmax over the key
+    blocks of the schedule (module docstring). fp8 attention (``q_scale``
+    given): q/k/v tiles are codes, decoded to bf16 in registers; per-row
+    float32 scales multiply the logits (s_q·s_k) and p (s_v)."""
+    quantized = q_scale is not None
+    decode = (lambda x: x.astype(jnp.float32).astype(jnp.bfloat16)) if quantized else (lambda x: x)
+    block_q, hp, hvp = q.shape[0], q.shape[-1], v.shape[-1]
     head_mask = (jnp.arange(hp) < h)[None, :]
     vhead_mask = (jnp.arange(hvp) < hv)[None, :]
-    q = decode(plgpu.load(q_ref, mask=head_mask, other=0.0))
-    q_scale = qs_ref[...] if quantized else None
-    q_pos = qpos_ref[...]
-    q_seg = qseg_ref[...] if segments else None
-    lo, full_lo, full_hi, hi = sched_ref[0], sched_ref[1], sched_ref[2], sched_ref[3]
+    q_tile = decode(plgpu.load(q, mask=head_mask, other=0.0))
+    q_rows = q_scale[...] if quantized else None
+    q_pos_tile = q_pos[...]
+    q_seg_tile = q_seg[...] if q_seg is not None else None
+    lo, full_lo, full_hi, hi = schedule[0], schedule[1], schedule[2], schedule[3]
 
     def step(masked):
         def body(j, carry):
-            acc, m, l, visits = carry
+            acc, m, l, count = carry
             ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-            k = decode(plgpu.load(k_ref.at[ks, :], mask=head_mask, other=0.0))
-            bias = bias_ref[:, ks] if bias_ref is not None else None
-            qk_scale = q_scale[:, None] * ks_ref[ks][None, :] if quantized else None
-            s, _ = math_.logits(q, k, bias, qk_scale)
+            k_tile = decode(plgpu.load(k.at[ks, :], mask=head_mask, other=0.0))
+            qk_scale = q_rows[:, None] * k_scale[ks][None, :] if quantized else None
+            s, _ = math_.logits(q_tile, k_tile, bias[:, ks] if bias is not None else None, qk_scale)
             s = s * jnp.float32(LOG2E)
-            ok = math_.valid(masked, q_pos, kvpos_ref[ks], q_seg, kvseg_ref[ks] if segments else None,
-                             j * block_k, block_k, mask_ref[:, ks] if mask_ref is not None else None)
+            ok = math_.valid(masked, q_pos_tile, kv_pos[ks], q_seg_tile, kv_seg[ks] if kv_seg is not None else None,
+                             j * block_k, block_k, mask[:, ks] if mask is not None else None)
             if ok is not None:
                 s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp2(s - m_use[:, None])
             alpha = jnp.exp2(m - m_use)
-            v = decode(plgpu.load(v_ref.at[ks, :], mask=vhead_mask, other=0.0))
-            pv = p * vs_ref[ks][None, :] if quantized else p
-            acc = acc * alpha[:, None] + math_.dot(pv.astype(v.dtype), v)
-            return acc, m_new, l * alpha + jnp.sum(p, axis=1), visits + 1
+            v_tile = decode(plgpu.load(v.at[ks, :], mask=vhead_mask, other=0.0))
+            pv = p * v_scale[ks][None, :] if quantized else p
+            acc = acc * alpha[:, None] + math_.dot(pv.astype(v_tile.dtype), v_tile)
+            return acc, m_new, l * alpha + jnp.sum(p, axis=1), count + 1
         return body
 
     carry = (jnp.zeros((block_q, hvp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -217,91 +284,61 @@ def _forward_kernel(*refs, math_: TileMath, block_q, block_k, h, hv, segments, h
     masked_visits = carry[3]
     carry = lax.fori_loop(full_lo, full_hi, step(False), carry)
     unmasked_visits = carry[3] - masked_visits
-    acc, m, l, visits = lax.fori_loop(full_hi, hi, step(True), carry)
-    if has_sinks:
-        sink = sink_ref[0].astype(jnp.float32) * jnp.float32(LOG2E)
+    acc, m, l, count = lax.fori_loop(full_hi, hi, step(True), carry)
+    if sinks is not None:
+        sink = sinks[0].astype(jnp.float32) * jnp.float32(LOG2E)
         m_new = jnp.maximum(m, sink)
         alpha = jnp.exp2(m - m_new)
         acc, l, m = acc * alpha[:, None], l * alpha + jnp.exp2(sink - m_new), m_new
     l_safe = jnp.where(l > 0, l, 1.0)
-    out = acc / l_safe[:, None]
-    lse = jnp.where(l > 0, (jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe)) * jnp.float32(LN2), -jnp.inf)
-    plgpu.store(o_ref, out.astype(o_ref.dtype), mask=vhead_mask)
-    lse_ref[...] = lse
+    plgpu.store(out, (acc / l_safe[:, None]).astype(out.dtype), mask=vhead_mask)
+    lse[...] = jnp.where(l > 0, (jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe)) * jnp.float32(LN2), -jnp.inf)
+    if visits is not None:
+        visits[...] = jnp.full((block_q,), count * 65536 + unmasked_visits, jnp.int32)
+
+
+def _fp8_row_scales(c, tiling: Tiling):
+    """fp8 attention: ``(s_q [B, Tp, N], s_k [B, Sp, K], s_v [B, Sp, K])`` float32,
+    ones for a float operand; float attention: Nones."""
+    if c.row_scales is None:
+        return None, None, None
+    padded = []
+    for x, s, length in zip((c.q, c.k, c.v), c.row_scales, (tiling.tp, tiling.sp, tiling.sp)):
+        s = jnp.ones(x.shape[:3], jnp.float32) if s is None else s.astype(jnp.float32)
+        padded.append(pad_axis(s, 1, length, 1.0))
+    return tuple(padded)
+
+
+def forward(c, config, *, debug: bool = False):
+    """``(out [B, T, N, Hv], lse [B, N, T])`` of canonical operands ``c``; with
+    ``debug`` also the per-row visit counts ``[B, N, T]`` int32
+    (``visited·65536 + unmasked``).
+
+    fp8 attention (`fp8.py`): ``c.q/k/v`` hold fp8 codes (or floats) with
+    ``c.row_scales``; the output is in ``c.out_dtype``."""
+    tiling = Tiling.of(c, config)
+    b, t, n, s, hv, tp, sp = tiling.b, tiling.t, tiling.n, tiling.s, tiling.hv, tiling.tp, tiling.sp
+    quantized = c.row_scales is not None
+    math_ = TileMath(c.spec, c.scale, c.logits_soft_cap, s, c.bias is not None, c.mask is not None,
+                     allow_tf32=quantized or c.q.dtype != jnp.float32)
+    at = QMajor(tiling, reverse=c.spec.causal)  # causal: heavy (late) query blocks first
+    sq, sk, sv = _fp8_row_scales(c, tiling)
+    outs = triton_kernel_call(
+        functools.partial(_forward_kernel, math_=math_, block_k=tiling.bk, h=tiling.h, hv=hv),
+        grid=(tiling.nq, b, n),
+        inputs=dict(q=operand(pad_axis(c.q, 1, tp), at.rows(tiling.hp)),
+                    k=operand(pad_axis(c.k, 1, sp), at.keys(tiling.hp)),
+                    v=operand(pad_axis(c.v, 1, sp), at.keys(tiling.hvp)),
+                    q_scale=operand(sq, at.q_scales()), k_scale=operand(sk, at.kv_scales()),
+                    v_scale=operand(sv, at.kv_scales()),
+                    sinks=operand(None if c.sinks is None else c.sinks.astype(jnp.float32), at.heads()),
+                    **MaskOperands.of(c, tiling).inputs(at, block_schedule(c, tiling))),
+        outputs=dict(out=output((b, tp, n, hv), c.out_dtype or c.q.dtype, at.rows(tiling.hvp)),
+                     lse=output((b, n, tp), jnp.float32, at.stats()),
+                     visits=output((b, n, tp), jnp.int32, at.stats()) if debug else None),
+        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_flash_attention_forward",
+    )
+    out, lse = outs.out[:, :t], outs.lse[:, :, :t]
     if debug:
-        count_ref[...] = jnp.full((block_q,), visits * 65536 + unmasked_visits, jnp.int32)
-
-
-def forward(c, config, *, debug: bool = False, scales=None, out_dtype=None):
-    """``(out [B, T, N, Hv], lse [B, N, T])``; with ``debug`` also the per-row
-    visit counts ``[B, N, T]`` int32 (``visited·65536 + unmasked``).
-
-    fp8 attention (`fp8.py`): ``c.q/k/v`` hold fp8 codes (or floats) and
-    ``scales = (s_q [B, T, N], s_k [B, S, K], s_v [B, S, K])`` float32 per-row
-    scales; ``out_dtype`` is the output dtype (default ``q.dtype``)."""
-    q, k, v = c.q, c.k, c.v
-    b, t, n, h, s, g, hv, bq, bk, nq, nk, tp, sp, hp, hvp = Tiling.of(c, config)
-    spec = c.spec
-    segments = spec.segments
-    sched = _schedule(spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, bq, bk)  # [Bc, nq, 4]
-    quantized = scales is not None
-    out_dtype = q.dtype if out_dtype is None else out_dtype
-    math_ = TileMath(spec, c.scale, c.logits_soft_cap, s, c.bias is not None, c.mask is not None,
-                     allow_tf32=quantized or q.dtype != jnp.float32)
-    reverse = spec.causal  # heavy (late) query blocks first
-
-    def qi(i):
-        return nq - 1 - i if reverse else i
-
-    inputs = [pad_axis(q, 1, tp), pad_axis(k, 1, sp), pad_axis(v, 1, sp)]
-    in_specs = [
-        pl.BlockSpec((None, bq, None, hp), lambda i, bb, nn: (bb, qi(i), nn, 0)),
-        pl.BlockSpec((None, sp, None, hp), lambda i, bb, nn: (bb, 0, nn // g, 0)),
-        pl.BlockSpec((None, sp, None, hvp), lambda i, bb, nn: (bb, 0, nn // g, 0)),
-    ]
-    if quantized:
-        sq, sk, sv = (x.astype(jnp.float32) for x in scales)
-        inputs += [pad_axis(sq, 1, tp, 1.0), pad_axis(sk, 1, sp, 1.0), pad_axis(sv, 1, sp, 1.0)]
-        in_specs += [pl.BlockSpec((None, bq, None), lambda i, bb, nn: (bb, qi(i), nn)),
-                     pl.BlockSpec((None, sp, None), lambda i, bb, nn: (bb, 0, nn // g)),
-                     pl.BlockSpec((None, sp, None), lambda i, bb, nn: (bb, 0, nn // g))]
-    for dense, dtype in ((c.bias, None), (c.mask, jnp.int8)):
-        if dense is not None:
-            x = prepare_dense(dense, tp, sp, dtype)
-            fb, fn = bcast_index(x.shape[0]), bcast_index(x.shape[1])
-            inputs.append(x)
-            in_specs.append(pl.BlockSpec((None, None, bq, sp),
-                                         lambda i, bb, nn, fb=fb, fn=fn: (fb(bb), fn(nn), qi(i), 0)))
-    if c.sinks is not None:
-        inputs.append(c.sinks.astype(jnp.float32))
-        in_specs.append(pl.BlockSpec((1,), lambda i, bb, nn: (nn,)))
-    fp = bcast_index(c.q_pos.shape[0])
-    inputs += [pad_axis(c.q_pos, 1, tp), pad_axis(c.kv_pos, 1, sp)]
-    in_specs += [pl.BlockSpec((None, bq), lambda i, bb, nn: (fp(bb), qi(i))),
-                 pl.BlockSpec((None, sp), lambda i, bb, nn: (fp(bb), 0))]
-    if segments:
-        fs = bcast_index(max(c.q_seg.shape[0], c.kv_seg.shape[0]))
-        segb = max(c.q_seg.shape[0], c.kv_seg.shape[0])
-        inputs += [pad_axis(jnp.broadcast_to(c.q_seg, (segb, t)), 1, tp),
-                   pad_axis(jnp.broadcast_to(c.kv_seg, (segb, s)), 1, sp)]
-        in_specs += [pl.BlockSpec((None, bq), lambda i, bb, nn: (fs(bb), qi(i))),
-                     pl.BlockSpec((None, sp), lambda i, bb, nn: (fs(bb), 0))]
-    fc = bcast_index(sched.shape[0])
-    inputs.append(sched)
-    in_specs.append(pl.BlockSpec((None, None, 4), lambda i, bb, nn: (fc(bb), qi(i), 0)))
-    out_shape = [jax.ShapeDtypeStruct((b, tp, n, hv), out_dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, bq, None, hvp), lambda i, bb, nn: (bb, qi(i), nn, 0)),
-                 pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, qi(i)))]
-    if debug:
-        out_shape.append(jax.ShapeDtypeStruct((b, n, tp), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bb, nn: (bb, nn, qi(i))))
-    kernel = functools.partial(_forward_kernel, math_=math_, block_q=bq, block_k=bk, h=h, hv=hv,
-                               segments=segments, has_sinks=c.sinks is not None, debug=debug, reverse=reverse,
-                               quantized=quantized)
-    outs = triton_call(kernel, out_shape=out_shape, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs,
-                       num_warps=config.num_warps, num_stages=config.num_stages,
-                       name="stellax_flash_attention_forward")(*inputs)
-    out, lse = outs[0][:, :t], outs[1][:, :, :t]
-    if debug:
-        return out, lse, outs[2][:, :, :t]
+        return out, lse, outs.visits[:, :, :t]
     return out, lse

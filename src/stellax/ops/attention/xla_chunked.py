@@ -27,24 +27,16 @@ Every sum runs in a fixed order: the result is deterministic.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ...core.pallas import cdiv, pad_axis
 from .masks import MaskSpec, classify_blocks, mask_fn, visit_schedule
 
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _pad_axis(x, axis: int, length: int, value=0):
-    extra = length - x.shape[axis]
-    if extra <= 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
+F32 = jnp.float32
 
 
 class _Layout:
@@ -59,19 +51,19 @@ class _Layout:
         self.g = self.n // self.kh
         self.bq = min(block_q, self.t)
         self.bk = min(block_k, self.s)
-        self.nq, self.nk = _cdiv(self.t, self.bq), _cdiv(self.s, self.bk)
+        self.nq, self.nk = cdiv(self.t, self.bq), cdiv(self.s, self.bk)
         self.tp, self.sp = self.nq * self.bq, self.nk * self.bk
         self.spec: MaskSpec = c.spec
         self.scale = c.scale
         self.cap = c.logits_soft_cap
         self.precision = c.precision
-        self.q = _pad_axis(self.to_rows(q), 2, self.tp)
-        self.k = _pad_axis(k.transpose(0, 2, 1, 3), 2, self.sp)
-        self.v = _pad_axis(v.transpose(0, 2, 1, 3), 2, self.sp)
-        self.q_pos = _pad_axis(c.q_pos, 1, self.tp)
-        self.kv_pos = _pad_axis(c.kv_pos, 1, self.sp)
-        self.q_seg = None if c.q_seg is None else _pad_axis(c.q_seg, 1, self.tp)
-        self.kv_seg = None if c.kv_seg is None else _pad_axis(c.kv_seg, 1, self.sp)
+        self.q = pad_axis(self.to_rows(q), 2, self.tp)
+        self.k = pad_axis(k.transpose(0, 2, 1, 3), 2, self.sp)
+        self.v = pad_axis(v.transpose(0, 2, 1, 3), 2, self.sp)
+        self.q_pos = pad_axis(c.q_pos, 1, self.tp)
+        self.kv_pos = pad_axis(c.kv_pos, 1, self.sp)
+        self.q_seg = None if c.q_seg is None else pad_axis(c.q_seg, 1, self.tp)
+        self.kv_seg = None if c.kv_seg is None else pad_axis(c.kv_seg, 1, self.sp)
         self.bias = self._grouped(c.bias, 0.0)
         self.mask = self._grouped(c.mask, False)
         classes = classify_blocks(c.spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, block_q=self.bq,
@@ -99,9 +91,9 @@ class _Layout:
             x = x.reshape(bx, self.kh, self.g, tx, sx)
         x = x.transpose(0, 1, 3, 2, 4)
         if tx > 1:
-            x = _pad_axis(x, 2, self.tp, pad_value)
+            x = pad_axis(x, 2, self.tp, pad_value)
         if sx > 1:
-            x = _pad_axis(x, 4, self.sp, pad_value)
+            x = pad_axis(x, 4, self.sp, pad_value)
         return x
 
     # -- per block pieces ------------------------------------------------------
@@ -169,7 +161,9 @@ def _bounds(schedule):
 
 
 def forward(c, config):
-    """``(out [B, T, N, Hv], lse [B, N, T] float32)``."""
+    """``(out [B, T, N, Hv], lse [B, N, T] float32)``. fp8 attention: q/k/v are
+    dequantized to the output dtype first."""
+    c = c.dequantized()
     L = _Layout(c, config.block_q, config.block_k)
     lo, hi = _bounds(visit_schedule(L.classes))
     rows = L.bq * L.g
@@ -217,78 +211,87 @@ def forward(c, config):
     return out, lse
 
 
-def backward(c, out, lse, d_out, d_lse, config):
-    """``(dq, dk, dv, dbias, dsinks)`` in the operands' dtypes.
+class _Stats(NamedTuple):
+    """The backward's per-row operands in the ``[B, K, Tp, G, ·]`` layout:
+    ``d_out``, ``lse`` (``+inf`` for a fully masked row, so ``p = 0``) and
+    ``delta = rowsum(dO·O) - dlse``; ``delta_bt`` is ``delta`` as ``[B, T, N]``."""
 
-    Two passes (each recomputes the probabilities of its blocks): dq and dbias
-    per query block over its key blocks, then dk/dv per key block over its
-    query blocks; no scattered accumulation."""
-    L = _Layout(c, config.block_q, config.block_k)
-    f32 = jnp.float32
-    delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # [B, T, N]
-    if d_lse is not None:
-        delta = delta - jnp.swapaxes(d_lse.astype(f32), 1, 2)
-    lse_bt = jnp.swapaxes(lse, 1, 2)  # [B, T, N]
-    lse_safe = jnp.where(lse_bt == -jnp.inf, jnp.inf, lse_bt)
-    to_stats = lambda x, fill: _pad_axis(
-        x.reshape(L.b, L.t, L.kh, L.g).transpose(0, 2, 1, 3), 2, L.tp, fill)  # [B, K, Tp, G]
-    delta_r = to_stats(delta, 0.0)
-    lse_r = to_stats(lse_safe, jnp.inf)
-    do_r = _pad_axis(L.to_rows(d_out), 2, L.tp)
-    has_bias = L.bias is not None
-    bias_shape = L.bias.shape if has_bias else None
+    d_out: Any
+    lse: Any
+    delta: Any
+    delta_bt: Any
 
-    def probs(qi, doi, i, j, vj):
+    @classmethod
+    def of(cls, L: _Layout, out, lse, d_out, d_lse) -> "_Stats":
+        delta = jnp.sum(d_out.astype(F32) * out.astype(F32), axis=-1)  # [B, T, N]
+        if d_lse is not None:
+            delta = delta - jnp.swapaxes(d_lse.astype(F32), 1, 2)
+        lse_bt = jnp.swapaxes(lse, 1, 2)  # [B, T, N]
+        lse_safe = jnp.where(lse_bt == -jnp.inf, jnp.inf, lse_bt)
+        to_stats = lambda x, fill: pad_axis(
+            x.reshape(L.b, L.t, L.kh, L.g).transpose(0, 2, 1, 3), 2, L.tp, fill)  # [B, K, Tp, G]
+        return cls(pad_axis(L.to_rows(d_out), 2, L.tp), to_stats(lse_safe, jnp.inf), to_stats(delta, 0.0), delta)
+
+    def probs(self, L: _Layout, qi, doi, i, j, vj):
         """``p``, ``ds`` (before scale/soft cap) and the soft-cap tanh of block (i, j)."""
         s, tanh = L.logits(qi, i, j)
-        p = jnp.exp(L.flat(s) - L.stat_rows(lse_r, i)[..., None])  # [B, K, rows, bk]
-        dp = jnp.einsum("bkqh,bksh->bkqs", doi, vj, precision=L.precision, preferred_element_type=f32)
-        ds = p * (dp - L.stat_rows(delta_r, i)[..., None])
-        return p, ds, tanh
+        p = jnp.exp(L.flat(s) - L.stat_rows(self.lse, i)[..., None])  # [B, K, rows, bk]
+        dp = jnp.einsum("bkqh,bksh->bkqs", doi, vj, precision=L.precision, preferred_element_type=F32)
+        return p, p * (dp - L.stat_rows(self.delta, i)[..., None]), tanh
 
-    def scaled(ds, tanh):
-        if tanh is not None:
-            ds = ds * L.flat(1.0 - tanh * tanh)
-        return ds * f32(L.scale)
 
-    # -- pass 1: dq (and dbias), per query block over its visible key blocks.
+def _scaled(L: _Layout, ds, tanh):
+    if tanh is not None:
+        ds = ds * L.flat(1.0 - tanh * tanh)
+    return ds * F32(L.scale)
+
+
+def _dq_pass(L: _Layout, st: _Stats):
+    """Pass 1: ``dq`` ``[B, T, N, H]`` (float32) and the bias gradient in the
+    grouped layout ``[nq, Bb, K|1, bq|1, G|1, Sp|1]`` (or None), per query
+    block over its visible key blocks."""
     lo, hi = _bounds(visit_schedule(L.classes))
+    has_bias = L.bias is not None
+    bias_shape = L.bias.shape if has_bias else None
     dbias_rows = None
     if has_bias:
-        dbias_rows = (bias_shape[0], bias_shape[1], L.bq if bias_shape[2] > 1 else 1, bias_shape[3],
-                      bias_shape[4])
+        dbias_rows = (bias_shape[0], bias_shape[1], L.bq if bias_shape[2] > 1 else 1, bias_shape[3], bias_shape[4])
+
+    def accumulate_dbias(dbias, ds, j):
+        blk = ds.reshape(L.b, L.kh, L.bq, L.g, L.bk)
+        axes = tuple(a for a, (full, got) in enumerate(zip(blk.shape, dbias_rows)) if got == 1 and full > 1)
+        blk = jnp.sum(blk, axis=axes, keepdims=True) if axes else blk
+        if bias_shape[4] == 1:
+            return dbias + blk
+        cur = lax.dynamic_slice_in_dim(dbias, j * L.bk, L.bk, axis=4)
+        return lax.dynamic_update_slice_in_dim(dbias, cur + blk, j * L.bk, axis=4)
 
     def q_block(i):
         qi = L.q_rows(L.q, i, L.h)
-        doi = L.q_rows(do_r, i, L.hv)
+        doi = L.q_rows(st.d_out, i, L.hv)
 
         def body(j, carry):
             dq, dbias = carry
             kj = lax.dynamic_slice_in_dim(L.k, j * L.bk, L.bk, axis=2)
             vj = lax.dynamic_slice_in_dim(L.v, j * L.bk, L.bk, axis=2)
-            _, ds, tanh = probs(qi, doi, i, j, vj)
+            _, ds, tanh = st.probs(L, qi, doi, i, j, vj)
             if has_bias:
-                blk = ds.reshape(L.b, L.kh, L.bq, L.g, L.bk)
-                axes = tuple(a for a, (full, got) in enumerate(zip(blk.shape, dbias_rows)) if got == 1 and full > 1)
-                blk = jnp.sum(blk, axis=axes, keepdims=True) if axes else blk
-                if bias_shape[4] > 1:
-                    cur = lax.dynamic_slice_in_dim(dbias, j * L.bk, L.bk, axis=4)
-                    dbias = lax.dynamic_update_slice_in_dim(dbias, cur + blk, j * L.bk, axis=4)
-                else:
-                    dbias = dbias + blk
-            dq = dq + jnp.einsum("bkqs,bksh->bkqh", scaled(ds, tanh), kj, precision=L.precision,
-                                 preferred_element_type=f32)
+                dbias = accumulate_dbias(dbias, ds, j)
+            dq = dq + jnp.einsum("bkqs,bksh->bkqh", _scaled(L, ds, tanh), kj, precision=L.precision,
+                                 preferred_element_type=F32)
             return dq, dbias
 
-        init = (jnp.zeros((L.b, L.kh, L.bq * L.g, L.h), f32),
-                jnp.zeros(dbias_rows, f32) if has_bias else None)
+        init = (jnp.zeros((L.b, L.kh, L.bq * L.g, L.h), F32), jnp.zeros(dbias_rows, F32) if has_bias else None)
         dq, dbias = lax.fori_loop(lo[i], hi[i], body, init)
         return dq.reshape(L.b, L.kh, L.bq, L.g, L.h), dbias
 
     dq, dbias = lax.map(q_block, jnp.arange(L.nq, dtype=jnp.int32))  # [nq, ...]
-    dq = L.from_rows(jnp.moveaxis(dq, 0, 2).reshape(L.b, L.kh, L.tp, L.g, L.h))
+    return L.from_rows(jnp.moveaxis(dq, 0, 2).reshape(L.b, L.kh, L.tp, L.g, L.h)), dbias
 
-    # -- pass 2: dk/dv, per key block over the query blocks that see it.
+
+def _dkdv_pass(L: _Layout, st: _Stats):
+    """Pass 2: ``dk [B, S, K, H]``, ``dv [B, S, K, Hv]`` (float32), per key
+    block over the query blocks that see it."""
     lo, hi = _bounds(visit_schedule(jnp.swapaxes(L.classes, 1, 2)))
 
     def k_block(j):
@@ -297,32 +300,48 @@ def backward(c, out, lse, d_out, d_lse, config):
         def body(i, carry):
             dk, dv = carry
             qi = L.q_rows(L.q, i, L.h)
-            doi = L.q_rows(do_r, i, L.hv)
-            p, ds, tanh = probs(qi, doi, i, j, vj)
-            dv = dv + jnp.einsum("bkqs,bkqh->bksh", p, doi, precision=L.precision, preferred_element_type=f32)
-            dk = dk + jnp.einsum("bkqs,bkqh->bksh", scaled(ds, tanh), qi, precision=L.precision,
-                                 preferred_element_type=f32)
+            doi = L.q_rows(st.d_out, i, L.hv)
+            p, ds, tanh = st.probs(L, qi, doi, i, j, vj)
+            dv = dv + jnp.einsum("bkqs,bkqh->bksh", p, doi, precision=L.precision, preferred_element_type=F32)
+            dk = dk + jnp.einsum("bkqs,bkqh->bksh", _scaled(L, ds, tanh), qi, precision=L.precision,
+                                 preferred_element_type=F32)
             return dk, dv
 
-        init = (jnp.zeros((L.b, L.kh, L.bk, L.h), f32), jnp.zeros((L.b, L.kh, L.bk, L.hv), f32))
+        init = (jnp.zeros((L.b, L.kh, L.bk, L.h), F32), jnp.zeros((L.b, L.kh, L.bk, L.hv), F32))
         return lax.fori_loop(lo[j], hi[j], body, init)
 
     dk, dv = lax.map(k_block, jnp.arange(L.nk, dtype=jnp.int32))
-    # dk/dv: [nk, B, K, bk, D] → [B, S, K, D]
-    dk = jnp.moveaxis(dk, 0, 2).reshape(L.b, L.kh, L.sp, L.h)[:, :, :L.s].transpose(0, 2, 1, 3)
-    dv = jnp.moveaxis(dv, 0, 2).reshape(L.b, L.kh, L.sp, L.hv)[:, :, :L.s].transpose(0, 2, 1, 3)
-    dbias_out = None
-    if has_bias:
-        # [nq, Bb, K|1, bq|1, G|1, Sp|1] → [Bb, K|1, Tp|1, G|1, Sp|1]
-        if bias_shape[2] > 1:
-            dbias = jnp.moveaxis(dbias, 0, 2).reshape(bias_shape)
-        else:
-            dbias = jnp.sum(dbias, axis=0)
-        bx, nx, tx, sx = c.bias.shape
-        db = dbias.transpose(0, 1, 3, 2, 4)[..., :tx, :sx]  # [Bb, K|1, G|1, Tb, Sb]
-        dbias_out = db.reshape(bx, nx, tx, sx).astype(c.bias.dtype)
+    # [nk, B, K, bk, D] → [B, S, K, D]
+    unblock = lambda x, d: jnp.moveaxis(x, 0, 2).reshape(L.b, L.kh, L.sp, d)[:, :, :L.s].transpose(0, 2, 1, 3)
+    return unblock(dk, L.h), unblock(dv, L.hv)
+
+
+def _dbias(L: _Layout, bias, dbias):
+    """The grouped bias gradient of `_dq_pass` → ``bias``'s shape ``[Bx, N|1, T|1, S|1]``."""
+    if bias is None:
+        return None
+    # [nq, Bb, K|1, bq|1, G|1, Sp|1] → [Bb, K|1, Tp|1, G|1, Sp|1]
+    if L.bias.shape[2] > 1:
+        dbias = jnp.moveaxis(dbias, 0, 2).reshape(L.bias.shape)
+    else:
+        dbias = jnp.sum(dbias, axis=0)
+    bx, nx, tx, sx = bias.shape
+    db = dbias.transpose(0, 1, 3, 2, 4)[..., :tx, :sx]  # [Bb, K|1, G|1, Tb, Sb]
+    return db.reshape(bx, nx, tx, sx).astype(bias.dtype)
+
+
+def backward(c, out, lse, d_out, d_lse, config):
+    """``(dq, dk, dv, dbias, dsinks)`` in the operands' dtypes.
+
+    Two passes (each recomputes the probabilities of its blocks): dq and dbias
+    per query block over its key blocks, then dk/dv per key block over its
+    query blocks; no scattered accumulation."""
+    L = _Layout(c, config.block_q, config.block_k)
+    st = _Stats.of(L, out, lse, d_out, d_lse)
+    dq, dbias = _dq_pass(L, st)
+    dk, dv = _dkdv_pass(L, st)
     dsinks = None
     if c.sinks is not None:
-        p_sink = jnp.exp(c.sinks.astype(f32)[None, None, :] - lse_bt)  # [B, T, N]
-        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 1))).astype(c.sinks.dtype)
-    return dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype), dbias_out, dsinks
+        p_sink = jnp.exp(c.sinks.astype(F32)[None, None, :] - jnp.swapaxes(lse, 1, 2))  # [B, T, N]
+        dsinks = (-jnp.sum(p_sink * st.delta_bt, axis=(0, 1))).astype(c.sinks.dtype)
+    return (dq.astype(c.q.dtype), dk.astype(c.k.dtype), dv.astype(c.v.dtype), _dbias(L, c.bias, dbias), dsinks)
