@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..core import checks
+from ..ops.linear_attention import chunk_gated_delta_rule, chunk_kda
 from .attention import _check_axis, place
 
 F32 = jnp.float32
@@ -126,7 +127,6 @@ def context_parallel_gated_delta_rule(q, k, v, g, beta, *, mesh, axis_name, scal
     Returns ``(o [B, T, HV, V] sharded like v, final_state [B, HV, K, V] float32 or None)``,
     differentiable in every float input.
     """
-    from ..ops.linear_attention import chunk_gated_delta_rule
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, implementation=implementation,
                   cu_seqlens=cu_seqlens)
     return _context_parallel(chunk_gated_delta_rule, False, q, k, v, g, beta, mesh=mesh, axis_name=axis_name,
@@ -141,7 +141,6 @@ def context_parallel_kda(q, k, v, g, beta, *, mesh, axis_name, scale=None, initi
     """Kimi Delta Attention (`stellax.chunk_kda`, per-channel decay ``g [B, T, HV, K]``)
     with the sequence split over ``axis_name``; see `context_parallel_gated_delta_rule`.
     ``A_log``/``dt_bias`` (the fused gate's parameters) are replicated and differentiable."""
-    from ..ops.linear_attention import chunk_kda
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, implementation=implementation,
                   cu_seqlens=cu_seqlens, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)

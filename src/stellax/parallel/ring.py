@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..ops.attention import attention_backward_op, backward_kernels
 from .local import F32, LocalAttention, merge_partials
 
 
@@ -69,7 +70,6 @@ def _flash_backward_chain(implementation):
         names = tuple(implementation)
     if any(n not in FLASH_BACKWARDS for n in names):
         return ()
-    from ..ops.attention import backward_kernels
     return tuple(n for n in names if n in backward_kernels())
 
 
@@ -135,7 +135,6 @@ def _ring_bwd(local, axis_name, axis_size, residuals, cotangents):
         # Flash-style backward kernels take the softmax statistics as inputs:
         # with the merged (out, lse) they give this block's share of the exact
         # gradients directly (p = exp(s − lse), delta = rowsum(dO·O) − dlse).
-        from ..ops.attention import attention_backward_op
         scale = local.scale if local.scale is not None else 1.0 / float(q.shape[-1]) ** 0.5
         dq, dk, dv, _, _ = attention_backward_op(
             q, kb, vb, None, None, None, out.astype(q.dtype), lse, d_out_raw, d_lse, q_pos_b,
