@@ -5,6 +5,8 @@ scripted local server (`stellax.lab.fake_llm`).
 
     python benchmarks/lab_demo.py --part mutate --budget 12 --out /tmp/lab-demo
     python benchmarks/lab_demo.py --part llm --out /tmp/lab-demo
+    python benchmarks/lab_demo.py --part confirm --out /tmp/lab-demo   # re-time each winner
+    python benchmarks/lab_demo.py --part noise --out /tmp/lab-demo     # the timer's noise floor
 
 Writes ``<out>/demo.json`` (appending per part), the archive
 ``<out>/stellax-lab.sqlite`` and ``stellax lab report`` output per run.
@@ -137,19 +139,19 @@ def run_mutate(out: Path, budget: int, options: dict, only: list[str] | None = N
 def run_llm(out: Path, options: dict) -> dict:
     from stellax.lab import archive as archive_lib
     from stellax.lab.fake_llm import FakeLLMServer, demo_replies
-    from stellax.lab.llm import LLMProposer
+    from stellax.lab.llm import LLMProposer, extract_code
     from stellax.lab.search import search
     from stellax.lab.summary import write_report
-    from stellax.lab.template import implementation_template
-    import stellax
     op = "gated_linear_unit"
     replies = demo_replies(op)
     t0 = time.time()
     with FakeLLMServer(replies) as server, archive_lib.Archive(out / "stellax-lab.sqlite") as archive:
         proposer = LLMProposer(base_url=server.url, model="scripted", api_key="none", timeout=30, retries=3)
-        run = "demo-glu-llm"
-        search(op, proposer, budget=1 + 4, seed_source=implementation_template(stellax.registered_ops()[op]),
-               archive=archive, run_id=run, options=options)
+        run = "demo-glu-llm-slowed-seed"
+        # The starting candidate is the built-in path computed three times (correct, slow), so that the
+        # scripted "fast" reply (the built-in path once) is the unambiguous winner.
+        seed = extract_code(replies[3]).replace("fori_loop(0, 4", "fori_loop(0, 2").replace('name="slow"', 'name="seed"')
+        search(op, proposer, budget=1 + 4, seed_source=seed, archive=archive, run_id=run, options=options)
         rows = archive.evaluated(run)
         ranked = sorted(rows, key=lambda c: c["score"], reverse=True)
         result = {"run": run, "wall_s": round(time.time() - t0, 1), "requests": server.requests,
@@ -187,9 +189,42 @@ def run_confirm(out: Path, options: dict) -> dict:
     return results
 
 
+def run_noise(out: Path, options: dict) -> dict:
+    """The timer's noise floor here: two compilations of one attention program
+    (T = 128, S = 4096) against each other, and GDN chunk 8 against the default
+    chunk, three repeats each with the lab's interleaved timer."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import stellax
+    from stellax.lab.tiers import interleaved_times
+    from stellax.ops.linear_attention.examples import make_inputs
+
+    def estimate(times):
+        a, b = times["a"], times["b"]
+        ratios = [y / x for x, y in zip(a, b)]
+        return {"median_of_paired_ratios": float(np.median(ratios)), "ratio_of_medians": float(np.median(b) / np.median(a)),
+                "ratio_of_minima": min(b) / min(a), "pairs": len(a)}
+    attention = stellax.registered_ops()["attention"]
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(keys[0], (1, 128, 8, 64), jnp.float32)
+    k, v = (jax.random.normal(key, (1, 4096, 8, 64), jnp.float32) for key in keys[1:])
+    fa = jax.jit(lambda q, k, v: attention(q, k, v, implementation="xla_chunked")).lower(q, k, v).compile()
+    fb = jax.jit(lambda q, k, v: attention(q, k, v, implementation="xla_chunked") + 0).lower(q, k, v).compile()
+    gdn = stellax.registered_ops()["chunk_gated_delta_rule"]
+    args = make_inputs(jax.random.PRNGKey(0), 1, 2048, 4, 4, 32, 32)[:5]
+    f8 = jax.jit(lambda *a: gdn(*a, chunk_size=8)).lower(*args).compile()
+    fd = jax.jit(lambda *a: gdn(*a)).lower(*args).compile()
+    result = {"attention A/A": [estimate(interleaved_times({"a": fa, "b": fb}, (q, k, v), {}, 0.5, 3)) for _ in range(3)],
+              "gdn chunk 8 (a) vs default (b)": [estimate(interleaved_times({"a": f8, "b": fd}, args, {}, 0.5, 3))
+                                                 for _ in range(3)]}
+    print(json.dumps(result, indent=1))
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("mutate", "llm", "confirm"), required=True)
+    parser.add_argument("--part", choices=("mutate", "llm", "confirm", "noise"), required=True)
     parser.add_argument("--budget", type=int, default=12)
     parser.add_argument("--out", default="/tmp/lab-demo")
     parser.add_argument("--ops", default=None, help="comma-separated subset of the mutate part's runs")
@@ -203,8 +238,10 @@ def main() -> int:
         result = run_mutate(out, args.budget, options, args.ops and args.ops.split(","))
     elif args.part == "llm":
         result = run_llm(out, options)
-    else:
+    elif args.part == "confirm":
         result = run_confirm(out, options)
+    else:
+        result = run_noise(out, options)
     record = {"part": args.part, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{host.processor() or host.machine()}, {os.cpu_count()} cores",
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
