@@ -25,6 +25,7 @@ layouts, oracles); what is generic lives here.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -139,3 +140,35 @@ def test_every_kernel_implementation_is_covered():
                                                 f"{every - numerics} (known: {NOT_YET_REACHED})"
     assert every - lowering == NOT_YET_REACHED, f"kernel implementations without a lowerable example: " \
                                                 f"{every - lowering} (known: {NOT_YET_REACHED})"
+
+
+# -- the generic lowering function on the platform the next backend targets ------------------
+def _doubling_op():
+    """A tiny op whose kernel implementation is a Mosaic TPU Pallas kernel."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from stellax.core import Call, Implementation, Op
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def run_kernel(call, config):
+        x = call.arrays["x"]
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              compiler_params=pltpu.CompilerParams())(x)
+
+    return Op("doubling_test_op", check=lambda x: Call({"x": x}, {}), reference=lambda call: call.arrays["x"] * 2,
+              implementations=[Implementation("mosaic_tpu", run_kernel, backend="mosaic_tpu"),
+                               Implementation("xla", lambda call, config: call.arrays["x"] * 2)])
+
+
+def test_lower_config_lowers_mosaic_tpu_kernels_for_tpu():
+    op = _doubling_op()
+    assert platforms_of("mosaic_tpu") == ("tpu",) and platforms_of("triton") == ("cuda",)
+    (lowered,) = lower_config(op, "mosaic_tpu", (jax.ShapeDtypeStruct((8, 128), jnp.float32),))
+    assert "tpu_custom_call" in lowered.as_text()
+    with pytest.raises(ValueError, match="platform: expected one of"):
+        lower_config(op, "mosaic_tpu", (jnp.ones((8, 128)),), platform="rocm")
+    with pytest.raises(ValueError, match="implementation: doubling_test_op/xla has backend 'xla'"):
+        lower_config(op, "xla", (jnp.ones((8, 128)),))

@@ -6,7 +6,9 @@ A row is a plain dict (the JSON schema):
 ``op, implementation, dtype, example, result`` (``"ok"``, ``"fail"`` or
 ``"skip"``), ``gradients`` (bool), ``rel_l2``, ``tolerance``, ``max_abs``,
 ``fraction_within`` (``None`` when nothing was compared), ``detail`` (why it
-failed or was skipped) and ``seconds`` (wall time of the check).
+failed or was skipped), ``seconds`` (wall time of the check) and
+``cpu_seconds`` (CPU time of this process during it: on a loaded machine the
+wall time says little).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class CheckReport:
     mode: str
     rows: list[dict] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
     def count(self, result: str) -> int:
         return sum(r["result"] == result for r in self.rows)
@@ -39,13 +42,14 @@ class CheckReport:
 
     def summary(self) -> dict:
         return {"checks": len(self.rows), "passed": self.count("ok"), "failed": self.failures,
-                "skipped": self.count("skip"), "seconds": round(self.seconds, 2)}
+                "skipped": self.count("skip"), "seconds": round(self.seconds, 2),
+                "cpu_seconds": round(self.cpu_seconds, 2)}
 
     def to_json(self) -> dict:
         return {"platform": self.platform, "mode": self.mode, "rows": self.rows, "summary": self.summary()}
 
 
-def row_of(job: CheckJob, result: CheckResult, seconds: float) -> dict:
+def row_of(job: CheckJob, result: CheckResult, seconds: float, cpu_seconds: float = 0.0) -> dict:
     """The report row of one finished check."""
     w = result.worst
     outcome = "skip" if result.skipped else ("ok" if result.passed else "fail")
@@ -56,25 +60,48 @@ def row_of(job: CheckJob, result: CheckResult, seconds: float) -> dict:
         "max_abs": None if w is None else w.max_abs,
         "fraction_within": None if w is None else w.fraction_within,
         "detail": result.skipped or result.detail, "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu_seconds, 3),
     }
 
 
-def _run(jobs: Iterable[CheckJob], report: CheckReport, on_row=None) -> CheckReport:
-    start = time.perf_counter()
+def _sequential(jobs: Iterable[CheckJob]):
+    """The events of `workers.events`, run in this process."""
+    cpu_start = time.process_time()
     for job in jobs:
-        t0 = time.perf_counter()
+        yield "start", job, None
+        t0, c0 = time.perf_counter(), time.process_time()
         result = job.run()
-        row = row_of(job, result, time.perf_counter() - t0)
-        report.rows.append(row)
-        if on_row is not None:
-            on_row(job, row)
+        yield "done", job, row_of(job, result, time.perf_counter() - t0, time.process_time() - c0)
+    yield "cpu", None, time.process_time() - cpu_start
+
+
+def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, on_start=None, on_row=None) -> CheckReport:
+    """Run ``jobs``, in ``workers`` processes when they split into several
+    (whole ops per worker: a single op runs here); rows in plan order at the end."""
+    from . import workers as workers_lib
+
+    start = time.perf_counter()
+    order = {id(job): i for i, job in enumerate(jobs)}
+    parallel = workers > 1 and len(workers_lib.partition(jobs, workers)) > 1
+    stream = workers_lib.events(jobs, workers) if parallel else _sequential(jobs)
+    done = []
+    for kind, job, value in stream:
+        if kind == "start" and on_start is not None:
+            on_start(job)
+        elif kind == "done":
+            done.append((order[id(job)], value))
+            if on_row is not None:
+                on_row(job, value)
+        elif kind == "cpu":
+            report.cpu_seconds += value
+    report.rows = [row for _, row in sorted(done, key=lambda item: item[0])]
     report.seconds = time.perf_counter() - start
     return report
 
 
-def run_quietly(jobs: list[CheckJob], *, platform: str, mode: str) -> CheckReport:
+def run_quietly(jobs: list[CheckJob], *, platform: str, mode: str, workers: int = 1) -> CheckReport:
     """Run every job, printing nothing."""
-    return _run(jobs, CheckReport(platform, mode))
+    return _run(jobs, CheckReport(platform, mode), workers=workers)
 
 
 def write_json(report: CheckReport, path: str) -> None:
@@ -111,34 +138,38 @@ def format_row(row: dict) -> str:
     return line
 
 
-def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str) -> CheckReport:
-    """Run every job under a progress bar (op, implementation, dtype, elapsed),
-    printing each row above it as it finishes, then a summary line."""
+def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, workers: int = 1) -> CheckReport:
+    """Run every job under a progress bar (the op, implementation and dtype
+    running, elapsed time), printing each row above it as it finishes, then a
+    summary line."""
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console.print(f"stellax check ({mode}) on {platform}: {len(jobs)} checks", highlight=False)
+    processes = f", {workers} worker processes" if workers > 1 else ""
+    console.print(f"stellax check ({mode}) on {platform}: {len(jobs)} checks{processes}", highlight=False)
     console.print(_HEADER, highlight=False)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    running: dict[int, str] = {}
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("starting", total=len(jobs))
 
-        def describe(job: CheckJob) -> str:
-            return escape(job.description)
+        def show() -> None:
+            progress.update(task, description=escape(" | ".join(running.values()) or "finishing"))
+
+        def on_start(job: CheckJob) -> None:
+            running[id(job)] = job.description
+            show()
 
         def on_row(job: CheckJob, row: dict) -> None:
+            running.pop(id(job), None)
             progress.console.print(format_row(row), highlight=False)
             progress.advance(task)
+            show()
 
-        def announced(jobs):
-            for job in jobs:
-                progress.update(task, description=describe(job))
-                yield job
-
-        report = _run(announced(jobs), CheckReport(platform, mode), on_row)
+        report = _run(jobs, CheckReport(platform, mode), workers=workers, on_start=on_start, on_row=on_row)
     summary = report.summary()
     colour = "red" if report.failures else "green"
     console.print(f"[{colour}]{summary['failed']} failure(s)[/], {summary['passed']} passed, "
-                  f"{summary['skipped']} skipped, {summary['checks']} checks in {summary['seconds']:.1f} s",
-                  highlight=False)
+                  f"{summary['skipped']} skipped, {summary['checks']} checks in {summary['seconds']:.1f} s "
+                  f"({summary['cpu_seconds']:.1f} s CPU)", highlight=False)
     return report
