@@ -3,10 +3,12 @@ import, are wrong, slow or faster are ranked correctly and the right winner
 is kept; malformed replies are retried and recorded; an endpoint that
 refuses or times out is a clear error."""
 
+import os
 import socket
 
 import pytest
 
+from stellax.lab import cli
 from stellax.lab.archive import Archive
 from stellax.lab.candidate import find_op
 from stellax.lab.errors import LabError
@@ -32,7 +34,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_refused_timeout_and_http_errors(tmp_path):
+def test_refused_timeout_and_http_errors(tmp_path, capsys):
     refused = LLMProposer(base_url=f"http://127.0.0.1:{_closed_port()}/v1", model="m", timeout=5)
     with pytest.raises(LabError, match=r"http://127\.0\.0\.1:\d+/v1/chat/completions: .*refused"):
         refused.complete([{"role": "user", "content": "hi"}])
@@ -42,6 +44,13 @@ def test_refused_timeout_and_http_errors(tmp_path):
             slow.complete([{"role": "user", "content": "hi"}])
     with pytest.raises(LabError, match="no base URL"):
         LLMProposer(base_url="", model="m")
+    env = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("STELLAX_LAB_", "OPENAI_"))}
+    try:
+        assert cli.main(["search", "--op", "hadamard_transform", "--proposer", "llm", "--model", "m",
+                         "--archive", str(tmp_path / "x.sqlite")]) == 2
+    finally:
+        os.environ.update(env)
+    assert "no base URL (pass --base-url or set STELLAX_LAB_BASE_URL" in capsys.readouterr().err
     op = find_op("hadamard_transform")
     with FakeLLMServer([{"status": 500}, "no code", {"status": 502}], lifetime=30) as server, \
             Archive(tmp_path / "a.sqlite") as archive:

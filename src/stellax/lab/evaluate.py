@@ -88,10 +88,6 @@ class Worker:
         log_dir.mkdir()
         self._log = log_dir
         env = dict(os.environ)
-        env["STELLAX_LAB_CHILD"] = "1"
-        env.setdefault("JAX_PLATFORMS", env.get("JAX_PLATFORMS", ""))
-        if not env["JAX_PLATFORMS"]:
-            env.pop("JAX_PLATFORMS")
         src = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(

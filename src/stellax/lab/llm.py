@@ -74,6 +74,8 @@ class LLMProposer:
     """Proposes candidates by asking a chat-completions endpoint."""
 
     name = "llm"
+    #: Replies that repeat a candidate the run has seen, per step, before the search stops.
+    max_duplicates = 2
 
     def __init__(self, *, base_url: str, model: str, api_key: str | None = None, timeout: float = 120.0,
                  retries: int = 3, temperature: float = 0.7):

@@ -25,7 +25,8 @@ from .evaluate import DEFAULT_MEMORY_LIMIT_MB, Worker
 from .mutate import Proposal
 from .report import rank_key
 
-#: Proposals a step may draw before it gives up on finding an unseen source.
+#: Proposals a step may draw before it gives up on finding an unseen source
+#: (a proposer's ``max_duplicates`` attribute overrides it).
 MAX_DUPLICATES = 40
 
 
@@ -100,7 +101,7 @@ def search(op: str, proposer, *, budget: int, seed_source: str, archive: Archive
             rng = random.Random(f"{seed}:{step}")
             best = archive.best(run_id)
             proposal: Proposal | None = None
-            for _ in range(MAX_DUPLICATES):
+            for _ in range(getattr(proposer, "max_duplicates", MAX_DUPLICATES)):
                 parent = select_parent(evaluated, rng, population)
                 context = Context(op_obj, parent, best, evaluated, rng, archive, run_id)
                 candidate = proposer.propose(context)
