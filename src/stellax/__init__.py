@@ -32,3 +32,9 @@ from .bench import benchmark
 
 # Context parallelism over jax.shard_map (stellax.parallel.context_parallel_attention, ...).
 from . import parallel
+
+# The kernel lab (stellax.lab) and implementations from plugins (entry points `stellax.implementations`,
+# STELLAX_PLUGIN_PATH): a broken plugin is reported by `stellax info`, never breaks this import.
+from .lab.plugins import load_plugins as _load_plugins
+
+_load_plugins()
