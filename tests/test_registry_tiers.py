@@ -21,6 +21,14 @@ mosaic_tpu) × its examples and its whole autotuning space.
 
 Family test files keep only what is specific to an op (edge cases, options,
 layouts, oracles); what is generic lives here.
+
+Cost (measured 2026-12-01 on the shared 2-core CPU, loaded; CPU seconds):
+collecting the module builds every op's float32 examples, 35 s warm (63 s
+with a cold compilation cache). Default tier: 84 heuristic-config numerics
+cases ~280 s, 199 every-config numerics cases ~240 s, 283 lowering cases
+~60 s. The full product (696 example × config pairs with gradients, about
+2.5 s each) would add over 25 min of CPU, hence ``slow``. Tier 3: 199 Triton
+configs compile to PTX in ~400 s with the cuda-check wheels.
 """
 
 from __future__ import annotations
