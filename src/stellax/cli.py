@@ -1,4 +1,4 @@
-"""The `stellax` command line: ``info``, ``check``, ``bench``, ``autotune``."""
+"""The `stellax` command line: ``info``, ``check``, ``bench``, ``autotune``, ``lab``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def _info(args) -> int:
                 status = "interpreted (explicit request only)"
             table.add_row(name, impl.name, impl.backend, status)
     console.print(table)
+    from stellax.lab.plugins import info_lines
+    for line in info_lines():
+        console.print(line, highlight=False, markup=False)
     return 0
 
 
@@ -95,14 +98,17 @@ def _check(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # bench and autotune own their argument parsing.
+    # bench, autotune and lab own their argument parsing.
     if argv and argv[0] == "bench":
         from stellax.bench.cli import main as bench_main
         return bench_main(argv[1:])
     if argv and argv[0] == "autotune":
         from stellax.autotune.cli import main as autotune_main
         return autotune_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="stellax", description="stellax kernels: info, check, bench, autotune")
+    if argv and argv[0] == "lab":
+        from stellax.lab.cli import main as lab_main
+        return lab_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="stellax", description="stellax kernels: info, check, bench, autotune, lab")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, devices, which implementations run here and why not")
     check = sub.add_parser(
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="write one JSON document (rows and summary) to PATH or stdout, no progress bar")
     sub.add_parser("bench", help="benchmark ops (see `stellax bench --help`)")
     sub.add_parser("autotune", help="tune kernel configs (see `stellax autotune --help`)")
+    sub.add_parser("lab", help="kernel lab: write, evaluate and search candidates (see `stellax lab --help`)")
     args = parser.parse_args(argv)
     return {"info": _info, "check": _check}[args.command](args)
 
