@@ -23,13 +23,6 @@ def test_examples_pass_check_op_xla(op):
     assert op.benchmarks(host_platform())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
-def test_examples_pass_check_op_triton(op):
-    results = check_op(op, implementations=["triton"], dtypes=(jnp.float32, jnp.bfloat16))
-    assert results and all(r.passed for r in results), [str(r) for r in results if not r.passed]
-
-
 def test_bytes_model_counts_live_tokens_and_formats():
     lengths = [100, 28]
     args = paged_inputs(0, lengths=lengths, page_size=16, kv_heads=2, q_heads=8, head_dim=64, dtype=jnp.bfloat16)

@@ -1,7 +1,6 @@
 """The registered quant ops: examples pass `stellax check`'s validation, cost
 models are sane, benchmarks build."""
 
-import jax.numpy as jnp
 import pytest
 
 import stellax
@@ -29,13 +28,6 @@ def test_check_op_passes_all_implementations(op):
 @pytest.mark.slow
 def test_check_quantized_matmul_xla():
     results = check_op(quantized_matmul_op, implementations=["xla"])
-    failed = [r for r in results if not r.passed]
-    assert results and not failed, failed
-
-
-@pytest.mark.slow
-def test_check_quantized_matmul_triton():
-    results = check_op(quantized_matmul_op, implementations=["triton"])
     failed = [r for r in results if not r.passed]
     assert results and not failed, failed
 
