@@ -39,6 +39,7 @@ from ..core import Example, Implementation, Op, current_platform, interpret_mode
 from ..bench import analyze, device_peaks
 from ..bench.inputs import materialize_example
 from ..testing import compare, golden, lower_config, platforms_of, random_array, upcast
+from ..testing.validation import projected_loss
 from ..testing import assert_fits_smem, compile_triton_to_ptx, lower_for, triton_compiler_available
 from ..testing.lowering import DEFAULT_TARGET
 from . import report as report_lib
@@ -221,13 +222,7 @@ class Runner:
         cots = [random_array(k, l.shape, jnp.float32) for k, l in zip(keys, leaves)]
 
         def loss_of(fn, args, kwargs):
-            def loss(*diff):
-                full = list(args)
-                for i, d in zip(positions, diff):
-                    full[i] = d
-                outs = jax.tree_util.tree_leaves(fn(*full, **kwargs))
-                return sum(jnp.sum(l.astype(jnp.float32) * c) for l, c in zip(outs, cots))
-            return loss
+            return projected_loss(fn, args, kwargs, positions, cots)
 
         diff_args = [example.args[i] for i in positions]
         argnums = tuple(range(len(positions)))

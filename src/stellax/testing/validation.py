@@ -53,7 +53,9 @@ def _grad_positions(op: Op, example: Example) -> list[int]:
             if i < len(names) and names[i] in op.differentiable]
 
 
-def _loss_fn(fn, args, kwargs, positions, cotangents):
+def projected_loss(fn, args, kwargs, positions, cotangents):
+    """``loss(*diff) = Σ_i <fn(args with args[positions] = diff)_i, cotangents_i>`` (float32): a random
+    projection of every output, whose gradient checks every input's VJP at once."""
     def loss(*diff):
         full = list(args)
         for i, d in zip(positions, diff):
@@ -107,10 +109,10 @@ def check_example(op: Op, implementation: str, example: Example, dtype, *, gradi
         keys = jax.random.split(jax.random.PRNGKey(7), len(out_leaves))
         cots = [random_array(k, l.shape, jnp.float32) for k, l in zip(keys, out_leaves)]
         diff_args = [example.args[i] for i in positions]
-        grads = jax.jit(jax.grad(_loss_fn(run, example.args, array_kwargs, positions, cots),
+        grads = jax.jit(jax.grad(projected_loss(run, example.args, array_kwargs, positions, cots),
                                  argnums=tuple(range(len(positions)))))(*diff_args)
         ref_args, ref_kwargs = upcast(list(example.args)), upcast(array_kwargs)
-        ref_grads = golden(jax.grad(_loss_fn(ref, ref_args, ref_kwargs, positions, cots),
+        ref_grads = golden(jax.grad(projected_loss(ref, ref_args, ref_kwargs, positions, cots),
                                     argnums=tuple(range(len(positions)))), *diff_args)
         summaries += [compare(g, r, dtype=dtype, gradient=True)
                       for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads))]
