@@ -10,7 +10,9 @@ import pytest
 from stellax.bench import bisect as bisect_lib
 from stellax.bench import cli as bench_cli
 
-# The scratch package's own timing script: the best of several runs of the benchmark target, in ms.
+# The scratch package's own timing script: the best of several runs of the benchmark target, in ms
+# (~10 ms a run before the planted commit: long enough that a scheduling hiccup on a loaded machine
+# cannot make a good commit look three times slower).
 BENCH = """\
 import time
 
@@ -58,12 +60,12 @@ def scratch(tmp_path_factory):
     _git(repo, "init", "-q")
     _git(repo, "config", "user.email", "bench@example.com")
     _git(repo, "config", "user.name", "bench test")
-    commits = [_commit(repo, "initial package", {"src/scratch/__init__.py": WORK.format(loops=20000),
+    commits = [_commit(repo, "initial package", {"src/scratch/__init__.py": WORK.format(loops=200000),
                                                  "bench.py": BENCH})]
     commits.append(_commit(repo, "docs", {"README.md": "scratch\n"}))
     commits.append(_commit(repo, "refactor the names", {"src/scratch/util.py": "NAME = 'scratch'\n"}))
     commits.append(_commit(repo, "planted: three times the loops",
-                           {"src/scratch/__init__.py": WORK.format(loops=60000)}))
+                           {"src/scratch/__init__.py": WORK.format(loops=600000)}))
     commits.append(_commit(repo, "more docs", {"README.md": "scratch, documented\n"}))
     commits.append(_commit(repo, "a test", {"tests/test_scratch.py": "def test_nothing():\n    pass\n"}))
     return repo, commits
