@@ -23,9 +23,9 @@ PROBE = textwrap.dedent('''
     import jax, jax.numpy as jnp
     import stellax
     from stellax.core import observe_calls
-    from stellax.lab.plugins import broken_plugins, info_lines, load_plugins
+    from stellax.lab.plugins import broken_plugins, info_lines, load_plugins, loaded_plugins
     from stellax.testing import check_op
-    added = load_plugins()
+    added = list(loaded_plugins().values())  # `import stellax` loaded them
     op = stellax.registered_ops()["hadamard_transform"]
     seen = []
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 64), jnp.float32)
