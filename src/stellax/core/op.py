@@ -76,6 +76,9 @@ def backend_support(backend: str, platform: Platform) -> Support:
     if backend == "mosaic_tpu":
         if platform.backend != "tpu":
             return Support(False, f"Mosaic TPU kernels need a TPU, this device is {platform.describe()}{hint}")
+        generation = platform.tpu
+        if generation is None or not generation.kernels:
+            return Support(False, f"the Mosaic TPU kernels need TPU v5e or newer, this device is {platform.describe()}")
         return SUPPORTED
     return Support(False, f"unknown kernel backend {backend!r}")
 

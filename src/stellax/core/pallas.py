@@ -18,7 +18,14 @@ Launching (`kernel_call`, `triton_kernel_call`):
   NaN-filled buffer aliased into the output), so an element a kernel forgets to
   write fails the numerics checks instead of silently reading as zero;
 * scalar-prefetch operands (Mosaic TPU: page tables, group metadata) are named
-  too; Pallas passes them to the index maps positionally, in the order given.
+  too; Pallas passes them to the index maps positionally, in the order given;
+* Mosaic TPU launches (`tpu_kernel_call`) always state each grid axis's
+  semantics; interpreted, they run under ``pltpu.InterpretParams`` with race
+  detection and NaN-filled uninitialized memory: a read of scratch no step
+  wrote is NaN, and so is an output element the first grid step leaves
+  unwritten. Later steps reuse the VMEM block buffers (as on a TPU), so an
+  element a later step leaves unwritten holds the previous block's value:
+  wrong against the golden, which is how the numerics checks catch it.
 
 Helpers: `cdiv`, `pad_axis`, `padded_dim`, `nbytes`, `dot` / `dot_nt` / `dot_tn`
 (explicit precision, float32 accumulation), `iota`, `square_iota`.
@@ -269,3 +276,43 @@ def triton_kernel_call(
         interpret=interpret, poison_outputs=interpret, name=name,
     )
 
+
+
+def tpu_interpret_params():
+    """How TPU kernels are interpreted on a CPU: races between grid steps
+    detected, uninitialized VMEM and scratch NaN."""
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+
+
+def tpu_kernel_call(
+    kernel: Callable[..., None],
+    *,
+    grid: tuple[int, ...],
+    inputs: Mapping[str, Operand | None],
+    outputs: Mapping[str, Output | None],
+    dimension_semantics: tuple[str, ...],
+    name: str,
+    scratch: Mapping[str, Any] | None = None,
+    scalar_prefetch: Mapping[str, Any] | None = None,
+    vmem_limit_bytes: int | None = None,
+    cost_estimate: Any = None,
+) -> Outputs:
+    """`kernel_call` for a Pallas Mosaic TPU kernel.
+
+    ``dimension_semantics`` gives each grid axis as ``"parallel"`` (steps are
+    independent: split across megacore TensorCores) or ``"arbitrary"``
+    (sequential: an accumulator or a recurrent state carried in scratch).
+    ``vmem_limit_bytes`` raises the scoped-VMEM limit above the generation's
+    default (`stellax.core.tpu`). In interpret mode the kernel runs with
+    `tpu_interpret_params`.
+    """
+    if len(dimension_semantics) != len(grid):
+        raise ValueError(f"tpu_kernel_call({name}): dimension_semantics: expected {len(grid)} entries "
+                         f"(one per grid axis), got {dimension_semantics!r}")
+    interpret = tpu_interpret_params() if interpret_enabled() else None
+    params = pltpu.CompilerParams(dimension_semantics=tuple(dimension_semantics),
+                                  vmem_limit_bytes=vmem_limit_bytes)
+    extra = {} if cost_estimate is None else {"cost_estimate": cost_estimate}
+    return kernel_call(kernel, grid=grid, inputs=inputs, outputs=outputs, scratch=scratch,
+                       scalar_prefetch=scalar_prefetch, compiler_params=params,
+                       interpret=interpret, name=name, **extra)

@@ -5,7 +5,9 @@ Two switches live here:
 * **Interpret mode** (`interpret_mode()` or the environment variable
   ``STELLAX_INTERPRET=1``) makes every Pallas kernel run with ``interpret=True``,
   so GPU kernels execute on the CPU for testing.
-* **Lowering target** (`lowering_target("gpu")`) makes dispatch behave as if it
+  TPU kernels then run with ``pltpu.InterpretParams`` (races detected,
+  uninitialized memory NaN).
+* **Lowering target** (`lowering_target("h100")`, `lowering_target("v6e")`) makes dispatch behave as if it
   ran on that accelerator, so a kernel can be lowered for ``cuda`` on a CPU-only
   machine (`stellax.testing.lowering`).
 """
@@ -18,6 +20,8 @@ import dataclasses
 import os
 
 import jax
+
+from .tpu import TPU_GENERATIONS, TpuGeneration, tpu_generation
 
 _INTERPRET: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "stellax_interpret", default=None
@@ -49,10 +53,17 @@ class Platform:
     def is_nvidia(self) -> bool:
         return self.backend == "gpu" and self.vendor == "nvidia"
 
+    @property
+    def tpu(self) -> TpuGeneration | None:
+        """The TPU generation (VMEM, MXU, dtypes), or ``None`` off a known TPU."""
+        return tpu_generation(self.device_kind) if self.backend == "tpu" else None
+
     def describe(self) -> str:
         if self.compute_capability:
             major, minor = self.compute_capability
             return f"{self.device_kind} (sm_{major}{minor})"
+        if self.tpu is not None:
+            return f"{self.device_kind} ({self.tpu.name})"
         return self.device_kind
 
 
@@ -112,6 +123,7 @@ LOWERING_TARGETS = {
     "h200": Platform("gpu", "NVIDIA H200", (9, 0), "nvidia"),
     "a100": Platform("gpu", "NVIDIA A100-SXM4-80GB", (8, 0), "nvidia"),
     "b200": Platform("gpu", "NVIDIA B200", (10, 0), "nvidia"),
+    **{name: Platform("tpu", g.device_kinds[0]) for name, g in TPU_GENERATIONS.items()},
 }
 
 

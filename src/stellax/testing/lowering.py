@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from ..core import Op, Platform, lowering_target, use_configs
+from ..core import LOWERING_TARGETS, Op, Platform, lowering_target, use_configs
+from ..core.tpu import KERNEL_GENERATIONS
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_GPU_CUSTOM_CALL = "mosaic_gpu"
@@ -34,14 +35,8 @@ CUSTOM_CALL_OF_BACKEND = {"triton": TRITON_CUSTOM_CALL, "mosaic_gpu": MOSAIC_GPU
 #: The platforms ``jax.jit(...).lower(lowering_platforms=...)`` targets for each kernel backend.
 PLATFORMS_OF_BACKEND = {"triton": ("cuda",), "mosaic_gpu": ("cuda",), "mosaic_tpu": ("tpu",)}
 
-#: The device dispatch pretends to run on while lowering for a platform
-#: (`stellax.core.LOWERING_TARGETS` names the GPUs; TPUs are described here).
-TPU_TARGETS = {
-    "v5e": Platform("tpu", "TPU v5 lite"),
-    "v5p": Platform("tpu", "TPU v5"),
-    "v6e": Platform("tpu", "TPU v6 lite"),
-    "tpu7x": Platform("tpu", "TPU7x"),
-}
+#: The device dispatch pretends to run on while lowering for a TPU generation.
+TPU_TARGETS = {name: LOWERING_TARGETS[name] for name in KERNEL_GENERATIONS}
 DEFAULT_TARGET = {"cuda": "h100", "tpu": TPU_TARGETS["v6e"]}
 
 #: Shared memory per block an SM can give (bytes).
