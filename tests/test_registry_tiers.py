@@ -18,6 +18,10 @@ mosaic_tpu) × its examples and its whole autotuning space.
   - ``slow``: every example × every config.
 * Tier 3 (``ptx``, needs the cuda-check extra): every config of each Triton
   implementation compiles to PTX for sm_90 and fits its shared memory.
+* Tier 3 for TPUs (needs the tpu-check extra, libtpu): each Mosaic TPU
+  implementation's heuristic config compiles with the real compiler for v5e
+  and v6e, on its examples and at its TPU benchmark sizes; ``tpu``: every
+  config of each generation's space for v5e, v5p, v6e and TPU7x.
 
 Family test files keep only what is specific to an op (edge cases, options,
 layouts, oracles); what is generic lives here.
@@ -42,6 +46,7 @@ from stellax.core import interpret_mode
 from stellax.testing import (assert_fits_smem, check_example, compile_triton_to_ptx, lower_config, platforms_of,
                              triton_compiler_available)
 from stellax.testing.registry import config_cases, example_cases, kernel_implementations
+from stellax.testing.tpu_compile import KERNEL_GENERATIONS, compile_cases, libtpu_available
 
 KERNELS = kernel_implementations(stellax.registered_ops())
 
@@ -131,6 +136,40 @@ def test_ptx_fits_shared_memory(case):
     (lowered,) = lower_config(case.op, case.implementation, ex.args, ex.kwargs, config=case.config,
                               platform="cuda")
     assert_fits_smem(compile_triton_to_ptx(lowered, "9.0"), "9.0")
+
+
+# -- tier 3: the real Mosaic TPU compiler (libtpu, no TPU) --------------------------
+#: Generations the default tier compiles each TPU kernel's heuristic config for
+#: (the ``tpu`` marker compiles every config for all of `KERNEL_GENERATIONS`).
+CI_GENERATIONS = ("v5e", "v6e")
+TPU_KERNELS = [(op, impl) for op, impl in KERNELS if op.implementations[impl].backend == "mosaic_tpu"]
+
+
+def _tpu_compile_cases(generations, every_config: bool):
+    return [case for op, impl in TPU_KERNELS for g in generations
+            for case in compile_cases(op, impl, g, every_config=every_config, benchmarks=True)]
+
+
+def _assert_compiles(case):
+    available, reason = libtpu_available()
+    if not available:
+        pytest.skip(reason)
+    result = case.compile()
+    assert result.ok, result.describe()
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in _tpu_compile_cases(CI_GENERATIONS, False)])
+def test_tpu_compile_heuristic_config(case):
+    """The heuristic's choice always compiles, on the examples and at benchmark sizes."""
+    _assert_compiles(case)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in _tpu_compile_cases(KERNEL_GENERATIONS, True)])
+def test_tpu_compile_every_config_every_generation(case):
+    """Every config of each generation's autotuning space compiles there (a
+    config that cannot is excluded from that generation's space)."""
+    _assert_compiles(case)
 
 
 #: Kernel implementations no example reaches yet (their family tests cover them).

@@ -8,8 +8,10 @@ Each `TpuGeneration` records what kernel configs depend on:
   compiler (`libtpu` 0.0.42, no TPU needed): the largest VMEM scratch a kernel
   compiles with is 16 MiB on v4, 128 MiB on v5e and v6e, 64 MiB on v5p and TPU7x.
 * ``scoped_vmem_bytes``: the compiler's default limit for a kernel's pipelined
-  buffers when the kernel does not set ``vmem_limit_bytes`` (16 MiB up to v5p,
-  32 MiB from v6e). A kernel that needs more asks for it in its compiler params.
+  buffers when the kernel does not set ``vmem_limit_bytes``. Measured the same
+  way (double-buffered blocks of a copy kernel; `tests/testing/test_tpu_compile.py`):
+  16 MiB on v5e and v5p, 32 MiB on v6e and TPU7x. A kernel that needs more asks
+  for it in its compiler params.
 * ``mxu``: the systolic array's side (128 up to v5p, 256 from v6e): matmul
   tiles should be multiples of it.
 * ``matmul_dtypes``: operand dtypes the MXU multiplies natively. Other float

@@ -52,15 +52,32 @@ def abstract(tree):
     return jax.tree_util.tree_map(to_struct, tree)
 
 
-def lower_for(fn: Callable[..., Any], *args, platform: str = "cuda", target: str | Platform | None = None):
+def lower_for(fn: Callable[..., Any], *args, platform: str = "cuda", target: str | Platform | None = None,
+              device=None):
     """Lower ``fn(*args)`` for ``platform`` (``"cuda"`` or ``"tpu"``; args may be
     arrays or shape structs), dispatching as if on ``target`` (default: an H100
-    for cuda, a TPU v6e for tpu)."""
+    for cuda, a TPU v6e for tpu).
+
+    With ``device`` (a device of a compile-only topology,
+    `stellax.testing.tpu_compile.topology_device`) the arguments are placed on
+    it, so the result can be ``.compile()``-d by that device's real compiler."""
     if platform not in DEFAULT_TARGET:
         raise ValueError(f"platform: expected one of {sorted(DEFAULT_TARGET)}, got {platform!r}")
     with lowering_target(target if target is not None else DEFAULT_TARGET[platform]):
-        traced = jax.jit(fn).trace(*abstract(args))
-        return traced.lower(lowering_platforms=(platform,))
+        if device is None:
+            return jax.jit(fn).trace(*abstract(args)).lower(lowering_platforms=(platform,))
+        return jax.jit(fn).trace(*on_device(args, device)).lower()
+
+
+def on_device(tree, device):
+    """Arrays → `jax.ShapeDtypeStruct`s placed on ``device`` (other leaves unchanged)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def to_struct(x):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return x
+    return jax.tree_util.tree_map(to_struct, tree)
 
 
 def lower_for_gpu(fn: Callable[..., Any], *args, target: str = "h100"):
@@ -85,11 +102,13 @@ def platforms_of(backend: str) -> tuple[str, ...]:
 
 
 def lower_config(op: Op, implementation: str, args: tuple, kwargs: dict | None = None, *, config: Any = None,
-                 platform: str | None = None, grad: bool = False, target: str | Platform | None = None) -> list:
+                 platform: str | None = None, grad: bool = False, target: str | Platform | None = None,
+                 device=None) -> list:
     """Lower ``op(*args, **kwargs)`` with ``implementation`` and ``config``
     (``None``: the one dispatch resolves) for ``platform`` (default: the first
     platform the implementation's backend targets) and assert the backend's
-    custom call. With ``grad`` the VJP of the float arguments is lowered too.
+    custom call. With ``grad`` the VJP of the float arguments is lowered too;
+    with ``device`` the modules are lowered for that device (see `lower_for`).
     Returns the lowered modules (forward, then gradient)."""
     kwargs = dict(kwargs or {})
     impl = op.implementations[implementation]
@@ -121,7 +140,7 @@ def lower_config(op: Op, implementation: str, args: tuple, kwargs: dict | None =
     fns = [lambda a, kw: forward(*a, **kw)] + ([grad_fn] if grad else [])
     modules = []
     for fn in fns:
-        lowered = lower_for(fn, tuple(args), array_kwargs, platform=platform, target=target)
+        lowered = lower_for(fn, tuple(args), array_kwargs, platform=platform, target=target, device=device)
         if backend_call:
             assert_custom_call(lowered, backend_call)
         modules.append(lowered)
