@@ -21,6 +21,7 @@ from .core import (
 from .ops.attention import MaskSpec, dot_product_attention, dot_product_attention_varlen
 from .ops.glu import GluConfig, gated_linear_unit
 from .ops.linear_attention import (LinearAttentionConfig, chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda, ssd, ssd_step)
+from .ops.loss import ChunkedConfig, LinearCrossEntropyConfig, linear_cross_entropy
 from .ops.moe import (GroupedMatmulConfig, XlaGroupedMatmulConfig, load_balancing_loss, moe_mlp, moe_mlp_expert_parallel, moe_mlp_shard, permute, ragged_dot, ragged_dot_general, ragged_dot_tgmm, route, router_z_loss, unpermute)
 from .ops.norm import NormConfig, layer_norm, rms_norm
 from .paged import (KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, init_kv_cache, mla_decode, paged_attention, ragged_paged_attention, update_kv_cache)

@@ -1,0 +1,276 @@
+"""What the linear cross-entropy implementations share: argument checks, the
+per-token loss and reductions, the cotangent → coefficient map of the
+backward, the custom-VJP wiring and the cost models.
+
+Every implementation provides two functions over token rows:
+
+* ``forward_stats(x [T, D], w, labels [T], *, transpose_w, logit_soft_cap, config)
+  -> (lse, target, total)``, float32 ``[T]`` each (see `reference.token_stats`);
+* ``backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, transpose_w,
+  logit_soft_cap, config) -> (dx [T, D], dw)``: the VJP of
+  ``F = Σ_t a_t·lse_t + b_t·c_{t,y_t} + e_t·Σ_j c_tj`` (``dc = a·softmax(c) + b·onehot(y) + e``,
+  through the soft cap ``dz = dc·(1 − (c/cap)²)``, then ``dx = dz @ wᵀ``, ``dw = xᵀ @ dz``).
+
+An implementation may also provide ``fused_forward_backward``: the stats and the
+gradients of the scalar loss in one pass over the chunks (see `xla.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...core import Call, backward_implementation
+from ...core import checks
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# -- argument checks -----------------------------------------------------------------
+def _check_float_option(name, value, *, minimum=0.0, below=None):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    value = float(value)
+    if not (value >= minimum and (below is None or value < below)):
+        bound = f"[{minimum}, {below})" if below is not None else f">= {minimum}"
+        raise ValueError(f"{name}: expected a float in {bound}, got {value}")
+    return value
+
+
+def _check_labels_in_range(labels, vocab: int, ignore_index: int):
+    """Concrete labels must be in ``[0, V)`` or ``ignore_index`` (under ``jit`` they are
+    traced and cannot be checked here: an out-of-range label then gives a NaN loss)."""
+    if isinstance(labels, jax.core.Tracer) or isinstance(labels, jax.ShapeDtypeStruct):
+        return
+    values = np.asarray(labels)
+    bad = (values != ignore_index) & ((values < 0) | (values >= vocab))
+    if bad.any():
+        first = values[bad].reshape(-1)[0]
+        raise ValueError(f"labels: expected values in [0, {vocab}) (V, the vocabulary size of w) or "
+                         f"ignore_index={ignore_index}, got {int(first)} ({int(bad.sum())} labels out of range)")
+
+
+def check_forward(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None,
+                  reduction="mean", transpose_w=False, return_lse=False, return_z_loss=False) -> Call:
+    """Validate `linear_cross_entropy` arguments into a `Call`."""
+    x = checks.require_float("x", x)
+    if x.ndim < 1:
+        raise ValueError("x: expected rank >= 1 ([..., D]), got rank 0")
+    w = checks.require_float("w", w)
+    checks.require_same_dtype("w", w, "x", x)
+    checks.require_ndim("w", w, 2)
+    if not isinstance(transpose_w, bool):
+        raise TypeError(f"transpose_w: expected a bool, got {type(transpose_w).__name__}")
+    features = x.shape[-1]
+    if transpose_w:
+        checks.require_shape("w", w, (None, features), "[V, D] with transpose_w=True, D = x.shape[-1]")
+    else:
+        checks.require_shape("w", w, (features, None), "[D, V], D = x.shape[-1]")
+    labels = checks.require_int("labels", labels)
+    checks.require_shape("labels", labels, x.shape[:-1], "x.shape[:-1]")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    label_smoothing = _check_float_option("label_smoothing", label_smoothing, below=1.0)
+    z_loss = _check_float_option("z_loss", z_loss)
+    if logit_soft_cap is not None:
+        logit_soft_cap = checks.require_positive_float("logit_soft_cap", logit_soft_cap)
+    reduction = checks.require_choice("reduction", reduction, REDUCTIONS)
+    for name, value in (("return_lse", return_lse), ("return_z_loss", return_z_loss)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    vocab = w.shape[0] if transpose_w else w.shape[1]
+    _check_labels_in_range(labels, vocab, int(ignore_index))
+    return Call({"x": x, "w": w, "labels": labels},
+                {"ignore_index": int(ignore_index), "label_smoothing": label_smoothing, "z_loss": z_loss,
+                 "logit_soft_cap": logit_soft_cap, "reduction": reduction, "transpose_w": transpose_w,
+                 "return_lse": return_lse, "return_z_loss": return_z_loss})
+
+
+def check_backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, logit_soft_cap=None,
+                   transpose_w=False) -> Call:
+    """Validate `linear_cross_entropy_backward` arguments (token rows ``x [T, D]``)."""
+    x = checks.require_float("x", x)
+    checks.require_ndim("x", x, 2)
+    w = checks.require_float("w", w)
+    checks.require_same_dtype("w", w, "x", x)
+    checks.require_ndim("w", w, 2)
+    tokens, features = x.shape
+    checks.require_shape("w", w, (None, features) if transpose_w else (features, None), "D = x.shape[1]")
+    labels = checks.require_int("labels", labels)
+    checks.require_shape("labels", labels, (tokens,), "x.shape[0]")
+    for name, value in (("lse", lse), ("softmax_coef", softmax_coef), ("target_coef", target_coef),
+                        ("uniform_coef", uniform_coef)):
+        checks.require_float(name, value, (jnp.float32,))
+        checks.require_shape(name, value, (tokens,), "x.shape[0]")
+    if logit_soft_cap is not None:
+        logit_soft_cap = checks.require_positive_float("logit_soft_cap", logit_soft_cap)
+    return Call({"x": x, "w": w, "labels": labels, "lse": lse, "softmax_coef": softmax_coef,
+                 "target_coef": target_coef, "uniform_coef": uniform_coef},
+                {"logit_soft_cap": logit_soft_cap, "transpose_w": bool(transpose_w)})
+
+
+# -- shapes ------------------------------------------------------------------------------
+def vocab_size(call: Call) -> int:
+    return call.w.shape[0] if call.transpose_w else call.w.shape[1]
+
+
+def dims(call: Call) -> tuple[int, int, int]:
+    """``(T, D, V)``."""
+    return int(np.prod(call.x.shape[:-1], dtype=np.int64)), call.x.shape[-1], vocab_size(call)
+
+
+# -- per-token loss and reductions -------------------------------------------------------------
+def _valid(call: Call, labels):
+    return labels != call.ignore_index
+
+
+def _count(call: Call, labels):
+    """``max(#valid tokens, 1)`` in float32 (the "mean" denominator; 0 valid tokens give loss 0)."""
+    return jnp.maximum(jnp.sum(_valid(call, labels).astype(jnp.float32)), 1.0)
+
+
+def token_loss(call: Call, lse, target, total, labels):
+    """Per-token loss ``[T]`` (0 for ignored tokens, NaN for a label outside ``[0, V)``) and z-loss ``[T]``."""
+    vocab = vocab_size(call)
+    eps, lam = call.label_smoothing, call.z_loss
+    valid = _valid(call, labels)
+    z = lam * lse * lse
+    loss = lse - (1.0 - eps) * target - (eps / vocab) * total + z
+    in_vocab = (labels >= 0) & (labels < vocab)
+    loss = jnp.where(valid, jnp.where(in_vocab, loss, jnp.nan), 0.0)
+    return loss, jnp.where(valid, z, 0.0)
+
+
+def _reduce(call: Call, per_token, labels):
+    if call.reduction == "sum":
+        return jnp.sum(per_token)
+    if call.reduction == "mean":
+        return jnp.sum(per_token) / _count(call, labels)
+    return per_token.reshape(call.labels.shape)
+
+
+def finalize(call: Call, lse, target, total, labels):
+    """The op's outputs from the per-token stats: ``loss``, or ``(loss, [lse], [z_loss])``
+    with the extras ``return_lse`` / ``return_z_loss`` ask for."""
+    loss, z = token_loss(call, lse, target, total, labels)
+    extras = []
+    if call.return_lse:
+        extras.append(lse.reshape(call.labels.shape))
+    if call.return_z_loss:
+        extras.append(_reduce(call, z, labels))
+    out = _reduce(call, loss, labels)
+    return (out, *extras) if extras else out
+
+
+def token_scale(call: Call, labels, count=None):
+    """How a token's loss enters the reduced loss: ``valid / max(#valid, 1)`` for "mean"
+    (``count`` overrides the denominator), ``valid`` otherwise (float32 ``[T]``)."""
+    scale = _valid(call, labels).astype(jnp.float32)
+    if call.reduction == "mean":
+        scale = scale / (_count(call, labels) if count is None else count)
+    return scale
+
+
+def coefficients(call: Call, scale, lse, d_loss, d_lse, d_z):
+    """The backward coefficients ``(a, b, e)`` per token (float32 ``[T]``) for the
+    cotangents of the reduced loss, of lse and of the reduced z-loss (``d_loss``/``d_z``
+    scalars for "mean"/"sum", ``[T]`` for "none"; ``d_lse`` ``[T]`` or None); ``scale``
+    from `token_scale`::
+
+        a = g·(1 + 2λ·lse) + 2λ·lse·k + d_lse,   b = −(1 − ε)·g,   e = −(ε / V)·g
+        with g = d_loss·scale, k = d_z·scale
+    """
+    vocab = vocab_size(call)
+    eps, lam = call.label_smoothing, call.z_loss
+    g = jnp.reshape(d_loss, (-1,)).astype(jnp.float32) * scale
+    a = g * (1.0 + 2.0 * lam * lse)
+    if d_z is not None:
+        a = a + 2.0 * lam * lse * (jnp.reshape(d_z, (-1,)).astype(jnp.float32) * scale)
+    if d_lse is not None:
+        a = a + jnp.reshape(d_lse, (-1,)).astype(jnp.float32)
+    return a, -(1.0 - eps) * g, -(eps / vocab) * g
+
+
+# -- the custom VJP ----------------------------------------------------------------------------
+def forward_runner(kernels, name: str, backward_op):
+    """``run(call, config)`` of one implementation: stats → outputs, with a custom VJP whose
+    backward is ``backward_op`` (or, for a plain scalar loss, the implementation's
+    ``fused_forward_backward`` when it has one: gradients computed in the forward pass)."""
+
+    def run(call: Call, config):
+        x2, labels = call.x.reshape(-1, call.x.shape[-1]), call.labels.reshape(-1)
+        options = dict(transpose_w=call.transpose_w, logit_soft_cap=call.logit_soft_cap)
+        scalar_only = call.reduction != "none" and not call.return_lse and not call.return_z_loss
+        fused = getattr(kernels, "fused_forward_backward", None) if scalar_only else None
+
+        @jax.custom_vjp
+        def outputs(x2, w, labels):
+            lse, target, total = kernels.forward_stats(x2, w, labels, config=config, **options)
+            loss, z = token_loss(call, lse, target, total, labels)
+            return _reduce(call, loss, labels), lse, _reduce(call, z, labels)
+
+        def forward(x2, w, labels):
+            if fused is not None:
+                count = _count(call, labels)
+
+                def unit(lse_c, labels_c, rows_c):  # one token chunk's coefficients of a unit cotangent
+                    scale = token_scale(call, labels_c, count) * rows_c.astype(jnp.float32)
+                    return coefficients(call, scale, lse_c, jnp.ones((), jnp.float32), None, None)
+                (lse, target, total), (dx, dw) = fused(x2, w, labels, unit, config=config, **options)
+                residuals = (None, None, labels, None, dx, dw)
+            else:
+                lse, target, total = kernels.forward_stats(x2, w, labels, config=config, **options)
+                residuals = (x2, w, labels, lse, None, None)
+            loss, z = token_loss(call, lse, target, total, labels)
+            return (_reduce(call, loss, labels), lse, _reduce(call, z, labels)), residuals
+
+        def backward(residuals, cotangents):
+            x2, w, labels, lse, dx, dw = residuals
+            d_loss, d_lse, d_z = cotangents
+            if dx is not None:  # fused: float32 gradients of a unit cotangent, scaled
+                scale = d_loss.astype(jnp.float32)
+                return ((dx * scale).astype(call.x.dtype), (dw * scale).astype(call.w.dtype), None)
+            a, b, e = coefficients(call, token_scale(call, labels), lse, d_loss, d_lse, d_z)
+            dx, dw = backward_op(x2, w, labels, lse, a, b, e, **options,
+                                 implementation=backward_implementation(backward_op, name))
+            return dx, dw, None
+
+        outputs.defvjp(forward, backward)
+        loss, lse, z = outputs(x2, call.w, labels)
+        extras = ([lse.reshape(call.labels.shape)] if call.return_lse else []) + ([z] if call.return_z_loss else [])
+        return (loss, *extras) if extras else loss
+
+    return run
+
+
+def backward_runner(kernels):
+    def run(call: Call, config):
+        dx, dw = kernels.backward(call.x, call.w, call.labels, call.lse, call.softmax_coef, call.target_coef,
+                                  call.uniform_coef, transpose_w=call.transpose_w,
+                                  logit_soft_cap=call.logit_soft_cap, config=config)
+        return dx.astype(call.x.dtype), dw.astype(call.w.dtype)
+    return run
+
+
+# -- cost models ---------------------------------------------------------------------------------
+def forward_flops(call: Call) -> float:
+    t, d, v = dims(call)
+    return 2.0 * t * d * v + 6.0 * t * v
+
+
+def forward_bytes(call: Call) -> float:
+    t, d, v = dims(call)
+    size = np.dtype(call.x.dtype).itemsize
+    return float(size * (t * d + d * v) + 4 * t)
+
+
+def backward_flops(call: Call) -> float:
+    t, d, v = dims(call)
+    return 3 * 2.0 * t * d * v + 8.0 * t * v  # logits recomputed, dx, dw
+
+
+def backward_bytes(call: Call) -> float:
+    t, d, v = dims(call)
+    size = np.dtype(call.x.dtype).itemsize
+    return float(2 * size * (t * d + d * v) + 4 * 5 * t)
