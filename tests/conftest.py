@@ -5,6 +5,8 @@ run before jax is imported anywhere."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The TPU compile tier loads libtpu in each test worker (compile only, no TPU).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()

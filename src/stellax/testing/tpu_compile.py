@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import os
 import time
 from typing import Any
 
@@ -65,6 +66,9 @@ def topology_device(generation: str):
     ok, reason = libtpu_available()
     if not ok:
         raise RuntimeError(reason)
+    # libtpu takes a machine-wide lock file unless told that several processes
+    # may load it; compile-only use needs no exclusive TPU (pytest -n 2 runs two).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(topology_name=spec.topology, platform="tpu").devices[0]
