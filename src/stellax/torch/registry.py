@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from typing import Any, Callable, Sequence
 
@@ -136,7 +137,13 @@ class TorchOp:
     def __call__(self, *args, **kwargs):
         """Call with the JAX function's arguments (structured operands as their
         torch twins, options positionally or by name)."""
-        return self.op(*self.flatten(*args, **kwargs))
+        flat = self.flatten(*args, **kwargs)
+        if "torchax" in sys.modules:  # torchax tensors run the JAX function on their arrays (stellax.torch.torchax)
+            from .torchax import call
+            out = call(self, flat)
+            if out is not NotImplemented:
+                return out
+        return self.op(*flat)
 
     def flatten(self, *args, **kwargs) -> tuple:
         """The custom op's flat arguments for the JAX function's arguments:
