@@ -32,6 +32,17 @@ def _info(args) -> int:
                 status = "interpreted (explicit request only)"
             table.add_row(name, impl.name, impl.backend, status)
     console.print(table)
+    tpu_table = Table(title="TPU generations (Mosaic TPU kernels run on v5e and newer)")
+    for column in ("generation", "device kind", "VMEM", "scoped VMEM default", "MXU", "cores/device",
+                   "MXU dtypes", "kernels"):
+        tpu_table.add_column(column)
+    from stellax.core.tpu import TPU_GENERATIONS
+    for g in TPU_GENERATIONS.values():
+        mark = "*" if platform.tpu is g else ""
+        tpu_table.add_row(g.name + mark, g.device_kinds[0], f"{g.vmem_bytes >> 20} MiB",
+                          f"{g.scoped_vmem_bytes >> 20} MiB", f"{g.mxu}x{g.mxu}", str(g.cores_per_chip),
+                          ", ".join(g.matmul_dtypes), "yes" if g.kernels else "no (XLA)")
+    console.print(tpu_table)
     from stellax.lab.plugins import info_lines
     for line in info_lines():
         console.print(line, highlight=False, markup=False)
@@ -64,6 +75,46 @@ def _default_workers(platform) -> int:
     return min(2, os.cpu_count() or 1) if platform.backend == "cpu" else 1
 
 
+def _check_tpu_compile(args, console, selected) -> int:
+    """`stellax check --tpu-compile`: tier 3 for the Mosaic TPU kernels."""
+    import json
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from rich.table import Table
+
+    from stellax.core.tpu import KERNEL_GENERATIONS
+    from stellax.testing import tpu_compile
+
+    available, reason = tpu_compile.libtpu_available()
+    if not available:
+        console.print(f"[red]{reason}")
+        return 2
+    generations = args.generations.split(",") if args.generations else list(KERNEL_GENERATIONS)
+    unknown = [g for g in generations if g not in KERNEL_GENERATIONS]
+    if unknown:
+        console.print(f"[red]--generations: expected names from {list(KERNEL_GENERATIONS)}, got {unknown}")
+        return 2
+
+    def show(case, result):
+        if not result.ok or args.verbose:
+            console.print(f"{case.id}: {result.describe()}", highlight=False, markup=False)
+
+    results = tpu_compile.run_tier(selected, generations, every_config=args.all, on_result=show)
+    rows = tpu_compile.summary_rows(results)
+    if args.json:
+        text = json.dumps({"generations": generations, "every_config": args.all, "rows": rows}, indent=1)
+        print(text) if args.json == "-" else open(args.json, "w").write(text + "\n")
+    table = Table(title=f"Mosaic TPU compile tier ({'every config' if args.all else 'heuristic configs'})")
+    for column in ("op", "implementation", "generation", "compiled", "rejected", "max VMEM (MiB)"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["op"], row["implementation"], row["generation"], str(row["compiled"]),
+                      str(row["rejected"]), f"{row['max_vmem_mib']:.2f}")
+    console.print(table)
+    return 1 if any(not r.ok for r in results) else 0
+
+
 def _check(args) -> int:
     _fast_compiles()
     from rich.console import Console
@@ -78,6 +129,8 @@ def _check(args) -> int:
     if args.ops and not selected:
         console.print(f"[red]no registered op or family matches {args.ops}; known: {sorted(ops)}")
         return 2
+    if args.tpu_compile:
+        return _check_tpu_compile(args, console, selected)
     try:
         jobs = plan_checks(selected, full=args.all, dtypes=args.dtypes.split(",") if args.dtypes else None,
                            implementations=args.implementations.split(",") if args.implementations else None,
@@ -128,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="processes running checks (default: one per core, at most 2, on a CPU; 1 elsewhere)")
     check.add_argument("--json", nargs="?", const="-", metavar="PATH",
                        help="write one JSON document (rows and summary) to PATH or stdout, no progress bar")
+    check.add_argument("--tpu-compile", action="store_true",
+                       help="tier 3 for Mosaic TPU kernels: compile with the real TPU compiler (libtpu, the "
+                            "tpu-check extra; no TPU needed) for each generation, heuristic configs on examples "
+                            "and benchmark sizes (every config with --all); prints compiled / rejected / VMEM")
+    check.add_argument("--generations", default="", help="with --tpu-compile: comma-separated TPU generations "
+                                                         "(default: v5e,v5p,v6e,tpu7x)")
+    check.add_argument("--verbose", action="store_true", help="with --tpu-compile: print every compile")
     sub.add_parser("bench", help="benchmark ops (see `stellax bench --help`)")
     sub.add_parser("autotune", help="tune kernel configs (see `stellax autotune --help`)")
     sub.add_parser("lab", help="kernel lab: write, evaluate and search candidates (see `stellax lab --help`)")

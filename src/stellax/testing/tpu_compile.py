@@ -318,5 +318,41 @@ def compile_cases(op: Op, implementation: str, generation: str, *, every_config:
     return cases
 
 
+def run_tier(ops, generations=KERNEL_GENERATIONS, *, every_config: bool = False,
+             on_result=None) -> list[CompileResult]:
+    """Compile every Mosaic TPU implementation of ``ops`` (name → `Op`) for
+    each of ``generations``: the heuristic config (or every config) on the
+    examples and benchmark calls. ``on_result(result)`` sees each result."""
+    results = []
+    for _, op in sorted(ops.items()):
+        for name, impl in op.implementations.items():
+            if impl.backend != "mosaic_tpu":
+                continue
+            for generation in generations:
+                for case in compile_cases(op, name, generation, every_config=every_config):
+                    result = case.compile()
+                    results.append(result)
+                    if on_result is not None:
+                        on_result(case, result)
+    return results
+
+
+def summary_rows(results: list[CompileResult]) -> list[dict]:
+    """One row per (op, implementation, generation): compiled / rejected
+    counts, the largest VMEM estimate that compiled, and the rejection reasons."""
+    rows: dict[tuple, dict] = {}
+    for r in results:
+        row = rows.setdefault((r.op, r.implementation, r.generation), dict(
+            op=r.op, implementation=r.implementation, generation=r.generation, compiled=0, rejected=0,
+            max_vmem_mib=0.0, reasons=[]))
+        if r.ok:
+            row["compiled"] += 1
+            row["max_vmem_mib"] = max(row["max_vmem_mib"], round(r.vmem_bytes / 2**20, 2))
+        else:
+            row["rejected"] += 1
+            row["reasons"].append(r.error[:160])
+    return list(rows.values())
+
+
 __all__ = ["CompileCase", "CompileResult", "abstract_benchmarks", "compile_cases", "KERNEL_GENERATIONS", "LIBTPU_INSTALL", "compilable_space", "compile_config",
-           "kernel_vmem", "libtpu_available", "topology_device", "vmem_estimate"]
+           "kernel_vmem", "libtpu_available", "run_tier", "summary_rows", "topology_device", "vmem_estimate"]
