@@ -222,10 +222,11 @@ def kernel_call(
       `Outputs`: every name of ``outputs``, ``None`` where the output was ``None``.
     """
     ins, outs = _present(inputs), _present(outputs)
-    scratch, prefetch = _present(scratch), _present(scalar_prefetch)
+    given_scratch, scratch, prefetch = scratch, _present(scratch), _present(scalar_prefetch)
     if not outs:
         raise ValueError(f"kernel_call({name}): outputs: expected at least one output, got none")
-    absent = tuple(k for k in (*(inputs or {}), *(outputs or {}), *(scratch or {})) if k not in {**ins, **outs})
+    absent = tuple(k for k in (*(inputs or {}), *(outputs or {}), *(given_scratch or {}))
+                   if k not in {**ins, **outs, **scratch})
     poison = len(outs) if poison_outputs else 0
     binding = _Binding(tuple(prefetch), tuple(ins), poison, tuple(outs), tuple(scratch), absent)
     in_specs = [op.spec for op in ins.values()]

@@ -16,7 +16,7 @@ the blocks travel around the ring again, each with float32 ``dK/dV``
 accumulators that move with it, so after the last step one more hop brings
 every accumulator home. Per step:
 
-* flash implementations (``triton``, ``xla_chunked``): the ``attention_backward``
+* flash implementations (``mosaic_tpu``, ``triton``, ``xla_chunked``): the ``attention_backward``
   op is called on the block with the *merged* ``out``/``lse`` — its
   ``p = exp(s − lse)`` and ``delta = rowsum(dO·O) − dlse`` are then exactly
   the merged softmax's, so it returns this block's share of the gradients;
@@ -54,7 +54,7 @@ def _maybe(pred, true_fn, false_fn, *operands):
 
 #: Attention implementations whose backward kernels take the merged softmax
 #: statistics (out, lse) as inputs — FlashAttention-2 style — in dispatch order.
-FLASH_BACKWARDS = ("triton", "xla_chunked")
+FLASH_BACKWARDS = ("mosaic_tpu", "triton", "xla_chunked")
 
 
 def _flash_backward_chain(implementation):

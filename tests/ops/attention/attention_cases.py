@@ -74,7 +74,7 @@ def check_against_golden(impl, args, kwargs, *, configs=None, grads=True, dtype=
         return results[0]
 
     with use_configs(configs or {}):
-        with stellax.interpret_mode(impl == "triton"):
+        with stellax.interpret_mode(impl in ("triton", "mosaic_tpu")):
             (_, (out, lse)), g = run(impl, 2 if repeat else 1)
     (_, (ref_out, ref_lse)), ref_g = _golden_run(run)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32

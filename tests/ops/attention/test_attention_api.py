@@ -9,8 +9,8 @@ import pytest
 
 import stellax
 from stellax.ops.attention import (
-    attention_backward_op, attention_fp8_op, attention_op, backward_kernels, base, dot_product_attention_varlen, triton,
-    xla_chunked,
+    attention_backward_op, attention_fp8_op, attention_op, backward_kernels, base, dot_product_attention_varlen,
+    mosaic_tpu, triton, xla_chunked,
 )
 from stellax.testing import assert_close
 
@@ -259,12 +259,16 @@ def test_triton_on_cpu_without_interpret_explains():
 def test_implementations_run_their_kernels_directly():
     """Each forward implementation's ``run`` is bound to its kernel and the
     shared custom VJP (no lookup table by name); fp8 attention has the same
-    implementations; the backward kernels are named by the backward op."""
+    implementations but the Mosaic TPU kernel; the backward kernels are named
+    by the backward op."""
+    tpu = attention_op.implementations["mosaic_tpu"].run
+    assert list(attention_op.implementations)[0] == "mosaic_tpu" and "mosaic_tpu" not in attention_fp8_op.implementations
+    assert tpu.forward is mosaic_tpu.forward and tpu.backward == ("mosaic_tpu",)
     for op in (attention_op, attention_fp8_op):
         run = {name: impl.run for name, impl in op.implementations.items()}
         assert isinstance(run["triton"], base.KernelRunner) and run["triton"].forward is triton.forward
         assert run["triton"].backward_op is attention_backward_op and run["triton"].backward == ("triton",)
         assert run["xla_chunked"].forward is xla_chunked.forward and run["xla_chunked"].backward == ("xla_chunked",)
         assert run["xla"] is base.reference
-    assert backward_kernels() == ("triton", "xla_chunked")
-    assert set(attention_backward_op.implementations) == {"triton", "xla_chunked", "xla"}
+    assert backward_kernels() == ("mosaic_tpu", "triton", "xla_chunked")
+    assert set(attention_backward_op.implementations) == {"mosaic_tpu", "triton", "xla_chunked", "xla"}

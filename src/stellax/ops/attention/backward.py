@@ -4,7 +4,8 @@ given the forward's ``out`` and ``lse`` (FlashAttention-2 style). The forward
 ops' custom VJP (`base.attend`) calls it; context parallelism (ring) calls
 it directly with merged statistics.
 
-Implementations: ``triton`` (three Pallas Triton kernels), ``xla_chunked``
+Implementations: ``mosaic_tpu`` (dq and dk/dv Pallas Mosaic TPU kernels),
+``triton`` (three Pallas Triton kernels), ``xla_chunked``
 (two blocked XLA passes) and ``xla`` (the VJP of the float32 golden)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call, Implementation, Op, checks, register
-from . import configs, examples, triton_backward, xla_chunked
+from . import configs, examples, mosaic_tpu_backward, triton_backward, xla_chunked
 from .base import backward_bytes, backward_canonical, backward_flops, backward_runner
 from .masks import MaskSpec
 from .reference import attention_forward_reference
@@ -76,6 +77,9 @@ attention_backward_op = register(Op(
     check=check_attention_backward,
     reference=attention_backward_reference,
     implementations=[
+        Implementation("mosaic_tpu", backward_runner(mosaic_tpu_backward.backward), backend="mosaic_tpu",
+                       config_type=configs.SplashBackwardConfig, heuristic=configs.splash_backward_heuristic,
+                       space=configs.splash_backward_space, requirements=configs.splash_requirements),
         Implementation("triton", backward_runner(triton_backward.backward), backend="triton",
                        config_type=configs.FlashBackwardConfig, heuristic=configs.flash_backward_heuristic,
                        space=configs.flash_backward_space, requirements=configs.flash_requirements),

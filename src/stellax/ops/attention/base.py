@@ -31,7 +31,7 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, backward_implementation, checks
 from ...core.pallas import nbytes
-from . import configs, triton, xla_chunked
+from . import configs, mosaic_tpu, triton, xla_chunked
 from .masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec, default_positions, visible_fraction
 from .reference import attention_forward_reference
 
@@ -464,9 +464,14 @@ def reference(call: Call, config=None):
     return finalize(call, out, lse)
 
 
-def forward_implementations(backward_op: Op) -> list[Implementation]:
-    """The implementations of the forward ops (``attention`` and ``attention_fp8``)."""
-    return [
+def forward_implementations(backward_op: Op, *, mosaic_tpu_kernels: bool = True) -> list[Implementation]:
+    """The implementations of the forward ops (``attention``; ``attention_fp8``
+    without the Mosaic TPU kernel, ``mosaic_tpu_kernels=False``)."""
+    tpu = [Implementation("mosaic_tpu", kernel_runner(mosaic_tpu.forward, backward_op=backward_op, name="mosaic_tpu"),
+                          backend="mosaic_tpu", config_type=configs.SplashConfig,
+                          heuristic=configs.splash_heuristic, space=configs.splash_space,
+                          requirements=configs.splash_requirements)]
+    return (tpu if mosaic_tpu_kernels else []) + [
         Implementation("triton", kernel_runner(triton.forward, backward_op=backward_op, name="triton"),
                        backend="triton", config_type=configs.FlashConfig, heuristic=configs.flash_heuristic,
                        space=configs.flash_space, requirements=configs.flash_requirements),

@@ -142,3 +142,160 @@ def flash_backward_space(call: Call) -> list[FlashBackwardConfig]:
     size = _itemsize(call)
     return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages, size)
             and _fits(c.block_k, c.block_q, h, hv, c.num_stages, size)]
+
+
+# -- Mosaic TPU (splash-class flash attention) -----------------------------------------------
+#: Block lengths the TPU kernels take: multiples of 128 (the lane width) from 128 to 2048.
+TPU_BLOCKS = (128, 256, 512, 1024, 2048)
+#: Head dims the TPU kernels hold in one VMEM tile row (query/key and value).
+TPU_MAX_HEAD_DIM = 256
+
+
+def _require_tpu_block(config: str, name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value % 128 or not 128 <= value <= 2048:
+        raise ValueError(f"{config}: {name} must be a multiple of 128 in [128, 2048] (TPU lane tiling), "
+                         f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashConfig(KernelConfig):
+    """Mosaic TPU forward kernel: one step computes a ``(G·block_q) × block_kv``
+    logits tile (the ``G`` query heads of a kv head share its K/V block)."""
+
+    block_q: int = 512
+    block_kv: int = 512
+
+    def validate(self) -> None:
+        _require_tpu_block("SplashConfig", "block_q", self.block_q)
+        _require_tpu_block("SplashConfig", "block_kv", self.block_kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashBackwardConfig(KernelConfig):
+    """Mosaic TPU backward kernels: dq (``block_q_dq × block_kv_dq`` tiles, q-block
+    major) and dk/dv (``block_q_dkv × block_kv_dkv`` tiles, kv-block major)."""
+
+    block_q_dq: int = 512
+    block_kv_dq: int = 512
+    block_q_dkv: int = 512
+    block_kv_dkv: int = 512
+
+    def validate(self) -> None:
+        for name in ("block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv"):
+            _require_tpu_block("SplashBackwardConfig", name, getattr(self, name))
+
+
+def _tpu_shape(call: Call):
+    """``(T, S, G, H, Hv, itemsize)`` of a forward or backward call."""
+    q, k, v = call.query, call.key, call.value
+    return (q.shape[-3], k.shape[-3], q.shape[-2] // k.shape[-2], q.shape[-1], v.shape[-1],
+            jnp.dtype(q.dtype).itemsize)
+
+
+def _lane_pad(d: int) -> int:
+    return -(-d // 128) * 128
+
+
+def splash_vmem_bytes(rows: int, block_kv: int, h: int, hv: int, itemsize: int, *, backward: bool = False) -> int:
+    """Estimated VMEM of one kernel step (bytes): double-buffered q/k/v/out
+    blocks, the row statistics (one 128-lane tile row each), the float32
+    scratch and about four float32 ``rows × block_kv`` temporaries (logits,
+    probabilities, their gradients). ``rows = G·block_q``."""
+    hp, hvp = _lane_pad(h), _lane_pad(hv)
+    blocks = 2 * itemsize * (rows * hp + block_kv * (hp + hvp) + rows * hvp)
+    stats = 2 * 4 * 128 * rows * (4 if backward else 3)
+    if backward:  # dO rides with q; dq or dk/dv accumulators
+        blocks += 2 * itemsize * (rows * hvp + block_kv * (hp + hvp))
+        scratch = 4 * max(rows * hp, block_kv * (hp + hvp))
+    else:
+        scratch = 4 * rows * (hvp + 2 * 128)
+    return blocks + stats + scratch + 4 * 4 * rows * block_kv
+
+
+def _tpu_budget(generation) -> int:
+    # Leave a quarter of VMEM to the compiler's own temporaries.
+    return generation.vmem_bytes * 3 // 4
+
+
+def _clamp(block: int, length: int) -> int:
+    """The smallest TPU block covering ``length`` when ``block`` exceeds it."""
+    return min(block, max(128, _lane_pad(length)))
+
+
+def _fits_tpu(block_q: int, block_kv: int, call: Call, generation, *, backward: bool, budget: int) -> bool:
+    t, s, g, h, hv, size = _tpu_shape(call)
+    return splash_vmem_bytes(g * block_q, block_kv, h, hv, size, backward=backward) <= budget
+
+
+def _preferred_blocks(generation) -> list[tuple[int, int]]:
+    """(block_q, block_kv) in order of preference: MXU-sized (256 on v6e/TPU7x,
+    128 before) and large enough to amortize the ~0.35 µs per grid step."""
+    if generation.mxu >= 256:
+        return [(1024, 512), (512, 512), (512, 256), (256, 256), (256, 128), (128, 128)]
+    return [(512, 512), (512, 256), (256, 256), (256, 128), (128, 128)]
+
+
+def _heuristic_blocks(call: Call, *, backward: bool) -> tuple[int, int]:
+    from ...core.tpu import target_generation
+
+    generation = target_generation()
+    t, s = _tpu_shape(call)[:2]
+    for bq, bk in _preferred_blocks(generation):
+        if _fits_tpu(bq, bk, call, generation, backward=backward, budget=generation.scoped_vmem_bytes):
+            return _clamp(bq, t), _clamp(bk, s)
+    return _clamp(128, t), _clamp(128, s)
+
+
+def splash_heuristic(call: Call) -> SplashConfig:
+    """The largest preferred blocks whose estimated VMEM fits the generation's
+    scoped-VMEM default (`stellax.core.tpu.target_generation`), clamped to the
+    sequence lengths."""
+    bq, bk = _heuristic_blocks(call, backward=False)
+    return SplashConfig(block_q=bq, block_kv=bk)
+
+
+def splash_backward_heuristic(call: Call) -> SplashBackwardConfig:
+    bq, bk = _heuristic_blocks(call, backward=True)
+    return SplashBackwardConfig(block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk)
+
+
+def _tpu_block_pairs(call: Call, *, backward: bool) -> list[tuple[int, int]]:
+    """Distinct (block_q, block_kv) pairs (clamped to the lengths) whose
+    estimated VMEM fits three quarters of the generation's VMEM."""
+    from ...core.tpu import target_generation
+
+    generation = target_generation()
+    t, s = _tpu_shape(call)[:2]
+    pairs = []
+    for bq in TPU_BLOCKS:
+        for bk in TPU_BLOCKS:
+            pair = (_clamp(bq, t), _clamp(bk, s))
+            if pair not in pairs and _fits_tpu(*pair, call, generation, backward=backward,
+                                               budget=_tpu_budget(generation)):
+                pairs.append(pair)
+    return pairs
+
+
+def splash_space(call: Call) -> list[SplashConfig]:
+    return [SplashConfig(block_q=bq, block_kv=bk) for bq, bk in _tpu_block_pairs(call, backward=False)]
+
+
+def splash_backward_space(call: Call) -> list[SplashBackwardConfig]:
+    """The dq and dk/dv kernels tuned with the same pair (they launch one
+    after the other; their blocks are independent fields for explicit use)."""
+    return [SplashBackwardConfig(block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk)
+            for bq, bk in _tpu_block_pairs(call, backward=True)]
+
+
+def splash_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU kernels cannot take ``call`` (None when they can)."""
+    dtype = jnp.dtype(call.query.dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"the Mosaic TPU attention kernels take float32 or bfloat16, got {dtype.name}"
+    if call.arrays.get("bias") is not None or call.arrays.get("mask") is not None:
+        return ("the Mosaic TPU attention kernels take the mask as positions/segments/causal/window/chunk "
+                "(block-sparse), not a dense bias or boolean mask")
+    h, hv = head_dims(call)
+    if max(h, hv) > TPU_MAX_HEAD_DIM:
+        return f"the Mosaic TPU attention kernels support head dims up to {TPU_MAX_HEAD_DIM}, got H={h}, Hv={hv}"
+    return None

@@ -126,7 +126,7 @@ attention_fp8_op = register(Op(
     family="attention",
     check=check_fp8_attention,
     reference=reference,
-    implementations=forward_implementations(attention_backward_op),
+    implementations=forward_implementations(attention_backward_op, mosaic_tpu_kernels=False),
     flops=forward_flops,
     bytes_accessed=forward_bytes,
     differentiable=("bias", "sinks"),

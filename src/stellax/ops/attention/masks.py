@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -124,7 +125,7 @@ def _chunk_of(pos, chunk: int):
     # T > S sit at negative positions), written with truncating integer ops
     # only so it lowers everywhere.
     shifted = pos + jnp.int32(chunk * (_BIG // chunk))
-    return shifted // jnp.int32(chunk)
+    return jax.lax.div(shifted, jnp.int32(chunk))  # shifted >= 0: truncation is floor
 
 
 def dense_mask(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):

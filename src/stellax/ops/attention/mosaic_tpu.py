@@ -1,0 +1,417 @@
+"""Pallas Mosaic TPU flash attention (splash class), forward kernel.
+
+Layout. A grid step owns one (batch ``b``, kv head ``kk``, query block ``i``)
+and reads the ``G = N / K`` query heads of kv head ``kk`` at once: the wrapper
+lays the queries out as ``[B, K, nq, R, H]`` with ``R = G·block_q`` rows
+(head-major inside a block), so K/V blocks are fetched once for the whole
+group (GQA/MQA without repeating K/V) and every matmul has ``R`` rows.
+Per-row vectors (positions, segments, lse, sinks) are ``[R, 1]`` columns and
+per-key vectors ``[1, block_kv]`` rows, so a mask tile is a plain broadcast.
+
+Block sparsity. `classify_blocks` (the shared `MaskSpec` description) gives
+every (query block, kv block) pair a class; `block_table` compacts each row
+of classes into the list of its non-empty kv blocks. Grid step ``j`` of row
+``i`` visits entry ``j`` of that list; steps past its end repeat the last
+visited block index (already resident in VMEM: no new DMA) and compute
+nothing. The table (block index · 4 + class) is a scalar-prefetch operand
+the K/V index maps read, so empty blocks are neither fetched nor computed,
+FULL blocks skip mask evaluation and PARTIAL blocks evaluate the mask.
+
+Online softmax over the sequential ("arbitrary") kv axis, float32 ``m``,
+``l`` (``[R, 128]``, lanes equal) and ``acc`` (``[R, Hv]``) in VMEM scratch;
+per visited block with logits tile ``s`` (float32):
+
+    s    = scale · q·kᵀ;  s = cap·tanh(s/cap);  s = -inf where masked
+    m'   = max(m, rowmax(s));  α = exp(m - m');  p = exp(s - m')
+    l    = α·l + rowsum(p);  acc = α·acc + p·v;  m = m'
+    last step: sinks join l (m'' = max(m, σ), rescale), out = acc / l,
+               lse = m + log l   (l = 0: out = 0, lse = -inf)
+
+(``m'`` is taken as 0 while it is ``-inf``, so a row with no visible key so
+far never computes ``-inf - -inf``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...core.pallas import cdiv, dot, dot_nt, operand, output, pad_axis, tpu_kernel_call
+from ...core.tpu import target_generation
+from .configs import splash_vmem_bytes
+from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn
+
+F32 = jnp.float32
+LANES = 128
+
+
+# -- sizes -------------------------------------------------------------------------------
+class Tiling(NamedTuple):
+    """Sizes of one launch: ``q [b, t, n, h]``, ``k [b, s, kh, h]``, ``v [.., hv]``,
+    ``g = n / kh`` query heads per kv head; ``bq × bk`` blocks, ``nq × nk`` of
+    them over the padded lengths ``tp × sp``; ``rows = g·bq`` per step."""
+
+    b: int
+    t: int
+    s: int
+    n: int
+    kh: int
+    g: int
+    h: int
+    hv: int
+    bq: int
+    bk: int
+    nq: int
+    nk: int
+
+    @classmethod
+    def of(cls, c, block_q: int, block_kv: int) -> "Tiling":
+        b, t, n, h = c.q.shape
+        s, kh = c.k.shape[1:3]
+        return cls(b, t, s, n, kh, n // kh, h, c.v.shape[-1], block_q, block_kv, cdiv(t, block_q),
+                   cdiv(s, block_kv))
+
+    @property
+    def tp(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def sp(self) -> int:
+        return self.nk * self.bk
+
+    @property
+    def rows(self) -> int:
+        return self.g * self.bq
+
+
+# -- the block table -------------------------------------------------------------------------
+def block_table(classes):
+    """Compact each row of block classes into the blocks a kernel visits.
+
+    ``classes [Bc, n_rows, n_cols]`` int32 (`EMPTY`/`PARTIAL`/`FULL`) →
+    ``(table [Bc·n_rows·n_cols] int32, count [Bc, n_rows] int32)``: entry
+    ``(c, r, j)`` is ``4·col + class`` of the ``j``-th non-empty block of row
+    ``r`` (columns ascending); past the row's ``count`` it repeats the last
+    non-empty column (block 0 for an empty row) with class `EMPTY`.
+    """
+    n = classes.shape[-1]
+    nonempty = classes != EMPTY
+    order = jnp.argsort(jnp.where(nonempty, 0, 1), axis=-1, stable=True).astype(jnp.int32)
+    count = jnp.sum(nonempty, axis=-1, dtype=jnp.int32)
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    steps = jnp.arange(n, dtype=jnp.int32)
+    live = steps < count[..., None]
+    col = jnp.where(live, order, last)
+    kind = jnp.where(live, jnp.take_along_axis(classes, order, axis=-1), EMPTY)
+    return (col * 4 + kind).reshape(-1).astype(jnp.int32), count
+
+
+def mask_classes(c, tiling: Tiling, *, kv_major: bool = False):
+    """``[Bc, nq, nk]`` block classes of the mask (``[Bc, nk, nq]`` with ``kv_major``)."""
+    classes = classify_blocks(c.spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, block_q=tiling.bq,
+                              block_k=tiling.bk)
+    return jnp.swapaxes(classes, 1, 2) if kv_major else classes
+
+
+def schedule(c, tiling: Tiling, *, kv_major: bool = False):
+    """``(table, step)``: the flat block table of the mask (`block_table`;
+    per query block, or per key block with ``kv_major``) and the `Step` that
+    reads it."""
+    classes = mask_classes(c, tiling, kv_major=kv_major)
+    table, _ = block_table(classes)
+    return table, Step(classes.shape[0] > 1, classes.shape[1], classes.shape[2])
+
+
+def visited_blocks(c, block_q: int, block_kv: int):
+    """``(visited, unmasked)`` ``[Bc, nq]`` int32: kv blocks the forward kernel
+    visits per query block (its table's non-empty entries) and how many of
+    them are FULL (no mask evaluation)."""
+    classes = mask_classes(c, Tiling.of(c, block_q, block_kv))
+    return (jnp.sum(classes != EMPTY, axis=-1, dtype=jnp.int32),
+            jnp.sum(classes == FULL, axis=-1, dtype=jnp.int32))
+
+
+class Step:
+    """Grid-step helpers for a table over ``(b, ·, row, j)`` grids: the flat
+    entry of step ``j`` of table row ``r`` and its block index / class."""
+
+    def __init__(self, batched: bool, n_rows: int, n_cols: int):
+        self.batched, self.n_rows, self.n_cols = batched, n_rows, n_cols
+
+    def entry(self, table, b, r, j):
+        bc = b if self.batched else 0
+        return table[(bc * self.n_rows + r) * self.n_cols + j]
+
+    def block(self, table, b, r, j):
+        return jax.lax.shift_right_logical(self.entry(table, b, r, j), 2)
+
+    def kind(self, table, b, r, j):
+        return jax.lax.bitwise_and(self.entry(table, b, r, j), 3)
+
+
+# -- the tile math -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TileMath:
+    """Static description of the logits tile, shared by the three kernels."""
+
+    spec: MaskSpec
+    scale: float
+    cap: float | None
+    s_len: int            # true key length (key index >= s_len: padding)
+    padded_keys: bool     # the key length is not a block multiple
+    block_kv: int
+    precision: Any
+
+    @classmethod
+    def of(cls, c, tiling: Tiling) -> "TileMath":
+        precision = jax.lax.Precision.HIGHEST if c.q.dtype == F32 else jax.lax.Precision.DEFAULT
+        return cls(c.spec, c.scale, c.logits_soft_cap, tiling.s, tiling.sp != tiling.s, tiling.bk, precision)
+
+    def logits(self, q, k):
+        """``(s, tanh)``: the float32 logits ``[R, bk]`` of ``q [R, H]``,
+        ``k [bk, H]`` and the soft cap's ``tanh`` (None without a cap)."""
+        s = dot_nt(q, k, precision=self.precision) * F32(self.scale)
+        if self.cap is None:
+            return s, None
+        tanh = jnp.tanh(s / F32(self.cap))
+        return F32(self.cap) * tanh, tanh
+
+    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg):
+        """``[R, bk]`` bool of a PARTIAL block ``col``: the mask of the
+        positions ``q_pos [R, 1]`` / ``kv_pos [1, bk]`` (and segments), padded
+        keys hidden. None when nothing is hidden."""
+        ok = mask_fn(self.spec, q_pos, kv_pos, q_seg, kv_seg)
+        if self.padded_keys:
+            key = col * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, self.block_kv), 1)
+            in_range = key < self.s_len
+            ok = in_range if ok is None else jnp.logical_and(ok, in_range)
+        return ok
+
+    def dot(self, a, b):
+        """``a [M, K] · b [K, N]``, float32."""
+        return dot(a, b, precision=self.precision)
+
+    def dot_nt(self, a, b):
+        """``a [M, K] · b [N, K]ᵀ``, float32."""
+        return dot_nt(a, b, precision=self.precision)
+
+    def dot_tn(self, a, b):
+        """``a [K, M]ᵀ · b [K, N]``, float32."""
+        return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=self.precision,
+                                   preferred_element_type=F32)
+
+
+# -- layouts -----------------------------------------------------------------------------------
+def group_rows(x, tiling: Tiling, fill=0):
+    """``[B, T, N, D]`` → ``[B, K, nq, R, D]`` (T padded to ``tp``; rows of a
+    block head-major: row ``g·bq + t`` is head ``g``, token ``t``)."""
+    b, t, n, d = x.shape
+    t_ = tiling
+    x = pad_axis(x, 1, t_.tp, fill).reshape(b, t_.nq, t_.bq, t_.kh, t_.g, d)
+    return x.transpose(0, 3, 1, 4, 2, 5).reshape(b, t_.kh, t_.nq, t_.rows, d)
+
+
+def ungroup_rows(x, tiling: Tiling):
+    """`group_rows`'s inverse: ``[B, K, nq, R, D]`` → ``[B, T, N, D]``."""
+    t_ = tiling
+    b, d = x.shape[0], x.shape[-1]
+    x = x.reshape(b, t_.kh, t_.nq, t_.g, t_.bq, d).transpose(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, t_.tp, t_.n, d)[:, :t_.t]
+
+
+def group_stats(x, tiling: Tiling, fill=0.0):
+    """Per-row statistics ``[B, N, T]`` → ``[B, K, nq, R, 1]``."""
+    return group_rows(jnp.swapaxes(x, 1, 2)[..., None], tiling, fill)
+
+
+def ungroup_stats(x, tiling: Tiling):
+    """`group_stats`'s inverse: ``[B, K, nq, R, 1]`` → ``[B, N, T]``."""
+    return jnp.swapaxes(ungroup_rows(x, tiling)[..., 0], 1, 2)
+
+
+def head_major(x, length: int):
+    """``[B, S, K, D]`` → ``[B, K, Sp, D]`` (keys padded with zeros)."""
+    return pad_axis(jnp.swapaxes(x, 1, 2), 2, length)
+
+
+def row_tokens(x, tiling: Tiling):
+    """Per-query ints ``[Bx, T]`` → ``[Bx, nq, R, 1]`` (repeated over the group's heads)."""
+    bx = x.shape[0]
+    x = pad_axis(x, 1, tiling.tp).reshape(bx, tiling.nq, 1, tiling.bq)
+    x = jnp.broadcast_to(x, (bx, tiling.nq, tiling.g, tiling.bq))
+    return x.reshape(bx, tiling.nq, tiling.rows, 1)
+
+
+def col_tokens(x, length: int):
+    """Per-key ints ``[Bx, S]`` → ``[Bx, 1, Sp]``."""
+    return pad_axis(x, 1, length)[:, None, :]
+
+
+def sink_rows(sinks, tiling: Tiling):
+    """``[N]`` → ``[K, R, 1]`` float32: each row's head's sink logit."""
+    s = sinks.astype(F32).reshape(tiling.kh, tiling.g, 1)
+    return jnp.broadcast_to(s, (tiling.kh, tiling.g, tiling.bq)).reshape(tiling.kh, tiling.rows, 1)
+
+
+def batch_index(size: int):
+    """Index-map helper: the batch index, or 0 for a broadcast (size-1) batch."""
+    return (lambda b: b) if size > 1 else (lambda b: 0)
+
+
+class Tokens(NamedTuple):
+    """The mask's token operands in kernel layout: ``q_pos``/``q_seg``
+    ``[Bx, nq, R, 1]``, ``kv_pos``/``kv_seg`` ``[Bx, 1, Sp]`` (segments None
+    without)."""
+
+    q_pos: Any
+    kv_pos: Any
+    q_seg: Any
+    kv_seg: Any
+
+    @classmethod
+    def of(cls, c, tiling: Tiling) -> "Tokens":
+        q_seg = kv_seg = None
+        if c.spec.segments:
+            segb = max(c.q_seg.shape[0], c.kv_seg.shape[0])
+            q_seg = row_tokens(jnp.broadcast_to(c.q_seg, (segb, tiling.t)), tiling)
+            kv_seg = col_tokens(jnp.broadcast_to(c.kv_seg, (segb, tiling.s)), tiling.sp)
+        return cls(row_tokens(c.q_pos, tiling), col_tokens(c.kv_pos, tiling.sp), q_seg, kv_seg)
+
+
+def token_inputs(toks: Tokens, tiling: Tiling, q_block, kv_block) -> dict:
+    """The named token operands of a launch over ``(b, kk, r, j)``:
+    ``q_block(b, r, j, table)`` / ``kv_block(b, r, j, table)`` give the query /
+    key block a step reads."""
+    def rows(x):
+        if x is None:
+            return None
+        fb = batch_index(x.shape[0])
+        return operand(x, pl.BlockSpec((None, None, tiling.rows, 1),
+                                       lambda b, kk, r, j, t: (fb(b), q_block(b, r, j, t), 0, 0)))
+
+    def cols(x):
+        if x is None:
+            return None
+        fb = batch_index(x.shape[0])
+        return operand(x, pl.BlockSpec((None, 1, tiling.bk),
+                                       lambda b, kk, r, j, t: (fb(b), 0, kv_block(b, r, j, t))))
+
+    return dict(q_pos=rows(toks.q_pos), q_seg=rows(toks.q_seg), kv_pos=cols(toks.kv_pos),
+                kv_seg=cols(toks.kv_seg))
+
+
+def vmem_limit(tiling: Tiling, itemsize: int, *, backward: bool = False) -> int | None:
+    """The scoped-VMEM limit a launch asks for: twice the estimate
+    (`configs.splash_vmem_bytes`) when that exceeds the generation's default,
+    capped at seven eighths of its VMEM; None when the default suffices."""
+    generation = target_generation()
+    need = 2 * splash_vmem_bytes(tiling.rows, tiling.bk, tiling.h, tiling.hv, itemsize, backward=backward)
+    if need <= generation.scoped_vmem_bytes:
+        return None
+    return min(need, generation.vmem_bytes * 7 // 8)
+
+
+# -- the forward kernel ----------------------------------------------------------------------
+def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out, lse, visits, m_scr, l_scr,
+                    acc_scr, count_scr, math_: TileMath, step: Step):
+    """One grid step ``(b, kk, i, j)``: block ``j`` of query block ``i``'s
+    table row (module docstring). ``q [R, H]``, ``k [bk, H]``, ``v [bk, Hv]``,
+    ``out [R, Hv]``, ``lse [R, 1]``."""
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    kind = step.kind(table, b, i, j)
+
+    @pl.when(j == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, F32)
+        l_scr[...] = jnp.zeros(l_scr.shape, F32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
+        if count_scr is not None:
+            count_scr[0] = 0
+            count_scr[1] = 0
+
+    def update(masked: bool):
+        s, _ = math_.logits(q[...], k[...])
+        if masked:
+            qs = None if q_seg is None else q_seg[...]
+            ks = None if kv_seg is None else kv_seg[...]
+            ok = math_.visible(step.block(table, b, i, j), q_pos[...], kv_pos[...], qs, ks)
+            if ok is not None:
+                s = jnp.where(ok, s, -jnp.inf)
+        m_prev = m_scr[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe[:, :1])
+        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+        acc_scr[...] = acc_scr[...] * alpha[:, :1] + math_.dot(p.astype(v.dtype), v[...])
+        m_scr[...] = m_next
+        if count_scr is not None:
+            count_scr[0] += 1
+            count_scr[1] += 0 if masked else 1
+
+    pl.when(kind == FULL)(lambda: update(False))
+    pl.when(kind == PARTIAL)(lambda: update(True))
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        m, l, acc = m_scr[...][:, :1], l_scr[...][:, :1], acc_scr[...]
+        if sinks is not None:
+            sink = sinks[...]
+            m_new = jnp.maximum(m, sink)
+            alpha = jnp.exp(m - m_new)
+            m, l, acc = m_new, l * alpha + jnp.exp(sink - m_new), acc * alpha
+        positive = l > 0
+        l_safe = jnp.where(positive, l, 1.0)
+        out[...] = (acc / l_safe).astype(out.dtype)
+        lse[...] = jnp.where(positive, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
+        if visits is not None:
+            visits[...] = jnp.full(visits.shape, count_scr[0] * 65536 + count_scr[1], jnp.int32)
+
+
+def forward(c, config, *, debug: bool = False):
+    """``(out [B, T, N, Hv], lse [B, N, T] float32)`` of canonical operands ``c``
+    (`base.Canonical`, no dense bias/mask); with ``debug`` also the kv blocks
+    each query row's kernel step computed, ``[B, N, T]`` int32
+    ``visited·65536 + unmasked``."""
+    tiling = Tiling.of(c, config.block_q, config.block_kv)
+    t_ = tiling
+    math_ = TileMath.of(c, tiling)
+    table, step = schedule(c, tiling)
+    toks = Tokens.of(c, tiling)
+    col = lambda b, i, j, tab: step.block(tab, b, i, j)
+    rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, i, j, tab: (b, kk, i, 0, 0))
+    keys = lambda d: pl.BlockSpec((None, None, t_.bk, d), lambda b, kk, i, j, tab: (b, kk, col(b, i, j, tab), 0))
+    stat = lambda dtype: output((t_.b, t_.kh, t_.nq, t_.rows, 1), dtype, rows(1))
+    sinks = None
+    if c.sinks is not None:
+        sinks = operand(sink_rows(c.sinks, tiling),
+                        pl.BlockSpec((None, t_.rows, 1), lambda b, kk, i, j, tab: (kk, 0, 0)))
+    itemsize = jnp.dtype(c.q.dtype).itemsize
+    outs = tpu_kernel_call(
+        functools.partial(_forward_kernel, math_=math_, step=step),
+        grid=(t_.b, t_.kh, t_.nq, t_.nk),
+        scalar_prefetch=dict(table=table),
+        inputs=dict(q=operand(group_rows(c.q, tiling), rows(t_.h)),
+                    k=operand(head_major(c.k, t_.sp), keys(t_.h)),
+                    v=operand(head_major(c.v, t_.sp), keys(t_.hv)),
+                    sinks=sinks,
+                    **token_inputs(toks, tiling, lambda b, i, j, tab: i, col)),
+        outputs=dict(out=output((t_.b, t_.kh, t_.nq, t_.rows, t_.hv), c.q.dtype, rows(t_.hv)),
+                     lse=stat(F32), visits=stat(jnp.int32) if debug else None),
+        scratch=dict(m_scr=pltpu.VMEM((t_.rows, LANES), F32), l_scr=pltpu.VMEM((t_.rows, LANES), F32),
+                     acc_scr=pltpu.VMEM((t_.rows, t_.hv), F32),
+                     count_scr=pltpu.SMEM((2,), jnp.int32) if debug else None),
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=vmem_limit(tiling, itemsize),
+        name="stellax_splash_attention_forward",
+    )
+    out, lse = ungroup_rows(outs.out, tiling), ungroup_stats(outs.lse, tiling)
+    if debug:
+        return out, lse, ungroup_stats(outs.visits, tiling)
+    return out, lse
