@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""The stellax TPU suite: one command for the day a TPU machine is lent.
+
+    PYTHONPATH=src python benchmarks/tpu_suite.py --out $OUT
+
+Run from the repository root, no install needed. For every op with a Mosaic
+TPU implementation (``mosaic_tpu``), within a time budget (default 8 min):
+
+1. **environment**: python, jax, libtpu, the devices and their generation
+   (`stellax.core.tpu`: VMEM, MXU, dtypes);
+2. **check**: numerics of the Mosaic TPU kernels natively on the TPU against
+   the golden, on the built-in examples (float32, bfloat16) and the first
+   benchmark shapes, forward and gradients;
+3. **autotune**: each kernel on its first benchmark shape (the space already
+   holds only configs that compile for this generation), exported in the
+   shipped-cache format, ready for ``src/stellax/autotune/shipped/``;
+4. **bench**: the benchmark shapes with the tuned configs, the Mosaic TPU
+   kernel against XLA (``xla`` / ``xla_chunked``) and, for attention, the
+   splash attention that ships inside jax (``jax_splash``), with roofline
+   numbers;
+5. one JSON file ``stellax-tpu-suite-<date>-<device>.json`` rewritten after
+   every stage (a crash keeps what was done).
+
+``--dry-run`` runs the same stages on the CPU with the TPU kernels
+interpreted, on tiny shapes (the tests run it, so the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMAT = "stellax-tpu-suite"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"),
+                   help="output directory (default: $OUT, else benchmarks/results)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted TPU kernels, tiny shapes")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 480; dry 300)")
+    p.add_argument("--ops", default="", help="comma list of op names (default: every op with a TPU kernel)")
+    p.add_argument("--skip", default="", help="comma list of stages to skip: check,autotune,bench")
+    p.add_argument("--max-configs", type=int, default=16, help="configs per tuned call")
+    return p.parse_args(argv)
+
+
+class Suite:
+    """The run's state: options, clock, the result document and its file."""
+
+    def __init__(self, args):
+        self.args = args
+        self.start = time.monotonic()
+        self.budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 480.0)
+        self.result = {"format": FORMAT, "dry_run": args.dry_run, "stages": {}, "errors": []}
+        self.path: Path | None = None
+
+    def remaining(self) -> float:
+        return self.budget - (time.monotonic() - self.start)
+
+    def log(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.start:6.1f}s] {text}", flush=True)
+
+    def save(self) -> None:
+        text = json.dumps(self.result, indent=1, default=repr) + "\n"
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path)
+
+    def interpreted(self):
+        """Interpret mode in a dry run (the TPU kernels on the CPU), else nothing."""
+        from stellax.core import interpret_mode
+
+        return interpret_mode(True) if self.args.dry_run else contextlib.nullcontext()
+
+
+def tpu_ops(suite: Suite) -> list:
+    """Ops with a ``mosaic_tpu`` implementation (optionally those named by --ops)."""
+    import stellax
+
+    wanted = [n for n in suite.args.ops.split(",") if n]
+    ops = stellax.registered_ops()
+    unknown = [n for n in wanted if n not in ops]
+    if unknown:
+        raise SystemExit(f"--ops: unknown op names {unknown}; known: {sorted(ops)}")
+    return [op for name, op in sorted(ops.items())
+            if "mosaic_tpu" in op.implementations and (not wanted or name in wanted)]
+
+
+def calls_of(suite: Suite, op, count: int) -> list:
+    """Concrete calls to check/tune/time: the first examples in a dry run, the
+    first ``count`` benchmark shapes on a TPU."""
+    import jax.numpy as jnp
+
+    from stellax.bench.inputs import materialize_example
+
+    if suite.args.dry_run:
+        return list(op.examples(jnp.float32)[:1])
+    return [materialize_example(e) for e in op.benchmarks()[:count]]
+
+
+# -- stages ------------------------------------------------------------------------------
+def environment_stage(suite: Suite) -> None:
+    import importlib.metadata
+
+    import jax
+
+    from stellax.core import current_platform
+
+    platform = current_platform()
+    env = {"python": sys.version.split()[0], "jax": jax.__version__,
+           "devices": [f"{d.platform}:{d.device_kind}" for d in jax.devices()],
+           "platform": platform.describe(), "generation": platform.tpu.describe() if platform.tpu else None}
+    try:
+        env["libtpu"] = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        env["libtpu"] = None
+    suite.result["environment"] = env
+    for key, value in env.items():
+        suite.log(f"  {key}: {value}")
+
+
+def check_stage(suite: Suite) -> None:
+    """Every Mosaic TPU kernel against the golden: examples in float32 and
+    bfloat16, then the first benchmark shape; forward and gradients."""
+    import jax.numpy as jnp
+
+    from stellax.testing.validation import safe_check_example
+
+    records = suite.result.setdefault("check", [])
+    for op in tpu_ops(suite):
+        cases = [(e, jnp.float32) for e in op.examples(jnp.float32)]
+        if not suite.args.dry_run:
+            cases += [(e, jnp.bfloat16) for e in op.examples(jnp.bfloat16)]
+            cases += [(e, e.args[0].dtype) for e in calls_of(suite, op, 1)]
+        for example, dtype in cases[:1] if suite.args.dry_run else cases:
+            if suite.remaining() < 60:
+                records.append({"op": op.name, "example": example.label, "skipped": "time budget"})
+                continue
+            with suite.interpreted():
+                r = safe_check_example(op, "mosaic_tpu", example, jnp.dtype(dtype), gradients=True)
+            records.append({"op": op.name, "implementation": "mosaic_tpu", "example": example.label,
+                            "dtype": jnp.dtype(dtype).name, "passed": bool(r.passed), "skipped": r.skipped,
+                            "detail": r.detail, "rel_l2": None if r.worst is None else r.worst.rel_l2})
+            suite.log(f"  check {op.name} {example.label} {jnp.dtype(dtype).name}: "
+                      f"{'skip ' + r.skipped if r.skipped else 'ok' if r.passed else 'FAIL ' + r.detail}")
+
+
+def autotune_stage(suite: Suite):
+    """Tune each Mosaic TPU kernel on its first benchmark shape; export the configs."""
+    from stellax.autotune import AutotuneResult, autotune, device_slug
+    from stellax.autotune.cache import atomic_write_text, dump_cache_text
+    from stellax.autotune.cli import tuning_function
+
+    tuned = AutotuneResult(device=device_slug())
+    records = suite.result.setdefault("autotune", {"entries": [], "failures": []})
+    deadline = time.monotonic() + max(0.0, suite.remaining() * 0.4)
+    for op in tpu_ops(suite):
+        for example in calls_of(suite, op, 1):
+            with suite.interpreted():
+                fn = tuning_function(op, "mosaic_tpu", example.args, example.kwargs, backward=False)
+                r = autotune(fn, *example.args, max_configs=2 if suite.args.dry_run else suite.args.max_configs,
+                             force=True, cache=False, use_shipped=False, deadline=deadline, **example.kwargs)
+            tuned.entries.extend(r.entries)
+            records["failures"].extend(r.failures)
+            for e in r.entries:
+                records["entries"].append(e.to_json())
+                suite.log(f"  tuned {e.entry.op}/{e.entry.implementation}: {e.entry.config} {e.entry.time_ms:.4g} ms")
+    if tuned.entries:
+        path = suite.path.parent / f"autotune-{device_slug()}.json"
+        atomic_write_text(path, dump_cache_text({e.entry.key_string: e.entry for e in tuned.entries},
+                                                device=device_slug()))
+        records["exported_to"] = path.name
+    return tuned
+
+
+def splash_peer(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, **options):
+    """jax's bundled splash attention on the op's ``[B, T, H, D]`` arguments:
+    full or causal mask, as many KV heads as query heads, T = S. Anything
+    else is not its contract here: `UnsupportedError` (recorded as skipped)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    from stellax.core import UnsupportedError, interpret_enabled
+
+    extra = sorted(k for k, v in options.items() if v not in (None, False))
+    if bias is not None or mask is not None or extra or key.shape[2] != query.shape[2] \
+            or key.shape[1] != query.shape[1]:
+        raise UnsupportedError(f"jax_splash peer: only full/causal MHA with T = S (got options {extra}, "
+                               f"{query.shape[2]} query / {key.shape[2]} KV heads)")
+    _, t, heads, d = query.shape
+    kind = masks.CausalMask if is_causal else masks.FullMask
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([kind((t, t)) for _ in range(heads)]),
+                                    head_shards=1, q_seq_shards=1, interpret=interpret_enabled())
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+    q_scale = (1.0 / d ** 0.5) if scale is None else scale
+    out = jax.vmap(kernel)(heads_first(query) * jnp.asarray(q_scale, query.dtype), heads_first(key),
+                           heads_first(value))
+    return jnp.swapaxes(out, 1, 2)
+
+
+def bench_stage(suite: Suite, tuned) -> None:
+    from stellax.bench import report
+    from stellax.bench.suites import SuiteOptions, run_suites
+
+    ops = tpu_ops(suite)
+    for op in ops:
+        if op.family == "attention" and op.name == "dot_product_attention":
+            op.peers.setdefault("jax_splash", splash_peer)
+    options = SuiteOptions(
+        interpret=suite.args.dry_run, max_cases=1 if suite.args.dry_run else 3,
+        budget_s=max(1.0, suite.remaining() - 20), use_examples=suite.args.dry_run,
+        modes=("forward",) if suite.args.dry_run else None, min_time=0.005 if suite.args.dry_run else None,
+        input_sets=2 if suite.args.dry_run else None,
+        implementations=("mosaic_tpu", "xla_chunked", "xla"))
+    families = sorted({op.family for op in ops})
+    with tuned if tuned is not None and len(tuned) else contextlib.nullcontext():
+        records = run_suites(families, options, progress=lambda text: suite.log("  " + text))
+    suite.result["bench"] = report.to_json(records, env=suite.result.get("environment"))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["STELLAX_INTERPRET"] = "1"  # every stage runs the TPU kernels interpreted
+    sys.path.insert(0, str(ROOT / "src"))
+    os.environ.setdefault("STELLAX_AUTOTUNE_WARN", "0")
+    suite = Suite(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from stellax.core import current_platform
+
+    platform = current_platform()
+    if not args.dry_run and platform.tpu is None:
+        print(f"tpu_suite: this device is {platform.describe()}, not a TPU (use --dry-run on a CPU)")
+        return 2
+    device = "dry-run" if args.dry_run else platform.tpu.name
+    suite.path = out / f"{FORMAT}-{datetime.date.today().isoformat()}-{device}.json"
+    suite.log(f"stellax TPU suite{' (dry run)' if args.dry_run else ''}: budget {suite.budget:.0f} s -> {suite.path}")
+    skip = set(filter(None, args.skip.split(",")))
+    tuned = None
+    stages = [("environment", environment_stage), ("check", check_stage),
+              ("autotune", autotune_stage), ("bench", lambda s: bench_stage(s, tuned))]
+    for name, stage in stages:
+        if name in skip:
+            continue
+        began = time.monotonic()
+        suite.log(f"stage {name}")
+        try:
+            value = stage(suite)
+            if name == "autotune":
+                tuned = value
+        except Exception as e:  # noqa: BLE001 - a failed stage is recorded; the others still run
+            suite.result["errors"].append({"stage": name, "error": f"{type(e).__name__}: {e}"[:600]})
+            suite.log(f"  stage {name} FAILED: {type(e).__name__}: {e}"[:400])
+        suite.result["stages"][name] = round(time.monotonic() - began, 2)
+        suite.save()
+    failed = [c for c in suite.result.get("check", []) if c.get("passed") is False]
+    suite.log(f"done: {len(failed)} numerics failures, {len(suite.result['errors'])} stage errors")
+    return 1 if failed or suite.result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

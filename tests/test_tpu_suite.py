@@ -1,0 +1,56 @@
+"""The TPU suite script runs end to end on the CPU (--dry-run: the Mosaic TPU
+kernels interpreted, tiny shapes) so it is ready the day a TPU is lent."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import stellax
+
+ROOT = Path(__file__).resolve().parents[1]
+TPU_OPS = sorted(name for name, op in stellax.registered_ops().items() if "mosaic_tpu" in op.implementations)
+
+
+@pytest.mark.skipif(not TPU_OPS, reason="no op has a mosaic_tpu implementation")
+def test_tpu_suite_dry_run(tmp_path):
+    ops = ",".join(n for n in TPU_OPS if n.startswith("layer_norm"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "benchmarks/tpu_suite.py", "--dry-run", "--ops", ops, "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = [p for p in tmp_path.iterdir() if p.name.startswith("stellax-tpu-suite-")]
+    data = json.loads(path.read_text())
+    assert data["format"] == "stellax-tpu-suite" and data["dry_run"] and not data["errors"], data["errors"]
+    assert set(data["stages"]) == {"environment", "check", "autotune", "bench"}
+    checked = {c["op"] for c in data["check"] if c.get("passed")}
+    assert checked == set(ops.split(",")), data["check"]
+    assert {e["op"] for e in data["autotune"]["entries"]} <= set(ops.split(","))
+    timed = {(r["op"], r["implementation"]) for r in data["bench"]["records"] if r.get("median_ms")}
+    assert ("layer_norm", "mosaic_tpu") in timed and ("layer_norm", "xla") in timed, timed
+
+
+def test_splash_peer_matches_the_golden_in_interpret_mode():
+    """The suite's jax_splash peer (jax's bundled kernel) computes the op's
+    math, so its timings compare like with like."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("tpu_suite", ROOT / "benchmarks" / "tpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 256, 2, 128), jnp.float32) for key in keys)
+    with stellax.interpret_mode():
+        out = suite.splash_peer(q, k, v, is_causal=True)
+    ref = stellax.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-3, atol=2e-3)
+    with pytest.raises(stellax.UnsupportedError, match="jax_splash peer"):
+        suite.splash_peer(q, k[:, :, :1], v[:, :, :1])
