@@ -18,6 +18,14 @@ def _linear_cross_entropy(x: Array, w: Array, labels: Array, *, ignore_index: in
                                         transpose_w=transpose_w, implementation=implementation)
 
 
+def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"labels: expected values in [0, {vocab}) (V, the vocabulary size of w) or "
+                         f"ignore_index={ignore_index}, got {int(labels[bad].reshape(-1)[0])} "
+                         f"({int(bad.sum())} labels out of range)")
+
+
 linear_cross_entropy_op = define_op("linear_cross_entropy", _linear_cross_entropy)
 
 
@@ -36,7 +44,12 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
     non-ignored tokens; 0, not NaN, when every token is ignored) / ``"sum"`` / ``"none"``.
     Returns a float32 scalar (``[...]`` for ``"none"``); differentiable in ``x`` and ``w``
     (autograd through the JAX VJP), and traceable by ``torch.compile(fullgraph=True)``.
+
+    Labels outside ``[0, V)`` (other than ``ignore_index``) raise ``ValueError`` when called
+    eagerly; under ``torch.compile`` they are not checked and give a NaN loss.
     """
+    if not torch.compiler.is_compiling():
+        _check_labels(labels, w.shape[0] if transpose_w else w.shape[-1], int(ignore_index))
     return linear_cross_entropy_op(x, w, labels, int(ignore_index), float(label_smoothing), float(z_loss),
                                    None if logit_soft_cap is None else float(logit_soft_cap), str(reduction),
                                    bool(transpose_w), implementation)
