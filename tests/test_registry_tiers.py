@@ -5,8 +5,10 @@ mosaic_tpu) × its examples and its whole autotuning space.
 * Tier 1 (numerics, interpret mode, vs the golden):
   - every example with the heuristic config, forward and gradients (for ops
     with ``differentiable``);
-  - every config of the autotuning space on the space's example (the first
-    example with a non-empty space), forward;
+  - the corner configs of the autotuning space (`corner_configs`: each
+    varying field at its smallest and largest value) on the space's example
+    (the first example with a non-empty space), forward; ``slow``: the other
+    configs;
   - ``slow``: the full product, every example × every config, with gradients,
     and every example in bfloat16.
 * Tier 2 (lowering for each platform the implementation targets: cuda for
@@ -62,7 +64,9 @@ def _params(cases, *marks):
 
 
 TIER1_EXAMPLES = [c for op, impl in KERNELS for c in example_cases(op, impl)]
-TIER1_CONFIGS = [c for op, impl in KERNELS for c in config_cases(op, impl)]
+TIER1_CONFIGS = [c for op, impl in KERNELS for c in config_cases(op, impl, corners=True)]
+_CORNER_IDS = {c.id for c in TIER1_CONFIGS}
+TIER1_OTHER_CONFIGS = [c for op, impl in KERNELS for c in config_cases(op, impl) if c.id not in _CORNER_IDS]
 TIER2_CONFIGS = _platform_cases(config_cases)
 TIER2_EXAMPLES = _platform_cases(example_cases)
 TRITON_CONFIGS = [c for c in TIER2_CONFIGS if c.op.implementations[c.implementation].backend == "triton"]
@@ -84,7 +88,13 @@ def test_numerics_heuristic_config(case):
 
 
 @pytest.mark.parametrize("case", _params(TIER1_CONFIGS))
-def test_numerics_every_config(case):
+def test_numerics_corner_configs(case):
+    _assert_numerics(case, gradients=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _params(TIER1_OTHER_CONFIGS))
+def test_numerics_other_configs(case):
     _assert_numerics(case, gradients=False)
 
 

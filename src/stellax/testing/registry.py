@@ -10,8 +10,9 @@ collection time); the GPU suite and the lab can walk the same list.
   its heuristic config (``config=None``: dispatch resolves it).
 * `config_cases`: one case per config of the autotuning space, on the space's
   example: the op's first example for which the implementation has a
-  non-empty space (every example with ``every_example``). An implementation
-  without configs gets one case with ``config=None``.
+  non-empty space (every example with ``every_example``; only the space's
+  `corner_configs` with ``corners``). An implementation without configs gets
+  one case with ``config=None``.
 
 Examples are built in float32 unless told otherwise; which examples and
 configs exist is decided where they run: in interpret mode for tier 1
@@ -115,9 +116,30 @@ def example_cases(op: Op, implementation: str, *, dtype=jnp.float32, platform: s
             for i, example, _ in _supported_examples(op, implementation, dtype, platform)]
 
 
+def corner_configs(space: list) -> list[int]:
+    """Indices of the configs at the corners of a space: for every field that
+    varies, the first config with its smallest and the first with its largest
+    value (block sizes at both ends are where tails, masks and single-block
+    grids differ; the configs between them run the same code paths)."""
+    if not space or not dataclasses.is_dataclass(space[0]):
+        return list(range(len(space)))
+    chosen = []
+    for field in dataclasses.fields(space[0]):
+        values = [getattr(c, field.name) for c in space]
+        try:
+            low, high = min(values), max(values)
+        except TypeError:  # unordered values (None mixed in): every distinct one
+            picks = [values.index(v) for v in dict.fromkeys(values)]
+        else:
+            picks = [values.index(low), values.index(high)] if low != high else []
+        chosen += [i for i in picks if i not in chosen]
+    return sorted(chosen) or [0]
+
+
 def config_cases(op: Op, implementation: str, *, dtype=jnp.float32, platform: str | None = None,
-                 every_example: bool = False) -> list[KernelCase]:
-    """One case per config of the autotuning space (see the module docstring)."""
+                 every_example: bool = False, corners: bool = False) -> list[KernelCase]:
+    """One case per config of the autotuning space (see the module docstring);
+    with ``corners`` only the `corner_configs` of the space."""
     impl = op.implementations[implementation]
     name = jnp.dtype(dtype).name
     cases, first = [], None
@@ -126,8 +148,9 @@ def config_cases(op: Op, implementation: str, *, dtype=jnp.float32, platform: st
             first = (i, example)
         with _where(platform):
             space = impl.config_space(call)
+        keep = set(corner_configs(space)) if corners else set(range(len(space)))
         cases += [KernelCase(op, implementation, name, i, example, config, k, platform)
-                  for k, config in enumerate(space)]
+                  for k, config in enumerate(space) if k in keep]
         if space and not every_example:
             break
     if not cases and first is not None:  # no configs: the implementation's one way to run
