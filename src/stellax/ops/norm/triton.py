@@ -8,6 +8,8 @@ Forward, per row (float32):
     h = x + residual                      (fused residual add, optional)
     mean = Σh/D (or 0), rstd = 1/sqrt(Σ(h-mean)²/D + eps)
     y = (h - mean)·rstd·scale + offset
+computed on h scaled by its row max |h| (`reference.row_statistics`): no
+intermediate overflows for finite inputs.
 
 Backward, per row with x̂ = (h - mean)·rstd and g = dy·scale:
     dh = rstd·(g - mean(g) - x̂·mean(g·x̂)) + dh_out   (drop mean(g) for RMSNorm)
@@ -26,6 +28,7 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import iota, operand, output, triton_kernel_call
 from .configs import NormConfig, row_block
+from .reference import row_statistics
 
 
 def _tile_masks(shape, rows: int, features: int):
@@ -44,13 +47,11 @@ def _forward_kernel(*, x, residual, scale, offset, y, h, mean, rstd, rows, featu
         h[...] = hx.astype(h.dtype)
     _, col_ok = _tile_masks(hx.shape, rows, features)
     hx = jnp.where(col_ok, hx, 0.0)
-    if subtract_mean:
-        row_mean = jnp.sum(hx, axis=1) / features
-    else:
-        row_mean = jnp.zeros((hx.shape[0],), jnp.float32)
-    centered = jnp.where(col_ok, hx - row_mean[:, None], 0.0)
-    row_rstd = jax.lax.rsqrt(jnp.sum(centered * centered, axis=1) / features + epsilon)
-    out = centered * row_rstd[:, None]
+    # Statistics of the row scaled by its max |h| (no overflow for finite h; see `row_statistics`).
+    xs, mean_s, factor, row_mean, row_rstd = row_statistics(
+        hx, epsilon=epsilon, subtract_mean=subtract_mean, axis=1, features=features, valid=col_ok)
+    out = jnp.where(col_ok, xs - mean_s, 0.0) * factor
+    row_mean, row_rstd = row_mean[:, 0], row_rstd[:, 0]
     if scale is not None:
         out = out * scale[...].astype(jnp.float32)[None, :]
     if offset is not None:
