@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Hashable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -31,6 +32,13 @@ class Call:
 
     arrays: Mapping[str, Any]
     options: Mapping[str, Any]
+
+    def __post_init__(self):
+        # NumPy operands behave like jnp ones: implementations index, gather and
+        # trace them (a NumPy array indexed by a tracer fails deep inside).
+        if any(isinstance(v, np.ndarray) for v in self.arrays.values()):
+            arrays = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in self.arrays.items()}
+            object.__setattr__(self, "arrays", arrays)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: expose operands and options.

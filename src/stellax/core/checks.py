@@ -92,3 +92,40 @@ def require_choice(name: str, value: Any, choices: Sequence[Any]):
     if value not in choices:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
     return value
+
+
+def require_count(name: str, value: Any, *, minimum: int = 1) -> int:
+    """A Python (or NumPy) integer size ``>= minimum``; bools and floats are a TypeError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+#: Largest array `require_extent` accepts (bytes): 16 TiB, far past any device memory,
+#: far below the int64 element-count overflow that aborts XLA.
+MAX_ARRAY_BYTES = 2**44
+
+
+def require_extent(name: str, shape: Sequence[int], itemsize: int = 1) -> tuple:
+    """Check an array's size before building it: the element-count product of
+    huge dims overflows int64 inside XLA, which aborts the process."""
+    total = 1
+    for d in shape:
+        total *= int(d)
+    if total * itemsize > MAX_ARRAY_BYTES:
+        raise ValueError(f"{name}: expected an array of at most 2**44 bytes, got shape {tuple(shape)} "
+                         f"({total * itemsize} bytes)")
+    return tuple(shape)
+
+
+def concrete_values(value: Any):
+    """The host (NumPy) values of a concrete array, or ``None`` under a trace
+    (values are then checked by the documented clamping instead)."""
+    if value is None or isinstance(value, jax.ShapeDtypeStruct):
+        return None
+    try:
+        return np.asarray(value)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None

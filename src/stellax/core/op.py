@@ -210,7 +210,13 @@ class Op:
         if implementation is None:
             ordered = [n for n, impl in self.implementations.items() if impl.native and n != "xla"]
             return ordered + ["xla"], False
-        names = [implementation] if isinstance(implementation, str) else list(implementation)
+        if isinstance(implementation, str):
+            names = [implementation]
+        elif isinstance(implementation, (list, tuple)) and all(isinstance(n, str) for n in implementation):
+            names = list(implementation)
+        else:
+            raise TypeError(f"implementation: expected None, a name or a sequence of names "
+                            f"(one of {list(self.implementations)}), got {implementation!r}")
         if not names:
             raise ValueError(f"implementation: expected a name or a non-empty sequence, got {implementation!r}")
         for n in names:

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...core import checks
+
 from .quant_cache import (
     KVQuant, QuantizedPages, codes_for_range, init_quantized_pages, load_codes, quantize_rows, rotate, store_codes,
 )
@@ -114,6 +116,14 @@ def pages_dtype(pages):
 
 
 # -- creation -------------------------------------------------------------------------
+def _as_spec(name: str, spec) -> KVQuant | None:
+    if spec is None or isinstance(spec, KVQuant):
+        return spec
+    if isinstance(spec, str):
+        return KVQuant(spec)
+    raise TypeError(f"{name}: expected a KVQuant, a format name or None, got {type(spec).__name__} {spec!r}")
+
+
 def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head_dim: int, *,
                   dtype=jnp.bfloat16, quant: KVQuant | str | None = None,
                   value_quant: KVQuant | str | None = "same", value_head_dim: int | None = None,
@@ -132,14 +142,30 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
       combined: one ``kv_pages [num_pages, page_size, 2, K, H]`` array
         (dense only); returns ``(kv_pages, None)``.
     """
-    if isinstance(quant, str):
-        quant = KVQuant(quant)
-    if isinstance(value_quant, str) and value_quant == "same":
-        value_quant = quant
-    elif isinstance(value_quant, str):
-        value_quant = KVQuant(value_quant)
+    num_pages = checks.require_count("num_pages", num_pages)
+    page_size = checks.require_count("page_size", page_size)
+    if num_kv_heads is not None:
+        num_kv_heads = checks.require_count("num_kv_heads", num_kv_heads)
+    head_dim = checks.require_count("head_dim", head_dim)
+    if value_head_dim is not None:
+        value_head_dim = checks.require_count("value_head_dim", value_head_dim)
+    if max_seqs is not None:
+        max_seqs = checks.require_count("max_seqs", max_seqs)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"dtype: expected a floating dtype, got {dtype!r}") from e
+    if dtype not in tuple(np.dtype(d) for d in checks.FLOAT_DTYPES):
+        raise TypeError(f"dtype: expected one of float32, bfloat16, float16, got {dtype.name}")
+    quant = _as_spec("quant", quant)
+    value_quant = quant if isinstance(value_quant, str) and value_quant == "same" else _as_spec(
+        "value_quant", value_quant)
     heads = () if num_kv_heads is None else (num_kv_heads,)
     vdim = head_dim if value_head_dim is None else value_head_dim
+    for dim in {head_dim, vdim}:  # before any array is built: huge extents abort XLA
+        checks.require_extent("init_kv_cache", (num_pages, page_size, 2, *heads, dim), dtype.itemsize)
+    if max_seqs is not None:
+        checks.require_extent("max_seqs", (max_seqs, page_size, *heads, max(head_dim, vdim)), 4)
     if combined:
         if quant is not None or value_quant is not None or vdim != head_dim or num_kv_heads is None:
             raise ValueError("combined: the combined kv_pages layout is for dense caches with equal head dims")
@@ -337,8 +363,16 @@ def update_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, positions=N
     Quantized pools quantize on write (after the rotation when on); groups
     along the token axis (KIVI) are re-ranged as tokens arrive.
     """
+    k_pages, v_pages, new_k, new_v, slot_mapping, positions, seq_ids = (
+        jnp.asarray(a) if isinstance(a, np.ndarray) else a
+        for a in (k_pages, v_pages, new_k, new_v, slot_mapping, positions, seq_ids))
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not (pages is None and name == "v_pages") and not isinstance(pages, (QuantizedPages, jax.Array)) \
+                and not hasattr(pages, "aval"):
+            raise TypeError(f"{name}: expected an array or QuantizedPages, got {type(pages).__name__}")
     if not (hasattr(slot_mapping, "dtype") and jnp.issubdtype(slot_mapping.dtype, jnp.integer)):
-        raise TypeError("slot_mapping: expected an integer array")
+        got = np.dtype(slot_mapping.dtype).name if hasattr(slot_mapping, "dtype") else type(slot_mapping).__name__
+        raise TypeError(f"slot_mapping: expected an integer array, got {got}")
     if slot_mapping.ndim != 1:
         raise ValueError(f"slot_mapping: expected rank 1 [T_new], got shape {tuple(slot_mapping.shape)}")
     for name, value in (("positions", positions), ("seq_ids", seq_ids)):

@@ -359,9 +359,19 @@ def pv(p, vx, dot_dtype=None):
     return jnp.einsum("bkrt,btkh->bkrh", p, vx.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
+def exclude_keys(vx, mask):
+    """Values ``vx [Bp, T, K, H]`` with the keys no row sees (``mask [Bp, 1|K,
+    R, T]`` all false) replaced by zeros: the unused slots of a live page and
+    free pages may hold anything (NaN, inf), and a zero probability times NaN
+    is NaN, so excluded values are selected away, not multiplied by zero."""
+    key_ok = jnp.any(mask, axis=(1, 2))                                         # [Bp, T]
+    return jnp.where(key_ok[:, :, None, None], vx, jnp.zeros((), vx.dtype))
+
+
 def softmax_partial(s, mask, vx, dot_dtype=None):
     """One-shot partial ``(o, m, l)`` of logits ``s`` (masked) against values."""
     s = jnp.where(mask, s, -jnp.inf)
+    vx = exclude_keys(vx, mask)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.exp(s - m_safe[..., None])

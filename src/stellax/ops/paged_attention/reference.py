@@ -96,6 +96,10 @@ def attend(q, k, v, q_pos, kv_len, *, scale, soft_cap=None, window_left=None, si
     kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     q_seg = jnp.where(q_pos >= 0, 0, PAD_Q_SEGMENT).astype(jnp.int32)
     kv_seg = jnp.where(kv_pos < kv_len[:, None], 0, PAD_KV_SEGMENT).astype(jnp.int32)
+    # Keys past the length may be garbage (NaN, inf): select them away (0 · NaN would be NaN).
+    live = (kv_pos < kv_len[:, None])[:, :, None, None]
+    k = jnp.where(live, k, jnp.zeros((), k.dtype))
+    v = jnp.where(live, v, jnp.zeros((), v.dtype))
     spec = MaskSpec(causal=True, window_left=window_left, segments=True)
     out, _ = attention_forward_reference(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), None, None,

@@ -200,6 +200,17 @@ def _step_logits(j, q, q_pe, k: _Pool, pe: _Pool | None, ids, kv, rp, kv_len, st
     return jnp.where(mask, s, -jnp.inf), k_tile, k_col
 
 
+def _exclude_keys(j, kv_len, v_tile, v_col, st: _Static):
+    """The value tile (and its column scales) with keys at positions ``>= kv_len``
+    replaced by zeros: unused slots of a live page and free pages may hold
+    anything (NaN, inf), and their zero probability times NaN would be NaN."""
+    pos = j * st.tokens + jax.lax.broadcasted_iota(jnp.int32, (st.tokens, 1), 0)
+    v_tile = jnp.where(pos < kv_len, v_tile, jnp.zeros((), v_tile.dtype))
+    if v_col is not None:
+        v_col = jnp.where(pos[:, 0] < kv_len, v_col, 0.0)
+    return v_tile, v_col
+
+
 def _online_softmax(s, carry, v_tile, v_col, dtype):
     """``m' = max(m, rowmax s)``, ``α = e^{m - m'}``, ``p = e^{s - m'}``,
     ``l' = α l + rowsum p``, ``o' = α o + p V`` (``p`` times the value column scales)."""
@@ -248,6 +259,7 @@ def _main_kernel(*, kv_len, tables, row_pos, q, q_pe, k, k_scale, k_zero, v, v_s
         ids = tables[b, pl.ds(j * st.ppb, st.ppb)]
         s, k_tile, k_col = _step_logits(j, q_rows, q_pe_rows, k_pool, pe_pool, ids, kv, rp, seq_len, st)
         v_tile, v_col = (k_tile, k_col) if v_pool is None else st.load(v_pool, st.v, ids, kv)
+        v_tile, v_col = _exclude_keys(j, seq_len, v_tile, v_col, st)
         return _online_softmax(s, carry, v_tile, v_col, st.dtype)
 
     rows = positions.shape[0]

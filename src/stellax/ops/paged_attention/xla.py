@@ -60,6 +60,7 @@ def attention_rows(problem: Problem, *, block_tokens: int = BLOCK_TOKENS):
         mask = visible(pos[None, None, None, :], row_pos, kv_len, window_left=problem.window_left,
                        sink_tokens=problem.sink_tokens, recent_tokens=problem.recent_tokens)
         s = jnp.where(mask, s, -jnp.inf)
+        vx = plan_mod.exclude_keys(vx, mask)   # garbage past the length must not reach p·v (0·NaN = NaN)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
