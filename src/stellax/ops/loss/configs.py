@@ -7,6 +7,7 @@ import dataclasses
 
 from ...core import Call, KernelConfig, TritonConfig, product_space
 from ...core.config import require_in, require_positive, require_power_of_two
+from .base import dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,15 +25,10 @@ class ChunkedConfig(KernelConfig):
         require_positive("ChunkedConfig", "block_vocab", self.block_vocab)
 
 
-def _calls_dims(call: Call):
-    from .base import dims  # configs are imported by base's users; keep the import one-way
-    return dims(call)
-
-
 def chunked_heuristic(call: Call) -> ChunkedConfig:
     """256 tokens × 2048 vocabulary columns (measured on the 2-core CPU at T=4096, D=1024,
     V=32768; see docs/loss.md), smaller for smaller calls."""
-    tokens, _, vocab = _calls_dims(call)
+    tokens, _, vocab = dims(call)
     return ChunkedConfig(block_tokens=min(256, max(1, tokens)), block_vocab=min(2048, max(1, vocab)))
 
 
@@ -81,7 +77,7 @@ def triton_space(call: Call) -> list[LinearCrossEntropyConfig]:
 
 def triton_heuristic(call: Call) -> LinearCrossEntropyConfig:
     """16-token tiles for decode-sized calls, 64 × 64 × 64 otherwise."""
-    tokens, _, _ = _calls_dims(call)
+    tokens, _, _ = dims(call)
     if tokens <= 16:
         return LinearCrossEntropyConfig(block_t=16, block_v=64, block_d=64, num_warps=4, num_stages=2)
     return LinearCrossEntropyConfig(block_t=64, block_v=64, block_d=64, num_warps=4, num_stages=3)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Example
+from .reference import logits, token_stats
 
 
 def random_case(seed, lead, d, v, dtype, *, transpose_w=False, ignored=0.25, ignore_index=-100):
@@ -43,8 +44,6 @@ def forward_examples(dtype):
 
 def backward_examples(dtype):
     """`linear_cross_entropy_backward` calls: coefficients of a mean loss with smoothing, a soft cap."""
-    from .reference import logits, token_stats
-
     out = []
     for i, (tokens, d, v, transpose_w, cap) in enumerate(((11, 24, 50, False, None), (7, 16, 37, True, 4.0))):
         x, w, labels = random_case(50 + i, (tokens,), d, v, dtype, transpose_w=transpose_w)

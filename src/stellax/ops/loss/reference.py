@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call
+from .base import finalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -59,8 +60,6 @@ def _rows(call: Call):
 
 def linear_cross_entropy_reference(call: Call):
     """Golden `linear_cross_entropy` (float32, logits materialized)."""
-    from .base import finalize  # the reduction and output packing are shared with the implementations
-
     x, labels = _rows(call)
     c = logits(x, call.w, transpose_w=call.transpose_w, logit_soft_cap=call.logit_soft_cap)
     return finalize(call, *token_stats(c, labels), labels)
