@@ -1,0 +1,303 @@
+"""Mosaic TPU (splash-class) attention: what the registry tiers do not cover.
+
+* an independent oracle: jax's bundled splash attention (`make_splash_mha`,
+  interpreted) on identical inputs, forward and gradients;
+* the options the examples do not reach (head dim 192 with Hv != H, bf16,
+  fully masked rows, determinism);
+* block sparsity: the kernel's own visit counter equals the block table,
+  which equals the mask's non-empty blocks;
+* configs (validation, the per-generation heuristic, requirements), dispatch
+  on a TPU target, context parallelism lowering for a TPU;
+* ``tpu`` marker: the real Mosaic compiler (libtpu) on the four generations.
+
+Interpreted TPU kernels cost ~12 s of CPU to compile each (the persistent
+compilation cache makes reruns cheap), so the default tier runs few, dense
+cases; ``-m slow`` runs more.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import Mesh
+
+import stellax
+from stellax.core import UnsupportedError, use_configs
+from stellax.ops.attention import attention_op, base, mosaic_tpu
+from stellax.ops.attention.configs import SplashBackwardConfig, SplashConfig
+from stellax.ops.attention.masks import EMPTY, FULL, dense_mask
+from stellax.testing import assert_close
+
+from .attention_cases import check_against_golden, make_inputs
+
+BLOCKS = {("attention", "mosaic_tpu"): SplashConfig(block_q=128, block_kv=128),
+          ("attention_backward", "mosaic_tpu"): SplashBackwardConfig(128, 128, 128, 128)}
+
+
+# -- the oracle: jax's splash attention ----------------------------------------------------------
+def _splash(mask, q, k, v, seg, sinks, cap):
+    """jax's splash attention, interpreted: ``q [N, T, H]`` (already scaled), one batch element."""
+    sizes = splash.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128, block_kv_dkv=128,
+                              block_kv_dkv_compute=128, block_q_dq=128, block_kv_dq=128)
+    kernel = splash.make_splash_mha(splash.MultiHeadMask([mask] * q.shape[0]), block_sizes=sizes, head_shards=1,
+                                    q_seq_shards=1, attn_logits_soft_cap=cap, interpret=True)
+    ids = None if seg is None else splash.SegmentIds(q=seg, kv=seg)
+    return kernel(q, k, v, ids, sinks)
+
+
+def _oracle_inputs(seed, t, n, h):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q, k, v, w = (jax.random.normal(kk, (1, t, n, h), jnp.float32) for kk in keys[:4])
+    sinks = jax.random.normal(keys[4], (n,), jnp.float32)
+    return q, k, v, w, sinks
+
+
+def _compare_with_splash(mask, ours_kwargs, seg=None, *, cap=None, t=256, n=2, h=128):
+    q, k, v, w, sinks = _oracle_inputs(t + n, t, n, h)
+    to_heads = lambda x: jnp.swapaxes(x[0], 0, 1)  # [1, T, N, H] -> [N, T, H]
+
+    def ours(q, k, v, sinks):
+        extra = {} if seg is None else dict(q_segment_ids=seg[None], kv_segment_ids=seg[None])
+        out = stellax.dot_product_attention(q, k, v, scale=1.0, sinks=sinks, logits_soft_cap=cap,
+                                            implementation="mosaic_tpu", **extra, **ours_kwargs)
+        return jnp.sum(out * w), out
+
+    def theirs(q, k, v, sinks):
+        out = _splash(mask, to_heads(q), to_heads(k), to_heads(v), seg, sinks, cap)
+        out = jnp.swapaxes(out, 0, 1)[None]
+        return jnp.sum(out * w), out
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+    with stellax.interpret_mode(), use_configs(BLOCKS):
+        fn = grad(ours)
+        (_, out), grads = fn(q, k, v, sinks)
+        again = fn(q, k, v, sinks)  # deterministic: a second run is bitwise equal
+    for a, b in zip(jax.tree_util.tree_leaves(((out,), grads)), jax.tree_util.tree_leaves((again[0][1:], again[1]))):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), "two runs differ"
+    (_, ref), ref_grads = grad(theirs)(q, k, v, sinks)
+    assert_close(out, ref, dtype=jnp.float32, name="out vs splash")
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        assert_close(a, b, dtype=jnp.float32, gradient=True, name=f"{name} vs splash")
+    golden = stellax.dot_product_attention(q, k, v, scale=1.0, sinks=sinks, logits_soft_cap=cap,
+                                           implementation="xla", **ours_kwargs,
+                                           **({} if seg is None else dict(q_segment_ids=seg[None],
+                                                                           kv_segment_ids=seg[None])))
+    assert_close(out, golden, dtype=jnp.float32, name="out vs golden")
+    return out, ref
+
+
+def test_matches_jax_splash_causal_segments_softcap_sinks():
+    """CausalMask + segment ids (three documents, boundaries inside blocks) +
+    soft cap + sinks, forward and gradients; ours is deterministic."""
+    t = 256
+    seg = jnp.asarray(np.repeat([0, 1, 2], [100, 60, 96]), jnp.int32)
+    _compare_with_splash(splash.CausalMask((t, t)), {"is_causal": True}, seg, cap=20.0)
+
+
+@pytest.mark.slow
+def test_matches_jax_splash_local_window():
+    """LocalMask (left 64, right 16): our ``local_window_size=(64, 16)``."""
+    t = 256
+    _compare_with_splash(splash.LocalMask((t, t), window_size=(64, 16), offset=0), {"local_window_size": (64, 16)})
+
+
+# -- the golden: options the examples do not reach ---------------------------------------------------
+@pytest.mark.slow
+def test_head_dim_192_value_128_bf16_fully_masked_rows_deterministic():
+    """bf16, T != S (causal bottom-right, lengths not block multiples), GQA 2,
+    H = 192 with Hv = 128, soft cap; query rows past their length are fully
+    masked (zeros out, zero gradients, never NaN); two runs are bitwise equal."""
+    args, kwargs = make_inputs(3, 1, 200, 300, 4, 2, 192, 128, jnp.bfloat16)
+    kwargs.update(is_causal=True, logits_soft_cap=10.0, query_seq_lengths=jnp.array([150], jnp.int32))
+    out, grads = check_against_golden("mosaic_tpu", args, kwargs, configs=BLOCKS, repeat=True)
+    np.testing.assert_array_equal(np.asarray(out[:, 150:], np.float32), 0)
+    np.testing.assert_array_equal(np.asarray(grads[0][:, 150:], np.float32), 0)
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt,t,s,kh", [
+    ({"is_causal": True}, 130, 256, 1),                 # MQA, T < S
+    ({"is_causal": True}, 300, 140, 2),                 # T > S: leading rows see nothing
+    ({"local_window_size": (40, 8)}, 256, 256, 2),
+    ({"chunk_size": 96}, 256, 256, 1),
+])
+def test_sweep_against_golden(opt, t, s, kh):
+    args, kwargs = make_inputs(t + s, 2, t, s, 4, kh, 64, 64, jnp.float32, sinks=True)
+    check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=BLOCKS)
+
+
+# -- block sparsity ----------------------------------------------------------------------------
+def _canonical(t, s, **kwargs):
+    q = jnp.zeros((1, t, 2, 64), jnp.float32)
+    k = jnp.zeros((1, s, 1, 64), jnp.float32)
+    return base.canonicalize(attention_op.check(q, k, k, **kwargs))
+
+
+def _nonempty_blocks(c, bq, bk):
+    """Blocks holding at least one visible (query, key) pair, from the dense mask."""
+    t, s = c.q.shape[1], c.k.shape[1]
+    dense = np.asarray(dense_mask(c.spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg))[0]
+    nq, nk = -(-t // bq), -(-s // bk)
+    visible = np.zeros((nq * bq, nk * bk), bool)
+    visible[:t, :s] = dense
+    return visible.reshape(nq, bq, nk, bk).any(axis=(1, 3))
+
+
+SEGMENTS = jnp.asarray(np.repeat(np.arange(4), 256)[None], jnp.int32)
+SPARSITY_CASES = {
+    "causal": (1024, 1024, {"is_causal": True}),
+    "causal T<S": (512, 1024, {"is_causal": True}),
+    "window(128,0)": (1024, 1024, {"local_window_size": (128, 0)}),
+    "segments": (1024, 1024, {"q_segment_ids": SEGMENTS, "kv_segment_ids": SEGMENTS}),
+    "chunk 256": (1024, 1024, {"chunk_size": 256}),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSITY_CASES))
+def test_visited_blocks_equal_the_masks_nonempty_blocks(case):
+    t, s, kwargs = SPARSITY_CASES[case]
+    c = _canonical(t, s, **kwargs)
+    tiling = mosaic_tpu.Tiling.of(c, 128, 128)
+    (visited, unmasked), table = jax.jit(lambda c: (mosaic_tpu.visited_blocks(c, 128, 128),
+                                                    mosaic_tpu.schedule(c, tiling)[0]))(c)
+    visited, unmasked = np.asarray(visited)[0], np.asarray(unmasked)[0]
+    nonempty = _nonempty_blocks(c, 128, 128)
+    np.testing.assert_array_equal(visited, nonempty.sum(axis=1))
+    assert visited.sum() < nonempty.size  # real skipping in every case here
+    # The table the kernels read lists exactly the non-empty blocks, ascending, FULL ones flagged.
+    table = np.asarray(table).reshape(tiling.nq, tiling.nk)
+    for i in range(tiling.nq):
+        live = table[i, :visited[i]]
+        np.testing.assert_array_equal(live // 4, np.flatnonzero(nonempty[i]))
+        assert (live % 4 != EMPTY).all() and (table[i, visited[i]:] % 4 == EMPTY).all()
+        assert int((live % 4 == FULL).sum()) == unmasked[i]
+
+
+def test_kernel_visits_what_the_table_lists():
+    """The forward kernel's own step counter (debug output) equals the table:
+    causal (bottom-right, T = 256, S = 384) within packed documents; the last
+    40 queries are a document with no keys: fully masked rows give zeros and
+    ``lse = -inf``, never NaN. The output matches the golden."""
+    q_seg = jnp.asarray(np.repeat([0, 1, 9], [128, 88, 40])[None], jnp.int32)
+    kv_seg = jnp.asarray(np.repeat([0, 0, 1], 128)[None], jnp.int32)
+    key = jax.random.split(jax.random.PRNGKey(4), 3)
+    q = jax.random.normal(key[0], (1, 256, 2, 64))
+    k, v = (jax.random.normal(kk, (1, 384, 1, 64)) for kk in key[1:])
+    c = base.canonicalize(attention_op.check(q, k, v, is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg))
+    with stellax.interpret_mode():
+        out, lse, counts = jax.jit(lambda c: mosaic_tpu.forward(c, SplashConfig(128, 128), debug=True))(c)
+    ref, ref_lse = stellax.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                                                 return_residuals=True, implementation="xla")
+    assert_close(out, ref, dtype=jnp.float32, name="out")
+    np.testing.assert_array_equal(np.asarray(out[:, 216:]), 0)
+    assert np.isneginf(np.asarray(lse[:, :, 216:])).all() and np.isfinite(np.asarray(lse[:, :, :216])).all()
+    np.testing.assert_allclose(np.asarray(lse[:, :, :216]), np.asarray(ref_lse[:, :, :216]), rtol=1e-5, atol=1e-5)
+    counts = np.asarray(counts[0, 0])[::128]  # one entry per query block
+    visited, unmasked = (np.asarray(x)[0] for x in mosaic_tpu.visited_blocks(c, 128, 128))
+    np.testing.assert_array_equal(counts // 65536, visited)
+    np.testing.assert_array_equal(counts % 65536, unmasked)
+    # Query block 0 (document 0) sees key blocks 0 (FULL) and 1 (the causal
+    # diagonal); query block 1 (document 1) only key block 2, of 3 each.
+    assert visited.tolist() == [2, 1] and unmasked.tolist() == [1, 0]
+
+
+# -- configs and dispatch -------------------------------------------------------------------------
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="block_kv must be a multiple of 128"):
+        SplashConfig(block_q=128, block_kv=200)
+    with pytest.raises(ValueError, match="block_q_dkv must be a multiple of 128 in \\[128, 2048\\]"):
+        SplashBackwardConfig(block_q_dkv=4096)
+
+
+def test_heuristic_follows_the_generation():
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    call = attention_op.check(q, q, q, is_causal=True)
+    impl = attention_op.implementations["mosaic_tpu"]
+    chosen = {}
+    for generation in ("v5e", "v5p", "v6e", "tpu7x"):
+        with stellax.lowering_target(generation):
+            chosen[generation] = impl.default_config(call)
+            assert chosen[generation] in impl.config_space(call)
+    assert chosen["v5e"] == SplashConfig(512, 512) and chosen["v6e"] == SplashConfig(1024, 512)
+    short = attention_op.check(jnp.zeros((1, 100, 2, 64)), jnp.zeros((1, 300, 2, 64)), jnp.zeros((1, 300, 2, 64)))
+    assert impl.default_config(short) == SplashConfig(block_q=128, block_kv=384 // 128 * 128)
+    assert impl.config_space(short) == [SplashConfig(128, 128), SplashConfig(128, 256), SplashConfig(128, 384)]
+
+
+def test_requirements_explain_and_dispatch_falls_back():
+    q = jnp.zeros((1, 128, 2, 64), jnp.float16)
+    impl = attention_op.implementations["mosaic_tpu"]
+    assert "float32 or bfloat16" in impl.requirements(attention_op.check(q, q, q))
+    x = jnp.zeros((1, 128, 2, 64))
+    bias_call = attention_op.check(x, x, x, jnp.zeros((1, 2, 128, 128)))
+    assert "dense bias" in impl.requirements(bias_call)
+    big = jnp.zeros((1, 128, 2, 320))
+    assert "up to 256" in impl.requirements(attention_op.check(big, big, big))
+    with stellax.lowering_target("v6e"):
+        assert attention_op.select(attention_op.check(x, x, x)).name == "mosaic_tpu"
+        assert attention_op.select(bias_call).name == "xla_chunked"
+        with pytest.raises(UnsupportedError, match="dense bias"):
+            attention_op.select(bias_call, "mosaic_tpu")
+
+
+def test_default_implementation_on_a_tpu_lowers_to_mosaic_kernels():
+    """On a TPU ``implementation=None`` runs the three Mosaic kernels (forward, dq, dk/dv)."""
+    x = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(stellax.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+    with stellax.lowering_target("v6e"):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, kv, kv).lower(
+            lowering_platforms=("tpu",)).as_text()
+    for name in ("stellax_splash_attention_forward", "stellax_splash_attention_backward_dq",
+                 "stellax_splash_attention_backward_dkdv"):
+        assert name in text, name
+    assert text.count("tpu_custom_call") >= 3
+
+
+# -- context parallelism on a TPU ---------------------------------------------------------------------
+def test_ring_attention_runs_mosaic_tpu_locally_on_a_tpu():
+    """``context_parallel_attention`` (ring, 8 devices) on a TPU: its local
+    attention and the flash backward are the Mosaic TPU kernels."""
+    from stellax.parallel import context_parallel_attention
+    from stellax.parallel.ring import FLASH_BACKWARDS
+
+    assert FLASH_BACKWARDS[0] == "mosaic_tpu"
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("cp",))
+    q = jax.ShapeDtypeStruct((1, 8 * 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8 * 256, 2, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = context_parallel_attention(q, k, v, mesh=mesh, axis_name="cp", strategy="ring", is_causal=True)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with stellax.lowering_target("v6e"):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+            lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+    for name in ("stellax_splash_attention_forward", "stellax_splash_attention_backward_dq",
+                 "stellax_splash_attention_backward_dkdv"):
+        assert name in text, name
+
+
+# -- tier 3: the real Mosaic compiler ---------------------------------------------------------------
+@pytest.mark.tpu
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("h", [128, 256])
+def test_heuristic_compiles_forward_and_gradients(generation, h):
+    """B=1, N=8, T=S=4096, bf16, causal: the heuristic configs (forward, dq,
+    dk/dv) compile for each generation."""
+    from stellax.testing.tpu_compile import compile_config, libtpu_available
+
+    ok, reason = libtpu_available()
+    if not ok:
+        pytest.skip(reason)
+    q = jax.ShapeDtypeStruct((1, 4096, 8, h), jnp.bfloat16)
+    result = compile_config(attention_op, "mosaic_tpu", (q, q, q), {"is_causal": True}, generation=generation,
+                            grad=True)
+    assert result.ok, result.describe()
