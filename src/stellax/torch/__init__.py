@@ -27,13 +27,14 @@ from .paged import (QuantizedPages, dequantize_pages, init_kv_cache, mla_decode,
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
 from .modules import GatedMLP, LayerNorm, RMSNorm
 from .hf import register_transformers_attention
+from .patching import PatchReport, apply_kernels
 from .parallel import (context_parallel_attention, context_parallel_gated_delta_rule, context_parallel_kda,
                        moe_mlp_expert_parallel, register_mesh, reorder_for_load_balance,
                        restore_from_load_balance)
 from stellax.ops.paged_attention import KVQuant  # the cache format spec (plain Python; shared with JAX)
 
 __all__ = [
-    "ForwardOnlyError", "GatedDeltaNet", "GatedMLP", "KVQuant", "LayerNorm", "MoE", "PackedTensor", "QTensor", "QuantizedPages", "RMSNorm", "TorchOp", "cache_info", "context_parallel_attention",
+    "ForwardOnlyError", "GatedDeltaNet", "PatchReport", "apply_kernels", "GatedMLP", "KVQuant", "LayerNorm", "MoE", "PackedTensor", "QTensor", "QuantizedPages", "RMSNorm", "TorchOp", "cache_info", "context_parallel_attention",
     "context_parallel_gated_delta_rule", "context_parallel_kda",
     "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dequantize_pages", "dot_product_attention",
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",
