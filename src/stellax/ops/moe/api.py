@@ -8,6 +8,7 @@ Each picks its op — ``ragged_dot`` (`ragged_dot.py`), ``ragged_dot_tgmm``
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from ..quant.qarray import QArray
@@ -99,6 +100,9 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
       group), or ``lhs [M, K]`` (contracting ``([0], [0])``, lhs ragged ``[0]``).
     """
     dims = ragged_dot_dimension_numbers
+    if not isinstance(dims, jax.lax.RaggedDotDimensionNumbers):
+        raise TypeError(f"ragged_dot_dimension_numbers: expected a jax.lax.RaggedDotDimensionNumbers, "
+                        f"got {type(dims).__name__} {dims!r}")
     (lc, rc), (lb, rb) = dims.dot_dimension_numbers
     key = (tuple(lc), tuple(rc), tuple(dims.lhs_ragged_dimensions), tuple(dims.rhs_group_dimensions))
     layout = _LAYOUTS.get(key) if not lb and not rb and np.ndim(lhs) == 2 else None

@@ -17,6 +17,11 @@ past ``sum(group_sizes)`` a grouped matmul gives zeros), and
 ``unpermute(y [T·k, D], permutation, weights [T, k])``:
 
     out[t] = Σ_j weights[t, j] · y[p(t, j)]   where permutation[p(t, j)] = t·k + j
+
+Eagerly, expert ids outside ``[0, E)`` and permutations that are not a
+permutation of ``[0, T·k)`` raise. Under ``jit`` an out-of-range expert id
+drops that copy (behind all kept rows, a zero row, in no group) and a copy
+that no permutation entry points to contributes zeros.
 """
 
 from __future__ import annotations
@@ -34,8 +39,17 @@ def _check_ids(expert_ids, tokens: int, num_experts):
     expert_ids = checks.require_int("expert_ids", expert_ids)
     checks.require_ndim("expert_ids", expert_ids, 2)
     checks.require_shape("expert_ids", expert_ids, (tokens, None), "x.shape[0], k")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
+        raise TypeError(f"num_experts: expected a positive int, got {type(num_experts).__name__} {num_experts!r}")
+    if num_experts < 1:
         raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
+    ids = checks.concrete_values(expert_ids)
+    if ids is not None:
+        bad = np.argwhere((ids < 0) | (ids >= num_experts))
+        if bad.size:
+            t, j = (int(i) for i in bad[0])
+            raise ValueError(f"expert_ids[{t}, {j}]: expected an expert in [0, {num_experts}) "
+                             f"(num_experts), got {int(ids[t, j])}")
     return expert_ids
 
 
@@ -83,19 +97,23 @@ def permute(x, expert_ids, num_experts, *, capacity_factor=None):
     if capacity_factor is not None:
         capacity_factor = checks.require_positive_float("capacity_factor", capacity_factor)
         cap = capacity(x.shape[0], top_k, num_experts, capacity_factor)
-    order, group_sizes, dropped = sort_by_expert(expert_ids.reshape(-1).astype(jnp.int32), int(num_experts), cap)
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    # Traced ids outside [0, E) (eagerly an error): the copy is dropped — sorted
+    # behind every kept row, its row zero, counted in no group.
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, int(num_experts))
+    order, group_sizes, dropped = sort_by_expert(flat, int(num_experts), cap)
     rows = x[order // top_k]
+    kept = jnp.arange(order.shape[0]) < jnp.sum(group_sizes)
+    rows = jnp.where(kept[:, None], rows, jnp.zeros((), rows.dtype))
     if cap is not None:
-        kept = jnp.arange(order.shape[0]) < jnp.sum(group_sizes)
-        rows = jnp.where(kept[:, None], rows, jnp.zeros((), rows.dtype))
         return rows, group_sizes, order, dropped
     return rows, group_sizes, order
 
 
 def inverse_permutation(permutation):
-    """``inverse[permutation[p]] = p``."""
-    return jnp.zeros_like(permutation).at[permutation].set(
-        jnp.arange(permutation.shape[0], dtype=permutation.dtype))
+    """``inverse[permutation[p]] = p``; ``-1`` where no entry points (out-of-range entries are dropped)."""
+    return jnp.full_like(permutation, -1).at[permutation].set(
+        jnp.arange(permutation.shape[0], dtype=permutation.dtype), mode="drop")
 
 
 def unpermute(y, permutation, weights):
@@ -116,7 +134,20 @@ def unpermute(y, permutation, weights):
     if tokens * top_k != y.shape[0]:
         raise ValueError(f"weights: expected shape (T, k) with T·k = y.shape[0] = {y.shape[0]}, "
                          f"got {tuple(weights.shape)}")
-    copies = y[inverse_permutation(permutation.astype(jnp.int32))].reshape(tokens, top_k, y.shape[1])
+    perm = checks.concrete_values(permutation)
+    if perm is not None:
+        n = y.shape[0]
+        bad = np.nonzero((perm < 0) | (perm >= n))[0]
+        if bad.size:
+            raise ValueError(f"permutation[{int(bad[0])}]: expected a copy index in [0, {n}) (y.shape[0]), "
+                             f"got {int(perm[bad[0]])}")
+        if np.unique(perm).size != n:
+            raise ValueError(f"permutation: expected a permutation of [0, {n}) (each copy once), got repeated "
+                             "entries")
+    # Under jit an out-of-range or repeated entry leaves copies without a row: they contribute zeros.
+    inverse = inverse_permutation(permutation.astype(jnp.int32))
+    copies = jnp.where((inverse >= 0)[:, None], y[jnp.maximum(inverse, 0)], jnp.zeros((), y.dtype))
+    copies = copies.reshape(tokens, top_k, y.shape[1])
     out = jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), copies.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     return out.astype(y.dtype)

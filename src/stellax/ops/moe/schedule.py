@@ -45,13 +45,22 @@ class GroupBounds:
 
 
 def group_bounds(group_sizes, group_offset, num_local: int, m: int) -> GroupBounds:
-    """Clamped row ranges of groups ``[offset, offset + num_local)``."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
+    """Clamped row ranges of groups ``[offset, offset + num_local)``.
+
+    Traced values are made safe, not trusted: sizes are clamped into ``[0,
+    m]`` and summed with a saturating add (in uint32: the running sum of
+    sizes near 2³¹ would wrap around in int32), so every group ends at or
+    before row ``m``; an offset outside ``[0, len(group_sizes) - num_local]``
+    selects no group (every row gives zeros), it is not clamped onto other
+    groups."""
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m).astype(jnp.uint32)
+    cap = jnp.uint32(m)
+    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), sizes).astype(jnp.int32)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     offset = jnp.zeros((), jnp.int32) if group_offset is None else group_offset.astype(jnp.int32)
-    local_starts = jax.lax.dynamic_slice_in_dim(starts, offset, num_local)
-    local_ends = jax.lax.dynamic_slice_in_dim(ends, offset, num_local)
+    in_range = (offset >= 0) & (offset <= group_sizes.shape[0] - num_local)
+    local_starts = jnp.where(in_range, jax.lax.dynamic_slice_in_dim(starts, offset, num_local), 0)
+    local_ends = jnp.where(in_range, jax.lax.dynamic_slice_in_dim(ends, offset, num_local), 0)
     return GroupBounds(local_starts, local_ends - local_starts, local_starts[0], local_ends[-1])
 
 
