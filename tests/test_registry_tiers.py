@@ -22,8 +22,9 @@ mosaic_tpu) × its examples and its whole autotuning space.
   implementation compiles to PTX for sm_90 and fits its shared memory.
 * Tier 3 for TPUs (needs the tpu-check extra, libtpu): each Mosaic TPU
   implementation's heuristic config compiles with the real compiler for v5e
-  and v6e, on its examples and at its TPU benchmark sizes; ``tpu``: every
-  config of each generation's space for v5e, v5p, v6e and TPU7x.
+  and v6e, forward and gradient, on its first example and its first TPU
+  benchmark sizes; ``tpu``: every config of each generation's space for v5e,
+  v5p, v6e and TPU7x on every example and benchmark call.
 
 Family test files keep only what is specific to an op (edge cases, options,
 layouts, oracles); what is generic lives here.
@@ -155,9 +156,14 @@ CI_GENERATIONS = ("v5e", "v6e")
 TPU_KERNELS = [(op, impl) for op, impl in KERNELS if op.implementations[impl].backend == "mosaic_tpu"]
 
 
+#: Benchmark calls per TPU kernel the default tier compiles (with gradients).
+CI_BENCHMARKS = 4
+
+
 def _tpu_compile_cases(generations, every_config: bool):
     return [case for op, impl in TPU_KERNELS for g in generations
-            for case in compile_cases(op, impl, g, every_config=every_config, benchmarks=True)]
+            for case in compile_cases(op, impl, g, every_config=every_config,
+                                      benchmarks=None if every_config else CI_BENCHMARKS)]
 
 
 def _assert_compiles(case):
@@ -170,7 +176,8 @@ def _assert_compiles(case):
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in _tpu_compile_cases(CI_GENERATIONS, False)])
 def test_tpu_compile_heuristic_config(case):
-    """The heuristic's choice always compiles, on the examples and at benchmark sizes."""
+    """The heuristic's choice always compiles (forward and gradient), on the
+    first example and at the first `CI_BENCHMARKS` benchmark sizes."""
     _assert_compiles(case)
 
 

@@ -247,19 +247,22 @@ class CompileCase:
     kwargs: dict
     config: Any = None
     config_index: int | None = None
+    grad: bool = False
 
     @property
     def id(self) -> str:
         from .registry import config_id
 
         parts = [self.op.name, self.implementation, self.generation, self.label.replace(" ", "_")]
+        if self.grad:
+            parts.append("grad")
         if self.config_index is not None:
             parts.append(f"cfg{self.config_index:02d}({config_id(self.config)})")
         return "-".join(parts)
 
     def compile(self) -> CompileResult:
         return compile_config(self.op, self.implementation, self.args, self.kwargs, generation=self.generation,
-                              config=self.config)
+                              config=self.config, grad=self.grad)
 
 
 def abstract_benchmarks(op: Op, generation: str) -> list:
@@ -291,26 +294,38 @@ def abstract_benchmarks(op: Op, generation: str) -> list:
 
 
 def compile_cases(op: Op, implementation: str, generation: str, *, every_config: bool = False,
-                  benchmarks: bool = True) -> list[CompileCase]:
+                  benchmarks: int | None = None, every_example: bool | None = None) -> list[CompileCase]:
     """The calls tier 3 compiles for one implementation and generation: the
-    op's float32 examples and (``benchmarks``) its TPU benchmark calls that
-    the implementation supports there, with the heuristic's config, or with
-    every config of the generation's autotuning space (``every_config``)."""
+    op's float32 examples (only the first one the implementation supports
+    unless ``every_example``, which defaults to ``every_config``) and its TPU
+    benchmark calls (the first ``benchmarks`` of them; all when ``None``)
+    that the implementation supports there. The benchmark calls are the
+    transformer-sized ones, where VMEM limits bite.
+
+    With the heuristic's config (the default) the gradient is compiled too
+    for differentiable ops, so the backward kernels are compiled at the same
+    sizes; ``every_config`` compiles each config of the generation's
+    autotuning space, forward only."""
+    every_example = every_config if every_example is None else every_example
     from ..core import lowering_target
     from .validation import examples_of
 
     impl = op.implementations[implementation]
     examples = [(f"ex{i}", e) for i, e in enumerate(examples_of(op, "float32"))]
-    if benchmarks:
-        examples += [(f"bench{i}", e) for i, e in enumerate(abstract_benchmarks(op, generation))]
-    cases = []
+    if benchmarks is None or benchmarks > 0:
+        examples += [(f"bench{i}", e) for i, e in enumerate(abstract_benchmarks(op, generation)[:benchmarks])]
+    cases, examples_taken = [], 0
     with lowering_target(LOWERING_TARGETS[generation]):
         for label, example in examples:
+            if label.startswith("ex") and examples_taken and not every_example:
+                continue
             call = op.check(*example.args, **example.kwargs)
             if not impl.supported(call):
                 continue
+            examples_taken += label.startswith("ex")
             if not every_config:
-                cases.append(CompileCase(op, implementation, generation, label, example.args, example.kwargs))
+                cases.append(CompileCase(op, implementation, generation, label, example.args, example.kwargs,
+                                         grad=bool(op.differentiable)))
                 continue
             space = impl.config_space(call) or [None]
             cases += [CompileCase(op, implementation, generation, label, example.args, example.kwargs, config,
@@ -318,7 +333,7 @@ def compile_cases(op: Op, implementation: str, generation: str, *, every_config:
     return cases
 
 
-def run_tier(ops, generations=KERNEL_GENERATIONS, *, every_config: bool = False,
+def run_tier(ops, generations=KERNEL_GENERATIONS, *, every_config: bool = False, benchmarks: int | None = None,
              on_result=None) -> list[CompileResult]:
     """Compile every Mosaic TPU implementation of ``ops`` (name → `Op`) for
     each of ``generations``: the heuristic config (or every config) on the
@@ -329,7 +344,7 @@ def run_tier(ops, generations=KERNEL_GENERATIONS, *, every_config: bool = False,
             if impl.backend != "mosaic_tpu":
                 continue
             for generation in generations:
-                for case in compile_cases(op, name, generation, every_config=every_config):
+                for case in compile_cases(op, name, generation, every_config=every_config, benchmarks=benchmarks):
                     result = case.compile()
                     results.append(result)
                     if on_result is not None:
