@@ -100,7 +100,8 @@ def _check_tpu_compile(args, console, selected) -> int:
         if not result.ok or args.verbose:
             console.print(f"{case.id}: {result.describe()}", highlight=False, markup=False)
 
-    results = tpu_compile.run_tier(selected, generations, every_config=args.all, on_result=show)
+    results = tpu_compile.run_tier(selected, generations, every_config=args.all, on_result=show,
+                                   benchmarks=args.benchmarks)
     rows = tpu_compile.summary_rows(results)
     if args.json:
         text = json.dumps({"generations": generations, "every_config": args.all, "rows": rows}, indent=1)
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--generations", default="", help="with --tpu-compile: comma-separated TPU generations "
                                                          "(default: v5e,v5p,v6e,tpu7x)")
     check.add_argument("--verbose", action="store_true", help="with --tpu-compile: print every compile")
+    check.add_argument("--benchmarks", type=int, default=None,
+                       help="with --tpu-compile: compile only the first N benchmark calls per op (default: all)")
     sub.add_parser("bench", help="benchmark ops (see `stellax bench --help`)")
     sub.add_parser("autotune", help="tune kernel configs (see `stellax autotune --help`)")
     sub.add_parser("lab", help="kernel lab: write, evaluate and search candidates (see `stellax lab --help`)")
