@@ -96,3 +96,37 @@ def test_helpers():
     rows, cols = square_iota(3)
     np.testing.assert_array_equal(rows, np.arange(3)[:, None] * np.ones(3, int))
     np.testing.assert_array_equal(cols, np.arange(3)[None, :] * np.ones((3, 1), int))
+
+
+def test_tpu_kernel_call_interprets_with_nan_uninitialized_memory():
+    """Interpreted TPU kernels see NaN in memory no step wrote: a kernel that
+    reads scratch it never initialized produces NaN, not a silent zero."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from stellax.core.pallas import tpu_kernel_call
+
+    x = jnp.ones((8, 128), jnp.float32)
+    spec = pl.BlockSpec((8, 128), lambda i: (0, 0))
+
+    def launch(initialize: bool):
+        def kernel(*, x, y, acc):
+            if initialize:
+                acc[...] = jnp.zeros_like(acc)
+            y[...] = x[...] + acc[...]
+        return tpu_kernel_call(kernel, grid=(1,), inputs=dict(x=operand(x, spec)),
+                               outputs=dict(y=output(x.shape, x.dtype, spec)),
+                               scratch=dict(acc=pltpu.VMEM((8, 128), jnp.float32)),
+                               dimension_semantics=("arbitrary",), name="reads_scratch").y
+
+    with interpret_mode():
+        assert bool(jnp.all(launch(True) == 1.0))
+        assert bool(jnp.all(jnp.isnan(launch(False))))
+
+
+def test_tpu_kernel_call_needs_one_semantics_per_grid_axis():
+    from stellax.core.pallas import tpu_kernel_call
+
+    x = jnp.ones((8, 128), jnp.float32)
+    with pytest.raises(ValueError, match="dimension_semantics: expected 2 entries"):
+        tpu_kernel_call(lambda **refs: None, grid=(1, 1), inputs=dict(x=operand(x)),
+                        outputs=dict(y=output(x.shape, x.dtype)), dimension_semantics=("parallel",), name="k")
