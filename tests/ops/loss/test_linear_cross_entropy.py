@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import stellax
-from stellax.ops.loss import ChunkedConfig, linear_cross_entropy_op
+from stellax.ops.loss import ChunkedConfig, LinearCrossEntropyConfig, linear_cross_entropy_op
 from stellax.ops.loss.examples import random_case
 from stellax.testing import assert_close, assert_deterministic
 
@@ -218,3 +218,38 @@ def test_ignore_index_is_accepted_when_out_of_vocabulary():
     x, w, labels = random_case(12, (6,), 8, 10, jnp.float32, ignored=0.5, ignore_index=-1)
     out = stellax.linear_cross_entropy(x, w, labels, ignore_index=-1)
     np.testing.assert_allclose(out, _naive(x, w, labels, ignore_index=-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ChunkedConfig(block_tokens=0), r"ChunkedConfig.block_tokens: expected a positive int, got 0"),
+    (lambda: ChunkedConfig(block_vocab=2.5), r"ChunkedConfig.block_vocab: expected a positive int, got 2.5"),
+    (lambda: LinearCrossEntropyConfig(block_t=48), r"LinearCrossEntropyConfig.block_t: expected a positive power of two"),
+    (lambda: LinearCrossEntropyConfig(block_d=512), r"LinearCrossEntropyConfig.block_d: expected one of"),
+])
+def test_config_validation(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_triton_interpreted_per_token_outputs_and_gradients(dtype):
+    """The Triton kernels (interpreted) with a config smaller than the shapes, per-token
+    outputs, lse and z-loss, [V, D] weights and a soft cap, against the golden."""
+    x, w, labels = random_case(13, (37,), 40, 70, dtype, transpose_w=True)
+    opts = dict(transpose_w=True, logit_soft_cap=5.0, z_loss=1e-3, label_smoothing=0.05, reduction="none",
+                return_lse=True)
+    config = LinearCrossEntropyConfig(block_t=16, block_v=32, block_d=16, num_warps=4, num_stages=2)
+    run = lambda x, w: stellax.linear_cross_entropy(x, w, labels, implementation="triton", config=config, **opts)
+    ref = lambda x, w: linear_cross_entropy_op.reference(x.astype(jnp.float32), w.astype(jnp.float32), labels, **opts)
+    with stellax.interpret_mode():
+        out = jax.jit(run)(x, w)
+        cots = [jax.random.normal(jax.random.PRNGKey(i), o.shape) for i, o in enumerate(out)]
+        project = lambda f: lambda x, w: sum(jnp.sum(o * c) for o, c in zip(f(x, w), cots))
+        grads = jax.jit(jax.grad(project(run), argnums=(0, 1)))(x, w)
+    for o, r in zip(out, ref(x, w)):
+        assert_close(o, r, dtype=dtype, name="outputs")
+    ref_grads = jax.grad(project(ref), argnums=(0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
+    for name, g, r in zip(("dx", "dw"), grads, ref_grads):
+        assert g.dtype == dtype
+        assert_close(g, r, dtype=dtype, gradient=True, name=name)
