@@ -27,7 +27,10 @@ def erf_polynomial(x):
     z = jnp.abs(x)
     t = 1.0 / (1.0 + 0.3275911 * z)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return jnp.sign(x) * (1.0 - poly * jnp.exp(-z * z))
+    magnitude = 1.0 - poly * jnp.exp(-z * z)
+    # A select, not jnp.sign: Mosaic TPU lowers sign by querying the device's TPU generation,
+    # which fails when compiling for a TPU from a CPU host.
+    return jnp.where(x < 0, -magnitude, magnitude)
 
 
 def _gelu_kernel(x):

@@ -7,10 +7,12 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, backward_implementation, register
 from ...core import checks
+from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .activations import ACTIVATIONS
-from .configs import GluConfig, glu_heuristic, glu_space
+from .configs import (GluConfig, GluTpuConfig, glu_heuristic, glu_space, glu_tpu_heuristic, glu_tpu_requirements,
+                      glu_tpu_space)
 from .examples import backward_examples, benchmarks, forward_examples
 from .reference import glu_backward_reference, glu_reference
 
@@ -114,6 +116,9 @@ gated_linear_unit_backward_op = register(Op(
     check=_check_backward,
     reference=glu_backward_reference,
     implementations=[
+        Implementation("mosaic_tpu", _backward_runner(mosaic_tpu_kernels), backend="mosaic_tpu",
+                       config_type=GluTpuConfig, heuristic=glu_tpu_heuristic, space=glu_tpu_space,
+                       requirements=glu_tpu_requirements),
         Implementation("triton", _backward_runner(triton_kernels), backend="triton",
                        config_type=GluConfig, heuristic=glu_heuristic, space=glu_space),
         Implementation("xla", _backward_runner(xla_kernels)),
@@ -155,6 +160,9 @@ gated_linear_unit_op = register(Op(
     check=_check_glu,
     reference=glu_reference,
     implementations=[
+        Implementation("mosaic_tpu", _forward_runner(mosaic_tpu_kernels, "mosaic_tpu"), backend="mosaic_tpu",
+                       config_type=GluTpuConfig, heuristic=glu_tpu_heuristic, space=glu_tpu_space,
+                       requirements=glu_tpu_requirements),
         Implementation("triton", _forward_runner(triton_kernels, "triton"), backend="triton",
                        config_type=GluConfig, heuristic=glu_heuristic, space=glu_space),
         Implementation("xla", _forward_runner(xla_kernels, "xla")),
@@ -180,9 +188,10 @@ def gated_linear_unit(x, weights, *, activation="silu", precision=None, implemen
         autodiff; inside Triton kernels it must use primitives Triton supports).
       precision: matmul precision (``None``: full float32 precision for float32
         inputs, the backend default otherwise).
-      implementation: ``None`` (best available), ``"triton"``, ``"xla"`` or a
-        sequence tried in order.
-      config: an explicit `GluConfig` for the Triton kernels.
+      implementation: ``None`` (best available), ``"mosaic_tpu"``, ``"triton"``,
+        ``"xla"`` or a sequence tried in order.
+      config: an explicit `GluConfig` for the Triton kernels or `GluTpuConfig`
+        for the Mosaic TPU kernels.
 
     Returns:
       ``[..., N]`` in ``x.dtype``; matmuls accumulate in float32.

@@ -9,9 +9,11 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, backward_implementation, register
 from ...core import checks
+from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
-from .configs import NormConfig, norm_heuristic, norm_requirements, norm_space
+from .configs import (NormConfig, NormTpuConfig, norm_heuristic, norm_requirements, norm_space, norm_tpu_heuristic,
+                      norm_tpu_requirements, norm_tpu_space)
 from .examples import backward_examples, benchmarks, forward_examples
 from .reference import layer_norm_backward_reference, layer_norm_reference
 
@@ -104,6 +106,9 @@ layer_norm_backward_op = register(Op(
     check=_check_backward,
     reference=layer_norm_backward_reference,
     implementations=[
+        Implementation("mosaic_tpu", _backward_runner(mosaic_tpu_kernels), backend="mosaic_tpu",
+                       config_type=NormTpuConfig, heuristic=norm_tpu_heuristic, space=norm_tpu_space,
+                       requirements=norm_tpu_requirements),
         Implementation("triton", _backward_runner(triton_kernels), backend="triton",
                        config_type=NormConfig, heuristic=norm_heuristic, space=norm_space,
                        requirements=norm_requirements),
@@ -161,6 +166,9 @@ layer_norm_op = register(Op(
     check=_check_layer_norm,
     reference=layer_norm_reference,
     implementations=[
+        Implementation("mosaic_tpu", _forward_runner(mosaic_tpu_kernels, "mosaic_tpu"), backend="mosaic_tpu",
+                       config_type=NormTpuConfig, heuristic=norm_tpu_heuristic, space=norm_tpu_space,
+                       requirements=norm_tpu_requirements),
         Implementation("triton", _forward_runner(triton_kernels, "triton"), backend="triton",
                        config_type=NormConfig, heuristic=norm_heuristic, space=norm_space,
                        requirements=norm_requirements),
@@ -189,8 +197,9 @@ def layer_norm(x, scale=None, offset=None, *, axis=-1, epsilon=1e-6, subtract_me
         ``h = x + residual`` and return ``(y, h)`` (the pre-norm residual
         stream of a transformer block), fused into one pass.
       implementation: ``None`` (best available, ending in ``"xla"``),
-        ``"triton"``, ``"xla"`` or a sequence tried in order.
-      config: an explicit `NormConfig` for the Triton kernels.
+        ``"mosaic_tpu"``, ``"triton"``, ``"xla"`` or a sequence tried in order.
+      config: an explicit `NormConfig` for the Triton kernels or `NormTpuConfig`
+        for the Mosaic TPU kernels.
 
     Returns:
       ``y`` in ``x.dtype`` where, along ``axis`` in float32,

@@ -1,11 +1,15 @@
-"""Configs of the normalization kernels: rows per program, warps, stages."""
+"""Configs of the normalization kernels: rows per program, warps, stages (Triton); rows per
+block and the VMEM they need (Mosaic TPU)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ...core import Call, TritonConfig, next_power_of_two, product_space
-from ...core.config import require_power_of_two
+import numpy as np
+
+from ...core import Call, KernelConfig, TritonConfig, next_power_of_two, product_space
+from ...core.config import require_positive, require_power_of_two
+from ...core.tpu import target_generation
 
 #: Longest row (elements) a Triton program holds in registers at once.
 MAX_ROW_BLOCK = 65536
@@ -53,4 +57,134 @@ def norm_requirements(call: Call) -> str | None:
     features = _features(call)
     if row_block(features) > MAX_ROW_BLOCK:
         return f"the Triton norm kernel holds a row in registers: row length {features} > {MAX_ROW_BLOCK}"
+    return None
+
+
+# -- Mosaic TPU ----------------------------------------------------------------------
+#: Lane width of a TPU vector register: the feature axis is padded to a multiple of it.
+TPU_LANES = 128
+#: Rows per block the TPU space offers (multiples of 16: bfloat16 packs 16 rows per vreg tile).
+TPU_BLOCK_ROWS = (16, 32, 64, 128, 256, 512, 1024)
+#: Most elements one block holds (beyond it Mosaic's compile time grows to minutes, for no gain).
+TPU_MAX_BLOCK_ELEMENTS = 1 << 20
+#: Bytes of one input block the heuristic aims for (large enough to hide the ~0.35 µs per grid step).
+TPU_TARGET_BLOCK_BYTES = 2 * 1024 * 1024
+#: Dtypes the Mosaic TPU norm kernels load and store.
+TPU_DTYPES = ("float32", "bfloat16")
+#: Float32 temporaries per element the kernels hold at once (h, centered, output; dy, x̂, g, dx, products).
+_TPU_TEMPS = {"forward": 4, "backward": 6}
+
+
+@dataclasses.dataclass(frozen=True)
+class NormTpuConfig(KernelConfig):
+    """``block_rows`` rows (of the feature axis padded to 128 lanes) per grid step of the
+    Mosaic TPU norm kernels; a multiple of 16 (the bfloat16 sublane tile)."""
+
+    block_rows: int = 256
+
+    def validate(self) -> None:
+        """``block_rows`` must be a positive multiple of 16."""
+        require_positive("NormTpuConfig", "block_rows", self.block_rows)
+        if self.block_rows % 16:
+            raise ValueError(f"NormTpuConfig.block_rows: expected a multiple of 16, got {self.block_rows}")
+
+
+def tpu_padded_features(features: int) -> int:
+    """The feature axis padded to a multiple of `TPU_LANES`."""
+    return -(-int(features) // TPU_LANES) * TPU_LANES
+
+
+def tpu_block_rows(rows: int, block_rows: int) -> int:
+    """The rows one block really holds: ``block_rows``, or all ``rows`` when fewer (a block
+    equal to the full array dimension is legal at any size)."""
+    return int(rows) if rows <= block_rows else int(block_rows)
+
+
+def _tpu_streams(call: Call) -> tuple[str, int, int]:
+    """``(pass, row-blocked inputs, row-blocked outputs)`` of a forward or backward call."""
+    if "dy" in call.arrays:
+        return "backward", 2 + (call.dh is not None), 1
+    with_residual = call.residual is not None
+    return "forward", 1 + with_residual, 1 + with_residual
+
+
+def tpu_block_vmem_bytes(kind: str, inputs: int, outputs: int, rows: int, features: int, itemsize: int,
+                         block_rows: int) -> int:
+    """VMEM one grid step of a norm kernel needs (``kind`` ``"forward"``/``"backward"``, ``inputs``
+    / ``outputs`` row-blocked operands of ``itemsize`` bytes): double-buffered row blocks, the
+    lane-padded ``[rows, 1]`` statistics, the ``[1, Dp]`` vectors and partials, and the float32
+    temporaries of the kernel body."""
+    sublane_rows = -(-tpu_block_rows(rows, block_rows) // 8) * 8
+    padded = tpu_padded_features(features)
+    blocks = 2 * (inputs + outputs) * sublane_rows * padded * itemsize
+    stats = 2 * 2 * sublane_rows * TPU_LANES * 4
+    vectors = 2 * 2 * 8 * padded * 4
+    temps = _TPU_TEMPS[kind] * sublane_rows * padded * 4
+    return blocks + stats + vectors + temps
+
+
+def norm_tpu_vmem_bytes(call: Call, block_rows: int) -> int:
+    """`tpu_block_vmem_bytes` of a `layer_norm` or `layer_norm_backward` call."""
+    kind, ins, outs = _tpu_streams(call)
+    return tpu_block_vmem_bytes(kind, ins, outs, _rows(call), _features(call), np.dtype(call.x.dtype).itemsize,
+                                block_rows)
+
+
+def tpu_vmem_limit(need: int) -> int | None:
+    """The ``vmem_limit_bytes`` a block needing ``need`` bytes asks for: ``None`` while three
+    quarters of the generation's scoped default hold it, else the need plus a quarter, capped
+    at `tpu_vmem_cap`."""
+    if need <= target_generation().scoped_vmem_bytes * 3 // 4:
+        return None
+    return min(need + need // 4, tpu_vmem_cap())
+
+
+def tpu_vmem_cap() -> int:
+    """The most VMEM a norm block may ask for: three quarters of the generation's physical VMEM."""
+    return target_generation().vmem_bytes * 3 // 4
+
+
+def _rows(call: Call) -> int:
+    """Rows of the forward's 2-D view (every axis but the normalized one)."""
+    return int(np.prod(call.x.shape)) // max(1, _features(call))
+
+
+def norm_tpu_space(call: Call) -> list[NormTpuConfig]:
+    """Every `TPU_BLOCK_ROWS` size whose VMEM estimate fits `tpu_vmem_cap` and whose block holds
+    at most `TPU_MAX_BLOCK_ELEMENTS` (the smallest size is exempt from that cap), without
+    sizes that exceed the rows (rounded up to 16) and so repeat the same block."""
+    limit = max(16, -(-_rows(call) // 16) * 16)
+    padded = tpu_padded_features(_features(call))
+    return [NormTpuConfig(block_rows=b) for b in TPU_BLOCK_ROWS
+            if b <= limit and norm_tpu_vmem_bytes(call, b) <= tpu_vmem_cap()
+            and (b == TPU_BLOCK_ROWS[0] or b * padded <= TPU_MAX_BLOCK_ELEMENTS)]
+
+
+def norm_tpu_heuristic(call: Call) -> NormTpuConfig:
+    """The largest block whose input block is at most `TPU_TARGET_BLOCK_BYTES` and whose VMEM
+    estimate fits the generation's scoped default (else the smallest in the space)."""
+    space = norm_tpu_space(call) or [NormTpuConfig(block_rows=TPU_BLOCK_ROWS[0])]
+    padded = tpu_padded_features(_features(call))
+    itemsize = np.dtype(call.x.dtype).itemsize
+    scoped = target_generation().scoped_vmem_bytes * 3 // 4
+    fitting = [c for c in space if c.block_rows * padded * itemsize <= TPU_TARGET_BLOCK_BYTES
+               and norm_tpu_vmem_bytes(call, c.block_rows) <= scoped]
+    return fitting[-1] if fitting else space[0]
+
+
+def norm_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU norm kernels cannot run ``call``: an operand in a dtype other than
+    float32/bfloat16 (Mosaic cannot load float16 vectors: compiling fails with "Invalid vector
+    type for load" on every generation), or even the smallest block of rows needs more VMEM
+    than `tpu_vmem_cap` on the target generation."""
+    for name in ("x", "dy", "scale", "offset"):
+        value = call.arrays.get(name)
+        if value is not None and np.dtype(value.dtype).name not in TPU_DTYPES:
+            return (f"{name}: the Mosaic TPU norm kernels take {' or '.join(TPU_DTYPES)}, "
+                    f"got {np.dtype(value.dtype).name}")
+    if not norm_tpu_space(call):
+        need = norm_tpu_vmem_bytes(call, TPU_BLOCK_ROWS[0])
+        generation = target_generation()
+        return (f"the Mosaic TPU norm kernel holds {TPU_BLOCK_ROWS[0]} rows of {_features(call)} features in VMEM: "
+                f"needs {need} bytes > {tpu_vmem_cap()} usable on TPU {generation.name}")
     return None

@@ -1,0 +1,166 @@
+"""gated_linear_unit Mosaic TPU kernels: interpret-mode numerics against the golden (both
+weight forms, every activation, tiles that do not divide the shapes), determinism, configs
+per TPU generation, and lowering for tpu.
+
+The generic tiers (every example and config, interpreted and lowered) run in
+tests/test_registry_tiers.py; this file holds what is specific to the TPU kernels.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellax
+from stellax.core.tpu import KERNEL_GENERATIONS, TPU_GENERATIONS
+from stellax.ops.glu import ACTIVATIONS, GluTpuConfig, gated_linear_unit_backward_op, gated_linear_unit_op
+from stellax.ops.glu.configs import glu_tpu_vmem_bytes
+from stellax.testing import assert_close, lower_config, random_array
+
+IMPL = "mosaic_tpu"
+SMALL = GluTpuConfig(block_m=128, block_n=128, block_k=128)
+
+
+def _case(m, k, n, dtype, stacked, seed=0):
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = random_array(kx, (m, k), dtype)
+    w = (jax.random.normal(kw, (k, 2, n), jnp.float32) / np.sqrt(k)).astype(dtype)
+    weights = w if stacked else (w[:, 0], w[:, 1])
+    cot = random_array(kd, (m, n), jnp.float32)
+    return x, weights, cot
+
+
+def _f32(tree):
+    return jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), tree)
+
+
+def _check_against_golden(m, k, n, dtype, *, stacked, activation="silu", config=SMALL, precision=None,
+                          deterministic=False, seed=0):
+    """Output and the gradients of x and the weights against the golden, from one compiled program;
+    with ``deterministic`` a second run must be bitwise equal."""
+    x, weights, cot = _case(m, k, n, dtype, stacked, seed)
+
+    def run(x, weights):
+        with stellax.use_configs({("gated_linear_unit", IMPL): config, ("gated_linear_unit_backward", IMPL): config}):
+            return stellax.gated_linear_unit(x, weights, activation=activation, precision=precision,
+                                             implementation=IMPL)
+
+    def loss_and_output(x, weights):
+        y = run(x, weights)
+        return jnp.sum(y.astype(jnp.float32) * cot), y
+
+    with stellax.interpret_mode():
+        both = jax.jit(jax.grad(loss_and_output, argnums=(0, 1), has_aux=True))
+        grads, y = both(x, weights)
+        if deterministic:
+            again = both(x, weights)
+    ref = lambda x, w: gated_linear_unit_op.reference(x, w, activation=activation)
+    expected = ref(*_f32((x, weights)))
+    ref_grads = jax.grad(lambda x, w: jnp.sum(ref(x, w) * cot), argnums=(0, 1))(*_f32((x, weights)))
+    assert y.dtype == x.dtype and y.shape == (m, n)
+    assert_close(y, expected, dtype=dtype, name="y")
+    for name, g, r in zip(("dx", "dw_gate", "dw_up"), jax.tree_util.tree_leaves(grads),
+                          jax.tree_util.tree_leaves(ref_grads)):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_close(g, r, dtype=dtype, gradient=True, name=name)
+    if deterministic:
+        for a, b in zip(jax.tree_util.tree_leaves((grads, y)), jax.tree_util.tree_leaves(again)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), "two runs differ"
+
+
+def test_stacked_weights_tiles_not_dividing_shapes_and_determinism():
+    """Stacked [K, 2, N] weights as one panel (N=256: two 128-column tiles, the up tiles at an
+    offset), M=136 and K=130 not multiples of 128 (masked contraction tails in the forward, dx and
+    dW kernels); forward and backward bitwise deterministic."""
+    _check_against_golden(136, 130, 256, jnp.float32, stacked=True, deterministic=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "pair"])
+def test_partial_n_tiles(dtype, stacked):
+    """N=136: a partial last N tile (stacked weights are split, the panel offset needs N % 128 == 0)."""
+    _check_against_golden(20, 200, 136, dtype, stacked=stacked, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_every_activation(activation):
+    _check_against_golden(16, 48, 40, jnp.float32, stacked=False, activation=activation, seed=2)
+
+
+@pytest.mark.slow
+def test_callable_activation_and_default_precision():
+    _check_against_golden(16, 48, 40, jnp.float32, stacked=True, activation=lambda g: g * jnp.tanh(g),
+                          precision=jax.lax.Precision.DEFAULT, seed=3)
+
+
+# -- configs per generation -------------------------------------------------------------
+def _call(m, k, n, dtype=jnp.bfloat16):
+    return gated_linear_unit_op.check(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, 2, n), dtype))
+
+
+@pytest.mark.parametrize("generation", KERNEL_GENERATIONS)
+def test_heuristic_uses_the_mxu_and_fits_scoped_vmem(generation):
+    impl = gated_linear_unit_op.implementations[IMPL]
+    tpu = TPU_GENERATIONS[generation]
+    with stellax.lowering_target(generation):
+        for m, k, n, dtype in ((4096, 4096, 14336, jnp.bfloat16), (8, 8192, 28672, jnp.float32), (3, 17, 33, jnp.float32)):
+            call = _call(m, k, n, dtype)
+            config, space = impl.default_config(call), impl.config_space(call)
+            assert glu_tpu_vmem_bytes(m, k, n, np.dtype(dtype).itemsize, config) <= tpu.scoped_vmem_bytes
+            assert all(getattr(c, f) % tpu.mxu == 0 for c in space for f in ("block_n", "block_k"))
+            if (m, k, n) == (4096, 4096, 14336):
+                assert config in space and config.block_n == 2 * tpu.mxu, (generation, config)
+            if (m, k, n) == (3, 17, 33):
+                assert len(space) == 1  # every tiling collapses to whole dimensions
+
+
+def test_requirements_reject_float16_operands():
+    impl = gated_linear_unit_op.implementations[IMPL]
+    with stellax.lowering_target("v6e"):
+        support = impl.supported(_call(64, 128, 128, jnp.float16))
+        assert not support and "float16" in support.reason and "v6e" in support.reason
+        assert impl.supported(_call(64, 128, 128, jnp.bfloat16))
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="GluTpuConfig.block_k: expected a multiple of 128, got 64"):
+        GluTpuConfig(block_m=128, block_n=128, block_k=64)
+
+
+# -- lowering for tpu ---------------------------------------------------------------------
+def _vmem_limits(module) -> list[int]:
+    """The scoped-VMEM sizes the module's Mosaic calls ask for (none: the generation's default)."""
+    return [int(size) for size in re.findall(r"scoped_memory_configs\\22: \[\{[^]]*?size\\22: (\d+)", module.as_text())]
+
+
+def test_lowers_for_tpu_every_config():
+    """Every config of the v5e space lowers to a tpu_custom_call; the heuristic's gradient lowers
+    to the four kernels (forward, dgate/dup, dx, dW); a tiling above the scoped VMEM asks for more."""
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    w = jax.ShapeDtypeStruct((1024, 2, 2048), jnp.float32)
+    impl = gated_linear_unit_op.implementations[IMPL]
+    with stellax.lowering_target("v5e"):
+        space = impl.config_space(gated_linear_unit_op.check(x, w))
+    assert len(space) == 12
+    for config in space:
+        (module,) = lower_config(gated_linear_unit_op, IMPL, (x, w), config=config, target="v5e")
+        assert _vmem_limits(module) == [] or config.block_m * config.block_n >= 512 * 128
+    forward, gradient = lower_config(gated_linear_unit_op, IMPL, (x, w), grad=True, target="v5e")
+    assert "stellax_glu_forward_tpu" in forward.as_text()
+    for kernel in ("stellax_glu_act_grad_tpu", "stellax_glu_dx_tpu", "stellax_glu_dw_tpu"):
+        assert kernel in gradient.as_text()
+    big = GluTpuConfig(block_m=1024, block_n=1024, block_k=512)
+    (module,) = lower_config(gated_linear_unit_op, IMPL, (x, w), config=big, target="v5e")
+    assert _vmem_limits(module) and _vmem_limits(module)[0] > TPU_GENERATIONS["v5e"].scoped_vmem_bytes
+
+
+def test_backward_op_lowers_for_tpu_with_a_weight_pair():
+    dy = jax.ShapeDtypeStruct((300, 500), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((300, 700), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((700, 500), jnp.bfloat16)
+    (module,) = lower_config(gated_linear_unit_backward_op, IMPL, (dy, x, w, w), {"activation": "gelu"})
+    assert module.as_text().count("tpu_custom_call") >= 3
