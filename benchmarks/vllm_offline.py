@@ -22,6 +22,9 @@ Scenarios (each on each model):
   twice (the second pass reads the cached pages of the first).
 * ``chunked``: the plain prompts with ``max_num_batched_tokens=32``: long
   prompts are prefilled in chunks mixed with other requests' decodes.
+* ``throughput`` (``--throughput``): the plain prompts repeated to
+  ``--num-prompts``, timed after an untimed warm-up pass; ``generated_tokens /
+  seconds`` is the tokens/s in docs/integrations.md.
 
 Output JSON: ``{"vllm": version, "backend": name, "runs": {"<model>/<scenario>":
 {"token_ids": [[...], ...], "logprobs": [[...], ...], "seconds": s, "generated_tokens": n}}}``
@@ -45,8 +48,11 @@ BLOCK_SIZE = 32
 
 
 def model_configs():
-    """Name → a transformers config of a tiny decoder (GQA: 4 query heads, 2 kv heads, head_dim 32)."""
-    from transformers import LlamaConfig, MistralConfig
+    """Name → a transformers config of a tiny decoder (GQA: 4 query heads, 2 kv heads, head_dim 32).
+
+    ``gptoss`` is GPT-OSS's architecture: sinks, alternating windowed / full
+    layers and a MoE MLP (vLLM's CPU build runs it unquantized in float32)."""
+    from transformers import GptOssConfig, LlamaConfig, MistralConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
@@ -55,6 +61,10 @@ def model_configs():
         "llama": LlamaConfig(**common),
         # A 16-token window: prompts longer than it generate differently from the same-weight Llama.
         "mistral": MistralConfig(**common, sliding_window=16),
+        # Attention sinks (one learned logit per head) on every layer, a 16-token window on every other
+        # layer (two KV-cache groups), a 4-expert MoE MLP.
+        "gptoss": GptOssConfig(**{**common, "intermediate_size": 128}, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=16),
     }
 
 
@@ -101,11 +111,14 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
     if num_prompts is not None:
         batch = (batch * (num_prompts // len(batch) + 1))[:num_prompts]
     passes = 2 if scenario == "prefix" else 1
+    requests = [TokensPrompt(prompt_token_ids=p) for p in batch]
+    if num_prompts is not None:  # throughput: a warm-up pass first (stellax compiles its padded shapes once)
+        llm.generate(requests, params, use_tqdm=False)
     token_ids, logprobs = [], []
     start = time.perf_counter()
     generated = 0
     for _ in range(passes):
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        outs = llm.generate(requests, params, use_tqdm=False)
         for out in outs:
             c = out.outputs[0]
             token_ids.append(list(c.token_ids))
@@ -131,7 +144,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True, help="vLLM attention backend: STELLAX or CPU_ATTN")
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--models", default="llama,mistral")
+    parser.add_argument("--models", default="llama,mistral,gptoss")
     parser.add_argument("--scenarios", default="plain,prefix,chunked")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--throughput", action="store_true",

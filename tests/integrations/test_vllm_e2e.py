@@ -3,7 +3,8 @@
 Marked ``vllm`` (not in the default tier: engine start-ups take minutes on
 two cores). Runs in the venv `vllm_env.py` creates; skipped, with the setup
 command, when it is missing. ``benchmarks/vllm_offline.py`` runs every scenario
-(a Llama-style GQA model and a Mistral with a 16-token sliding window;
+(a Llama-style GQA model, a Mistral with a 16-token sliding window and a
+GPT-OSS-style model with attention sinks and alternating windowed layers;
 prefix caching off, on (a second pass over cached pages) and chunked prefill
 mixed with decodes) once with ``attention_backend="STELLAX"`` and once with
 vLLM's own ``CPU_ATTN``; greedy token ids must be identical and the logprobs
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "benchmarks" / "vllm_offline.py"
-RUNS = [f"{m}/{s}" for m in ("llama", "mistral") for s in ("plain", "prefix", "chunked")]
+RUNS = [f"{m}/{s}" for m in ("llama", "mistral", "gptoss") for s in ("plain", "prefix", "chunked")]
 LOGPROB_TOL = 1e-3
 
 
@@ -87,7 +88,7 @@ def test_the_window_changes_the_generation(results):
 def test_prefix_pass_reuses_the_cache_with_the_same_tokens(results):
     """The prefix scenario generates the same prompts twice; the second pass
     reads pages cached by the first and must generate the same tokens."""
-    for name in ("llama/prefix", "mistral/prefix"):
+    for name in ("llama/prefix", "mistral/prefix", "gptoss/prefix"):
         ids = results["STELLAX"]["runs"][name]["token_ids"]
         half = len(ids) // 2
         assert ids[:half] == ids[half:], name

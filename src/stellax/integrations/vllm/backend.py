@@ -96,7 +96,8 @@ class StellaxMetadataBuilder(AttentionMetadataBuilder[StellaxAttentionMetadata])
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise support.UnsupportedByStellax("causal: the stellax attention backend runs causal attention only, "
                                                f"got causal={m.causal!r}")
-        return build_metadata(query_start_loc=m.query_start_loc_cpu, seq_lens=m.seq_lens.cpu(),
+        # The device tensors: the metadata lives where the cache does (a GPU's stellax call gets no host arrays).
+        return build_metadata(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
                               block_table=m.block_table_tensor, slot_mapping=m.slot_mapping, num_reqs=m.num_reqs,
                               num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
                               max_seq_len=m.max_seq_len)
