@@ -39,7 +39,7 @@ fused_recurrent_gated_delta_rule_op = define_op("fused_recurrent_gated_delta_rul
 
 def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
           implementation):
-    o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens), opt_float(scale), bool(use_qk_l2norm),
+    o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens, "cu_seqlens"), opt_float(scale), bool(use_qk_l2norm),
                   int(chunk_size), implementation)
     return o, (state if output_final_state else None)
 
@@ -88,7 +88,7 @@ fused_recurrent_kda_op = define_op("fused_recurrent_kda", _kda("fused_recurrent_
 
 def _kda_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
               A_log, dt_bias, lower_bound, use_gate_in_kernel, use_beta_sigmoid_in_kernel, implementation):
-    o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens), A_log, dt_bias, opt_float(scale),
+    o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens, "cu_seqlens"), A_log, dt_bias, opt_float(scale),
                   bool(use_qk_l2norm), int(chunk_size), implementation, opt_float(lower_bound),
                   bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel))
     return o, (state if output_final_state else None)
@@ -138,7 +138,7 @@ def ssd(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_soft
     """Mamba2 SSD scan (``mamba_chunk_scan_combined``): ``x [B, T, H, P]``,
     ``dt [B, T, H]``, ``A [H]``, ``B``/``C [B, T, G, N]``; returns ``y`` or
     ``(y, final_states [N_seq, H, P, N])``. Differentiable in every float input."""
-    y, state = ssd_op(x, dt, A, B, C, D, z, dt_bias, initial_states, int32(cu_seqlens), int(chunk_size),
+    y, state = ssd_op(x, dt, A, B, C, D, z, dt_bias, initial_states, int32(cu_seqlens, "cu_seqlens"), int(chunk_size),
                       bool(dt_softplus), [float(dt_limit[0]), float(dt_limit[1])], implementation)
     return (y, state) if return_final_states else y
 
@@ -187,6 +187,11 @@ class GatedDeltaNet(nn.Module):
     (default ``num_heads``, a multiple of it) value heads of size
     ``head_v_dim``. ``forward(x, initial_state=None, output_final_state=False)``
     returns ``y`` or ``(y, state [B, HV, K, V])``.
+
+    For a Hugging Face model's own mixers (``Qwen3NextGatedDeltaNet``, with its
+    cache and padding mask) use `stellax.torch.apply_kernels`, which runs them
+    on stellax kernels in place (the former ``GatedDeltaNet.from_module`` copied
+    the projections and was not a drop-in replacement).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_k_dim: int, head_v_dim: int | None = None,
@@ -239,46 +244,3 @@ class GatedDeltaNet(nn.Module):
                                           implementation=self.implementation)
         y = self.output(o, x)
         return (y, state) if output_final_state else y
-
-    @classmethod
-    def from_module(cls, module: nn.Module, **kwargs) -> "GatedDeltaNet":
-        """From an HF Gated DeltaNet mixer (``Qwen3NextGatedDeltaNet`` and its
-        copies: fused ``in_proj_qkvz``/``in_proj_ba`` grouped by key head, one
-        depthwise ``conv1d`` over ``[q | k | v]``, ``A_log``, ``dt_bias``, a gated
-        RMSNorm ``norm`` and ``out_proj``). The fused projections and the conv
-        are split (copied once); ``A_log``, ``dt_bias``, the norm weight and
-        ``out_proj`` are shared."""
-        needed = ("in_proj_qkvz", "in_proj_ba", "conv1d", "A_log", "dt_bias", "norm", "out_proj", "num_k_heads",
-                  "num_v_heads", "head_k_dim", "head_v_dim")
-        missing = [n for n in needed if not hasattr(module, n)]
-        if missing:
-            raise TypeError(f"module: expected an HF Gated DeltaNet mixer (Qwen3NextGatedDeltaNet), "
-                            f"{type(module).__name__} lacks {missing}")
-        if getattr(module, "activation", "silu") not in ("silu", "swish"):
-            raise ValueError(f"module: the short-conv activation must be silu, got {module.activation!r}")
-        if module.conv1d.bias is not None:
-            raise ValueError("module: a conv1d bias is not supported")
-        hk, hv, nk, nv = module.head_k_dim, module.head_v_dim, module.num_k_heads, module.num_v_heads
-        ratio = nv // nk
-        hidden = module.in_proj_qkvz.weight.shape[1]
-        eps = getattr(module.norm, "variance_epsilon", getattr(module, "layer_norm_epsilon", 1e-6))
-        new = cls(hidden, nk, hk, hv, nv, conv_size=module.conv1d.kernel_size[0], norm_eps=eps, device="meta",
-                  **kwargs)
-        with torch.no_grad():
-            w = module.in_proj_qkvz.weight.reshape(nk, 2 * hk + 2 * ratio * hv, hidden)
-            parts = torch.split(w, [hk, hk, ratio * hv, ratio * hv], dim=1)
-            wq, wk, wv, wz = (p.reshape(-1, hidden) for p in parts)
-            wba = module.in_proj_ba.weight.reshape(nk, 2 * ratio, hidden)
-            wb, wa = (p.reshape(-1, hidden) for p in torch.split(wba, [ratio, ratio], dim=1))
-            conv = module.conv1d.weight  # [2·key_dim + value_dim, 1, kernel]
-            cq, ck, cv = torch.split(conv, [nk * hk, nk * hk, nv * hv], dim=0)
-        for name, weight in (("q_proj", wq), ("k_proj", wk), ("v_proj", wv), ("g_proj", wz), ("a_proj", wa),
-                             ("b_proj", wb)):
-            lin = nn.Linear(hidden, weight.shape[0], bias=False, device="meta")
-            lin.weight = nn.Parameter(weight.contiguous().clone())
-            setattr(new, name, lin)
-        for name, weight in (("q_conv", cq), ("k_conv", ck), ("v_conv", cv)):
-            getattr(new, name).weight = nn.Parameter(weight.contiguous().clone())
-        new.A_log, new.dt_bias, new.o_norm_weight = module.A_log, module.dt_bias, module.norm.weight
-        new.o_proj = module.out_proj
-        return new

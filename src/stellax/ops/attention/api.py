@@ -16,6 +16,8 @@ the cost models and the custom VJP — is in `base.py`.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from ...core import Op, register
 from . import examples
 from .backward import attention_backward_op
@@ -50,7 +52,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           local_window_size=None, chunk_size=None, q_segment_ids=None, kv_segment_ids=None,
                           query_seq_lengths=None, key_value_seq_lengths=None, logits_soft_cap=None, sinks=None,
                           precision=None, return_residuals=False, implementation=None, config=None,
-                          preferred_element_type=None):
+                          preferred_element_type=None, return_residual=None):
     """Scaled dot-product attention with the full mask family (flash attention).
 
     Shapes: ``B...`` is any number (≥ 0) of leading batch dims, ``T``/``S``
@@ -94,6 +96,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       config: an explicit kernel config for the chosen implementation.
       preferred_element_type: fp8 attention only: the output dtype
         (bfloat16 by default; float16 or float32).
+      return_residual: `jax.nn.dot_product_attention`'s flag, for drop-in use:
+        returns ``(out, lse)`` with the log-sum-exp in jax.nn's layout
+        ``[B..., T, N]`` (``return_residuals`` gives ``[B..., N, T]``); pass
+        one of the two.
+
+    As in `jax.nn.dot_product_attention`, ``query_seq_lengths`` /
+    ``key_value_seq_lengths`` may also be Python lists or tuples of ints.
 
     FP8 attention: any of ``query``/``key``/``value`` may be a `QArray` in
     ``fp8_e4m3``/``fp8_e5m2`` with per-tensor, per-(batch,)head or
@@ -108,6 +117,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       ``out [B..., T, N, Hv]`` in the input dtype, or ``(out, lse)`` with
       ``return_residuals``.
     """
+    if return_residual is not None:
+        return _jax_nn_residual(query, key, value, bias, mask, return_residuals, return_residual, scale=scale,
+                                is_causal=is_causal, local_window_size=local_window_size, chunk_size=chunk_size,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                                logits_soft_cap=logits_soft_cap, sinks=sinks, precision=precision,
+                                implementation=implementation, config=config,
+                                preferred_element_type=preferred_element_type)
+    query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths)
+    key_value_seq_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths)
     if is_quantized(query, key, value):
         return attention_fp8_op(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
@@ -124,3 +143,27 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
                         sinks=sinks, precision=precision, return_residuals=return_residuals,
                         implementation=implementation, config=config)
+
+
+def _jax_nn_residual(query, key, value, bias, mask, return_residuals, return_residual, **kwargs):
+    """`dot_product_attention` called with jax.nn's ``return_residual``: the
+    log-sum-exp comes back in jax.nn's ``[B..., T, N]`` layout."""
+    if return_residuals is not False:
+        raise ValueError(f"return_residual / return_residuals: pass one of the two (jax.nn's return_residual gives "
+                         f"the lse as [B..., T, N], return_residuals as [B..., N, T]); got "
+                         f"return_residual={return_residual!r}, return_residuals={return_residuals!r}")
+    if not isinstance(return_residual, bool):
+        raise TypeError(f"return_residual: expected a bool, got {type(return_residual).__name__}")
+    if not return_residual:
+        return dot_product_attention(query, key, value, bias, mask, **kwargs)
+    out, lse = dot_product_attention(query, key, value, bias, mask, return_residuals=True, **kwargs)
+    return out, jnp.swapaxes(lse, -1, -2)
+
+
+def _lengths(name, lengths):
+    """Python lists / tuples of ints become int32 arrays (as jax.nn accepts them)."""
+    if not isinstance(lengths, (list, tuple)):
+        return lengths
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+        raise TypeError(f"{name}: expected an int array or a list of ints, got {lengths!r}")
+    return jnp.asarray(lengths, jnp.int32)

@@ -95,20 +95,37 @@ def _check_ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_s
     checks.require_ndim("x", x, 3)
     batch, H, P = x.shape
     dt = checks.require_float("dt", dt)
-    checks.require_shape("dt", dt, (batch, H), "[B, H]")
+    if dt.ndim == 3:  # mamba_ssm's tied-head-dim decode: one dt per (head, head_dim)
+        checks.require_shape("dt", dt, (batch, H, P), "[B, H] or [B, H, P]")
+    else:
+        checks.require_shape("dt", dt, (batch, H), "[B, H] or [B, H, P]")
     B = _check_groups("B", B, (batch,), H)
     C = _check_groups("C", C, (batch,), H)
     checks.require_shape("C", C, B.shape, "B.shape")
-    state = la_checks.check_state("state", state, (batch, H, P, B.shape[-1]), "[B, H, P, N]")
+    N = B.shape[-1]
+    state = la_checks.check_state("state", state, (batch, H, P, N), "[B, H, P, N]")
     if state is None:
         raise TypeError("state: expected an array [B, H, P, N], got None")
-    A, D, dt_bias = _check_head_params(H, P, D, dt_bias, A)
+    A, D, dt_bias = _check_step_head_params(H, P, N, D, dt_bias, A)
     if z is not None:
         z = checks.require_float("z", z)
         checks.require_shape("z", z, x.shape, "x.shape")
     return Call({"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias},
                 {"dt_softplus": la_checks.require_bool("dt_softplus", dt_softplus),
                  "dt_limit": _check_dt_limit(dt_limit)})
+
+
+def _check_step_head_params(H, P, N, D, dt_bias, A):
+    """`ssd_step`'s per-head parameters: the `ssd` shapes, or mamba_ssm's
+    tied-head-dim ones (``A [H, P, N]``, ``dt_bias [H, P]``; ``D [H, P]`` is
+    allowed by `ssd` already)."""
+    A = checks.require_float("A", A)
+    checks.require_shape("A", A, (H, P, N) if A.ndim == 3 else (H,), "[H] or [H, P, N]")
+    if dt_bias is not None:
+        dt_bias = checks.require_float("dt_bias", dt_bias)
+        checks.require_shape("dt_bias", dt_bias, (H, P) if dt_bias.ndim == 2 else (H,), "[H] or [H, P]")
+    _, D, _ = _check_head_params(H, P, D, None, jnp.zeros((H,), F32))
+    return A, D, dt_bias
 
 
 # -- implementations -----------------------------------------------------------
@@ -138,9 +155,46 @@ def _ssd_runner(backend: str):
     return run
 
 
+def _is_tied(call: Call) -> bool:
+    """Whether a step call uses mamba_ssm's per-(head, head_dim) shapes."""
+    return call.dt.ndim == 3 or call.A.ndim == 3 or (call.dt_bias is not None and call.dt_bias.ndim == 2)
+
+
+def _tied_step_reference(call: Call):
+    """One decode token with ``dt [B, H, P]``, ``A [H, P, N]``, ``dt_bias [H, P]``
+    (mamba_ssm's ``selective_state_update`` with tied head dims; ``[B, H]`` /
+    ``[H]`` operands broadcast over P and N), float32:
+
+        dt ← clip(softplus(dt + dt_bias)),   state ← exp(dt·A)·state + (dt·x) ⊗ B_h
+        y = state · C_h + D·x,  times silu(z)
+    """
+    batch, H, P = call.x.shape
+    group = H // call.B.shape[1]
+    dt = call.dt.astype(F32)
+    dt = jnp.broadcast_to(dt if dt.ndim == 3 else dt[..., None], (batch, H, P))
+    bias = call.dt_bias
+    if bias is not None and bias.ndim == 1:
+        bias = bias[:, None]
+    dt = ssd_dt(dt, bias, call.dt_softplus, call.dt_limit)
+    A = call.A.astype(F32)
+    A = A if A.ndim == 3 else A[:, None, None]
+    Bh = jnp.repeat(call.B.astype(F32), group, axis=1)
+    Ch = jnp.repeat(call.C.astype(F32), group, axis=1)
+    x = call.x.astype(F32)
+    state = call.state.astype(F32) * jnp.exp(dt[..., None] * A) + (dt * x)[..., None] * Bh[:, :, None, :]
+    y = jnp.einsum("bhpn,bhn->bhp", state, Ch, precision="highest")
+    y = ssd_epilogue(y, x, call.D, call.z)
+    return y.astype(call.x.dtype), state.astype(call.state.dtype)
+
+
+def _step_reference(call: Call):
+    """Golden `ssd_step` (both shape conventions)."""
+    return _tied_step_reference(call) if _is_tied(call) else ssd_step_reference(call)
+
+
 def _ssd_step_xla(call: Call, config):
     del config
-    return ssd_step_reference(call)
+    return _step_reference(call)
 
 
 ssd_op = register(Op(
@@ -166,7 +220,7 @@ ssd_step_op = register(Op(
     "ssd_step",
     family="linear_attention",
     check=_check_ssd_step,
-    reference=ssd_step_reference,
+    reference=_step_reference,
     implementations=[Implementation("xla", _ssd_step_xla)],
     bytes_accessed=ssd_bytes,
     examples=ssd_step_examples,
@@ -206,6 +260,10 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
 
     ``state [B, H, P, N]``, ``x [B, H, P]``, ``dt [B, H]``, ``A [H]``,
     ``B, C [B, G, N]``, optional ``D``, ``z [B, H, P]``, ``dt_bias [H]``.
+    mamba_ssm's tied-head-dim shapes are accepted too, with its meaning
+    (the values may differ per head dim and state dim): ``dt [B, H, P]``,
+    ``A [H, P, N]``, ``D`` and ``dt_bias [H, P]`` — what its decode passes
+    (``A[:, None, None].expand(-1, P, N)`` and so on).
     Returns ``(y [B, H, P] in x.dtype, new_state [B, H, P, N] in state.dtype)``.
     """
     return ssd_step_op(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
