@@ -160,6 +160,8 @@ def parse_cache_text(text: str, path: str = "<cache>") -> tuple[dict[str, Entry]
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"not a stellax autotuning cache (format {data.get('format') if isinstance(data, dict) else None!r})")
     if data.get("format_version") != FORMAT_VERSION:
@@ -172,8 +174,8 @@ def parse_cache_text(text: str, path: str = "<cache>") -> tuple[dict[str, Entry]
         try:
             entry = Entry.from_json(value)
             entries[entry.key_string] = entry
-        except (ValueError, TypeError) as e:
-            problems.append(f"{name[:80]}: {e}")
+        except (ValueError, TypeError, RecursionError) as e:
+            problems.append(f"{str(name)[:80]}: {type(e).__name__ if isinstance(e, RecursionError) else e}")
     header = {k: v for k, v in data.items() if k != "entries"}
     return entries, header, problems
 
@@ -195,7 +197,8 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old or the new file only."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    # The writer's pid is in the name: `_clean_temporaries` removes the files of dead writers.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=str(path.parent))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -310,7 +313,7 @@ class ConfigCache:
             return {}, {}
         try:
             entries, header, problems = parse_cache_text(text, str(self.path))
-        except ValueError as e:
+        except (ValueError, TypeError, RecursionError, MemoryError) as e:
             warn_once((str(self.path), token), f"stellax autotuning cache {self.path} is unusable: {e}; ignoring it")
             return {}, {}
         if problems:
@@ -353,7 +356,7 @@ class ConfigCache:
                 try:
                     current, header, _ = parse_cache_text(self.path.read_text(encoding="utf-8"))
                     self.device_kind = self.device_kind or header.get("device_kind", "")
-                except (OSError, UnicodeDecodeError, ValueError) as e:
+                except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError, MemoryError) as e:
                     warn_once((str(self.path), token), f"stellax autotuning cache {self.path} is unusable: {e}; "
                                                        f"replacing it (a copy is kept as {self.path.name}.corrupt)")
                     with contextlib.suppress(OSError):
@@ -378,13 +381,35 @@ class ConfigCache:
         return len(removed)
 
     def _clean_temporaries(self, older_than_s: float = 3600.0) -> None:
-        """Remove temporary files of writers killed long ago."""
+        """Remove temporary files of dead writers: those whose writer process
+        (the pid in the name) no longer exists, and any older than an hour
+        (a writer on another host, or a name without a pid). Called under the
+        file lock, after our own write."""
         now = time.time()
         with contextlib.suppress(OSError):
             for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
                 with contextlib.suppress(OSError):
-                    if now - tmp.stat().st_mtime > older_than_s:
+                    if not _writer_alive(tmp.name[len(self.path.name) + 2:]) or \
+                            now - tmp.stat().st_mtime > older_than_s:
                         tmp.unlink()
+
+
+def _writer_alive(tail: str) -> bool:
+    """Whether the writer of a temp file named ``.<cache>.<pid>-<random>.tmp`` may still
+    run (``True`` when the name has no pid: only age decides then)."""
+    pid, sep, _ = tail.partition("-")
+    if not sep or not pid.isdigit():
+        return True
+    pid = int(pid)
+    if pid == os.getpid():
+        return False  # our own leftover: our write finished (we hold the lock)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
 
 
 # -- the caches of the current device ------------------------------------------

@@ -115,15 +115,32 @@ def trusted_config(entry: cache_lib.Entry | None, call: Call, cache: cache_lib.C
     if entry is None:
         return None
     if entry.same_versions():
-        return entry.config
-    problem = validate_entry(entry, call)
-    if problem is None:
-        return entry.config
+        # Same versions: trusted, but it must still build a config (a hand-edited or
+        # stale entry with an unknown or invalid field is skipped: the heuristic is used).
+        problem = config_problem(entry)
+        if problem is None:
+            return entry.config
+    else:
+        problem = validate_entry(entry, call)
+        if problem is None:
+            return entry.config
     cache_lib.warn_once(
         (str(cache.path), "foreign", entry.key_string),
         f"stellax autotuning cache {cache.path}: ignoring an entry for {entry.op}/{entry.implementation} "
         f"tuned with stellax {entry.stellax_version or '?'} / jax {entry.jax_version or '?'}: {problem}",
     )
+    return None
+
+
+def config_problem(entry: cache_lib.Entry) -> str | None:
+    """Why the entry's config does not build a config of its implementation (``None``: it does)."""
+    _, impl = _implementation(entry.op, entry.implementation)
+    if impl is None or impl.config_type is None:
+        return None  # not ours to judge here (selection ignores it for other implementations)
+    try:
+        impl.config_type.from_dict(entry.config)
+    except (TypeError, ValueError) as e:
+        return f"config {entry.config} is invalid now: {e}"
     return None
 
 
