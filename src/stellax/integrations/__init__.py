@@ -1,6 +1,3 @@
-"""Framework hooks: stellax inside other frameworks' engines.
-
-* `stellax.integrations.vllm`: stellax as a vLLM attention backend (``attention_backend="STELLAX"``).
-
-Subpackages import their framework lazily; importing this package imports none.
-"""
+"""Framework integrations: stellax kernels inside other JAX frameworks'
+models (`stellax.integrations.tunix`). Each is an optional extra and imports
+its framework only when used."""
