@@ -63,6 +63,17 @@ def _mamba2():
     return transformers.Mamba2ForCausalLM(cfg)
 
 
+def _kimi_linear():
+    cfg = transformers.KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8, head_dim=8, qk_head_dim=16, num_experts=4, num_experts_per_token=2,
+        num_shared_experts=1, mlp_layer_types=["dense", "sparse"], layer_types=["linear_attention", "full_attention"],
+        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    return transformers.KimiLinearForCausalLM(cfg)
+
+
 def _pair(build, seed=0):
     torch.manual_seed(seed)
     ref = build().float()
@@ -180,6 +191,13 @@ def test_qwen3_convergence():
 def test_gpt_oss_convergence():
     # attention sinks, biased interleaved experts with the clamped SwiGLU gate
     _check_convergence(_gpt_oss, ("norm", "attention", "moe router", "moe experts"))
+
+
+@pytest.mark.slow
+def test_kimi_linear_convergence():
+    # KDA mixers through their chunk_kda / fused_recurrent_kda hooks, MLA attention, MoE experts
+    report, _ = _check_convergence(_kimi_linear, ("norm", "mlp", "attention", "linear attention", "moe experts"))
+    assert any("KimiLinearTopkRouter" in why for why in report.reasons("moe router"))
 
 
 def test_report_says_what_and_why():
