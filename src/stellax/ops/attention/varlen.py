@@ -12,15 +12,39 @@ sequences are empty), so no padding to ``max_seqlen`` happens.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ...core import checks
 from .api import attention_op
 
 
+def _safe_offsets(cu_seqlens, total: int):
+    """Traced offsets made safe (eagerly they are checked, see `check_offsets`):
+    clamped into ``[0, total]`` and made non-decreasing."""
+    return jax.lax.cummax(jnp.clip(jnp.asarray(cu_seqlens).astype(jnp.int32), 0, total))
+
+
+def check_offsets(name: str, cu_seqlens, total: int, what: str) -> None:
+    """Concrete ``cu_seqlens``: start at 0, non-decreasing, end within ``total``."""
+    values = checks.concrete_values(cu_seqlens)
+    if values is None:
+        return
+    values = values.astype(np.int64)
+    if values[0] != 0:
+        raise ValueError(f"{name}[0]: expected 0, got {values[0]}")
+    steps = np.diff(values)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0)) + 1
+        raise ValueError(f"{name}[{i}] = {values[i]}: expected >= {name}[{i - 1}] = {values[i - 1]} (non-decreasing)")
+    if values[-1] > total:
+        raise ValueError(f"{name}[-1] = {values[-1]}: expected <= {total} ({what}; tokens past it are padding)")
+
+
 def _segments_and_positions(cu_seqlens, total: int, pad_segment: int):
     idx = jnp.arange(total, dtype=jnp.int32)
-    cu = cu_seqlens.astype(jnp.int32)
+    cu = _safe_offsets(cu_seqlens, total)
     seg = jnp.searchsorted(cu, idx, side="right").astype(jnp.int32) - 1
     num = cu.shape[0] - 1
     valid = (idx < cu[-1]) & (seg >= 0) & (seg < num)
@@ -33,7 +57,7 @@ def varlen_masks(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     """``(q_seg, kv_seg, q_pos, kv_pos)`` (each ``[total]`` int32) of a packed batch."""
     q_seg, q_local, q_idx = _segments_and_positions(cu_seqlens_q, total_q, -1)
     kv_seg, kv_local, _ = _segments_and_positions(cu_seqlens_k, total_k, -2)
-    cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+    cu_q, cu_k = _safe_offsets(cu_seqlens_q, total_q), _safe_offsets(cu_seqlens_k, total_k)
     len_q = cu_q[1:] - cu_q[:-1]
     len_k = cu_k[1:] - cu_k[:-1]
     q_pos = q_local + (len_k - len_q)[q_idx]
@@ -49,7 +73,9 @@ def dot_product_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     Args:
       q: ``[total_q, N, H]``; k: ``[total_kv, K, H]``; v: ``[total_kv, K, Hv]``.
       cu_seqlens_q / cu_seqlens_k: ``[num_seqs + 1]`` int cumulative lengths
-        (``cu[0] == 0``); tokens past ``cu[-1]`` are padding (zero output).
+        (``cu[0] == 0``, non-decreasing, ``cu[-1] <= total``: checked eagerly;
+        under ``jit`` clamped into ``[0, total]`` and made non-decreasing);
+        tokens past ``cu[-1]`` are padding (zero output).
       max_seqlen_q / max_seqlen_k: the longest sequence (an int, as in
         FlashAttention; validated to be ≥ 1, otherwise only informative).
       Other arguments as in `dot_product_attention`; masks align per sequence.
@@ -72,6 +98,8 @@ def dot_product_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"{name}: expected a positive int, got {m!r}")
     total_q, total_k = q.shape[0], k.shape[0]
+    check_offsets("cu_seqlens_q", cu_seqlens_q, total_q, "q.shape[0]")
+    check_offsets("cu_seqlens_k", cu_seqlens_k, total_k, "k.shape[0]")
     q_seg, kv_seg, q_pos, kv_pos = varlen_masks(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     result = attention_op(
         q[None], k[None], v[None], scale=scale, is_causal=is_causal, local_window_size=local_window_size,

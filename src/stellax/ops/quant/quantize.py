@@ -41,6 +41,8 @@ def check_quantize(x, key=None, *, format="int8", axis=-1, block_shape=None, sca
         raise ValueError("x: expected rank >= 1, got rank 0")
     fmt = F.get_format(format)
     axis = checks.normalize_axis("axis", axis, x.ndim)
+    if 0 in x.shape:
+        raise ValueError(f"x: expected a non-empty array (a QArray has positive sizes), got shape {tuple(x.shape)}")
     if block_shape is None:
         block_shape = resolve_block_shape(fmt, x.shape, axis, None)
     block_shape = tuple(int(b) for b in block_shape)
@@ -190,6 +192,8 @@ def quantize(x, format, *, axis=-1, block_size=None, scale_dtype=None, stochasti
         raise ValueError("x: expected rank >= 1, got rank 0")
     fmt = F.get_format(format)
     axis = checks.normalize_axis("axis", axis, x.ndim)
+    if 0 in x.shape:
+        raise ValueError(f"x: expected a non-empty array (a QArray has positive sizes), got shape {tuple(x.shape)}")
     x, rotation = _rotate(x, axis, rotate)
     block_shape = resolve_block_shape(fmt, x.shape, axis, block_size)
     return quantize_op(x, stochastic_rounding_key, format=fmt.name, axis=axis, block_shape=block_shape,
