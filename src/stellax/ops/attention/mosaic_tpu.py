@@ -15,7 +15,9 @@ of classes into the list of its non-empty kv blocks. Grid step ``j`` of row
 visited block index (already resident in VMEM: no new DMA) and compute
 nothing. The table (block index · 4 + class) is a scalar-prefetch operand
 the K/V index maps read, so empty blocks are neither fetched nor computed,
-FULL blocks skip mask evaluation and PARTIAL blocks evaluate the mask.
+FULL blocks skip mask evaluation and PARTIAL blocks evaluate the mask. (A
+query block that sees no key at all still has block 0 fetched once, and
+computes nothing.)
 
 Online softmax over the sequential ("arbitrary") kv axis, float32 ``m``,
 ``l`` (``[R, 128]``, lanes equal) and ``acc`` (``[R, Hv]``) in VMEM scratch;
