@@ -109,8 +109,10 @@ def _tpu_dims(call: Call) -> tuple[int, int, int, int]:
 
 
 def _tpu_candidates(mxu: int) -> list[GluTpuConfig]:
-    """``block_m`` 128/256/512 × (``block_n``, ``block_k``) one or two MXU widths each."""
-    return [GluTpuConfig(block_m=bm, block_n=bn, block_k=bk) for bm in (128, 256, 512)
+    """``block_m`` 128/256/512 (and 1024 with a 256-wide MXU) × (``block_n``, ``block_k``) one
+    or two MXU widths each."""
+    rows = (128, 256, 512) + ((1024,) if mxu >= 256 else ())
+    return [GluTpuConfig(block_m=bm, block_n=bn, block_k=bk) for bm in rows
             for bn, bk in ((mxu, mxu), (2 * mxu, mxu), (mxu, 2 * mxu), (2 * mxu, 2 * mxu))]
 
 
@@ -132,11 +134,16 @@ def glu_tpu_space(call: Call) -> list[GluTpuConfig]:
 def glu_tpu_heuristic(call: Call) -> GluTpuConfig:
     """Tiles of two MXU widths (256 on v5e/v5p, 512 on v6e/TPU7x), ``block_m`` 512 for at least
     512 rows (else 256), shrunk (``block_k``, then ``block_n``, then ``block_m``) until the
-    kernels fit three quarters of the generation's scoped VMEM."""
+    kernels fit three quarters of the generation's scoped VMEM. Per K step a tile does
+    ``4·bm·bn·bk`` flops on ``2·(bm + 2·bn)·bk`` bytes (bf16): 512 × 512 tiles give 341
+    flop/byte (a v5e needs ~240 to keep its MXUs fed from HBM, a v6e ~560: the 1024-row
+    tiles of the space are there for autotuning, but need more than the scoped VMEM by
+    `glu_tpu_vmem_bytes`)."""
     m, k, n, itemsize = _tpu_dims(call)
     generation = target_generation()
     mxu = generation.mxu
-    config = GluTpuConfig(block_m=512 if m >= 512 else 256, block_n=2 * mxu, block_k=2 * mxu)
+    block_m = 512 if m >= 512 else 256
+    config = GluTpuConfig(block_m=block_m, block_n=2 * mxu, block_k=2 * mxu)
     budget = generation.scoped_vmem_bytes * 3 // 4
     for field in ("block_k", "block_n", "block_m") * 3:
         if glu_tpu_vmem_bytes(m, k, n, itemsize, config) <= budget:
