@@ -208,8 +208,13 @@ def test_sharding_annotations_place_parameters_on_the_mesh():
     with jax.set_mesh(mesh):
         mlp = snn.GatedMLP(16, 32, sharding={"gate_up": (None, None, "model"), "down": ("model", None)},
                            rngs=nnx.Rngs(0))
-    assert mlp.gate_up[...].sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
     assert mlp.down.get_metadata()["out_sharding"] == ("model", None)
+    specs = nnx.get_partition_spec(nnx.state(mlp, nnx.Param))
+    assert specs["gate_up"].get_value() == jax.sharding.PartitionSpec(None, None, "model")
+    # placing the state by its annotations (flax's recipe) shards the arrays over the mesh axis
+    placed = jax.tree.map(lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)),
+                          nnx.to_pure_dict(nnx.state(mlp, nnx.Param)), nnx.to_pure_dict(specs))
+    assert placed["down"].sharding.shard_shape(placed["down"].shape) == (16, 16)
 
 
 def test_bad_arguments_name_the_module_and_argument():
