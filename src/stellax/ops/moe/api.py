@@ -29,7 +29,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
       group_sizes: ``[G_total]`` integers; group ``g`` owns the next
         ``group_sizes[g]`` rows. Rows past ``sum(group_sizes)`` give zeros.
         Eagerly, negative sizes or ``sum > M`` raise; under ``jit`` sizes are
-        clamped (negative → 0, a group running past row M is cut at M).
+        clamped (negative → 0, a group running past row M is cut at M; the
+        running sum saturates at M, so sizes near 2³¹ do not wrap around).
       precision: as for ``jax.lax.dot`` (``None``/``"highest"``/...); ``None``
         with float32 operands means full float32 dots (``HIGHEST``, not TF32).
       preferred_element_type: output dtype (default: ``lhs.dtype``);
@@ -37,7 +38,9 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
       group_offset: an int (or int array of shape ``()``/``(1,)``) for
         expert-sharded weights: ``rhs`` holds groups ``[offset, offset + G)``
         of ``group_sizes`` (``G = rhs.shape[0]``, the local group count);
-        rows of the other groups give zeros.
+        rows of the other groups give zeros. Eagerly an offset outside ``[0,
+        len(group_sizes) - G]`` raises; under ``jit`` it selects no group (all
+        rows zero).
       activation: ``None``, ``"silu"``, ``"gelu"``, ``"gelu_tanh"``,
         ``"relu"``, ``"sigmoid"`` or a callable, applied to the product
         (to the gate half for a gated rhs). Callables are applied by XLA after
