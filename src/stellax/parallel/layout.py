@@ -27,6 +27,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from ..core import checks
+
 LOAD_BALANCE_STRATEGIES = (None, "zigzag", "striped")
 
 
@@ -83,7 +85,8 @@ def reorder_for_load_balance(x, axis_size: int, strategy="zigzag", *, axis: int 
       strategy: ``"zigzag"``, ``"striped"`` or ``None`` (identity).
     Returns ``x`` with the sequence permuted: ``out[..., g, ...] = x[..., perm[g], ...]``.
     """
-    axis = axis % x.ndim
+    x = checks.as_array("x", x)
+    axis = checks.normalize_axis("axis", axis, x.ndim)
     perm = load_balance_permutation(x.shape[axis], axis_size, strategy)
     if strategy is None:
         return x
@@ -92,7 +95,8 @@ def reorder_for_load_balance(x, axis_size: int, strategy="zigzag", *, axis: int 
 
 def restore_from_load_balance(x, axis_size: int, strategy="zigzag", *, axis: int = 1):
     """The inverse of `reorder_for_load_balance` (same arguments)."""
-    axis = axis % x.ndim
+    x = checks.as_array("x", x)
+    axis = checks.normalize_axis("axis", axis, x.ndim)
     perm = load_balance_permutation(x.shape[axis], axis_size, strategy)
     if strategy is None:
         return x

@@ -12,6 +12,7 @@ are in `examples.py`.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32
@@ -76,10 +77,30 @@ def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_sta
             raise ValueError(f"lower_bound: expected a negative float (the smallest log decay per step), "
                              f"got {lower_bound}")
         arrays.update(A_log=A_log, dt_bias=dt_bias)
+    if not (per_channel and options_use_gate(use_gate_in_kernel)):
+        _check_log_decay(g)
+    if per_channel:
         options.update(use_gate_in_kernel=use_gate, lower_bound=lower_bound,
                        use_beta_sigmoid_in_kernel=la_checks.require_bool("use_beta_sigmoid_in_kernel",
                                                                          use_beta_sigmoid_in_kernel))
     return Call(arrays, options)
+
+
+def options_use_gate(use_gate_in_kernel) -> bool:
+    return bool(use_gate_in_kernel) if isinstance(use_gate_in_kernel, (bool, np.bool_)) else False
+
+
+def _check_log_decay(g) -> None:
+    """``g`` is a log-space decay: every value ``<= 0`` (checked when concrete;
+    under ``jit`` a positive value is clamped to 0, i.e. no decay)."""
+    values = checks.concrete_values(g)
+    if values is None:
+        return
+    bad = np.argwhere(~(values <= 0))
+    if bad.size:
+        idx = tuple(int(i) for i in bad[0])
+        raise ValueError(f"g{list(idx)}: expected a log-space decay <= 0 (finite), got {float(values[idx])} "
+                         "(pass use_gate_in_kernel=True for a raw gate input, where available)")
 
 
 def _check_gdn(q, k, v, g, beta, **kwargs) -> Call:
@@ -189,7 +210,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     Args:
       q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value
         head ``hv`` reads query/key head ``hv // (HV // H)``); same dtype.
-      g: ``[B, T, HV]`` log-space decay (≤ 0; −20 per step is fine).
+      g: ``[B, T, HV]`` log-space decay (≤ 0; −20 per step is fine). A positive
+        (or NaN) value raises eagerly; under ``jit`` positive values are clamped to 0.
       beta: ``[B, T, HV]`` write strength.
       scale: query scale, default ``K ** -0.5``.
       initial_state: ``[N, HV, K, V]`` (N = B, or the number of sequences).
