@@ -221,6 +221,15 @@ def test_switches_off():
     assert ours.config._attn_implementation != "stellax"
 
 
+def test_attention_with_dropout_is_not_patched():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**_SMALL, "attention_dropout": 0.1}))
+    report = st.apply_kernels(model)
+    assert report.count("attention") == 0 and model.config._attn_implementation != "stellax"
+    assert any("attention_dropout = 0.1 > 0" in why for why in report.reasons("attention"))
+    assert report.count("norm") == 5 and report.count("mlp") == 2
+
+
 def test_rejects_non_modules():
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         st.apply_kernels("llama")

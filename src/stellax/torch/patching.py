@@ -100,6 +100,11 @@ def _patch_attention(model, report, implementation):
     if not layers:
         report.skipped.append(("", "attention", f"{type(model).__name__} has no attention layers"))
         return
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        report.skipped.append(("", "attention", f"attention_dropout = {dropout} > 0: stellax attention has no "
+                                                "dropout (set config.attention_dropout = 0.0 to patch it)"))
+        return
     if not model._can_set_attn_implementation():
         report.skipped.append(("", "attention", f"{type(model).__name__} does not dispatch attention through "
                                                 "transformers' AttentionInterface"))
