@@ -27,8 +27,10 @@ Scenarios (each on each model):
   seconds`` is the tokens/s in docs/integrations.md.
 
 Output JSON: ``{"vllm": version, "backend": name, "runs": {"<model>/<scenario>":
-{"token_ids": [[...], ...], "logprobs": [[...], ...], "seconds": s, "generated_tokens": n}}}``
-(``logprobs``: the logprob of each generated token).
+{"token_ids": [[...], ...], "logprobs": [[...], ...], "seconds": s, "cpu_seconds": s,
+"generated_tokens": n}}}`` (``logprobs``: the logprob of each generated token; ``cpu_seconds``: the
+process's CPU time over the same span, all threads: less sensitive than wall time to other load on
+a shared machine).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
     if num_prompts is not None:  # throughput: a warm-up pass first (stellax compiles its padded shapes once)
         llm.generate(requests, params, use_tqdm=False)
     token_ids, logprobs = [], []
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     generated = 0
     for _ in range(passes):
         outs = llm.generate(requests, params, use_tqdm=False)
@@ -124,11 +126,12 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
             token_ids.append(list(c.token_ids))
             logprobs.append([float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)])
             generated += len(c.token_ids)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     backend_used = _backend_class(llm)
     del llm
     gc.collect()
-    return {"token_ids": token_ids, "logprobs": logprobs, "seconds": seconds, "generated_tokens": generated,
+    return {"token_ids": token_ids, "logprobs": logprobs, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "generated_tokens": generated,
             "backend_class": backend_used}
 
 

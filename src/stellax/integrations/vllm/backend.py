@@ -89,6 +89,10 @@ class StellaxMetadataBuilder(AttentionMetadataBuilder[StellaxAttentionMetadata])
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Built with the KV cache, before the first request: what only the cache spec tells is checked here.
+        head_size = kv_cache_spec.head_size
+        support.check_layer(num_heads=kv_cache_spec.num_kv_heads, num_kv_heads=kv_cache_spec.num_kv_heads,
+                            head_size=head_size, head_size_v=getattr(kv_cache_spec, "head_size_v", head_size))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> StellaxAttentionMetadata:
