@@ -364,7 +364,7 @@ def linear_attention_cases(draw):
     # packed: one batch row
     tp = 6
     qp, kp, vp = (rng.standard_normal((1, tp, 1, 8)).astype(np.float32) for _ in range(3))
-    kp = kp / np.sqrt(8)
+    kp = (kp / np.sqrt(8)).astype(np.float32)
     gp, bp = -rng.random((1, tp, 1)).astype(np.float32), rng.random((1, tp, 1)).astype(np.float32)
     if mutation == "cu_bad":
         cu = draw(st.sampled_from([[1, 3, 6], [0, 4, 2, 6], [0, 3, 7]]))

@@ -22,6 +22,8 @@ SLOW_EXAMPLES = 150
 
 
 def run_family(family: str, examples: int, seed: int = 0, timeout: float = 1500) -> dict:
+    if family == "torch":
+        pytest.importorskip("torch")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "tests.fuzz.harness", family, str(examples), str(seed)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
