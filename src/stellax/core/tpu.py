@@ -16,6 +16,8 @@ Each `TpuGeneration` records what kernel configs depend on:
   tiles should be multiples of it.
 * ``matmul_dtypes``: operand dtypes the MXU multiplies natively. Other float
   dtypes (fp8 before TPU7x) are stored and converted, never multiplied.
+* ``hbm_bytes``: the HBM of one device (16 GiB v5e, 95 GiB v5p, 32 GiB v6e,
+  192 GiB TPU7x; the compiler rejects programs whose temporaries exceed it).
 * ``cores_per_chip``: TensorCores one jax device drives (2 on v4 and v5p,
   "megacore"); a ``parallel`` grid axis is split across them.
 * ``topology``: the name `jax.experimental.topologies.get_topology_desc` takes
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,7 @@ class TpuGeneration:
     mxu: int
     matmul_dtypes: tuple[str, ...]
     cores_per_chip: int
+    hbm_bytes: int
     topology: str
     kernels: bool = True
 
@@ -60,16 +64,16 @@ _FLOAT = ("bfloat16", "float32")
 TPU_GENERATIONS: dict[str, TpuGeneration] = {
     g.name: g
     for g in (
-        TpuGeneration("v4", ("TPU v4",), 16 * MIB, 16 * MIB, 128, _FLOAT + ("int8",), 2,
+        TpuGeneration("v4", ("TPU v4",), 16 * MIB, 16 * MIB, 128, _FLOAT + ("int8",), 2, 32 * GIB,
                       "v4:2x2x1", kernels=False),
         TpuGeneration("v5e", ("TPU v5 lite", "TPU v5e"), 128 * MIB, 16 * MIB, 128,
-                      _FLOAT + ("int8", "int4"), 1, "v5e:2x2"),
-        TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 64 * MIB, 16 * MIB, 128, _FLOAT + ("int8",), 2,
+                      _FLOAT + ("int8", "int4"), 1, 16 * GIB, "v5e:2x2"),
+        TpuGeneration("v5p", ("TPU v5", "TPU v5p"), 64 * MIB, 16 * MIB, 128, _FLOAT + ("int8",), 2, 95 * GIB,
                       "v5p:2x2x1"),
         TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * MIB, 32 * MIB, 256,
-                      _FLOAT + ("int8", "int4"), 1, "v6e:2x2"),
+                      _FLOAT + ("int8", "int4"), 1, 32 * GIB, "v6e:2x2"),
         TpuGeneration("tpu7x", ("TPU7x", "TPU v7x", "TPU v7"), 64 * MIB, 32 * MIB, 256,
-                      _FLOAT + ("float8_e4m3fn", "float8_e5m2"), 1, "TPU7x:2x2x1"),
+                      _FLOAT + ("float8_e4m3fn", "float8_e5m2"), 1, 192 * GIB, "TPU7x:2x2x1"),
     )
 }
 

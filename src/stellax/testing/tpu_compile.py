@@ -293,14 +293,30 @@ def abstract_benchmarks(op: Op, generation: str) -> list:
     return [Example(e.label, tuple(args), dict(kwargs)) for e, (args, kwargs) in zip(built["examples"], structure)]
 
 
+#: A call's HBM need, as a multiple of its operands (outputs, residuals and
+#: cotangents of a training step).
+HBM_FACTOR = 4
+
+
+def fits_hbm(example, generation: str) -> bool:
+    """Whether ``HBM_FACTOR`` × the call's operand bytes fit one device of the
+    generation: benchmark shapes sized for a 141 GB GPU need not fit a 16 GiB
+    v5e, and a program that cannot fit the chip tests no kernel."""
+    leaves = jax.tree_util.tree_leaves((example.args, example.kwargs))
+    size = sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+               for x in leaves if hasattr(x, "shape") and hasattr(x, "dtype"))
+    return HBM_FACTOR * size <= TPU_GENERATIONS[generation].hbm_bytes
+
+
 def compile_cases(op: Op, implementation: str, generation: str, *, every_config: bool = False,
                   benchmarks: int | None = None, every_example: bool | None = None) -> list[CompileCase]:
     """The calls tier 3 compiles for one implementation and generation: the
     op's float32 examples (only the first one the implementation supports
     unless ``every_example``, which defaults to ``every_config``) and its TPU
     benchmark calls (the first ``benchmarks`` of them; all when ``None``)
-    that the implementation supports there. The benchmark calls are the
-    transformer-sized ones, where VMEM limits bite.
+    that the implementation supports there and that fit the chip
+    (`fits_hbm`). The benchmark calls are the transformer-sized ones, where
+    VMEM limits bite.
 
     With the heuristic's config (the default) the gradient is compiled too
     for differentiable ops, so the backward kernels are compiled at the same
@@ -318,6 +334,8 @@ def compile_cases(op: Op, implementation: str, generation: str, *, every_config:
     with lowering_target(LOWERING_TARGETS[generation]):
         for label, example in examples:
             if label.startswith("ex") and examples_taken and not every_example:
+                continue
+            if not fits_hbm(example, generation):
                 continue
             call = op.check(*example.args, **example.kwargs)
             if not impl.supported(call):

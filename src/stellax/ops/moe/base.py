@@ -16,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, Implementation, Op, registered_ops
+from . import mosaic_tpu as tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .checks import concrete
 from .configs import GroupedMatmulConfig, XlaGroupedMatmulConfig, gmm_dims, tgmm_dims, xla_space
+from .tpu_configs import TpuGroupedMatmulConfig, gmm_tpu_heuristic, gmm_tpu_requirements, gmm_tpu_space
 
 FAMILY = "moe"
 
@@ -74,8 +76,8 @@ def triton_requirements(call: Call) -> str | None:
 
 
 def kernels(name: str):
-    """The kernel module of implementation ``name`` (`xla` or `triton`, same contract)."""
-    return xla_kernels if name == "xla" else triton_kernels
+    """The kernel module of implementation ``name`` (`xla`, `triton` or `mosaic_tpu`, same contract)."""
+    return {"xla": xla_kernels, "mosaic_tpu": tpu_kernels}.get(name, triton_kernels)
 
 
 def kernel_options(name: str, config) -> dict:
@@ -83,9 +85,14 @@ def kernel_options(name: str, config) -> dict:
     return {"block_m": config.block_m} if name == "xla" else {"config": config}
 
 
-def implementations(runner: Callable[[str], Callable], heuristic, space, xla_heuristic) -> list[Implementation]:
-    """The ``triton`` and ``xla`` implementations of a grouped-matmul op."""
-    return [
+def implementations(runner: Callable[[str], Callable], heuristic, space, xla_heuristic, *,
+                    tpu: bool = False) -> list[Implementation]:
+    """The ``triton`` and ``xla`` implementations of a grouped-matmul op, after
+    ``mosaic_tpu`` when ``tpu`` (the op has a Mosaic TPU kernel)."""
+    on_tpu = [Implementation("mosaic_tpu", runner("mosaic_tpu"), backend="mosaic_tpu",
+                             config_type=TpuGroupedMatmulConfig, heuristic=gmm_tpu_heuristic, space=gmm_tpu_space,
+                             requirements=gmm_tpu_requirements)] if tpu else []
+    return on_tpu + [
         Implementation("triton", runner("triton"), backend="triton", config_type=GroupedMatmulConfig,
                        heuristic=heuristic, space=space, requirements=triton_requirements),
         Implementation("xla", runner("xla"), config_type=XlaGroupedMatmulConfig, heuristic=xla_heuristic,

@@ -52,7 +52,7 @@ def _runner(name: str):
 
 ragged_dot_op = register(Op(
     "ragged_dot", family=FAMILY, check=check_ragged_dot, reference=ragged_dot_reference,
-    implementations=implementations(_runner, gmm_heuristic, gmm_space, gmm_xla_heuristic),
+    implementations=implementations(_runner, gmm_heuristic, gmm_space, gmm_xla_heuristic, tpu=True),
     flops=gmm_flops, bytes_accessed=gmm_bytes, examples=forward_examples, benchmarks=forward_benchmarks,
     peers=FORWARD_PEERS, differentiable=("lhs", "rhs"),
 ))

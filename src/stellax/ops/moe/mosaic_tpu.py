@@ -1,0 +1,204 @@
+"""Pallas Mosaic TPU grouped matmul (megablox class): ``ragged_dot`` forward.
+
+Rows of ``lhs [M, K]`` are sorted by group. On a TPU a block is addressed by
+block index, so row tiles are *aligned* (tile ``i`` is rows
+``[i·bm, (i+1)·bm)``) and a tile that straddles a group boundary is visited
+once per group it holds rows of. The visit list is computed on device
+(`tile_visits`) and passed by scalar prefetch:
+
+    for every group g (with two pseudo-groups covering the rows before the
+    local groups and after them, whose output rows are zeros):
+        for every aligned tile i holding rows of g, in row order:
+            visit (g, i): rows [max(start_g, i·bm), min(end_g, (i+1)·bm))
+
+An empty group has no visit (it costs nothing); at most ``M/bm + G + 1``
+visits exist, the static grid size; visits past the real count repeat the
+last real one's block indices (so nothing new is copied) and do nothing.
+
+Grid ``(N/bn, visits, K/bk)``: the K axis accumulates ``lhs[i, k] @ rhs[g][k, j]``
+in a float32 VMEM scratch; at the last K step the visit writes *its rows* of
+the output tile ``(i, j)`` (``where(row in visit, epilogue(acc), out)``). The
+visits of one tile are consecutive, so the output block stays in VMEM across
+them and every row is written by exactly one visit before it is copied out.
+Pseudo-group visits copy no operands (their K index is pinned) and write zeros.
+
+The epilogue is the fused activation, or ``act(gate) · up`` for gated weights
+``rhs [G, K, 2, N]`` (two accumulators; the gate and up halves are two block
+views of the same array). Dimensions that are not block multiples are padded
+inside (M with rows outside every group, K and N with zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...core.pallas import cdiv, dot, dot_nt, operand, output, pad_axis, tpu_kernel_call
+from .activations import activation_fn, fusable_in_kernel, kernel_activation_fn
+from .checks import kernel_precision
+from .schedule import group_bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class TileVisits:
+    """The visit list (int32 ``[V_max]`` each; see the module doc)."""
+
+    group: jax.Array  # local group of the visit; -1 for the zero-fill pseudo-groups
+    tile: jax.Array   # aligned row tile
+    lo: jax.Array     # first row of the visit
+    hi: jax.Array     # one past its last row
+    live: jax.Array   # 1 for real visits, 0 for the padding past the count
+
+
+def max_visits(m_tiles: int, num_groups: int) -> int:
+    """``m_tiles + num_groups + 1``: each of the ``num_groups`` boundaries (and the
+    two pseudo-groups') adds at most one visit to the aligned tiles."""
+    return m_tiles + num_groups + 1
+
+
+def tile_visits(bounds, m_padded: int, block_m: int) -> TileVisits:
+    """Visits of the aligned ``block_m`` tiles of ``[0, m_padded)`` by the local
+    groups and the two zero-fill pseudo-groups, in row order."""
+    zero = jnp.zeros((1,), jnp.int32)
+    starts = jnp.concatenate([zero, bounds.starts, bounds.end[None]])
+    ends = jnp.concatenate([bounds.begin[None], bounds.starts + bounds.sizes, jnp.full((1,), m_padded, jnp.int32)])
+    groups = jnp.concatenate([zero - 1, jnp.arange(bounds.sizes.shape[0], dtype=jnp.int32), zero - 1])
+    first = starts // block_m
+    count = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    last = jnp.cumsum(count)
+    total = last[-1]
+    v_max = max_visits(m_padded // block_m, int(bounds.sizes.shape[0]))
+    v = jnp.minimum(jnp.arange(v_max, dtype=jnp.int32), total - 1)  # padding repeats the last visit
+    owner = jnp.minimum(jnp.sum(last[None, :] <= v[:, None], axis=1), groups.shape[0] - 1).astype(jnp.int32)
+    tile = first[owner] + v - (last[owner] - count[owner])
+    lo = jnp.maximum(starts[owner], tile * block_m)
+    hi = jnp.minimum(ends[owner], (tile + 1) * block_m)
+    live = (jnp.arange(v_max) < total).astype(jnp.int32)
+    return TileVisits(groups[owner], tile, lo, hi, live)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    bm: int
+    bk: int
+    bn: int
+
+
+def _epilogue(accs, activation, gated: bool):
+    act = kernel_activation_fn(activation)
+    return act(accs[0]) * accs[1] if gated else act(accs[0])
+
+
+def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs, rhs, rhs_up, out, pre, acc, acc_up,
+                bm, transpose_rhs, activation, precision, halves):
+    """Grid step ``(j, v, k)``: accumulate ``lhs[tile, k] @ rhs[g][k, j]`` of visit
+    ``v``; at the last K step write the visit's rows of ``out`` / ``pre``."""
+    v, k = pl.program_id(1), pl.program_id(2)
+    group, live = visit_group[v], visit_live[v] > 0
+    accs = (acc, acc_up)[:halves]
+
+    @pl.when(k == 0)
+    def _init():
+        for a in accs:
+            a[...] = jnp.zeros(a.shape, a.dtype)
+
+    @pl.when(live & (group >= 0))
+    def _accumulate():
+        a = lhs[...]
+        product = dot_nt if transpose_rhs else dot
+        acc[...] += product(a, rhs[0], precision=precision)
+        if rhs_up is not None:
+            acc_up[...] += dot(a, rhs_up[0], precision=precision)
+
+    @pl.when(live & (k == pl.num_programs(2) - 1))
+    def _write():
+        rows = visit_tile[v] * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+        mine = (rows >= visit_lo[v]) & (rows < visit_hi[v])
+        valued = group >= 0
+        values = [a[...] for a in accs]
+        if out is not None:
+            y = jnp.where(valued, _epilogue(values, activation, halves == 2), 0.0)
+            out[...] = jnp.where(mine, y.astype(out.dtype), out[...])
+        if pre is not None:
+            for half, value in enumerate(values):
+                view = pre.at[half] if halves == 2 else pre
+                view[...] = jnp.where(mine, jnp.where(valued, value, 0.0).astype(view.dtype), view[...])
+
+
+def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation, precision, out_dtype,
+        save_preactivation: bool, config):
+    """Same contract as `xla.gmm`: ``lhs [M, K]``, ``rhs [G, K, N]`` (``[G, N, K]``
+    transposed, ``[G, K, 2, N]`` gated) → ``(out [M, N], preactivation or None)``;
+    rows outside the local groups are zeros. A callable activation is applied
+    by XLA to the kernel's pre-activation (it is not traced into the kernel)."""
+    m, k = lhs.shape
+    gated = rhs.ndim == 4
+    num_local = rhs.shape[0]
+    n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[-1]
+    precision = kernel_precision(precision, lhs.dtype)
+    fused = fusable_in_kernel(activation)
+    write_pre = save_preactivation or not fused
+    b = Blocks(config.block_m, config.block_k, config.block_n)
+    m_p, k_p, n_p = cdiv(m, b.bm) * b.bm, cdiv(k, b.bk) * b.bk, cdiv(n_dim, b.bn) * b.bn
+
+    lhs_p = pad_axis(pad_axis(lhs, 0, m_p), 1, k_p)
+    if transpose_rhs:
+        rhs_p = pad_axis(pad_axis(rhs, 1, n_p), 2, k_p)
+    elif gated:  # [G, K, 2, N] -> [G, 2, K, N]: gate and up as two block views
+        rhs_p = pad_axis(pad_axis(jnp.moveaxis(rhs, 2, 1), 2, k_p), 3, n_p)
+    else:
+        rhs_p = pad_axis(pad_axis(rhs, 1, k_p), 2, n_p)
+    visits = tile_visits(group_bounds(group_sizes, group_offset, num_local, m), m_p, b.bm)
+    k_steps = k_p // b.bk
+
+    def k_of(v, kk, group):  # pseudo-group visits pin K: no operand copies
+        return jnp.where(group[v] >= 0, kk, 0)
+
+    lhs_spec = pl.BlockSpec((b.bm, b.bk), lambda j, v, kk, g, t, *_: (t[v], k_of(v, kk, g)))
+    if transpose_rhs:
+        rhs_spec = pl.BlockSpec((1, b.bn, b.bk), lambda j, v, kk, g, *_: (jnp.maximum(g[v], 0), j, k_of(v, kk, g)))
+        rhs_operands = dict(rhs=operand(rhs_p, rhs_spec), rhs_up=None)
+    elif gated:
+        def half_spec(half):
+            return pl.BlockSpec((1, None, b.bk, b.bn),
+                                lambda j, v, kk, g, *_: (jnp.maximum(g[v], 0), half, k_of(v, kk, g), j))
+        rhs_operands = dict(rhs=operand(rhs_p, half_spec(0)), rhs_up=operand(rhs_p, half_spec(1)))
+    else:
+        rhs_spec = pl.BlockSpec((1, b.bk, b.bn), lambda j, v, kk, g, *_: (jnp.maximum(g[v], 0), k_of(v, kk, g), j))
+        rhs_operands = dict(rhs=operand(rhs_p, rhs_spec), rhs_up=None)
+    out_spec = pl.BlockSpec((b.bm, b.bn), lambda j, v, kk, g, t, *_: (t[v], j))
+    pre_spec = (pl.BlockSpec((2, b.bm, b.bn), lambda j, v, kk, g, t, *_: (0, t[v], j)) if gated else out_spec)
+    halves = 2 if gated else 1
+    kernel = functools.partial(_gmm_kernel, bm=b.bm, transpose_rhs=transpose_rhs,
+                               activation=activation if fused else None, precision=precision, halves=halves)
+    outs = tpu_kernel_call(
+        kernel, grid=(n_p // b.bn, visits.group.shape[0], k_steps),
+        scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,
+                             visit_hi=visits.hi, visit_live=visits.live),
+        inputs=dict(lhs=operand(lhs_p, lhs_spec), **rhs_operands),
+        outputs=dict(out=output((m_p, n_p), out_dtype, out_spec) if fused else None,
+                     pre=output(((2, m_p, n_p) if gated else (m_p, n_p)), out_dtype, pre_spec) if write_pre
+                     else None),
+        scratch=dict(acc=pltpu.VMEM((b.bm, b.bn), jnp.float32),
+                     acc_up=pltpu.VMEM((b.bm, b.bn), jnp.float32) if gated else None),
+        dimension_semantics=("parallel", "arbitrary", "arbitrary"), name="stellax_ragged_dot_tpu",
+    )
+    pre = None
+    if write_pre:
+        pre = outs.pre[:, :m, :n_dim] if gated else outs.pre[:m, :n_dim]
+        pre = jnp.moveaxis(pre, 0, 1) if gated else pre
+    if fused:
+        out = outs.out[:m, :n_dim]
+    else:
+        z = pre.astype(jnp.float32)
+        act = activation_fn(activation)
+        y = act(z[:, 0]) * z[:, 1] if gated else act(z)
+        bounds = group_bounds(group_sizes, group_offset, num_local, m)
+        rows = jnp.arange(m)[:, None]
+        out = jnp.where((rows >= bounds.begin) & (rows < bounds.end), y, 0.0).astype(out_dtype)
+    return out, (pre if save_preactivation else None)

@@ -1,0 +1,86 @@
+"""Configs of the Mosaic TPU grouped matmul: tiles sized per TPU generation.
+
+A grid step holds, double-buffered, an ``lhs`` tile ``[bm, bk]``, one (two for
+gated weights) ``rhs`` tiles ``[bk, bn]`` and the output (and pre-activation)
+tiles ``[bm, bn]``, plus float32 accumulators ``[bm, bn]``. Configs whose
+buffers exceed the generation's scoped VMEM default are not in its space.
+Tiles are multiples of 128 (the lane width); ``bn`` and ``bk`` of 256 fill the
+256-wide MXU of v6e and TPU7x.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ...core import Call, KernelConfig, product_space
+from ...core.config import require_in
+from ...core.tpu import target_generation
+from .configs import gmm_dims
+
+TILES = (128, 256, 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGroupedMatmulConfig(KernelConfig):
+    """``block_m`` rows × ``block_k`` × ``block_n`` columns per grid step."""
+
+    block_m: int = 128
+    block_k: int = 256
+    block_n: int = 256
+
+    def validate(self) -> None:
+        """Every tile one of 128, 256, 512."""
+        for name in ("block_m", "block_k", "block_n"):
+            require_in("TpuGroupedMatmulConfig", name, getattr(self, name), TILES)
+
+
+def _round_up(x: int, to: int) -> int:
+    return max(to, -(-x // to) * to)
+
+
+def gmm_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
+    """VMEM bytes of one grid step's buffers (see the module doc)."""
+    _, _, _, _, gated = gmm_dims(call)
+    halves = 2 if gated else 1
+    item = np.dtype(call.lhs.dtype).itemsize
+    out_item = np.dtype(call.out_dtype).itemsize
+    operands = 2 * (c.block_m * c.block_k + halves * c.block_k * c.block_n) * item
+    outputs = 2 * c.block_m * c.block_n * out_item * (1 + halves)  # out and the pre-activation
+    return operands + outputs + halves * c.block_m * c.block_n * 4
+
+
+def _useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
+    m, k, n, _, gated = gmm_dims(call)
+    n_out = n // 2 if gated else n
+    return (c.block_m <= _round_up(m, 128) and c.block_k <= _round_up(k, 128)
+            and c.block_n <= _round_up(n_out, 128))
+
+
+def gmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
+    """Tiles of 128–512 that the call's dimensions can use and that fit the
+    scoped VMEM of the generation the configs are for."""
+    budget = target_generation().scoped_vmem_bytes
+    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
+    kept = [c for c in configs if _useful(call, c) and gmm_tpu_vmem(call, c) <= budget]
+    return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
+
+
+def gmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
+    """``block_m`` 128 (rows per group are few in MoE layers), ``block_k`` and
+    ``block_n`` the MXU width or wider (512 when the dimensions allow), the
+    largest that fits the generation's scoped VMEM."""
+    mxu = target_generation().mxu
+    space = gmm_tpu_space(call)
+    preferred = [c for c in space if c.block_m == 128 and c.block_k >= mxu and c.block_n >= mxu]
+    pool = preferred or space
+    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n))
+
+
+def gmm_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU grouped matmul cannot run ``call`` (None when it can)."""
+    dtype = np.dtype(call.lhs.dtype)
+    if dtype.name not in ("float32", "bfloat16"):
+        return f"the Mosaic TPU grouped matmul needs float32/bfloat16 operands, got {dtype.name}"
+    return None
