@@ -9,19 +9,28 @@ Run from the repository root, no install needed. Within a time budget
 1. prints the environment (python, jax, devices, torch/triton, nvidia-smi);
 2. calibrates the peaks (a large bf16 matmul and a device-to-device copy);
 3. checks every op with every implementation (its Triton/Mosaic kernels
-   natively) against the golden: the built-in examples in float32 and
-   bfloat16, and the first benchmark shapes ("real shapes");
-4. autotunes the kernels on the first benchmark shapes (configs exported in
-   the shipped-cache format, ready for ``src/stellax/autotune/shipped/``);
-5. runs every benchmark suite (with the tuned configs) against XLA, cuDNN
+   natively) against the golden: first one float32 example and one real
+   shape of each, then the other examples (bfloat16, float32) and shapes
+   while its share of the budget (25%) lasts;
+4. times the headline cases (``benchmarks/headline.py``: attention forward
+   and backward at T = 16k against cuDNN and torch SDPA, ragged_dot against
+   jax.lax.ragged_dot and a dense matmul, paged decode against the copy
+   bandwidth, GDN forward at T = 32k) with TFLOP/s, % of peak, peer ratios
+   and the cost model's prediction (up to 40% of the budget);
+5. autotunes the kernels on the first benchmark shapes, the cost model's
+   most promising configs first (configs exported in the shipped-cache
+   format, ready for ``src/stellax/autotune/shipped/``);
+6. runs every benchmark suite (with the tuned configs) against XLA, cuDNN
    and the other peers, with roofline numbers;
-6. writes one JSON file ``stellax-gpu-suite-<date>-<device>.json`` (rewritten
+7. writes one JSON file ``stellax-gpu-suite-<date>-<device>.json`` (rewritten
    after each stage, so a crash keeps what was done), a markdown summary and
    the exported autotuning cache into the output directory.
 
 ``--dry-run`` runs the same stages on the CPU with interpreted kernels and
 tiny shapes in well under a minute (the test suite runs it so the script
-cannot rot).
+cannot rot). ``--time-scale F`` counts every second the suite spends as F
+seconds against the budget (a device F times slower): the rehearsal that
+shows the stages and the headline cases keep their order when time is short.
 """
 
 from __future__ import annotations
@@ -47,7 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run (default 450; dry run 600)")
     p.add_argument("--families", default=None, help="comma list of op families (default: all)")
-    p.add_argument("--skip", default="", help="comma list of stages to skip: check,autotune,bench,calibrate")
+    p.add_argument("--skip", default="",
+                   help="comma list of stages to skip: calibrate,check,headline,autotune,bench")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="count each second spent as this many against the budget (simulates a slower device)")
     p.add_argument("--real-cases", type=int, default=2, help="benchmark shapes per op checked for numerics")
     p.add_argument("--bench-cases", type=int, default=3, help="benchmark shapes per op timed")
     p.add_argument("--tune-cases", type=int, default=1, help="benchmark shapes per op autotuned")
@@ -68,7 +80,18 @@ BUDGET = ARGS.budget if ARGS.budget is not None else (600.0 if ARGS.dry_run else
 
 
 def elapsed() -> float:
-    return time.monotonic() - START
+    """Seconds spent against the budget (real seconds × ``--time-scale``)."""
+    return (time.monotonic() - START) * ARGS.time_scale
+
+
+def now() -> float:
+    """The suite's clock: deadlines are in these units (see `elapsed`)."""
+    return elapsed()
+
+
+def real_deadline(deadline: float) -> float:
+    """A `now()` deadline as a ``time.monotonic()`` one, for library calls that take those."""
+    return time.monotonic() + max(0.0, deadline - now()) / ARGS.time_scale
 
 
 def remaining() -> float:
@@ -186,7 +209,7 @@ def check_stage(result: dict, deadline: float) -> None:
     tasks.sort(key=lambda t: (t[0], t[1]))
     for n, (tier, _, op, impl_name, label, example, dtype) in enumerate(tasks):
         impl = op.implementations[impl_name]
-        if time.monotonic() > deadline:
+        if now() > deadline:
             records.append({"op": op.name, "implementation": impl_name, "example": label, "passed": None,
                             "skipped": "time budget exhausted"})
             continue
@@ -238,7 +261,7 @@ def autotune_stage(result: dict, deadline: float, out_dir: Path):
             examples = [materialize_example(e) for e in examples]
             for example in examples:
                 for impl_name in kernels:
-                    if time.monotonic() > deadline or (ARGS.dry_run and tuned_any):
+                    if now() > deadline or (ARGS.dry_run and tuned_any):
                         records["skipped"].append(f"{op.name}/{impl_name} {example.label}")
                         continue
                     impl = op.implementations[impl_name]
@@ -248,7 +271,7 @@ def autotune_stage(result: dict, deadline: float, out_dir: Path):
                             continue
                         fn = tuning_function(op, impl_name, example.args, example.kwargs, backward=not ARGS.dry_run)
                         r = autotune(fn, *example.args, max_configs=2 if ARGS.dry_run else ARGS.max_configs,
-                                     force=True, cache=False, use_shipped=False, deadline=deadline,
+                                     force=True, cache=False, use_shipped=False, deadline=real_deadline(deadline),
                                      **example.kwargs)
                     except Exception as e:  # noqa: BLE001
                         records["failures"].append({"op": op.name, "implementation": impl_name,
@@ -283,7 +306,7 @@ def bench_stage(result: dict, deadline: float, tuned) -> None:
 
     options = SuiteOptions(
         interpret=ARGS.dry_run, max_cases=1 if ARGS.dry_run else ARGS.bench_cases,
-        budget_s=max(1.0, deadline - time.monotonic()), use_examples=ARGS.dry_run,
+        budget_s=max(1.0, (deadline - now()) / ARGS.time_scale), use_examples=ARGS.dry_run,
         modes=("forward",) if ARGS.dry_run else None, min_time=0.005 if ARGS.dry_run else None,
         input_sets=2 if ARGS.dry_run else None,
     )
@@ -300,6 +323,21 @@ def bench_stage(result: dict, deadline: float, tuned) -> None:
     result["_records"] = records
 
 
+def headline_stage(result: dict, deadline: float) -> None:
+    """The headline cases (`benchmarks/headline.py`) in order until ``deadline``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import headline
+
+    from stellax.core.op import registered_ops
+
+    ops = registered_ops()
+    cases = headline.headline_cases(ops, dry=ARGS.dry_run)
+    log(f"  headline cases: {max(0.0, deadline - now()):.0f} s")
+    result["headline"] = headline.run_cases(
+        cases, ops, now=now, deadline=deadline, interpret=ARGS.dry_run, min_time=0.005 if ARGS.dry_run else 0.3,
+        calibration=result.get("calibration"), log=log)
+
+
 def write(result: dict, path: Path) -> None:
     data = {k: v for k, v in result.items() if not k.startswith("_")}
     text = json.dumps(data, indent=1, default=repr) + "\n"
@@ -310,6 +348,11 @@ def write(result: dict, path: Path) -> None:
 
 def summary_table(result: dict) -> str:
     lines = []
+    if result.get("headline"):
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import headline
+
+        lines += headline.summary_lines(result["headline"])
     checks = [c for c in result.get("check", []) if c.get("passed") is not None and not c.get("skipped")]
     failed = [c for c in checks if not c["passed"]]
     lines.append(f"check: {len(checks) - len(failed)} passed, {len(failed)} failed, "
@@ -354,8 +397,8 @@ def main() -> int:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     device = device_slug(current_platform(), interpret=False)
     path = out_dir / f"stellax-gpu-suite-{date}-{device}{'-dry-run' if ARGS.dry_run else ''}.json"
-    result: dict = {"format": "stellax-gpu-suite", "format_version": 1, "budget_s": BUDGET, "stages": {},
-                    "errors": []}
+    result: dict = {"format": "stellax-gpu-suite", "format_version": 2, "budget_s": BUDGET,
+                    "time_scale": ARGS.time_scale, "stages": {}, "errors": []}
     skip = set(filter(None, ARGS.skip.split(",")))
     if not ARGS.dry_run and current_platform().backend != "gpu":
         log(f"warning: no GPU here ({current_platform().describe()}); kernels will be skipped")
@@ -365,14 +408,15 @@ def main() -> int:
             result["stages"][name] = "skipped"
             return None
         log(f"== {name}")
-        t0 = time.monotonic()
+        t0 = now()
         try:
             value = fn(*args)
-            result["stages"][name] = round(time.monotonic() - t0, 2)
+            result["stages"][name] = round(now() - t0, 2)  # budget seconds (× --time-scale)
+            result.setdefault("stage_end_s", {})[name] = round(now(), 2)
             return value
         except Exception as e:  # noqa: BLE001 - keep going; record it
             result["errors"].append({"stage": name, "error": traceback.format_exc()[-2000:]})
-            result["stages"][name] = f"failed after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}"[:300]
+            result["stages"][name] = f"failed after {now() - t0:.1f}s: {type(e).__name__}: {e}"[:300]
             log(f"  stage {name} FAILED: {type(e).__name__}: {e}")
             return None
         finally:
@@ -382,11 +426,14 @@ def main() -> int:
     SAVE = lambda: write(result, path)  # noqa: E731
     stage("environment", environment_stage, result)
     stage("calibrate", calibrate_stage, result)
-    # Share what is left: numerics 35%, tuning 20%, benchmarks the rest (minus a reserve to write).
+    # Share what is left (minus a reserve to write): numerics 25%, then the headline cases up to
+    # 40% of the total, tuning a quarter of the rest, the benchmark suites the remainder.
     reserve = 10.0 if ARGS.dry_run else 25.0
-    stage("check", check_stage, result, time.monotonic() + 0.35 * (remaining() - reserve))
-    tuned = stage("autotune", autotune_stage, result, time.monotonic() + 0.25 * (remaining() - reserve), out_dir)
-    stage("bench", bench_stage, result, time.monotonic() + (remaining() - reserve), tuned)
+    share = remaining() - reserve
+    stage("check", check_stage, result, now() + 0.25 * share)
+    stage("headline", headline_stage, result, now() + min(0.40 * share, remaining() - reserve))
+    tuned = stage("autotune", autotune_stage, result, now() + 0.25 * (remaining() - reserve), out_dir)
+    stage("bench", bench_stage, result, now() + (remaining() - reserve), tuned)
     result["total_s"] = round(elapsed(), 1)
     write(result, path)
     table = summary_table(result)

@@ -117,6 +117,9 @@ def _check_tpu_compile(args, console, selected) -> int:
 
 
 def _check(args) -> int:
+    if args.static_gpu:
+        from stellax.testing.static_gpu import run_cli
+        return run_cli(args.ops, args.arch.split(","), json_path=args.json)
     _fast_compiles()
     from rich.console import Console
 
@@ -182,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="processes running checks (default: one per core, at most 2, on a CPU; 1 elsewhere)")
     check.add_argument("--json", nargs="?", const="-", metavar="PATH",
                        help="write one JSON document (rows and summary) to PATH or stdout, no progress bar")
+    check.add_argument("--static-gpu", action="store_true",
+                       help="the static GPU tier instead: every Triton kernel config's PTX (tensor cores, spills, "
+                            "cp.async, registers, occupancy); needs the cuda-check extra; exit 1 when a config "
+                            "the heuristic can choose fails")
+    check.add_argument("--arch", default="9.0,8.0", help="with --static-gpu: compute capabilities (default 9.0,8.0)")
     check.add_argument("--tpu-compile", action="store_true",
                        help="tier 3 for Mosaic TPU kernels: compile with the real TPU compiler (libtpu, the "
                             "tpu-check extra; no TPU needed) for each generation, heuristic configs on examples "

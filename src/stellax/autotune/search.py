@@ -28,6 +28,7 @@ from ..core.call import Call
 from ..core.platform import current_platform
 from ..testing.numerics import tolerance
 from ..bench import inputs as inputs_lib
+from ..bench.cost_model import has_model, rank_space
 from ..bench import timing as timing_lib
 from . import cache as cache_lib
 from . import keys as keys_lib
@@ -92,9 +93,11 @@ def _config_dict(config) -> dict:
     return config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
 
 
-def select_configs(space: list, default, max_configs: int | None) -> list:
+def select_configs(space: list, default, max_configs: int | None, *, ranked: bool = False) -> list:
     """The default config first, then the space in order (deduplicated),
-    evenly thinned to ``max_configs`` when given."""
+    cut to ``max_configs`` when given: the first ones when the space is
+    ``ranked`` (best first, `stellax.bench.cost_model.rank_space`), else
+    evenly thinned."""
     seen, ordered = set(), []
     for config in ([default] if default is not None else []) + list(space):
         token = repr(_config_dict(config))
@@ -104,7 +107,9 @@ def select_configs(space: list, default, max_configs: int | None) -> list:
     if max_configs is not None and 0 < max_configs < len(ordered):
         rest = ordered[1:]
         take = max_configs - 1
-        if take > 0:
+        if ranked:
+            rest = rest[:max(take, 0)]
+        elif take > 0:
             idx = np.linspace(0, len(rest) - 1, take).round().astype(int)
             rest = [rest[i] for i in sorted(set(idx.tolist()))]
         else:
@@ -232,7 +237,11 @@ def tune_call(op, implementation, call: Call, *, max_configs: int | None = None,
     support = impl.supported(abstract)
     if not support:
         raise TuneError(f"{op.name}/{impl.name} cannot run {abstract.describe()} here: {support.reason}")
-    configs = select_configs(impl.config_space(abstract), impl.default_config(abstract), max_configs)
+    space = impl.config_space(abstract)
+    ranked = max_configs is not None and has_model(op.name, impl.name)
+    if ranked:  # the cost model's most promising configs first (static-tier flagged ones last)
+        space = rank_space(op, impl.name, abstract, space)
+    configs = select_configs(space, impl.default_config(abstract), max_configs, ranked=ranked)
     base_key = jax.random.PRNGKey(seed)
     sets = [(inputs_lib.arrays_from_abstract(abstract.arrays, jax.random.fold_in(base_key, i), concrete),)
             for i in range(max(1, input_sets))]

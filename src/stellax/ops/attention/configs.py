@@ -120,7 +120,10 @@ def flash_space(call: Call) -> list[FlashConfig]:
     h, hv = head_dims(call)
     space = product_space(FlashConfig, block_q=(64, 128), block_k=(32, 64, 128), num_warps=(4, 8),
                           num_stages=(2, 3))
-    return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages, _itemsize(call))]
+    # The static GPU tier (ptxas, sm_90, bf16 H=128): 128-row query tiles on 4 warps hit 255
+    # registers and spill (24-696 B); 8 warps hold them in 134 registers.
+    spills = lambda c: c.num_warps == 4 and c.block_q == 128 and max(_padded(h), _padded(hv)) >= 128  # noqa: E731
+    return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages, _itemsize(call)) and not spills(c)]
 
 
 def flash_backward_heuristic(call: Call) -> FlashBackwardConfig:

@@ -41,10 +41,17 @@ def norm_heuristic(call: Call) -> NormConfig:
 
 
 def norm_space(call: Call) -> list[NormConfig]:
-    """``block_rows`` 1 … 16 × 2/4/8 warps, at most `MAX_ROW_BLOCK` elements per program."""
+    """``block_rows`` 1 … 16 × 2/4/8 warps, at most `MAX_ROW_BLOCK` elements per program and
+    `MAX_ELEMENTS_PER_THREAD` per thread."""
     block_d = row_block(_features(call))
     configs = product_space(NormConfig, block_rows=(1, 2, 4, 8, 16), num_warps=(2, 4, 8), num_stages=(1,))
-    return [c for c in configs if c.block_rows * block_d <= MAX_ROW_BLOCK]
+    return [c for c in configs if c.block_rows * block_d <= MAX_ROW_BLOCK
+            and c.block_rows * block_d <= MAX_ELEMENTS_PER_THREAD * 32 * c.num_warps]
+
+
+#: The static GPU tier (ptxas, sm_90, bf16 rows of 4096): 256 elements per thread spill 7-38 KB
+#: (2 warps × 4 rows, 4 × 8, 4 × 16, 8 × 16); 128 per thread fit in 255 registers (4 warps × 4 rows).
+MAX_ELEMENTS_PER_THREAD = 128
 
 
 def _features(call: Call) -> int:

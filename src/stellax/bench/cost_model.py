@@ -1,0 +1,359 @@
+"""An analytic cost model of one kernel config on one GPU (the H200 by default).
+
+For a call and a config, `estimate` counts what the kernel does, not what the
+op needs: the programs of its grid (``tiles``), how many fit on an SM at once
+(``resident``: the static tier's occupancy when known, else a shared-memory and
+warp bound), the waves that makes and their quantization (``wave_efficiency``:
+tiles / (waves × SMs × resident)), the FLOPs it executes (masked diagonal
+blocks and padded rows included), the bytes it moves (K/V re-read per query
+block, weights per row block, ...), the arithmetic intensity, and the roofline
+time on the machine:
+
+    time = max(flops / (peak · mma_efficiency) / wave_efficiency,
+               hbm_bytes / (bandwidth · min(1, tiles / SMs)),
+               bytes / L2 bandwidth)
+
+HBM moves each operand once (``hbm_bytes``: the op's own byte count; the tiles
+that re-read a K/V block or a weight block run at the same time and find it in
+L2), the L2 serves every tile's reads (``bytes``). The compute side pays for
+wave quantization, the memory side only for too few programs to keep every SM
+streaming. ``mma_efficiency`` is the fraction of a wgmma the tile fills (M below 64 rows
+per warpgroup runs the instruction padded). ``fraction`` is the op's ideal
+roofline time (its useful FLOPs and minimum bytes at the peaks) over that
+time: the share of the roofline the config can reach at best.
+
+Models exist for the headline kernels (`MODELS`: attention forward/backward,
+ragged_dot, paged decode); other kernels get the op's own FLOP/byte counts
+with one wave (`generic`), which ranks every config alike.
+
+`rank_space` orders an autotuning space by predicted time (stable: ties keep
+the space's order) and puts configs the static tier flagged (spills, FMA
+dots: `flagged_configs`, read from ``static_gpu_sm90.json`` beside this module)
+last; the autotuner uses it to pick which configs to try when ``max_configs``
+cuts the space. `heuristic_check` says how far the heuristic's config is from
+the model's best.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Ceilings of one GPU: datasheet (dense) and measured on the lent machine."""
+
+    name: str
+    sms: int
+    peak_flops: float  # dense bf16, FLOP/s (datasheet)
+    peak_bytes: float  # HBM, bytes/s (datasheet)
+    measured_flops: float
+    measured_bytes: float
+    l2_bytes: float = 7e12  # L2 read bandwidth, bytes/s: an assumption (not measured here)
+    smem_per_sm: int = 228 * 1024
+    warps_per_sm: int = 64
+
+
+#: The lent H200 (datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s; measured here: ~790 TFLOP/s on an
+#: 8192³ bf16 matmul of random data and ~4.3 TB/s device-to-device copy, see the device notes).
+H200 = Machine("NVIDIA H200", 132, 989e12, 4.8e12, 790e12, 4.3e12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The model's counts for one (call, config)."""
+
+    tiles: int
+    resident: int
+    flops: float  # executed
+    bytes: float  # read and written by the tiles (through L2)
+    useful_flops: float  # the op's count
+    min_bytes: float  # the op's count
+    mma_efficiency: float = 1.0
+    machine: Machine = H200
+    extra_hbm_bytes: float = 0.0  # HBM traffic beyond the op's (split-K partials, ...)
+
+    @property
+    def waves(self) -> int:
+        return max(1, math.ceil(self.tiles / (self.machine.sms * self.resident)))
+
+    @property
+    def wave_efficiency(self) -> float:
+        return self.tiles / (self.waves * self.machine.sms * self.resident)
+
+    @property
+    def intensity(self) -> float:
+        """Executed FLOPs per byte the tiles move."""
+        return self.flops / self.bytes if self.bytes else math.inf
+
+    def _times(self, measured: bool) -> dict:
+        m = self.machine
+        flops_rate = (m.measured_flops if measured else m.peak_flops) * self.mma_efficiency
+        bytes_rate = m.measured_bytes if measured else m.peak_bytes
+        return {"compute": self.flops / flops_rate / self.wave_efficiency,
+                "memory": (self.min_bytes + self.extra_hbm_bytes) / (bytes_rate * min(1.0, self.tiles / m.sms)),
+                "l2": self.bytes / m.l2_bytes}
+
+    def time_s(self, measured: bool = True) -> float:
+        """Predicted seconds at the measured (default) or datasheet ceilings."""
+        return max(self._times(measured).values())
+
+    def bound(self, measured: bool = True) -> str:
+        """What limits the config: ``compute``, ``memory`` (HBM) or ``l2``."""
+        times = self._times(measured)
+        return max(times, key=lambda k: times[k])
+
+    def ideal_time_s(self, measured: bool = True) -> float:
+        m = self.machine
+        return max(self.useful_flops / (m.measured_flops if measured else m.peak_flops),
+                   self.min_bytes / (m.measured_bytes if measured else m.peak_bytes))
+
+    @property
+    def fraction(self) -> float:
+        """The op's roofline time over this config's predicted time (datasheet peaks)."""
+        return self.ideal_time_s(False) / self.time_s(False)
+
+    @property
+    def tflops(self) -> float:
+        """Predicted useful TFLOP/s at the measured ceilings."""
+        return self.useful_flops / self.time_s() / 1e12
+
+    def to_json(self) -> dict:
+        return {"tiles": self.tiles, "resident": self.resident, "waves": self.waves,
+                "wave_efficiency": round(self.wave_efficiency, 4), "flops": self.flops, "bytes": self.bytes,
+                "intensity": round(self.intensity, 2), "mma_efficiency": round(self.mma_efficiency, 4),
+                "bound": self.bound(), "time_ms": self.time_s() * 1e3, "fraction_of_roofline": round(self.fraction, 4),
+                "predicted_tflops": round(self.tflops, 1)}
+
+
+# -- occupancy ---------------------------------------------------------------------------------
+STATIC_FILE = Path(__file__).with_name("static_gpu_sm90.json")
+
+
+@functools.lru_cache(maxsize=1)
+def _static_table() -> dict:
+    """(op, implementation, config id) → {"blocks_per_sm": int | None, "failures": [...]} from the
+    static tier's stored summary (empty when the file is absent)."""
+    if not STATIC_FILE.is_file():
+        return {}
+    data = json.loads(STATIC_FILE.read_text())
+    return {(r["op"], r["implementation"], r["config"]): r for r in data.get("configs", [])}
+
+
+def _config_id(config) -> str:
+    from ..testing.registry import config_id
+
+    return config_id(config)
+
+
+def resident_blocks(op: str, implementation: str, config, smem_bytes: int, machine: Machine = H200) -> int:
+    """Programs per SM: the static tier's occupancy (ptxas registers and the compiled shared memory)
+    when stored, else bounded by ``smem_bytes``, the warps, and ~128 registers per thread."""
+    known = _static_table().get((op, implementation, _config_id(config)))
+    if known and known.get("blocks_per_sm"):
+        return int(known["blocks_per_sm"])
+    warps = getattr(config, "num_warps", 4)
+    by_smem = machine.smem_per_sm // (smem_bytes + 1024)
+    by_regs = 65536 // (128 * 32 * warps)
+    return max(1, min(by_smem, machine.warps_per_sm // warps, by_regs, 32))
+
+
+def flagged_configs(op: str, implementation: str) -> dict:
+    """config id → the static tier's failures for configs of the space it flagged."""
+    return {cid: r["failures"] for (o, i, cid), r in _static_table().items()
+            if o == op and i == implementation and r.get("failures")}
+
+
+def _mma_efficiency(rows: int, num_warps: int) -> float:
+    """The fraction of wgmma M (64 rows per warpgroup) that ``rows`` rows per program fill."""
+    groups = max(1, num_warps // 4)
+    per_group = rows / groups
+    return min(1.0, per_group / (math.ceil(per_group / 64) * 64)) if per_group > 0 else 1.0
+
+
+# -- models -------------------------------------------------------------------------------------
+def _itemsize(x) -> int:
+    return np.dtype(x.dtype).itemsize
+
+
+def _visited_blocks(t: int, s: int, bq: int, bk: int, causal: bool) -> int:
+    """(query block, key block) pairs a flash kernel computes (bottom-right aligned causal mask)."""
+    nq, nk = math.ceil(t / bq), math.ceil(s / bk)
+    if not causal:
+        return nq * nk
+    offset = s - t
+    return sum(min(nk, max(0, math.ceil(min(s, (i + 1) * bq + offset) / bk))) for i in range(nq))
+
+
+def _attention_dims(call):
+    q, k, v = call.query, call.key, call.value
+    b = int(np.prod(q.shape[:-3])) if q.ndim > 3 else 1
+    t, n, h = q.shape[-3:]
+    s, kv = k.shape[-3], k.shape[-2]
+    return b, t, s, n, kv, h, v.shape[-1]
+
+
+def _causal(call) -> bool:
+    spec = call.options.get("spec")
+    if spec is not None:
+        return bool(spec.causal)
+    return bool(call.options.get("is_causal")) or call.options.get("chunk_size") is not None
+
+
+def attention_forward(op, call, config, machine: Machine = H200) -> Estimate:
+    """Flash forward: one program per (batch, head, query block) loops over the visible key blocks,
+    reading a K and a V block per step; writes O and the LSE once."""
+    b, t, s, n, _, h, hv = _attention_dims(call)
+    bq, bk = config.block_q, config.block_k
+    size = _itemsize(call.query)
+    pairs = _visited_blocks(t, s, bq, bk, _causal(call))
+    flops = b * n * pairs * bq * bk * 2.0 * (h + hv)
+    moved = b * n * (t * h * size + t * hv * size + t * 4 + pairs * bk * (h + hv) * size)
+    smem = (bq * h + config.num_stages * bk * (h + hv)) * size
+    return Estimate(b * n * math.ceil(t / bq), resident_blocks(op.name, "triton", config, smem, machine), flops,
+                    moved, op.flops(call), op.bytes_accessed(call), _mma_efficiency(bq, config.num_warps), machine)
+
+
+def attention_backward(op, call, config, machine: Machine = H200) -> Estimate:
+    """Flash backward, two kernels over the same visible block pairs: dq (query-block major, reads K/V
+    per step; recomputes q·kᵀ, dO·vᵀ, ds·k) and dk/dv (key-block major, reads q, dO, LSE, Δ per step;
+    recomputes q·kᵀ, dO·vᵀ, then pᵀ·dO and dsᵀ·q)."""
+    b, t, s, n, _, h, hv = _attention_dims(call)
+    bq, bk = config.block_q, config.block_k
+    size = _itemsize(call.query)
+    pairs = _visited_blocks(t, s, bq, bk, _causal(call))
+    flops = b * n * pairs * bq * bk * 2.0 * ((2 * h + hv) + (2 * h + 2 * hv))
+    dq_bytes = t * (h + hv) * size * 2 + t * 8 + pairs * bk * (h + hv) * size
+    dkv_bytes = s * (h + hv) * size * 2 + pairs * bq * (h + hv) * size + pairs * bq * 8
+    tiles = b * n * (math.ceil(t / bq) + math.ceil(s / bk))
+    smem = (max(bq, bk) * (h + hv) + config.num_stages * max(bq, bk) * (h + hv)) * size
+    return Estimate(tiles, resident_blocks(op.name, "triton", config, smem, machine), flops,
+                    b * n * (dq_bytes + dkv_bytes), op.flops(call), op.bytes_accessed(call),
+                    _mma_efficiency(min(bq, bk), config.num_warps), machine)
+
+
+def _group_sizes(call, m: int, g: int) -> np.ndarray:
+    """The call's group sizes when concrete, else balanced."""
+    sizes = call.arrays.get("group_sizes")
+    try:
+        values = np.asarray(sizes).astype(np.int64).reshape(-1)
+        if values.size:
+            return values
+    except Exception:  # noqa: BLE001 - abstract group sizes
+        pass
+    return np.full(g, m // max(g, 1))
+
+
+def ragged_dot(op, call, config, machine: Machine = H200) -> Estimate:
+    """Grouped matmul: one program per (row block of a group, column block); each reads its rows
+    of the lhs and the group's [K, block_n] weights once and writes its output block. A group's
+    last row block is padded to ``block_m`` rows."""
+    from ..ops.moe.configs import gmm_dims
+
+    m, k, n, g, _ = gmm_dims(call)
+    sizes = _group_sizes(call, m, g)
+    bm, bn = config.block_m, config.block_n
+    row_blocks = int(sum(math.ceil(int(x) / bm) for x in sizes))
+    col_blocks = math.ceil(n / bn)
+    size = _itemsize(call.lhs)
+    tiles = row_blocks * col_blocks
+    flops = 2.0 * row_blocks * bm * k * col_blocks * bn
+    moved = tiles * (bm * k + k * bn) * size + m * n * size
+    smem = config.num_stages * (bm * config.block_k + config.block_k * bn) * size
+    return Estimate(tiles, resident_blocks(op.name, "triton", config, smem, machine), flops, moved,
+                    op.flops(call), op.bytes_accessed(call), _mma_efficiency(bm, config.num_warps), machine)
+
+
+def paged_decode(op, call, config, machine: Machine = H200) -> Estimate:
+    """Paged decode: one program per (sequence, kv head, split) streams its share of the pages
+    (``pages_per_block`` per step); splits write float32 partial outputs that a second pass
+    combines. Memory-bound: the bytes are the op's plus the partials."""
+    from ..ops.paged_attention.configs import geometry
+
+    geo = geometry(call, "paged")
+    splits = config.num_splits
+    hv = geo.dims[1]
+    partials = (2 * geo.programs * geo.kv_heads * geo.rows * (hv + 2) * 4 * splits) if splits > 1 else 0
+    tiles = geo.programs * geo.kv_heads * splits
+    page_bytes = geo.page_size * sum(geo.dims) * 2
+    smem = config.num_stages * config.pages_per_block * page_bytes
+    return Estimate(tiles, resident_blocks(op.name, "triton", config, smem, machine), op.flops(call),
+                    op.bytes_accessed(call) + partials, op.flops(call), op.bytes_accessed(call), 1.0, machine,
+                    extra_hbm_bytes=partials)
+
+
+def generic(op, call, config, machine: Machine = H200) -> Estimate:
+    """No kernel model: the op's FLOPs and bytes, one full wave."""
+    return Estimate(machine.sms, 1, op.flops(call), op.bytes_accessed(call), op.flops(call),
+                    op.bytes_accessed(call), 1.0, machine)
+
+
+MODELS: dict[tuple[str, str], Callable[..., Estimate]] = {
+    ("attention", "triton"): attention_forward,
+    ("attention_backward", "triton"): attention_backward,
+    ("ragged_dot", "triton"): ragged_dot,
+    ("paged_attention", "triton"): paged_decode,
+}
+
+
+def has_model(op_name: str, implementation: str) -> bool:
+    return (op_name, implementation) in MODELS
+
+
+def estimate(op, implementation: str, call, config, machine: Machine = H200) -> Estimate:
+    """The model's `Estimate` of ``op``'s ``implementation`` with ``config`` on ``call``."""
+    return MODELS.get((op.name, implementation), generic)(op, call, config, machine)
+
+
+def rank_space(op, implementation: str, call, space: list, machine: Machine = H200) -> list:
+    """``space`` fastest first by the model (ties keep their order), configs the static tier flagged
+    last; the space unchanged when no model covers the kernel or a config cannot be estimated."""
+    if not has_model(op.name, implementation) or not space:
+        return list(space)
+    flagged = flagged_configs(op.name, implementation)
+    try:
+        keyed = [(_config_id(c) in flagged, estimate(op, implementation, call, c, machine).time_s(), i, c)
+                 for i, c in enumerate(space)]
+    except Exception:  # noqa: BLE001 - a call the model cannot read: keep the space's order
+        return list(space)
+    return [c for *_, c in sorted(keyed, key=lambda x: x[:3])]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeuristicCheck:
+    """The heuristic's config against the model's best config of the space."""
+
+    heuristic: Any
+    best: Any
+    heuristic_estimate: Estimate
+    best_estimate: Estimate
+    threshold: float
+
+    @property
+    def slowdown(self) -> float:
+        """Predicted heuristic time over the best config's."""
+        return self.heuristic_estimate.time_s() / self.best_estimate.time_s()
+
+    @property
+    def flagged(self) -> bool:
+        return self.slowdown > self.threshold
+
+
+def heuristic_check(op, implementation: str, call, *, threshold: float = 1.5,
+                    machine: Machine = H200) -> HeuristicCheck:
+    """Compare the heuristic's config with the best of the space (plus the heuristic) by the model;
+    ``flagged`` when the heuristic is predicted more than ``threshold`` times slower."""
+    impl = op.implementations[implementation]
+    chosen = impl.default_config(call)
+    space = [chosen] + [c for c in impl.config_space(call) if c != chosen]
+    ranked = rank_space(op, implementation, call, space, machine)
+    best = ranked[0]
+    return HeuristicCheck(chosen, best, estimate(op, implementation, call, chosen, machine),
+                          estimate(op, implementation, call, best, machine), threshold)

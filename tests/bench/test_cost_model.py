@@ -1,0 +1,135 @@
+"""The analytic cost model: its counts against brute force, its ranking, the
+heuristic check and the autotuner's use of the ranking (abstract calls only:
+nothing runs)."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellax
+from stellax.autotune.search import select_configs
+from stellax.bench import cost_model as cm
+from stellax.core import lowering_target
+
+OPS = stellax.registered_ops()
+
+
+def _attention_call(t=16384, n=16, d=128, causal=False):
+    s = jax.ShapeDtypeStruct((1, t, n, d), jnp.bfloat16)
+    with lowering_target("h200"):
+        return OPS["attention"].check(s, s, s, is_causal=causal)
+
+
+@pytest.mark.parametrize("t,s,bq,bk", [(256, 256, 64, 32), (200, 328, 64, 64), (128, 64, 32, 64)])
+def test_visited_blocks_match_a_brute_force_count(t, s, bq, bk):
+    """A (query block, key block) pair is computed when any of its pairs is visible (bottom-right causal)."""
+    offset = s - t
+    expected = sum(1 for i, j in itertools.product(range(math.ceil(t / bq)), range(math.ceil(s / bk)))
+                   if any(jj <= ii + offset for ii in range(i * bq, min(t, (i + 1) * bq))
+                          for jj in range(j * bk, min(s, (j + 1) * bk))))
+    assert cm._visited_blocks(t, s, bq, bk, True) == expected
+    assert cm._visited_blocks(t, s, bq, bk, False) == math.ceil(t / bq) * math.ceil(s / bk)
+
+
+def test_attention_estimate_counts():
+    op = OPS["attention"]
+    call = _attention_call()
+    config = op.implementations["triton"].config_type(block_q=128, block_k=64, num_warps=8, num_stages=2)
+    e = cm.estimate(op, "triton", call, config)
+    assert e.tiles == 16 * 16384 // 128
+    assert e.flops == pytest.approx(op.flops(call))  # non-causal: no masked blocks
+    # Each query block reads all of K and V once: (T / bq) × S × 2·D × 2 bytes per head, plus q, o, lse.
+    assert e.bytes > 16 * (16384 // 128) * 16384 * 256 * 2
+    assert e.bound() == "compute" and 0 < e.fraction <= 1
+    causal = cm.estimate(op, "triton", _attention_call(causal=True), config)
+    assert causal.flops > op.flops(_attention_call(causal=True))  # the diagonal blocks' masked half
+
+
+def test_ragged_dot_pads_each_group_to_the_row_block():
+    op = OPS["ragged_dot"]
+    lhs = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
+    sizes = jnp.asarray([1, 499, 0, 500], jnp.int32)
+    with lowering_target("h200"):
+        call = op.check(lhs, rhs, sizes)
+    config = op.implementations["triton"].config_type(block_m=128, block_n=128, block_k=64, num_warps=8,
+                                                      num_stages=3)
+    e = cm.estimate(op, "triton", call, config)
+    row_blocks = 1 + 4 + 0 + 4
+    assert e.tiles == row_blocks * 2
+    assert e.flops == 2.0 * row_blocks * 128 * 512 * 256
+    assert e.useful_flops == pytest.approx(2.0 * 1000 * 512 * 256)
+
+
+def test_wave_quantization_and_mma_efficiency():
+    one_wave_and_a_bit = cm.Estimate(tiles=133, resident=1, flops=1e12, bytes=1.0, useful_flops=1e12, min_bytes=1.0)
+    assert one_wave_and_a_bit.waves == 2
+    assert one_wave_and_a_bit.wave_efficiency == pytest.approx(133 / 264)
+    full = cm.Estimate(tiles=132, resident=1, flops=1e12, bytes=1.0, useful_flops=1e12, min_bytes=1.0)
+    assert full.time_s() < one_wave_and_a_bit.time_s()
+    assert cm._mma_efficiency(16, 4) == pytest.approx(0.25) and cm._mma_efficiency(128, 8) == 1.0
+
+
+def test_rank_space_orders_by_predicted_time_and_keeps_ties():
+    op = OPS["attention"]
+    call = _attention_call()
+    space = op.implementations["triton"].config_space(call)
+    ranked = cm.rank_space(op, "triton", call, space)
+    assert sorted(map(repr, ranked)) == sorted(map(repr, space))
+    flagged = cm.flagged_configs("attention", "triton")
+    from stellax.testing.registry import config_id
+
+    kept = [c for c in ranked if config_id(c) not in flagged]
+    assert ranked[:len(kept)] == kept  # flagged configs (if any are in this space) come last
+    times = [cm.estimate(op, "triton", call, c).time_s() for c in kept]
+    assert times == sorted(times)
+    # Ops without a model keep the space's order.
+    norm = OPS["layer_norm"]
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    with lowering_target("h200"):
+        ncall = norm.check(x, jax.ShapeDtypeStruct((4096,), jnp.bfloat16), None)
+    nspace = norm.implementations["triton"].config_space(ncall)
+    assert cm.rank_space(norm, "triton", ncall, nspace) == nspace
+
+
+def test_flagged_configs_rank_last(monkeypatch):
+    op = OPS["attention"]
+    call = _attention_call()
+    space = op.implementations["triton"].config_space(call)
+    best = cm.rank_space(op, "triton", call, space)[0]
+    from stellax.testing.registry import config_id
+
+    table = {("attention", "triton", config_id(best)): {"failures": ["k: register spills"], "blocks_per_sm": 1}}
+    monkeypatch.setattr(cm, "_static_table", lambda: table)
+    assert cm.rank_space(op, "triton", call, space)[-1] == best
+
+
+def test_heuristic_check_flags_a_bad_heuristic():
+    op = OPS["attention"]
+    call = _attention_call()
+    check = cm.heuristic_check(op, "triton", call)
+    assert check.slowdown >= 1.0
+    # The same check with a threshold below the measured slowdown of a deliberately small tile flags it.
+    impl = op.implementations["triton"]
+    small = impl.config_type(block_q=64, block_k=32, num_warps=4, num_stages=2)
+    slow = cm.estimate(op, "triton", call, small).time_s() / check.best_estimate.time_s()
+    assert slow > 1.2
+    bad = cm.HeuristicCheck(small, check.best, cm.estimate(op, "triton", call, small), check.best_estimate, 1.2)
+    assert bad.flagged
+
+
+def test_select_configs_takes_the_ranked_head():
+    space = [{"i": i} for i in range(10)]
+    assert select_configs(space, space[5], 4, ranked=True) == [space[i] for i in (5, 0, 1, 2)]
+    thinned = select_configs(space, space[5], 4)
+    assert thinned[0] == space[5] and len(thinned) == 4 and thinned != [space[i] for i in (5, 0, 1, 2)]
+
+
+def test_group_sizes_default_to_balanced_when_abstract():
+    class FakeCall:
+        arrays = {"group_sizes": jax.ShapeDtypeStruct((4,), jnp.int32)}
+    assert np.array_equal(cm._group_sizes(FakeCall(), 100, 4), [25, 25, 25, 25])
