@@ -77,7 +77,8 @@ def check_selection(config) -> None:
     named = {"use_mm_prefix": "multimodal prefix-LM attention", "use_per_head_quant_scales":
              "per-head KV quantization scales", "use_non_causal": "non-causal decoder attention",
              "use_pcp": "prefill context parallelism", "use_dcp": "decode context parallelism",
-             "use_rswa": "R-SWA attention", "use_batch_invariant": "VLLM_BATCH_INVARIANT"}
+             "use_rswa": "R-SWA attention", "use_batch_invariant": "VLLM_BATCH_INVARIANT",
+             "use_kv_connector": "KV transfer connectors (they may repack pages in CPU_ATTN's order)"}
     for field, what in named.items():
         if getattr(config, field, False):
             raise support.UnsupportedByStellax(f"{field}: {what} is not supported by the STELLAX vLLM backend")
