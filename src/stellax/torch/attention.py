@@ -83,15 +83,18 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise ValueError("q_segment_ids/kv_segment_ids: give both or neither")
     if any(isinstance(x, QTensor) for x in (query, key, value)):
         return fp8.dot_product_attention_fp8(
-            query, key, value, bias, mask, int32(q_segment_ids), int32(kv_segment_ids), int32(query_seq_lengths),
-            int32(key_value_seq_lengths), sinks, opt_float(scale), bool(is_causal), window,
+            query, key, value, bias, mask, int32(q_segment_ids, "q_segment_ids"),
+            int32(kv_segment_ids, "kv_segment_ids"), int32(query_seq_lengths, "query_seq_lengths"),
+            int32(key_value_seq_lengths, "key_value_seq_lengths"), sinks, opt_float(scale), bool(is_causal), window,
             opt_float(logits_soft_cap), preferred_element_type, implementation)
     if preferred_element_type is not None:
         raise ValueError("preferred_element_type: only for fp8 attention (QTensor query/key/value); float "
                          f"attention returns the input dtype, got {preferred_element_type!r}")
     return dot_product_attention_op(
-        query, key, value, bias, mask, int32(q_segment_ids), int32(kv_segment_ids), int32(query_seq_lengths),
-        int32(key_value_seq_lengths), sinks, opt_float(scale), bool(is_causal), window, opt_float(logits_soft_cap),
+        query, key, value, bias, mask, int32(q_segment_ids, "q_segment_ids"),
+        int32(kv_segment_ids, "kv_segment_ids"), int32(query_seq_lengths, "query_seq_lengths"),
+        int32(key_value_seq_lengths, "key_value_seq_lengths"), sinks, opt_float(scale), bool(is_causal), window,
+        opt_float(logits_soft_cap),
         implementation, opt_int(chunk_size), precision)
 
 
@@ -120,6 +123,7 @@ def dot_product_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     ``local_window_size``, ``chunk_size``) align per sequence; returns
     ``[total_q, N, Hv]`` in ``q.dtype``. Differentiable in q, k, v and sinks."""
     return dot_product_attention_varlen_op(
-        q, k, v, int32(cu_seqlens_q), int32(cu_seqlens_k), sinks, int(max_seqlen_q), int(max_seqlen_k),
+        q, k, v, int32(cu_seqlens_q, "cu_seqlens_q"), int32(cu_seqlens_k, "cu_seqlens_k"), sinks, int(max_seqlen_q),
+        int(max_seqlen_k),
         opt_float(scale), bool(is_causal), encode_window(local_window_size), opt_float(logits_soft_cap),
         implementation, opt_int(chunk_size), precision)

@@ -15,7 +15,7 @@ from torch import nn
 import stellax
 from stellax import QArray
 
-from .options import dtype_name, precision_name, strict_int
+from .options import check_group_sizes, dtype_name, int32, precision_name, strict_int
 from .quant import QTensor
 from .registry import define_op
 
@@ -25,7 +25,9 @@ def _group_offset(group_offset, device) -> torch.Tensor | None:
     if group_offset is None:
         return None
     if isinstance(group_offset, torch.Tensor):
-        if group_offset.is_floating_point() or group_offset.numel() != 1:
+        if group_offset.is_floating_point() or group_offset.dtype == torch.bool:
+            raise TypeError(f"group_offset: expected an int or an integer tensor, got {group_offset.dtype}")
+        if group_offset.numel() != 1:
             raise ValueError(f"group_offset: expected an int or an integer tensor of shape () or (1,), got "
                              f"{group_offset.dtype} {tuple(group_offset.shape)}")
         return group_offset.reshape(1).to(torch.int32)
@@ -86,7 +88,9 @@ def ragged_dot(lhs: torch.Tensor, rhs, group_sizes: torch.Tensor, *, group_offse
     offset = _group_offset(group_offset, lhs.device)
     opts = (activation, precision_name(precision), _element_type(preferred_element_type), implementation)
     op = ragged_dot_quantized_op if isinstance(rhs, QTensor) else ragged_dot_op
-    return op(lhs, rhs, group_sizes.to(torch.int32), offset, *opts)
+    group_sizes = int32(group_sizes, "group_sizes")
+    check_group_sizes(group_sizes, lhs.shape[0], "lhs.shape[0]")
+    return op(lhs, rhs, group_sizes, offset, *opts)
 
 
 # -- ragged_dot_general / ragged_dot_tgmm ------------------------------------------------------
@@ -155,7 +159,12 @@ def ragged_dot_general(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.
     bfloat16/float16 operands of one dtype. Differentiable in ``lhs`` and ``rhs``.
     """
     layout = _layout_of(ragged_dot_dimension_numbers)
-    return ragged_dot_general_op(lhs, rhs, group_sizes.to(torch.int32), _group_offset(group_offset, lhs.device),
+    group_sizes = int32(group_sizes, "group_sizes")
+    if layout.startswith("tgmm"):
+        check_group_sizes(group_sizes, rhs.shape[0], "rhs.shape[0]")
+    else:
+        check_group_sizes(group_sizes, lhs.shape[0], "lhs.shape[0]")
+    return ragged_dot_general_op(lhs, rhs, group_sizes, _group_offset(group_offset, lhs.device),
                                  layout, precision_name(precision), _element_type(preferred_element_type),
                                  strict_int("num_local_groups", num_local_groups), implementation)
 
@@ -182,7 +191,9 @@ def ragged_dot_tgmm(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Ten
     (same float dtype), ``group_sizes [G]`` integers → ``[G, K, N]`` (or
     ``[num_local_groups, K, N]`` with ``group_offset``); an empty group gives
     zeros. Differentiable in ``lhs`` and ``rhs``."""
-    return ragged_dot_tgmm_op(lhs, rhs, group_sizes.to(torch.int32), _group_offset(group_offset, lhs.device),
+    group_sizes = int32(group_sizes, "group_sizes")
+    check_group_sizes(group_sizes, rhs.shape[0], "rhs.shape[0]")
+    return ragged_dot_tgmm_op(lhs, rhs, group_sizes, _group_offset(group_offset, lhs.device),
                               precision_name(precision), _element_type(preferred_element_type),
                               strict_int("num_local_groups", num_local_groups), bool(transpose_lhs), implementation)
 
@@ -239,7 +250,7 @@ def permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, capa
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
         raise TypeError(f"num_experts: expected an int, got {type(num_experts).__name__}")
     cf = None if capacity_factor is None else float(capacity_factor)
-    rows, sizes, order, dropped = permute_op(x, expert_ids.to(torch.int32), int(num_experts), cf)
+    rows, sizes, order, dropped = permute_op(x, int32(expert_ids, "expert_ids"), int(num_experts), cf)
     return (rows, sizes, order) if cf is None else (rows, sizes, order, dropped)
 
 
@@ -256,7 +267,7 @@ def unpermute(y: torch.Tensor, permutation: torch.Tensor, weights: torch.Tensor)
     `permute`, ``weights [T, k]`` float (from `route`) →
     ``out[t] = Σ_j weights[t, j] · y[p(t, j)]``, ``[T, D]`` in ``y.dtype``
     (float32 math). Differentiable in ``y`` and ``weights``."""
-    return unpermute_op(y, permutation.to(torch.int32), weights)
+    return unpermute_op(y, int32(permutation, "permutation"), weights)
 
 
 # -- auxiliary router losses ------------------------------------------------------------------
@@ -276,7 +287,7 @@ def load_balancing_loss(router_logits: torch.Tensor, expert_ids: torch.Tensor, *
     ``scoring="sigmoid"``). ``router_logits [T, E]`` float, ``expert_ids
     [T, k]`` integers → a float32 scalar. Differentiable in ``router_logits``
     (through ``P``; the counts are constants)."""
-    return load_balancing_loss_op(router_logits, expert_ids.to(torch.int32), scoring)
+    return load_balancing_loss_op(router_logits, int32(expert_ids, "expert_ids"), scoring)
 
 
 def _router_z_loss(router_logits: Array) -> Array:

@@ -14,7 +14,7 @@ import torch
 
 from . import bridge
 
-__all__ = ["decode_window", "dtype_name", "encode_window", "int32", "left_window", "opt_float", "opt_int",
+__all__ = ["check_group_sizes", "concrete", "decode_window", "dtype_name", "encode_window", "int32", "left_window", "opt_float", "opt_int",
            "precision_name", "strict_int"]
 
 
@@ -37,9 +37,42 @@ def strict_int(name: str, value) -> int | None:
     return int(value)
 
 
-def int32(t: torch.Tensor | None) -> torch.Tensor | None:
-    """An integer tensor as int32 (JAX runs with 32-bit integers); None stays None."""
-    return None if t is None else t.to(torch.int32)
+def int32(t: torch.Tensor | None, name: str = "tensor") -> torch.Tensor | None:
+    """An integer tensor as int32 (JAX runs with 32-bit integers); None stays None.
+    A float (or bool, complex) tensor is a ``TypeError`` naming ``name``: casting
+    lengths or indices silently would truncate them."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected an integer torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor, got {t.dtype}")
+    return t.to(torch.int32)
+
+
+def concrete(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` holds real values (not a meta / fake tensor under ``torch.compile``)."""
+    if t is None or torch.compiler.is_compiling() or t.device.type == "meta":
+        return False  # under torch.compile the values are symbolic (and `is_fake` is not traceable)
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        return not is_fake(t)
+    except ImportError:  # pragma: no cover - older torch
+        return True
+
+
+def check_group_sizes(group_sizes: torch.Tensor, rows: int, rows_name: str, *, offset: int = 0,
+                      count: int | None = None) -> None:
+    """Concrete ``group_sizes``: non-negative and summing to at most ``rows`` (as the JAX front
+    end checks eagerly; the JAX function runs jitted, where the values are traced)."""
+    if not concrete(group_sizes):
+        return
+    sizes = group_sizes.detach().to("cpu", torch.int64)
+    if (sizes < 0).any():
+        raise ValueError(f"group_sizes: expected non-negative sizes, got {sizes.tolist()}")
+    total = int(sizes.sum())
+    if total > rows:
+        raise ValueError(f"group_sizes: expected sum(group_sizes) <= {rows} ({rows_name}), got {total}")
 
 
 def dtype_name(name: str, dtype) -> str | None:

@@ -142,8 +142,8 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, block_tables: torch.Tenso
 
     Returns ``[B, (Q,) N, Hv]`` in ``q.dtype``. Forward only (`ForwardOnlyError`
     on backward)."""
-    return paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(block_tables),
-                              int32(lengths), sinks, opt_float(scale), opt_float(logits_soft_cap),
+    return paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(block_tables, "block_tables"),
+                              int32(lengths, "lengths"), sinks, opt_float(scale), opt_float(logits_soft_cap),
                               left_window(local_window_size), implementation)
 
 
@@ -174,8 +174,8 @@ def ragged_paged_attention(q: torch.Tensor, k_pages, v_pages, kv_lens: torch.Ten
     Returns ``[total_q, N, Hv]``. Forward only."""
     if not isinstance(num_seqs, torch.Tensor):
         num_seqs = torch.tensor([int(num_seqs)], dtype=torch.int32, device=q.device)
-    return ragged_paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(kv_lens),
-                                     int32(block_tables), int32(cu_q_lens), int32(num_seqs).reshape(1), sinks,
+    return ragged_paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(kv_lens, "kv_lens"),
+                                     int32(block_tables, "block_tables"), int32(cu_q_lens, "cu_q_lens"), int32(num_seqs, "num_seqs").reshape(1), sinks,
                                      opt_float(scale), opt_float(logits_soft_cap), left_window(local_window_size),
                                      implementation)
 
@@ -201,7 +201,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_pages, pe_pages,
     (dense or `QuantizedPages`) and ``pe_pages [num_pages, page_size, P]``.
     Returns ``[B, (Q,) N, R]``. Forward only."""
     return mla_decode_op(q_nope, q_pe, _pool("latent_pages", latent_pages), _pool("pe_pages", pe_pages),
-                         int32(block_tables), int32(lengths), float(scale), opt_float(logits_soft_cap),
+                         int32(block_tables, "block_tables"), int32(lengths, "lengths"), float(scale), opt_float(logits_soft_cap),
                          left_window(local_window_size), implementation)
 
 
@@ -225,7 +225,7 @@ def quantize_pages(pages: torch.Tensor, spec, *, max_seqs: int | None = None, bl
     the windows hold. Returns a `QuantizedPages`."""
     spec = _kvquant(spec)
     quant = _encode_spec(spec)
-    parts = quantize_pages_op(pages, int32(block_tables), int32(lengths), quant,
+    parts = quantize_pages_op(pages, int32(block_tables, "block_tables"), int32(lengths, "lengths"), quant,
                               None if max_seqs is None else int(max_seqs))
     return PAGES.to_torch(parts, (spec, int(pages.shape[-1]), quant))
 
@@ -266,7 +266,7 @@ def update_kv_cache(k_pages, v_pages, new_k: torch.Tensor, new_v: torch.Tensor |
     ``positions``/``seq_ids [T_new]`` only for pools with windows. For dense
     pools `update_kv_cache_` writes in place without a copy."""
     out = update_kv_cache_op(_pool("k_pages", k_pages), _pool("v_pages", v_pages), new_k, new_v,
-                             int32(slot_mapping), int32(positions), int32(seq_ids))
+                             int32(slot_mapping, "slot_mapping"), int32(positions, "positions"), int32(seq_ids, "seq_ids"))
     n = PAGES.n_tensors
     k = PAGES.like(out[:n], k_pages)
     return k, None if v_pages is None else PAGES.like(out[n:], v_pages)

@@ -203,7 +203,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         q_segment_ids = kv_segment_ids = segment_ids
     window = encode_window(local_window_size, int_means="left")  # an int w: (w, 0), w past keys
     out, lse = context_parallel_attention_op(
-        query, key, value, int32(q_segment_ids), int32(kv_segment_ids), sinks, _mesh_name(mesh), _device_name(query),
+        query, key, value, int32(q_segment_ids, "q_segment_ids"), int32(kv_segment_ids, "kv_segment_ids"), sinks, _mesh_name(mesh), _device_name(query),
         axis_name, strategy, ulysses_axis, ring_axis, load_balance, bool(is_causal), window, opt_int(chunk_size),
         opt_float(scale), opt_float(logits_soft_cap), precision, implementation)
     return (out, lse) if return_residuals else out

@@ -229,8 +229,22 @@ class TorchOp:
         return result
 
     # -- forward -----------------------------------------------------------------------
+    def _check_devices(self, tensors) -> None:
+        """Every tensor operand on one device (a ``meta`` tensor next to a CPU
+        weight would otherwise silently dispatch to the fake)."""
+        first = None
+        for arg, t in zip(self.tensors, tensors):
+            if t is None:
+                continue
+            if first is None:
+                first = (arg.name, t.device)
+            elif t.device != first[1]:
+                raise ValueError(f"{arg.name}: expected a tensor on {first[1]} (the device of {first[0]}), "
+                                 f"got one on {t.device}")
+
     def _forward_impl(self, *args):
         tensors, opts = self._split(args)
+        self._check_devices(tensors)
         present = [i for i, t in enumerate(tensors) if t is not None]
         key = (self.name, "fwd", tuple(_signature(t) for t in tensors), self._opts_key(opts))
         fn = _cached(key, lambda: self._maybe_jit(self._call_jax(present, opts)))
@@ -261,6 +275,7 @@ class TorchOp:
 
     def _forward_fake(self, *args):
         tensors, opts = self._split(args)
+        self._check_devices(tensors)
         like = next(t for t in tensors if t is not None)
         outs = [like.new_empty(shape, dtype=dtype) for shape, dtype in self._abstract_outputs(tensors, opts)]
         return outs[0] if self.outputs == 1 else tuple(outs)
