@@ -52,6 +52,8 @@ def _check_weights(weights, features: int, x):
         checks.require_ndim("weights", w_gate, 3)
         checks.require_shape("weights", w_gate, (features, 2, None), "x.shape[-1], 2, N")
         w_up = None
+    # No silent promotion: the weights have x's dtype.
+    checks.require_same_dtype("weights" if w_up is None else "weights[0]", w_gate, "x", x)
     return w_gate, w_up
 
 
@@ -133,6 +135,8 @@ def _forward_runner(kernels, name: str):
     def run(call: Call, config):
         x = call.x
         lead, k = x.shape[:-1], x.shape[-1]
+        if x.size == 0:  # no rows: an empty output; K = 0: both projections are 0, so act(0)·0 = 0
+            return jax.numpy.zeros((*lead, call.w_gate.shape[-1]), x.dtype)
         options = dict(activation=call.activation, precision=call.precision)
 
         @jax.custom_vjp

@@ -124,6 +124,9 @@ layer_norm_backward_op = register(Op(
 def _forward_runner(kernels, name: str):
     def run(call: Call, config):
         x, axis = call.x, call.axis
+        if x.size == 0:  # empty rows or D = 0: empty outputs (no statistics to compute)
+            y = jnp.zeros_like(x)
+            return y if call.residual is None else (y, (x.astype(jnp.float32) + call.residual).astype(x.dtype))
         moved = jnp.moveaxis(x, axis, -1)
         moved_shape = moved.shape
         features = moved_shape[-1]
