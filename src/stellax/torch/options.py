@@ -51,8 +51,17 @@ def int32(t: torch.Tensor | None, name: str = "tensor") -> torch.Tensor | None:
 
 
 def concrete(t: torch.Tensor | None) -> bool:
-    """Whether ``t`` holds real values (not a meta / fake tensor under ``torch.compile``)."""
-    if t is None or torch.compiler.is_compiling() or t.device.type == "meta":
+    """Whether ``t`` holds real values (not a meta / fake tensor under ``torch.compile``,
+    not a torchax tensor wrapping a traced JAX value under torchax's jit)."""
+    if t is None:
+        return False
+    from .torchax import is_torchax_tensor
+
+    if is_torchax_tensor(t):
+        import jax
+
+        return not isinstance(t.jax(), jax.core.Tracer)
+    if torch.compiler.is_compiling() or t.device.type == "meta":
         return False  # under torch.compile the values are symbolic (and `is_fake` is not traceable)
     try:
         from torch._subclasses.fake_tensor import is_fake
@@ -61,13 +70,24 @@ def concrete(t: torch.Tensor | None) -> bool:
         return True
 
 
+def host_values(t: torch.Tensor) -> torch.Tensor:
+    """A concrete tensor's values on the CPU (a torchax tensor's through its JAX array)."""
+    from .torchax import is_torchax_tensor
+
+    if is_torchax_tensor(t):
+        import numpy as np
+
+        return torch.from_numpy(np.array(t.jax()))
+    return t.detach().to("cpu")
+
+
 def check_group_sizes(group_sizes: torch.Tensor, rows: int, rows_name: str, *, offset: int = 0,
                       count: int | None = None) -> None:
     """Concrete ``group_sizes``: non-negative and summing to at most ``rows`` (as the JAX front
     end checks eagerly; the JAX function runs jitted, where the values are traced)."""
     if not concrete(group_sizes):
         return
-    sizes = group_sizes.detach().to("cpu", torch.int64)
+    sizes = host_values(group_sizes).to(torch.int64)
     if (sizes < 0).any():
         raise ValueError(f"group_sizes: expected non-negative sizes, got {sizes.tolist()}")
     total = int(sizes.sum())
