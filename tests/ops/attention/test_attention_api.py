@@ -272,3 +272,17 @@ def test_implementations_run_their_kernels_directly():
         assert run["xla"] is base.reference
     assert backward_kernels() == ("mosaic_tpu", "triton", "xla_chunked")
     assert set(attention_backward_op.implementations) == {"mosaic_tpu", "triton", "xla_chunked", "xla"}
+
+
+def test_empty_batch_or_no_query_rows_give_empty_outputs():
+    """B = 0 or T = 0: empty outputs of the right shapes (not an error), after
+    the same shape checks as any call."""
+    k, v = jnp.ones((2, 16, 2, 64)), jnp.ones((2, 16, 2, 32))
+    assert stellax.dot_product_attention(jnp.zeros((2, 0, 4, 64)), k, v).shape == (2, 0, 4, 32)
+    out, lse = stellax.dot_product_attention(jnp.zeros((0, 8, 4, 64)), jnp.ones((0, 16, 2, 64)),
+                                             jnp.ones((0, 16, 2, 32)), return_residuals=True)
+    assert out.shape == (0, 8, 4, 32) and lse.shape == (0, 4, 8) and lse.dtype == jnp.float32
+    with pytest.raises(ValueError, match="key: expected head dim 64"):
+        stellax.dot_product_attention(jnp.zeros((2, 0, 4, 64)), v, v)
+    with pytest.raises(ValueError, match="key: expected batch dims"):
+        stellax.dot_product_attention(jnp.zeros((2, 0, 4, 64)), jnp.ones((3, 16, 2, 64)), v)

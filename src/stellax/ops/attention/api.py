@@ -137,12 +137,36 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if preferred_element_type is not None:
         raise ValueError("preferred_element_type: only for fp8 attention (QArray query/key/value); float "
                          f"attention returns the input dtype, got {preferred_element_type!r}")
+    empty = _empty_batch_result(query, key, value, return_residuals)
+    if empty is not None:
+        return empty
     return attention_op(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                         local_window_size=local_window_size, chunk_size=chunk_size, q_segment_ids=q_segment_ids,
                         kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
                         key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
                         sinks=sinks, precision=precision, return_residuals=return_residuals,
                         implementation=implementation, config=config)
+
+
+def _empty_batch_result(query, key, value, return_residuals):
+    """The result of a call with no query rows (a batch dim or ``T`` of 0): an
+    empty ``[B..., T, N, Hv]`` output (and ``[B..., N, T]`` lse), after the
+    shape checks of any call (run on one-row stand-ins). ``None`` otherwise."""
+    if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (query, key, value)) or query.ndim < 3:
+        return None
+    batch, t = tuple(query.shape[:-3]), query.shape[-3]
+    if t != 0 and 0 not in batch:
+        return None
+    if tuple(key.shape[:-3]) != batch:
+        raise ValueError(f"key: expected batch dims {batch} (those of query), got shape {tuple(key.shape)}")
+    ones = tuple(max(int(d), 1) for d in batch)
+    stand_in = lambda a, rows: jnp.zeros(ones + (rows,) + tuple(a.shape[-2:]), a.dtype)
+    attention_op.check(stand_in(query, 1), stand_in(key, max(int(key.shape[-3]), 1)) if key.shape[-3] else key,
+                       stand_in(value, max(int(value.shape[-3]), 1)) if value.shape[-3] else value)
+    out = jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)
+    if return_residuals:
+        return out, jnp.zeros((*batch, query.shape[-2], t), jnp.float32)
+    return out
 
 
 def _jax_nn_residual(query, key, value, bias, mask, return_residuals, return_residual, **kwargs):
