@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import stellax
-from stellax.core import interpret_mode, lowering_target
-from stellax.ops.moe.mosaic_tpu import max_visits, tile_visits
+from stellax.core import interpret_mode, lowering_target, observe_calls
+from stellax.ops.moe.mosaic_tpu import group_visits, max_visits, tile_visits
 from stellax.ops.moe.schedule import group_bounds
 from stellax.ops.moe.tpu_configs import TpuGroupedMatmulConfig, gmm_tpu_space, gmm_tpu_vmem
 
@@ -120,3 +120,100 @@ def test_space_fits_each_generations_scoped_vmem():
             space = gmm_tpu_space(call)
             heuristic = stellax.registered_ops()["ragged_dot"].implementations["mosaic_tpu"].heuristic(call)
         assert space and all(gmm_tpu_vmem(call, c) <= budget for c in space) and heuristic in space
+
+
+# -- ragged_dot_tgmm (the weight gradient) and the TPU backward -----------------------------------
+def _tgmm_inputs(m=384, k=200, n=136, seed=1):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return jax.random.normal(k1, (m, k), jnp.float32), jax.random.normal(k2, (m, n), jnp.float32)
+
+
+def test_group_visits_cover_the_local_rows_once_and_visit_empty_groups():
+    sizes = jnp.array([50, 0, 130, 90, 0], jnp.int32)
+    m_padded, bm = 384, 128
+    for offset, local in ((None, 5), (jnp.int32(1), 3), (jnp.int32(4), 3)):  # the last: no group in range
+
+        def visits_of(s, o, n=local):  # jitted: one compile instead of one per eager op
+            bounds = group_bounds(s, o, n, 300)
+            v = group_visits(bounds, m_padded, bm)
+            return bounds.begin, bounds.end, v.group, v.lo, v.hi, v.live
+
+        begin, end, group, lo, hi, live = map(np.asarray, jax.jit(visits_of)(sizes, offset))
+        assert group.shape[0] == 3 + local - 1
+        live = live > 0
+        groups = group[live]
+        assert sorted(set(groups)) == list(range(local))  # every local group, empty ones too
+        assert (np.diff(groups) >= 0).all()  # a group's visits are consecutive
+        covered = np.zeros(m_padded, int)
+        for a, b in zip(lo[live], hi[live]):
+            covered[a:b] += 1
+        begin, end = int(begin), int(end)
+        assert (covered[begin:end] == 1).all() and not covered[:begin].any() and not covered[end:].any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tgmm_matches_megablox_and_the_golden(dtype):
+    a, b = _tgmm_inputs()
+    a, b = a.astype(dtype), b.astype(dtype)  # megablox needs M (384) to be a multiple of its row tile
+    op = stellax.registered_ops()["ragged_dot_tgmm"]
+    with interpret_mode():  # lhs [K, M]: an empty group, 270 of 384 rows in groups
+        ours = op(a.T, b, SIZES, implementation="mosaic_tpu", config=CFG)
+        theirs = megablox_gmm.tgmm(a.T, b, SIZES, preferred_element_type=dtype, tiling=(128, 128, 128),
+                                   interpret=True)
+    golden = op.reference(a.T, b, SIZES)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert ours.shape == (4, 200, 136) and ours.dtype == dtype
+    assert _rel(ours, golden) < tol and _rel(ours, theirs) < tol
+    assert not np.asarray(ours[1]).any()  # the empty group's block is zeros
+
+
+def test_tgmm_group_offset_matches_megablox():
+    a, b = _tgmm_inputs()
+    op = stellax.registered_ops()["ragged_dot_tgmm"]
+    offset = jnp.int32(1)
+    with interpret_mode():
+        ours = op(a, b, SIZES, group_offset=offset, num_local_groups=2, transpose_lhs=True,
+                  implementation="mosaic_tpu", config=CFG)
+        theirs = megablox_gmm.tgmm(a.T, b, SIZES, preferred_element_type=jnp.float32, tiling=(128, 128, 128),
+                                   group_offset=offset, num_actual_groups=2, interpret=True)
+    golden = op.reference(a, b, SIZES, group_offset=offset, num_local_groups=2, transpose_lhs=True)
+    assert ours.shape == (2, 200, 136)
+    assert _rel(ours, golden) < 1e-5 and _rel(ours, theirs) < 1e-5
+
+
+def test_tgmm_rows_outside_the_local_groups_contribute_nothing():
+    # M = 300, K = 200, N = 136: none a multiple of the 128-tiles (padded inside). Rows of the other
+    # groups and past sum(group_sizes) hold NaN: a kernel that reads them unmasked gives NaN.
+    a, b = _tgmm_inputs(m=300)
+    rows = np.arange(300)[:, None]
+    outside = (rows < 50) | (rows >= 180)  # local groups 1 (empty) and 2: rows [50, 180)
+    a_nan, b_nan = jnp.where(outside, jnp.nan, a), jnp.where(outside, jnp.nan, b)
+    op = stellax.registered_ops()["ragged_dot_tgmm"]
+    offset = jnp.int32(1)
+    kwargs = dict(group_offset=offset, num_local_groups=2, transpose_lhs=True)
+    with interpret_mode():
+        ours = op(a_nan, b_nan, SIZES, implementation="mosaic_tpu", config=CFG, **kwargs)
+    golden = op.reference(a, b, SIZES, **kwargs)
+    assert np.isfinite(np.asarray(ours)).all() and _rel(ours, golden) < 1e-5
+    assert not np.asarray(ours[0]).any()
+
+
+def test_grad_of_ragged_dot_runs_the_tpu_backward():
+    lhs, rhs = _inputs(m=300, n=128)
+    op = stellax.registered_ops()["ragged_dot"]
+    offset = jnp.int32(1)
+    local = rhs[1:3]
+    seen = []
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(jnp.sin(fn(x, w, SIZES, group_offset=offset, activation="gelu")))
+
+    with interpret_mode(), observe_calls(lambda o, impl, call, cfg: seen.append((o.name, impl.name))):
+        grads = jax.grad(loss(lambda *a, **k: op(*a, implementation="mosaic_tpu", config=CFG, **k)),
+                         argnums=(0, 1))(lhs, local)
+    assert ("ragged_dot_backward", "mosaic_tpu") in seen and ("ragged_dot_tgmm", "mosaic_tpu") in seen
+    assert all(impl == "mosaic_tpu" for _, impl in seen), seen
+    ref = jax.grad(loss(op.reference), argnums=(0, 1))(lhs, local)
+    for ours, golden in zip(grads, ref):
+        assert _rel(ours, golden) < 2e-5
+    assert not np.asarray(grads[0][:50]).any() and not np.asarray(grads[0][180:]).any()

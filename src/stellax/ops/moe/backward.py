@@ -21,6 +21,7 @@ from .examples import backward_examples
 from .ragged_dot import ragged_dot_op
 from .reference import ragged_dot_backward_reference
 from .tgmm import ragged_dot_tgmm_op
+from .tpu_configs import gmm_tpu_requirements
 
 
 def _runner(name: str):
@@ -53,7 +54,9 @@ def _runner(name: str):
 
 ragged_dot_backward_op = register(Op(
     "ragged_dot_backward", family=FAMILY, check=check_backward, reference=ragged_dot_backward_reference,
-    implementations=[Implementation("triton", _runner("triton"), backend="triton", requirements=triton_requirements),
+    implementations=[Implementation("mosaic_tpu", _runner("mosaic_tpu"), backend="mosaic_tpu",
+                                    requirements=gmm_tpu_requirements),
+                     Implementation("triton", _runner("triton"), backend="triton", requirements=triton_requirements),
                      Implementation("xla", _runner("xla"))],
     flops=lambda call: 2 * gmm_flops(call), bytes_accessed=lambda call: 2 * gmm_bytes(call),
     examples=backward_examples,

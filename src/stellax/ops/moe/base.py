@@ -86,11 +86,13 @@ def kernel_options(name: str, config) -> dict:
 
 
 def implementations(runner: Callable[[str], Callable], heuristic, space, xla_heuristic, *,
-                    tpu: bool = False) -> list[Implementation]:
+                    tpu: bool = False, tpu_heuristic=gmm_tpu_heuristic, tpu_space=gmm_tpu_space
+                    ) -> list[Implementation]:
     """The ``triton`` and ``xla`` implementations of a grouped-matmul op, after
-    ``mosaic_tpu`` when ``tpu`` (the op has a Mosaic TPU kernel)."""
+    ``mosaic_tpu`` when ``tpu`` (the op has a Mosaic TPU kernel; its heuristic
+    and space default to the forward's, `ragged_dot_tgmm` passes its own)."""
     on_tpu = [Implementation("mosaic_tpu", runner("mosaic_tpu"), backend="mosaic_tpu",
-                             config_type=TpuGroupedMatmulConfig, heuristic=gmm_tpu_heuristic, space=gmm_tpu_space,
+                             config_type=TpuGroupedMatmulConfig, heuristic=tpu_heuristic, space=tpu_space,
                              requirements=gmm_tpu_requirements)] if tpu else []
     return on_tpu + [
         Implementation("triton", runner("triton"), backend="triton", config_type=GroupedMatmulConfig,

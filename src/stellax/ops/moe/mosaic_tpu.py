@@ -1,4 +1,4 @@
-"""Pallas Mosaic TPU grouped matmul (megablox class): ``ragged_dot`` forward.
+"""Pallas Mosaic TPU grouped matmul (megablox class): ``ragged_dot`` forward and ``ragged_dot_tgmm``.
 
 Rows of ``lhs [M, K]`` are sorted by group. On a TPU a block is addressed by
 block index, so row tiles are *aligned* (tile ``i`` is rows
@@ -26,6 +26,15 @@ The epilogue is the fused activation, or ``act(gate) · up`` for gated weights
 ``rhs [G, K, 2, N]`` (two accumulators; the gate and up halves are two block
 views of the same array). Dimensions that are not block multiples are padded
 inside (M with rows outside every group, K and N with zeros).
+
+`tgmm` (``ragged_dot_tgmm``, the weight gradient ``out[g] = lhs[rows of g]ᵀ @
+rhs[rows of g]``) walks a second visit list, `group_visits`: the local groups
+only (rows outside them are never read), *one visit for every empty group* (its
+output block must still be written, as zeros). Grid ``(K/bk, N/bn, visits)``:
+the visit axis is sequential and accumulates in a float32 VMEM scratch
+``[bk, bn]``; the visits of a group are consecutive, so the output block
+``(g, k, j)`` stays in VMEM and is written once, by the group's last visit.
+The transposed-rhs `gmm` is the dlhs of ``ragged_dot_backward``.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import cdiv, dot, dot_nt, operand, output, pad_axis, tpu_kernel_call
+from ...core.pallas import cdiv, dot, dot_nt, dot_tn, operand, output, pad_axis, tpu_kernel_call
 from .activations import activation_fn, fusable_in_kernel, kernel_activation_fn
 from .checks import kernel_precision
 from .schedule import group_bounds
@@ -202,3 +211,106 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
         rows = jnp.arange(m)[:, None]
         out = jnp.where((rows >= bounds.begin) & (rows < bounds.end), y, 0.0).astype(out_dtype)
     return out, (pre if save_preactivation else None)
+
+
+# -- tgmm: the weight gradient ----------------------------------------------------------------------
+def group_visits(bounds, m_padded: int, block_m: int) -> TileVisits:
+    """Visits of the aligned ``block_m`` tiles by the local groups only, in row
+    order, with *one visit for every empty group* (rows ``[lo, lo)``: nothing
+    to add, but its output block must be written, as zeros). No pseudo-groups:
+    rows outside the local groups are never visited. At most
+    ``m_padded/block_m + G - 1`` visits (adjacent groups share at most one tile)."""
+    m_tiles = m_padded // block_m
+    num_local = int(bounds.sizes.shape[0])
+    starts, sizes = bounds.starts, bounds.sizes
+    ends = starts + sizes
+    first = jnp.minimum(starts // block_m, m_tiles - 1)
+    count = jnp.where(sizes > 0, (ends - 1) // block_m - first + 1, 1)
+    last = jnp.cumsum(count)
+    total = last[-1]
+    v_max = m_tiles + num_local - 1
+    v = jnp.minimum(jnp.arange(v_max, dtype=jnp.int32), total - 1)  # padding repeats the last visit
+    owner = jnp.minimum(jnp.sum(last[None, :] <= v[:, None], axis=1), num_local - 1).astype(jnp.int32)
+    tile = first[owner] + v - (last[owner] - count[owner])
+    lo = jnp.maximum(starts[owner], tile * block_m)
+    hi = jnp.maximum(lo, jnp.minimum(ends[owner], (tile + 1) * block_m))
+    live = (jnp.arange(v_max) < total).astype(jnp.int32)
+    return TileVisits(owner, tile, lo, hi, live)
+
+
+def _tgmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs, rhs, out, acc, bm,
+                 transpose_lhs, precision):
+    """Grid step ``(kk, j, v)``: add the visit's rows of ``lhs[tile]ᵀ @ rhs[tile]``
+    to the accumulator of its group; the group's last visit writes ``out[g]``."""
+    v, visits = pl.program_id(2), pl.num_programs(2)
+    group, live = visit_group[v], visit_live[v] > 0
+    lo, hi = visit_lo[v], visit_hi[v]
+
+    @pl.when((v == 0) | (visit_group[jnp.maximum(v - 1, 0)] != group))
+    def _init():
+        acc[...] = jnp.zeros(acc.shape, acc.dtype)
+
+    @pl.when(live & (hi > lo))
+    def _accumulate():
+        base = visit_tile[v] * bm
+        a, b = lhs[...], rhs[...]
+        rows_b = base + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+        b = jnp.where((rows_b >= lo) & (rows_b < hi), b, jnp.zeros_like(b))
+        if transpose_lhs:  # a [bm, bk]
+            a = jnp.where((rows_b >= lo) & (rows_b < hi), a, jnp.zeros_like(a))
+            acc[...] += dot_tn(a, b, precision=precision)
+        else:  # a [bk, bm]
+            cols = base + jax.lax.broadcasted_iota(jnp.int32, (1, bm), 1)
+            a = jnp.where((cols >= lo) & (cols < hi), a, jnp.zeros_like(a))
+            acc[...] += dot(a, b, precision=precision)
+
+    after = jnp.minimum(v + 1, visits - 1)
+    group_ends = (v == visits - 1) | (visit_group[after] != group) | (visit_live[after] == 0)
+
+    @pl.when(live & group_ends)
+    def _write():
+        out[0] = acc[...].astype(out.dtype)
+
+
+def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: bool, precision, out_dtype,
+         config):
+    """Same contract as `xla.tgmm`: ``lhs [K, M]`` (``[M, K]`` with ``transpose_lhs``),
+    ``rhs [M, N]`` → ``out [G_local, K, N]``, ``out[g] = lhs[rows of g]ᵀ @ rhs[rows of g]``.
+
+    Grid ``(K/bk, N/bn, visits)`` (`group_visits`): the visit axis is
+    sequential and accumulates in a float32 VMEM scratch ``[bk, bn]``; the
+    visits of one group are consecutive, so the output block ``(g, kk, j)``
+    stays in VMEM across them and is written once, by the group's last visit
+    (deterministic: no atomics, a fixed order). Rows of a straddling tile that
+    are not the visit's are masked to zero in both operands; an empty group's
+    one visit adds nothing and writes zeros; rows outside the local groups are
+    never visited. K, N and M are padded to block multiples inside."""
+    if transpose_lhs:
+        m, k = lhs.shape
+    else:
+        k, m = lhs.shape
+    n = rhs.shape[1]
+    precision = kernel_precision(precision, lhs.dtype)
+    b = Blocks(config.block_m, config.block_k, config.block_n)
+    m_p, k_p, n_p = cdiv(m, b.bm) * b.bm, cdiv(k, b.bk) * b.bk, cdiv(n, b.bn) * b.bn
+    if transpose_lhs:
+        lhs_p = pad_axis(pad_axis(lhs, 0, m_p), 1, k_p)
+        lhs_spec = pl.BlockSpec((b.bm, b.bk), lambda kk, j, v, g, t, *_: (t[v], kk))
+    else:
+        lhs_p = pad_axis(pad_axis(lhs, 0, k_p), 1, m_p)
+        lhs_spec = pl.BlockSpec((b.bk, b.bm), lambda kk, j, v, g, t, *_: (kk, t[v]))
+    rhs_p = pad_axis(pad_axis(rhs, 0, m_p), 1, n_p)
+    rhs_spec = pl.BlockSpec((b.bm, b.bn), lambda kk, j, v, g, t, *_: (t[v], j))
+    out_spec = pl.BlockSpec((1, b.bk, b.bn), lambda kk, j, v, g, *_: (g[v], kk, j))
+    visits = group_visits(group_bounds(group_sizes, group_offset, num_local, m), m_p, b.bm)
+    kernel = functools.partial(_tgmm_kernel, bm=b.bm, transpose_lhs=transpose_lhs, precision=precision)
+    outs = tpu_kernel_call(
+        kernel, grid=(k_p // b.bk, n_p // b.bn, visits.group.shape[0]),
+        scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,
+                             visit_hi=visits.hi, visit_live=visits.live),
+        inputs=dict(lhs=operand(lhs_p, lhs_spec), rhs=operand(rhs_p, rhs_spec)),
+        outputs=dict(out=output((num_local, k_p, n_p), out_dtype, out_spec)),
+        scratch=dict(acc=pltpu.VMEM((b.bk, b.bn), jnp.float32)),
+        dimension_semantics=("parallel", "parallel", "arbitrary"), name="stellax_ragged_dot_tgmm_tpu",
+    )
+    return outs.out[:, :k, :n]

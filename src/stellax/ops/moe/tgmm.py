@@ -21,6 +21,7 @@ from .configs import tgmm_heuristic, tgmm_space, tgmm_xla_heuristic
 from .examples import TGMM_PEERS, tgmm_benchmarks, tgmm_examples
 from .ragged_dot import ragged_dot_op
 from .reference import ragged_dot_tgmm_reference
+from .tpu_configs import tgmm_tpu_heuristic, tgmm_tpu_space
 
 
 def _runner(name: str):
@@ -55,7 +56,8 @@ def _runner(name: str):
 
 ragged_dot_tgmm_op = register(Op(
     "ragged_dot_tgmm", family=FAMILY, check=check_tgmm, reference=ragged_dot_tgmm_reference,
-    implementations=implementations(_runner, tgmm_heuristic, tgmm_space, tgmm_xla_heuristic),
+    implementations=implementations(_runner, tgmm_heuristic, tgmm_space, tgmm_xla_heuristic, tpu=True,
+                                    tpu_heuristic=tgmm_tpu_heuristic, tpu_space=tgmm_tpu_space),
     flops=tgmm_flops, bytes_accessed=tgmm_bytes, examples=tgmm_examples, benchmarks=tgmm_benchmarks,
     peers=TGMM_PEERS, differentiable=("lhs", "rhs"),
 ))

@@ -6,6 +6,11 @@ tiles ``[bm, bn]``, plus float32 accumulators ``[bm, bn]``. Configs whose
 buffers exceed the generation's scoped VMEM default are not in its space.
 Tiles are multiples of 128 (the lane width); ``bn`` and ``bk`` of 256 fill the
 256-wide MXU of v6e and TPU7x.
+
+`ragged_dot_tgmm` (the weight gradient) reuses the config with other roles:
+its output block is ``[bk, bn]`` (of ``out[g]``, double-buffered in the output
+dtype, plus its float32 accumulator) and each step streams ``[bm, bk]`` rows of
+``lhs`` and ``[bm, bn]`` rows of ``rhs`` (`tgmm_tpu_vmem`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 from ...core import Call, KernelConfig, product_space
 from ...core.config import require_in
 from ...core.tpu import target_generation
-from .configs import gmm_dims
+from .configs import gmm_dims, tgmm_dims
 
 TILES = (128, 256, 512)
 
@@ -84,3 +89,42 @@ def gmm_tpu_requirements(call: Call) -> str | None:
     if dtype.name not in ("float32", "bfloat16"):
         return f"the Mosaic TPU grouped matmul needs float32/bfloat16 operands, got {dtype.name}"
     return None
+
+
+# -- ragged_dot_tgmm -----------------------------------------------------------------------
+def tgmm_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
+    """VMEM bytes of one `ragged_dot_tgmm` grid step: double-buffered ``lhs [bm, bk]``
+    and ``rhs [bm, bn]`` tiles and ``out [bk, bn]`` block, the float32 accumulator."""
+    item = np.dtype(call.lhs.dtype).itemsize
+    out_item = np.dtype(call.out_dtype).itemsize
+    operands = 2 * (c.block_m * c.block_k + c.block_m * c.block_n) * item
+    return operands + 2 * c.block_k * c.block_n * out_item + c.block_k * c.block_n * 4
+
+
+def _tgmm_useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
+    m, k, n, _ = tgmm_dims(call)
+    return c.block_m <= _round_up(m, 128) and c.block_k <= _round_up(k, 128) and c.block_n <= _round_up(n, 128)
+
+
+def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
+    """Tiles of 128–512 that the `ragged_dot_tgmm` call can use and that fit the
+    scoped VMEM of the generation the configs are for."""
+    budget = target_generation().scoped_vmem_bytes
+    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
+    kept = [c for c in configs if _tgmm_useful(call, c) and tgmm_tpu_vmem(call, c) <= budget]
+    return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
+
+
+def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
+    """The output block ``[bk, bn]`` as large as fits (each row of ``lhs``/``rhs``
+    is read once per output block, so a larger block reads the rows fewer
+    times), at least the MXU width; ``block_m`` 128, 256 when the groups
+    average 1024 rows or more (a tile straddling two groups is visited twice:
+    small groups want small row tiles)."""
+    m, _, _, g = tgmm_dims(call)
+    mxu = target_generation().mxu
+    bm = 256 if m // max(g, 1) >= 1024 else 128
+    space = tgmm_tpu_space(call)
+    preferred = [c for c in space if c.block_m == bm and c.block_k >= mxu and c.block_n >= mxu]
+    pool = preferred or [c for c in space if c.block_m == 128] or space
+    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_m))
