@@ -4,7 +4,8 @@ mosaic_tpu) × its examples and its whole autotuning space.
 
 * Tier 1 (numerics, interpret mode, vs the golden):
   - every example with the heuristic config, forward and gradients (for ops
-    with ``differentiable``);
+    with ``differentiable``); for Mosaic TPU kernels the first two examples
+    (the others under ``slow``: interpreted TPU kernels cost 25-60 s each);
   - the corner configs of the autotuning space (`corner_configs`: each
     varying field at its smallest and largest value) on the space's example
     (the first example with a non-empty space), forward; ``slow``: the other
@@ -64,7 +65,22 @@ def _params(cases, *marks):
     return [pytest.param(case, id=case.id, marks=marks) for case in cases]
 
 
-TIER1_EXAMPLES = [c for op, impl in KERNELS for c in example_cases(op, impl)]
+#: Interpreted Mosaic TPU kernels cost 25-60 s of CPU per example with gradients
+#: (race detection included): the default tier runs the first two examples of
+#: each, the others run under ``slow`` (the family tests cover their options).
+TPU_DEFAULT_EXAMPLES = 2
+ALL_EXAMPLES = [c for op, impl in KERNELS for c in example_cases(op, impl)]
+
+
+def _is_deferred(case) -> bool:
+    if case.op.implementations[case.implementation].backend != "mosaic_tpu":
+        return False
+    same = [c for c in ALL_EXAMPLES if c.op is case.op and c.implementation == case.implementation]
+    return same.index(case) >= TPU_DEFAULT_EXAMPLES
+
+
+TIER1_EXAMPLES = [c for c in ALL_EXAMPLES if not _is_deferred(c)]
+TIER1_DEFERRED = [c for c in ALL_EXAMPLES if _is_deferred(c)]
 TIER1_CONFIGS = [c for op, impl in KERNELS for c in config_cases(op, impl, corners=True)]
 _CORNER_IDS = {c.id for c in TIER1_CONFIGS}
 TIER1_OTHER_CONFIGS = [c for op, impl in KERNELS for c in config_cases(op, impl) if c.id not in _CORNER_IDS]
@@ -85,6 +101,12 @@ def _assert_numerics(case, *, gradients: bool):
 # -- tier 1: interpret-mode numerics --------------------------------------------
 @pytest.mark.parametrize("case", _params(TIER1_EXAMPLES))
 def test_numerics_heuristic_config(case):
+    _assert_numerics(case, gradients=bool(case.op.differentiable))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _params(TIER1_DEFERRED))
+def test_numerics_heuristic_config_more_tpu_examples(case):
     _assert_numerics(case, gradients=bool(case.op.differentiable))
 
 
@@ -197,7 +219,7 @@ NOT_YET_REACHED = {("attention_fp8", "triton")}  # attention_fp8 has no examples
 def test_every_kernel_implementation_is_covered():
     """Each kernel implementation has at least one example it runs and one it
     lowers (an implementation no example reaches is verified by nothing here)."""
-    numerics = {(c.op.name, c.implementation) for c in TIER1_EXAMPLES}
+    numerics = {(c.op.name, c.implementation) for c in ALL_EXAMPLES}
     lowering = {(c.op.name, c.implementation) for c in TIER2_EXAMPLES}
     every = {(op.name, impl) for op, impl in KERNELS}
     assert every - numerics == NOT_YET_REACHED, f"kernel implementations without an interpretable example: " \

@@ -17,7 +17,7 @@ from .families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Examples per family in the default tier (bounded: the suite's budget) and under slow.
-DEFAULT_EXAMPLES = 6
+DEFAULT_EXAMPLES = 4
 SLOW_EXAMPLES = 150
 
 
