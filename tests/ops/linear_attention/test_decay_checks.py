@@ -43,3 +43,21 @@ def test_under_jit_positive_decay_is_clamped_to_zero():
     out = jax.jit(lambda *a: stellax.chunk_gated_delta_rule(*a)[0])(q, k, v, pos, beta)
     want = stellax.chunk_gated_delta_rule(q, k, v, jnp.zeros_like(g), beta)[0]
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_ssd_positive_A_is_an_eager_error_naming_the_index():
+    import jax.numpy as jnp
+    import pytest
+
+    import stellax
+
+    b, t, h, p, n = 1, 8, 2, 4, 4
+    x = jnp.ones((b, t, h, p))
+    dt = jnp.full((b, t, h), 0.1)
+    bc = jnp.ones((b, t, 1, n))
+    with pytest.raises(ValueError, match=r"A\[1\]: expected a decay rate <= 0"):
+        stellax.ssd(x, dt, jnp.array([-1.0, 0.5]), bc, bc)
+    with pytest.raises(ValueError, match=r"A\[0, 0, 0\]: expected a decay rate <= 0"):
+        stellax.ssd_step(jnp.zeros((b, h, p, n)), x[:, 0], jnp.full((b, h, p), 0.1), jnp.ones((h, p, n)),
+                         bc[:, 0], bc[:, 0])
+    assert stellax.ssd(x, dt, jnp.array([-1.0, 0.0]), bc, bc).shape == x.shape

@@ -14,6 +14,7 @@ benchmark shapes are in `examples.py`.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32
@@ -36,9 +37,25 @@ def _check_dt_limit(dt_limit):
     return (lo, hi)
 
 
+def _check_negative_A(A) -> None:
+    """``A`` is the per-step log decay per unit of ``dt`` (``dt·A ≤ 0``): every
+    value must be ``<= 0`` and finite. Checked when concrete; under ``jit`` a
+    positive ``A`` is not caught and grows the state exponentially, as in
+    mamba_ssm."""
+    values = checks.concrete_values(A)
+    if values is None:
+        return
+    bad = np.argwhere(~(values <= 0))
+    if bad.size:
+        idx = [int(i) for i in bad[0]]
+        raise ValueError(f"A{idx}: expected a decay rate <= 0 (finite; Mamba2's A = -exp(A_log)), "
+                         f"got {float(values[tuple(idx)])}")
+
+
 def _check_head_params(H, P, D, dt_bias, A):
     A = checks.require_float("A", A)
     checks.require_shape("A", A, (H,), "[H]")
+    _check_negative_A(A)
     if D is not None:
         D = checks.require_float("D", D)
         if D.ndim == 1:
@@ -121,6 +138,7 @@ def _check_step_head_params(H, P, N, D, dt_bias, A):
     allowed by `ssd` already)."""
     A = checks.require_float("A", A)
     checks.require_shape("A", A, (H, P, N) if A.ndim == 3 else (H,), "[H] or [H, P, N]")
+    _check_negative_A(A)
     if dt_bias is not None:
         dt_bias = checks.require_float("dt_bias", dt_bias)
         checks.require_shape("dt_bias", dt_bias, (H, P) if dt_bias.ndim == 2 else (H,), "[H] or [H, P]")
