@@ -82,3 +82,14 @@ def test_any_visible_skips_future_blocks():
     window = LocalAttention(window=(2, 2))
     assert not bool(window.any_visible(pos[0][None], pos[3][None]))
     assert LocalAttention().any_visible(q_pos, late) is None
+
+
+def test_reorder_divisibility_error_names_x():
+    import jax.numpy as jnp
+    import pytest
+
+    from stellax.parallel import reorder_for_load_balance, restore_from_load_balance
+
+    for fn in (reorder_for_load_balance, restore_from_load_balance):
+        with pytest.raises(ValueError, match=r"x: sequence length \(axis 1\) \(10\) must be divisible by 8"):
+            fn(jnp.ones((1, 10, 2)), 4, "zigzag")

@@ -87,6 +87,7 @@ def reorder_for_load_balance(x, axis_size: int, strategy="zigzag", *, axis: int 
     """
     x = checks.as_array("x", x)
     axis = checks.normalize_axis("axis", axis, x.ndim)
+    check_divisible(x.shape[axis], axis_size, check_load_balance(strategy), what=f"x: sequence length (axis {axis})")
     perm = load_balance_permutation(x.shape[axis], axis_size, strategy)
     if strategy is None:
         return x
@@ -97,6 +98,7 @@ def restore_from_load_balance(x, axis_size: int, strategy="zigzag", *, axis: int
     """The inverse of `reorder_for_load_balance` (same arguments)."""
     x = checks.as_array("x", x)
     axis = checks.normalize_axis("axis", axis, x.ndim)
+    check_divisible(x.shape[axis], axis_size, check_load_balance(strategy), what=f"x: sequence length (axis {axis})")
     perm = load_balance_permutation(x.shape[axis], axis_size, strategy)
     if strategy is None:
         return x
