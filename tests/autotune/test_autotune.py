@@ -121,9 +121,11 @@ def test_cli_tunes_shapes_from_a_file(tmp_path, capsys):
                               "--out", str(out), "--export", str(exported)])
     assert code == 0
     data = json.loads(out.read_text())
-    assert [e["op"] for e in data["entries"]] == ["layer_norm"]
-    assert len(cache_lib.ConfigCache(exported).entries()) == 1
-    assert "1 config(s) (1 tuned)" in capsys.readouterr().out
+    # Interpreted, every kernel implementation of the op is tuned: Triton and Mosaic TPU.
+    assert sorted((e["op"], e["implementation"]) for e in data["entries"]) == [("layer_norm", "mosaic_tpu"),
+                                                                               ("layer_norm", "triton")]
+    assert len(cache_lib.ConfigCache(exported).entries()) == 2
+    assert "2 config(s) (2 tuned)" in capsys.readouterr().out
     # Nothing to tune natively on a CPU without --interpret.
     assert autotune_cli.main(["--shapes", str(shapes), "--quiet"]) == 0
     assert autotune_cli.main(["--shapes", str(tmp_path / "missing.json")]) == 2
