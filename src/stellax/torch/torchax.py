@@ -112,10 +112,32 @@ def import_torchax():
     if "torchax" not in sys.modules:
         install_compat()
     try:
-        return importlib.import_module("torchax")
+        module = importlib.import_module("torchax")
     except ImportError as e:
         raise ImportError("stellax.torch.torchax needs torchax: pip install 'stellax[torchax]' "
                           "(torchax==0.0.13)") from e
+    _fix_device_module()
+    return module
+
+
+def _fix_device_module() -> None:
+    """torchax registers itself as torch's ``privateuse1`` device with a
+    ``set_rng_state(new_state, device)`` that requires ``device``; torch calls
+    every device module's ``set_rng_state(state)`` when it restores RNG state
+    (AOT dispatch, ``torch.random.fork_rng``), so after importing torchax every
+    ``opcheck`` / ``torch.compile`` in the process failed. Its function does
+    nothing; give ``device`` a default."""
+    from torchax import device_module
+
+    original = device_module.set_rng_state
+    if getattr(original, "__stellax_fixed__", False):
+        return
+
+    def set_rng_state(new_state, device=None):
+        return original(new_state, device)
+
+    set_rng_state.__stellax_fixed__ = True
+    device_module.set_rng_state = set_rng_state
 
 
 def _classes():
