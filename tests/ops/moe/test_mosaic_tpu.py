@@ -85,6 +85,8 @@ def test_group_offset_writes_zeros_outside_the_local_groups():
     assert not np.asarray(ours[:50]).any() and not np.asarray(ours[270:]).any()
 
 
+@pytest.mark.slow  # 55 s interpreted; the default tier's registry cases run the plain and gated forms with
+# gradients, and the TPU backward (test_grad_of_ragged_dot_runs_the_tpu_backward) runs the transposed form.
 def test_transposed_gated_and_activation_forms_and_gradients():
     lhs, rhs = _inputs(n=128)
     op = stellax.registered_ops()["ragged_dot"]
