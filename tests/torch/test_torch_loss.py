@@ -81,3 +81,14 @@ def test_bad_label_raises():
     labels[0] = 45
     with pytest.raises(ValueError, match=r"labels: expected values in \[0, 45\)"):
         st.linear_cross_entropy(x, w, labels, transpose_w=True)
+
+
+def test_linear_cross_entropy_opcheck():
+    """The custom op's schema, fake (meta) function, autograd and AOT dispatch."""
+    from stellax.torch.loss import linear_cross_entropy_op
+
+    x, w, labels = _inputs(tokens=8, d=16, v=24)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    for reduction in ("mean", "none"):
+        torch.library.opcheck(linear_cross_entropy_op.op, (x, w, labels, -100, 0.1, 1e-4, None, reduction, True, None))
