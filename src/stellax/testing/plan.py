@@ -11,9 +11,9 @@ op and dtype), so the first row appears after one op's examples, not all.
   bfloat16), gradients for differentiable ops;
 * the quick default: every registered op against its golden on its first
   example in float32 (for a kernel, the first example it supports), with gradients for the ops that have them, through every
-  implementation except the kernels in `SLOW_INTERPRETED` (interpreting them
-  on a CPU costs several seconds each; ``--all``, an explicit
-  ``--implementations`` and the registry tests check them).
+  implementation except the kernels in `SLOW_INTERPRETED` and, off a TPU, the
+  Mosaic TPU kernels (interpreting them on a CPU costs several seconds each;
+  ``--all``, an explicit ``--implementations`` and the registry tests check them).
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ SLOW_INTERPRETED: frozenset[tuple[str, str]] = frozenset({
     ("moe_mlp", "triton"),
     ("ssd", "triton"),
 })
+
+def _interpreted_tpu(op: Op, implementation: str) -> bool:
+    """Mosaic TPU kernels off a TPU: interpreted with race detection they cost
+    15-60 s of CPU per example, so the quick run leaves them to ``--all``,
+    ``--implementations mosaic_tpu`` and the test tiers (on a TPU they run natively)."""
+    return op.implementations[implementation].backend == "mosaic_tpu" and current_platform().backend != "tpu"
+
 
 QUICK_DTYPES = ("float32",)
 FULL_DTYPES = ("float32", "bfloat16")
@@ -116,7 +123,7 @@ def plan_checks(ops: Mapping[str, Op], *, full: bool = False, dtypes: Iterable[s
     for name, op in sorted(ops.items()):
         chosen = [i for i in op.implementations if wanted is None or i in wanted]
         if not full and wanted is None:
-            chosen = [i for i in chosen if (name, i) not in SLOW_INTERPRETED]
+            chosen = [i for i in chosen if (name, i) not in SLOW_INTERPRETED and not _interpreted_tpu(op, i)]
         grads = gradients and bool(op.differentiable)
         for impl in chosen:
             for dtype in dtype_names:
