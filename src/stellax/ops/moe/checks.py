@@ -18,14 +18,8 @@ _PRECISIONS = (None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH, jax.lax.
 _OUT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
-def concrete(value):
-    """``value`` as a numpy array when it is concrete (not traced), else None."""
-    if value is None or isinstance(value, jax.ShapeDtypeStruct):
-        return None
-    try:
-        return np.asarray(value)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
+#: ``value`` as a numpy array when it is concrete (not traced), else None.
+concrete = checks.concrete_values
 
 
 def check_precision(precision):
