@@ -10,12 +10,14 @@ import numpy as np
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import cdiv
 from . import examples
+from . import mosaic_tpu as tpu_kernels
 from . import triton as kernels
 from .base import array_bytes
 from .configs import DequantConfig, dequant_heuristic, dequant_space
 from .kernel import kernel_operands
 from .qarray import QArray, qarray_fields, qarray_from_call
 from .reference import dequantize_reference
+from .tpu_configs import QuantTpuConfig, dequantize_tpu_heuristic, dequantize_tpu_space
 
 
 def check_dequantize(values, scales, zero_points=None, tensor_scale=None, *, format, shape, block_shape, axis,
@@ -77,6 +79,9 @@ dequantize_op = register(Op(
     check=check_dequantize,
     reference=_xla,
     implementations=[
+        Implementation("mosaic_tpu", tpu_kernels.dequantize_run, backend="mosaic_tpu", config_type=QuantTpuConfig,
+                       heuristic=dequantize_tpu_heuristic, space=dequantize_tpu_space,
+                       requirements=tpu_kernels.dequantize_requirements),
         Implementation("triton", _triton, backend="triton", config_type=DequantConfig,
                        heuristic=dequant_heuristic, space=dequant_space, requirements=_triton_requirements),
         Implementation("xla", _xla)],

@@ -12,8 +12,10 @@ from ...core import Call, Implementation, Op, checks, register
 from ...core.config import is_power_of_two
 from . import examples
 from . import hadamard as H
+from . import mosaic_tpu as tpu_kernels
 from . import triton as kernels
 from .configs import HadamardConfig, hadamard_heuristic, hadamard_space
+from .tpu_configs import HadamardTpuConfig, hadamard_tpu_heuristic, hadamard_tpu_space
 
 
 def check_hadamard(x, signs=None, *, block=None, inverse=False) -> Call:
@@ -65,6 +67,9 @@ hadamard_op = register(Op(
     check=check_hadamard,
     reference=_reference,
     implementations=[
+        Implementation("mosaic_tpu", tpu_kernels.hadamard_run, backend="mosaic_tpu", config_type=HadamardTpuConfig,
+                       heuristic=hadamard_tpu_heuristic, space=hadamard_tpu_space,
+                       requirements=tpu_kernels.hadamard_requirements),
         Implementation("triton", _triton, backend="triton", config_type=HadamardConfig,
                        heuristic=hadamard_heuristic, space=hadamard_space, requirements=_triton_requirements),
         Implementation("xla", _xla),

@@ -10,11 +10,13 @@ import numpy as np
 from ...core import Call, Implementation, Op, checks, register
 from . import examples
 from . import formats as F
+from . import mosaic_tpu as tpu_kernels
 from . import triton as kernels
 from .base import SCALE_DTYPES, quantize_xla, resolve_block_shape
 from .configs import QuantizeConfig, quantize_heuristic, quantize_space
 from .hadamard_transform import hadamard_transform
 from .qarray import QArray, scale_shape
+from .tpu_configs import QuantTpuConfig, quantize_tpu_heuristic, quantize_tpu_space
 
 BLOCK_KERNEL_FORMATS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
 
@@ -126,6 +128,9 @@ quantize_op = register(Op(
     check=check_quantize,
     reference=_xla,
     implementations=[
+        Implementation("mosaic_tpu", tpu_kernels.quantize_run, backend="mosaic_tpu", config_type=QuantTpuConfig,
+                       heuristic=quantize_tpu_heuristic, space=quantize_tpu_space,
+                       requirements=tpu_kernels.quantize_requirements),
         Implementation("triton", _triton, backend="triton", config_type=QuantizeConfig,
                        heuristic=quantize_heuristic, space=quantize_space, requirements=_triton_requirements),
         Implementation("xla", _xla)],
