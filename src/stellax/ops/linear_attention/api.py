@@ -21,6 +21,8 @@ from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_a
 from .costs import delta_rule_bytes, delta_rule_flops, recurrent_flops
 from .examples import delta_rule_benchmarks, delta_rule_examples, naive_scan
 from .recurrence import recurrence
+from .tpu_configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_requirements,
+                          linear_attention_tpu_space)
 from .reference import delta_rule_recurrence, delta_rule_reference, prepare_delta_inputs
 
 
@@ -159,12 +161,15 @@ def _chunked_op(name: str, per_channel: bool) -> Op:
     triton = Implementation("triton", _chunked_runner("triton", per_channel), backend="triton",
                             config_type=LinearAttentionConfig, heuristic=linear_attention_heuristic,
                             space=linear_attention_space, requirements=triton_requirements(per_channel))
+    tpu = Implementation("mosaic_tpu", _chunked_runner("mosaic_tpu", per_channel), backend="mosaic_tpu",
+                         config_type=TpuLinearAttentionConfig, heuristic=linear_attention_tpu_heuristic,
+                         space=linear_attention_tpu_space, requirements=linear_attention_tpu_requirements)
     return register(Op(
         name,
         family="linear_attention",
         check=_check_kda if per_channel else _check_gdn,
         reference=delta_rule_reference,
-        implementations=[triton, Implementation("xla", _chunked_runner("xla", per_channel))],
+        implementations=[tpu, triton, Implementation("xla", _chunked_runner("xla", per_channel))],
         flops=delta_rule_flops(per_channel),
         bytes_accessed=delta_rule_bytes,
         examples=delta_rule_examples(per_channel),

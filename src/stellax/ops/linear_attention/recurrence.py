@@ -28,9 +28,11 @@ from . import pipeline, xla
 from .backward import gated_recurrence_backward_op, kda_recurrence_backward_op
 from .configs import TRITON_CHUNK, linear_attention_heuristic
 from .layout import chunk_meta, heads_major, make_stream
+from .mosaic_tpu import recurrence_forward as tpu_forward
+from .tpu_configs import lanes, linear_attention_tpu_heuristic
 
 
-def kernel_recurrence(forward, backward_op: Op):
+def kernel_recurrence(forward, backward_op: Op, backend: str = "triton"):
     """A differentiable recurrence on the kernels' layout:
     ``run(q, k, v, g, beta, h0, meta, config)`` is ``forward`` (a Triton
     pipeline) and its VJP is ``backward_op`` — a registered op taking
@@ -49,7 +51,7 @@ def kernel_recurrence(forward, backward_op: Op):
         do, dfinal = cotangents
         first, seq, last = meta if meta is not None else (None, None, None)
         grads = backward_op(q, k, v, g, beta, h0, do, dfinal, first, seq, last,
-                            implementation=backward_implementation(backward_op, "triton"))
+                            implementation=backward_implementation(backward_op, backend))
         return tuple(grads) + (None,)
 
     run.defvjp(run_fwd, run_bwd)
@@ -61,12 +63,70 @@ gdn_kernel_recurrence = kernel_recurrence(pipeline.gdn_forward, gated_recurrence
 kda_kernel_recurrence = kernel_recurrence(pipeline.kda_forward, kda_recurrence_backward_op)
 
 
+def _tpu_pipeline(per_channel: bool):
+    """The Mosaic TPU forward (`mosaic_tpu.recurrence_forward`) on the heads-major
+    layout ``[Bs, HV, Tp, ...]`` with ``meta`` per chunk of `TRITON_CHUNK` (the
+    backward ops' layout; regrouped for chunks of 128)."""
+
+    def forward(q, k, v, g, beta, h0, meta, config):
+        heads = v.shape[1]
+        if meta is not None and config.chunk != TRITON_CHUNK:
+            step = config.chunk // TRITON_CHUNK
+            first, seq, last = meta
+            meta = (first[::step], seq[::step], last[step - 1::step])
+        flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])
+        o, final = tpu_forward(flat(q), flat(k), flat(v), flat(g), flat(beta), flat(h0), meta, heads=heads,
+                               per_channel=per_channel, config=config)
+        return o.reshape(v.shape), final.reshape(h0.shape)
+    return forward
+
+
+#: The differentiable Mosaic TPU recurrences (backward: the same registered ops).
+gdn_tpu_recurrence = kernel_recurrence(_tpu_pipeline(False), gated_recurrence_backward_op, "mosaic_tpu")
+kda_tpu_recurrence = kernel_recurrence(_tpu_pipeline(True), kda_recurrence_backward_op, "mosaic_tpu")
+
+
+def _fine_meta(stream):
+    """`chunk_meta` of a stream of chunks of ``C`` (a multiple of `TRITON_CHUNK`)
+    restated per chunk of `TRITON_CHUNK` (``None`` when dense)."""
+    meta = chunk_meta(stream)
+    if meta is None or stream.chunk == TRITON_CHUNK:
+        return meta
+    step = stream.chunk // TRITON_CHUNK
+    first, seq, last = meta
+    at = lambda x, i: jnp.zeros((x.shape[0], step), jnp.int32).at[:, i].set(x).reshape(-1)
+    return at(first, 0), jnp.repeat(seq, step), at(last, step - 1)
+
+
+def tpu_recurrence(tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, config=None):
+    """`recurrence` on the Mosaic TPU kernels: the heads-major layout with head
+    sizes padded to 128 lanes, chunks of ``config.chunk``."""
+    q, k, v, g, beta = prepare(tokens)
+    B, T, HV, K = k.shape
+    V = v.shape[-1]
+    if config is None:
+        config = linear_attention_tpu_heuristic(Call({"k": k, "v": v, "g": g}, {}))
+    stream = make_stream(B, T, config.chunk, cu_seqlens)
+    kp, vp = lanes(K), lanes(V)
+    b = None if beta is None else heads_major(stream, beta)
+    h0p = jnp.pad(h0.astype(F32), [(0, 0), (0, 0), (0, kp - K), (0, vp - V)])
+    args = (heads_major(stream, q, kp), heads_major(stream, k, kp), heads_major(stream, v, vp))
+    gh = heads_major(stream, g, kp) if per_channel else heads_major(stream, g)
+    run = kda_tpu_recurrence if per_channel else gdn_tpu_recurrence
+    o, final = run(*args, gh, b, h0p, _fine_meta(stream), config)
+    o = stream.unpack(jnp.moveaxis(o, 1, 2))[..., :V]
+    final = final[:, :, :K, :V]
+    if stream.varlen:
+        final = jnp.where(stream.empty[:, None, None, None], h0.astype(F32), final)
+    return o, final
+
+
 def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, chunk_size: int,
                config=None):
     """The gated (delta-rule) recurrence, chunked.
 
     Args:
-      backend: ``"xla"`` or ``"triton"``.
+      backend: ``"xla"``, ``"triton"`` or ``"mosaic_tpu"`` (`tpu_recurrence`).
       tokens: the op's per-token inputs, ``name → [B, T, ...]`` (any dtype).
       prepare: ``prepare(tokens) → (q, k, v, g, beta)`` in float32 — ``q, k
         [..., HV, K]`` (q scaled, heads expanded), ``v [..., HV, V]``, log decays
@@ -78,13 +138,16 @@ def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, per_chann
       cu_seqlens: ``[N+1]`` offsets of packed sequences or ``None``.
       per_channel: the decays are per channel (KDA) rather than one per token and head.
       chunk_size: the XLA path's chunk (the Triton kernels always use `TRITON_CHUNK`).
-      config: the Triton kernels' `LinearAttentionConfig` (``None``: the heuristic's).
+      config: the Triton kernels' `LinearAttentionConfig` or the Mosaic TPU
+        kernels' `TpuLinearAttentionConfig` (``None``: the heuristic's).
     Returns float32 ``(o [B, T, HV, V], final [N, HV, K, V])``.
     """
     if backend == "xla":
         return xla.chunked_scan(tokens, prepare, initial_state=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    if backend == "mosaic_tpu":
+        return tpu_recurrence(tokens, prepare, h0, cu_seqlens, per_channel=per_channel, config=config)
     if backend != "triton":
-        raise ValueError(f"backend: expected 'xla' or 'triton', got {backend!r}")
+        raise ValueError(f"backend: expected 'xla', 'triton' or 'mosaic_tpu', got {backend!r}")
     q, k, v, g, beta = prepare(tokens)
     B, T, HV, K = k.shape
     V = v.shape[-1]

@@ -108,7 +108,7 @@ def channel_scores(q, k, g, chunk: int):
     s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
     rows, cols = square_iota(chunk)
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    start = (row // s) * s  # [C, 1]: the first row of row i's block
+    start = row & -s  # [C, 1]: the first row of row i's block (s a power of two; no vector division)
     # Σ_{start(i) ≤ t ≤ i} g_t: the row factor of the off-diagonal blocks.
     inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g))
     qi, ki = q * inner, k * inner

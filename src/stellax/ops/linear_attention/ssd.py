@@ -23,6 +23,8 @@ from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_a
 from .costs import ssd_bytes, ssd_flops
 from .examples import naive_ssd, ssd_benchmarks, ssd_examples, ssd_step_examples
 from .recurrence import recurrence
+from .tpu_configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_requirements,
+                          linear_attention_tpu_space)
 from .reference import ssd_dt, ssd_epilogue, ssd_reference, ssd_step_reference
 
 _INF = float("inf")
@@ -221,6 +223,9 @@ ssd_op = register(Op(
     check=_check_ssd,
     reference=ssd_reference,
     implementations=[
+        Implementation("mosaic_tpu", _ssd_runner("mosaic_tpu"), backend="mosaic_tpu",
+                       config_type=TpuLinearAttentionConfig, heuristic=linear_attention_tpu_heuristic,
+                       space=linear_attention_tpu_space, requirements=linear_attention_tpu_requirements),
         Implementation("triton", _ssd_runner("triton"), backend="triton", config_type=LinearAttentionConfig,
                        heuristic=linear_attention_heuristic, space=linear_attention_space,
                        requirements=triton_requirements(per_channel=False)),
