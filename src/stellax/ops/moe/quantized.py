@@ -22,6 +22,11 @@ Golden: ``dequantize(rhs)`` in float32, then the float32 `ragged_dot` golden.
   accumulator once in the epilogue; the NVFP4 tensor scale is applied in the
   epilogue, before the activation. No dequantized weight is ever written
   (`triton_quantized.py`).
+* ``mosaic_tpu``: the visit schedule of the TPU grouped matmul (`mosaic_tpu.py`);
+  each K step DMAs the code tile of ``rhs[g]`` and its scale rows and decodes
+  them in VMEM (`mosaic_tpu_quantized.py`). fp8 codes need a generation with
+  float8 (TPU7x); elsewhere the implementation is unsupported and dispatch
+  falls back. Its dlhs is the XLA path.
 * ``xla``: the row-tile loop of `xla.py`; each tile dequantizes only its own
   expert ``rhs[g]`` (`xla.gmm_quantized`).
 
@@ -40,7 +45,7 @@ import numpy as np
 from ...core import Call, Implementation, Op, register
 from ..quant.qarray import QArray
 from ..quant.reference import dequantize_reference
-from . import triton_quantized
+from . import mosaic_tpu_quantized, triton_quantized
 from .activations import activation_fn, activation_grad, fusable_in_kernel
 from .base import FAMILY
 from .checks import QUANTIZED_ARRAYS, check_ragged_dot_quantized, flatten_quantized, quantized_rhs
@@ -49,6 +54,8 @@ from .configs import (GroupedMatmulConfig, XlaGroupedMatmulConfig, quantized_dim
 from .examples import QUANTIZED_PEERS, quantized_benchmarks, quantized_examples
 from .reference import ragged_dot_reference
 from .schedule import group_bounds
+from .tpu_configs import (TpuGroupedMatmulConfig, quantized_tpu_heuristic, quantized_tpu_requirements,
+                          quantized_tpu_space)
 from .xla import gmm_quantized as xla_gmm_quantized
 
 
@@ -69,6 +76,9 @@ def _preactivation(name: str, call: Call, config, k_block):
         if name == "xla":
             return xla_gmm_quantized(lhs, rhs, call.group_sizes, call.group_offset, transpose=False,
                                      block_m=config.block_m, **options)
+        if name == "mosaic_tpu":
+            return mosaic_tpu_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=None,
+                                            k_block=k_block, config=config, **options)
         return triton_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=None,
                                     k_block=k_block, config=config, **options)
     return pre
@@ -91,8 +101,9 @@ def _dlhs(name: str, call: Call, config, k_block, dz, rhs):
         return triton_quantized.gmm_transposed(dz, rhs, call.group_sizes, call.group_offset,
                                                precision=call.precision, out_dtype=call.lhs.dtype,
                                                k_block=k_block, config=config)
+    block_m = quantized_xla_heuristic(call).block_m if name == "mosaic_tpu" else config.block_m  # XLA dlhs on TPU
     return xla_gmm_quantized(dz, rhs, call.group_sizes, call.group_offset, transpose=True,
-                             precision=call.precision, out_dtype=call.lhs.dtype, block_m=config.block_m)
+                             precision=call.precision, out_dtype=call.lhs.dtype, block_m=block_m)
 
 
 def _runner(name: str):
@@ -102,6 +113,10 @@ def _runner(name: str):
 
         @jax.custom_vjp
         def grouped(lhs, rhs):
+            if name == "mosaic_tpu" and fusable_in_kernel(act_name):
+                return mosaic_tpu_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=act_name,
+                                                precision=call.precision, out_dtype=call.out_dtype,
+                                                k_block=k_block, config=config)
             if name == "triton" and (act_name is None or fusable_in_kernel(act_name)):
                 return triton_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=act_name,
                                             precision=call.precision, out_dtype=call.out_dtype, k_block=k_block,
@@ -147,6 +162,9 @@ def _bytes(call: Call) -> float:
 ragged_dot_quantized_op = register(Op(
     "ragged_dot_quantized", family=FAMILY, check=check_ragged_dot_quantized, reference=reference,
     implementations=[
+        Implementation("mosaic_tpu", _runner("mosaic_tpu"), backend="mosaic_tpu", config_type=TpuGroupedMatmulConfig,
+                       heuristic=quantized_tpu_heuristic, space=quantized_tpu_space,
+                       requirements=quantized_tpu_requirements),
         Implementation("triton", _runner("triton"), backend="triton", config_type=GroupedMatmulConfig,
                        heuristic=quantized_heuristic, space=quantized_space, requirements=_triton_requirements),
         Implementation("xla", _runner("xla"), config_type=XlaGroupedMatmulConfig, heuristic=quantized_xla_heuristic,

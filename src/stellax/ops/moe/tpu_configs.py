@@ -21,7 +21,7 @@ import numpy as np
 
 from ...core import Call, KernelConfig, product_space
 from ...core.config import require_in
-from ...core.tpu import target_generation
+from ...core.tpu import TPU_GENERATIONS, target_generation
 from .configs import gmm_dims, tgmm_dims
 
 TILES = (128, 256, 512)
@@ -128,3 +128,81 @@ def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
     preferred = [c for c in space if c.block_m == bm and c.block_k >= mxu and c.block_n >= mxu]
     pool = preferred or [c for c in space if c.block_m == 128] or space
     return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_m))
+
+
+# -- the quantized ragged_dot (`mosaic_tpu_quantized.py`) ------------------------------------
+#: Element formats whose codes are float8: DMA'd as fp8, so they need a generation with float8.
+FP8_ELEMENT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2")
+
+
+def _quantized_fits(call: Call, c: TpuGroupedMatmulConfig) -> bool:
+    """``block_k`` and the scales' K block divide one another; 4-bit codes need ``block_k`` ≥ 256."""
+    from .configs import quantized_k_block
+
+    kb = quantized_k_block(call)
+    if call.rhs_values.dtype == np.uint8 and c.block_k < 256:
+        return False
+    return kb is None or c.block_k % kb == 0 or kb % c.block_k == 0
+
+
+def quantized_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
+    """VMEM bytes of one quantized grid step: double-buffered ``lhs`` tile, code tile
+    (``[bk/2, bn]`` bytes for 4-bit), scale (and zero-point) rows and output tile, the
+    float32 accumulator, and the decoded weight (float32 and the compute dtype)."""
+    from .configs import quantized_k_block
+
+    item = np.dtype(call.lhs.dtype).itemsize
+    kb = quantized_k_block(call)
+    packed = call.rhs_values.dtype == np.uint8
+    codes = c.block_k * c.block_n // (2 if packed else 1)
+    rows = 1 if kb is None else max(1, c.block_k // kb)
+    scales = rows * c.block_n * 4 * (2 if call.rhs_zero_points is not None else 1)
+    out = c.block_m * c.block_n * np.dtype(call.out_dtype).itemsize
+    decoded = c.block_k * c.block_n * (4 + item)
+    return 2 * (c.block_m * c.block_k * item + codes + scales + out) + c.block_m * c.block_n * 4 + decoded
+
+
+def quantized_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
+    """Tiles of 128–512 the call can use (`_quantized_fits`) within the generation's scoped VMEM."""
+    from .configs import quantized_dims
+
+    m, k, n, _ = quantized_dims(call)
+    budget = target_generation().scoped_vmem_bytes
+    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
+    kept = [c for c in configs if _quantized_fits(call, c) and quantized_tpu_vmem(call, c) <= budget
+            and c.block_m <= _round_up(m, 128) and c.block_k <= max(_round_up(k, 128), 256)
+            and c.block_n <= _round_up(n, 128)]
+    return kept or [c for c in configs if _quantized_fits(call, c)][:1]
+
+
+def quantized_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
+    """``block_m`` 128, ``block_k`` and ``block_n`` at least the MXU width, the largest tile that fits."""
+    mxu = target_generation().mxu
+    space = quantized_tpu_space(call)
+    preferred = [c for c in space if c.block_m == 128 and c.block_k >= mxu and c.block_n >= mxu]
+    pool = preferred or [c for c in space if c.block_m == 128] or space
+    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_k))
+
+
+def quantized_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU quantized grouped matmul cannot run ``call`` (None when it can):
+    float32/bfloat16 activations; fp8 codes only where the generation has float8; scales
+    whose K block is a power of two of at least 8 (16 for 4-bit codes) or per channel."""
+    from .configs import quantized_k_block
+
+    dtype = np.dtype(call.lhs.dtype)
+    if dtype.name not in ("float32", "bfloat16"):
+        return f"the Mosaic TPU quantized grouped matmul needs float32/bfloat16 lhs, got {dtype.name}"
+    generation = target_generation()
+    fmt = call.rhs_format
+    if fmt in FP8_ELEMENT_FORMATS and not generation.has_dtype(call.rhs_values.dtype):
+        with_fp8 = [g.name for g in TPU_GENERATIONS.values() if g.has_dtype(call.rhs_values.dtype)]
+        return (f"rhs format {fmt} has float8 codes ({np.dtype(call.rhs_values.dtype).name}), which TPU "
+                f"{generation.name} does not have (float8 on: {', '.join(with_fp8)}); use an int8/int4 format "
+                f"or the xla implementation")
+    kb = quantized_k_block(call)
+    least = 16 if call.rhs_values.dtype == np.uint8 else 8
+    if kb is not None and (kb < least or kb & (kb - 1)):
+        return (f"the Mosaic TPU quantized grouped matmul needs per-channel scales or K blocks that are powers "
+                f"of two >= {least}; rhs has K blocks of {kb}")
+    return None
