@@ -35,7 +35,8 @@ import numpy as np
 from ...core import checks
 
 from .quant_cache import (
-    KVQuant, QuantizedPages, codes_for_range, init_quantized_pages, load_codes, quantize_rows, rotate, store_codes,
+    KVQuant, QuantizedPages, codes_for_range, init_quantized_pages, load_codes, pool_rotation, quantize_rows,
+    rotate, store_codes,
 )
 
 
@@ -127,7 +128,7 @@ def _as_spec(name: str, spec) -> KVQuant | None:
 def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head_dim: int, *,
                   dtype=jnp.bfloat16, quant: KVQuant | str | None = None,
                   value_quant: KVQuant | str | None = "same", value_head_dim: int | None = None,
-                  max_seqs: int | None = None, combined: bool = False):
+                  max_seqs: int | None = None, combined: bool = False, key_rotation=None, value_rotation=None):
     """An empty (zero) paged cache ``(k_pages, v_pages)``.
 
     Args:
@@ -141,6 +142,12 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
       max_seqs: sequence rows of the full-precision windows (when a spec has them).
       combined: one ``kv_pages [num_pages, page_size, 2, K, H]`` array
         (dense only); returns ``(kv_pages, None)``.
+      key_rotation, value_rotation: calibrated orthogonal rotations ``[K, H,
+        H]`` (one layer of `calibrate_kv_rotation`'s result; ``[H, H]`` for
+        the head-less layout) for a quantized key / value pool, used instead
+        of the spec's random Hadamard rotation: `update_kv_cache` stores
+        ``R x``, attention folds ``R_K`` into the query and applies ``R_Vᵀ``
+        to the output.
     """
     num_pages = checks.require_count("num_pages", num_pages)
     page_size = checks.require_count("page_size", page_size)
@@ -166,17 +173,26 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
         checks.require_extent("init_kv_cache", (num_pages, page_size, 2, *heads, dim), dtype.itemsize)
     if max_seqs is not None:
         checks.require_extent("max_seqs", (max_seqs, page_size, *heads, max(head_dim, vdim)), 4)
+    for name, rotation, spec in (("key_rotation", key_rotation, quant), ("value_rotation", value_rotation,
+                                                                            value_quant)):
+        if rotation is not None and spec is None:
+            raise ValueError(f"{name}: a rotation is for a quantized pool; the "
+                             f"{'key' if name == 'key_rotation' else 'value'} pool is dense (its quant is None)")
     if combined:
         if quant is not None or value_quant is not None or vdim != head_dim or num_kv_heads is None:
             raise ValueError("combined: the combined kv_pages layout is for dense caches with equal head dims")
         return jnp.zeros((num_pages, page_size, 2, num_kv_heads, head_dim), dtype), None
 
-    def make(spec, dim):
+    def make(spec, dim, rotation, name):
         if spec is None:
             return jnp.zeros((num_pages, page_size, *heads, dim), dtype)
-        return init_quantized_pages(num_pages, page_size, num_kv_heads, dim, spec, max_seqs=max_seqs)
+        if rotation is not None:
+            rotation = pool_rotation(spec, rotation, num_kv_heads, dim, name)
+        return init_quantized_pages(num_pages, page_size, num_kv_heads, dim, spec, max_seqs=max_seqs,
+                                    rotation=rotation)
 
-    return make(quant, head_dim), make(value_quant, vdim)
+    return make(quant, head_dim, key_rotation, "key_rotation"), make(value_quant, vdim, value_rotation,
+                                                                     "value_rotation")
 
 
 # -- update ----------------------------------------------------------------------------

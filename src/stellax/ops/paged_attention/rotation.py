@@ -1,0 +1,327 @@
+"""Calibrated KV-cache rotations (the OSCAR class): chosen from attention
+statistics instead of at random.
+
+A rotated cache stores ``y = R x`` for every key or value row ``x [H]`` of KV
+head ``k`` (``R = R[k]``, orthogonal ``[H, H]``) and quantizes ``y``.
+Attention never un-rotates the cache: logits use ``(R q)·(R k) = q·k``
+(the key rotation is folded into the query), and the output is
+``Rᵀ Σ_t p_t (R v_t)`` (one inverse value rotation per output row).
+
+What a rotation changes is *where* the quantization error lands. For a key
+error ``e`` the logit error is ``q·e``, whose mean square over queries is
+``eᵀ C_Q e`` with the query second moment ``C_Q = E[q qᵀ]``; for values the
+output error is ``Σ_t p_t e_t``, weighed by the attention outputs' second
+moment ``C_O = E[o oᵀ]``, ``o = Σ_t p_t v_t`` (``= Vᵀ Sᵀ S V`` summed over
+calibration rows, ``S`` the attention probabilities). `calibrate_kv_rotation`
+builds, per (layer, KV head), from the target ``C`` (``C_Q`` for keys,
+``C_O`` for values):
+
+1. the eigenbasis ``C = U Λ Uᵀ``, ``λ_0 ≥ λ_1 ≥ …`` (the directions
+   attention consumes, strongest first);
+2. a bit-reversal reordering of the eigen-coordinates: stored channel ``c``
+   takes eigen-coordinate ``rev(c)`` (``log2 H`` bits reversed). With
+   quantization groups of ``g`` consecutive channels, group ``j`` then holds
+   the coordinates ``rev(t)·(H/g) + rev(j)``, ``t < g``: exactly one from
+   each of the ``g`` *levels* (blocks of ``H/g`` consecutive eigenvalues),
+   so every group sees the same spectrum and no group holds all strong
+   directions;
+3. a Walsh–Hadamard transform inside each group (block-diagonal, size
+   ``g``), which spreads each group's energy evenly over its channels
+   (a group's range, and so its step, is set by its largest channel).
+
+``R = B_g · P_rev · Uᵀ`` (``y = R x``). ``g`` is the cache's head-axis
+quantization group (``KVQuant.group_size``; ``H`` for per-token-per-head
+scales or token-axis groups, where step 3 is a full Hadamard transform).
+
+Rotations are plain float32 arrays ``[L, K, H, H]`` (or ``[K, H, H]`` for one
+layer), passed to `init_kv_cache` (``key_rotation=``, ``value_rotation=``) or
+`quantize_pages` (``rotation=``), saved with `save_kv_rotation` (``.npz``,
+no pickle, with a checksum) and read back with `load_kv_rotation`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+#: Largest ``max |R Rᵀ - I|`` accepted for a float32 rotation.
+ORTHOGONALITY_TOLERANCE = 1e-3
+_FORMAT = "stellax.kv_rotation/1"
+
+
+class KVRotation(NamedTuple):
+    """Calibrated rotations of a model's KV cache.
+
+    Attributes:
+      keys: float32 ``[L, K, H, H]`` (or ``[K, H, H]``): ``R_K[l, k]``, the
+        key rotation of layer ``l``, KV head ``k`` (``y = R x``).
+      values: float32, same shape: the value rotations ``R_V``.
+    """
+
+    keys: np.ndarray
+    values: np.ndarray
+
+
+# -- the building blocks ----------------------------------------------------------
+def bit_reversal_permutation(n: int) -> np.ndarray:
+    """``perm [n]`` int: ``perm[c]`` = ``c`` with its ``log2 n`` bits reversed
+    (``n`` a power of two). An involution (``perm[perm] = arange(n)``)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n: the bit-reversal permutation needs a power of two, got {n}")
+    bits = n.bit_length() - 1
+    c = np.arange(n)
+    out = np.zeros(n, np.int64)
+    for b in range(bits):
+        out |= ((c >> b) & 1) << (bits - 1 - b)
+    return out
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The orthonormal Sylvester–Hadamard matrix ``[n, n]`` float64 (``n`` a
+    power of two): entries ``±1/√n``, symmetric, its own inverse."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n: the Hadamard matrix needs a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def rotation_from_covariance(cov, group_size: int | None = None) -> np.ndarray:
+    """The calibrated rotation of target second moments ``cov [..., H, H]``
+    (symmetric PSD): ``R = B_g · P_rev · Uᵀ`` (see the module doc), float64
+    ``[..., H, H]``, orthogonal. ``group_size`` ``g`` (default ``H``) must be a
+    power of two dividing ``H``."""
+    cov = np.asarray(cov, np.float64)
+    h = cov.shape[-1]
+    g = h if group_size is None else int(group_size)
+    if h & (h - 1):
+        raise ValueError(f"head_dim: the calibrated rotation (a Hadamard transform per group) needs a power of "
+                         f"two, got {h}")
+    if g < 1 or g & (g - 1) or h % g:
+        raise ValueError(f"group_size: expected a power of two dividing head_dim {h}, got {group_size}")
+    sym = (cov + np.swapaxes(cov, -1, -2)) / 2
+    _, vecs = np.linalg.eigh(sym)                      # ascending eigenvalues, columns
+    ut = np.swapaxes(vecs[..., ::-1], -1, -2)          # rows: eigenvectors, strongest first
+    permuted = ut[..., bit_reversal_permutation(h), :]
+    block = np.kron(np.eye(h // g), hadamard_matrix(g))
+    return np.einsum("ij,...jk->...ik", block, permuted)
+
+
+# -- checks -------------------------------------------------------------------------
+def orthogonality_error(rotation) -> float:
+    """``max |R Rᵀ - I|`` over all matrices of ``rotation [..., H, H]``."""
+    r = np.asarray(rotation, np.float64)
+    eye = np.eye(r.shape[-1])
+    return float(np.max(np.abs(np.einsum("...ij,...kj->...ik", r, r) - eye))) if r.size else 0.0
+
+
+def check_rotation(name: str, rotation, num_heads: int | None, head_dim: int):
+    """Validate a cache rotation: float ``[K, H, H]`` (or ``[H, H]``, shared by
+    all heads; the only form for a head-less MLA pool, where ``[1, H, H]`` is
+    accepted too) and orthogonal (checked when concrete, i.e. outside
+    ``jit``). Returns it as a float32 jax array ``[K, H, H]`` / ``[H, H]``."""
+    import jax.numpy as jnp
+
+    if not hasattr(rotation, "shape") or not hasattr(rotation, "dtype"):
+        raise TypeError(f"{name}: expected an array [num_kv_heads, head_dim, head_dim], got "
+                        f"{type(rotation).__name__}")
+    shape = tuple(rotation.shape)
+    if not jnp.issubdtype(rotation.dtype, jnp.floating):
+        raise TypeError(f"{name}: expected a floating dtype, got {np.dtype(rotation.dtype).name}")
+    if num_heads is None:
+        if shape == (1, head_dim, head_dim):
+            rotation, shape = rotation[0], (head_dim, head_dim)
+        expected = [(head_dim, head_dim)]
+    else:
+        expected = [(num_heads, head_dim, head_dim), (head_dim, head_dim)]
+    if shape not in expected:
+        want = " or ".join(str(e) for e in expected)
+        raise ValueError(f"{name}: expected shape {want} ([num_kv_heads, head_dim, head_dim] of the cache), "
+                         f"got {shape}")
+    if not isinstance(rotation, jax.core.Tracer):
+        err = orthogonality_error(rotation)
+        if not err <= ORTHOGONALITY_TOLERANCE:
+            raise ValueError(f"{name}: expected an orthogonal rotation (max |R Rᵀ - I| <= "
+                             f"{ORTHOGONALITY_TOLERANCE}), got max |R Rᵀ - I| = {err:.3g}")
+    return jnp.asarray(rotation, jnp.float32)
+
+
+def _as_calibration(name, x, rank):
+    a = np.asarray(jax.device_get(x)) if hasattr(x, "shape") else None
+    if a is None:
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16":
+        raise TypeError(f"{name}: expected a floating dtype, got {a.dtype.name}")
+    if a.ndim not in (4, 5):
+        raise ValueError(f"{name}: expected rank 4 [S, T, heads, head_dim] or rank 5 [L, S, T, heads, head_dim], "
+                         f"got shape {a.shape}")
+    if rank is not None and a.ndim != rank:
+        raise ValueError(f"{name}: expected rank {rank} (as queries), got shape {a.shape}")
+    a = a.astype(np.float64)
+    return a[None] if a.ndim == 4 else a
+
+
+# -- calibration --------------------------------------------------------------------
+def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool = True, scale: float | None = None,
+                          group_size: int | None = None) -> KVRotation:
+    """Calibrated key and value rotations per (layer, KV head) from captured
+    activations (OSCAR class; the math is in the module doc).
+
+    Args:
+      queries: ``[L, S, T, N, H]`` (or ``[S, T, N, H]`` for one layer): the
+        attention queries of ``S`` calibration sequences of ``T`` tokens
+        (after any positional rotation, as the kernel sees them), ``N = K·G``
+        query heads (GQA: query head ``n`` reads KV head ``n // G``).
+      keys, values: ``[L, S, T, K, H]`` (or ``[S, T, K, H]``).
+      lengths: ``[S]`` int, the valid tokens of each sequence (the rest is
+        padding and ignored); default ``T``.
+      causal: whether the calibration attention (which weighs the value
+        target) is causal (decoders) or bidirectional (encoders).
+      scale: softmax scale of the logits (default ``1/√H``).
+      group_size: the cache's head-axis quantization group ``g`` (a power of
+        two dividing ``H``; default ``H``).
+
+    Returns:
+      `KVRotation` of float32 orthogonal matrices ``[L, K, H, H]`` (``[K, H,
+      H]`` for rank-4 inputs): keys from the query second moment ``Σ q qᵀ``
+      (all query heads of the KV group, all valid tokens), values from the
+      attention-output second moment ``Σ o oᵀ``, ``o = softmax(scale·q kᵀ)
+      v`` per query head. Computed on the host in float64.
+
+    Raises ValueError naming the argument for mismatched shapes, a head dim
+    that is not a power of two, or fewer valid tokens than ``H`` (the second
+    moments would be rank-deficient and their eigenbases arbitrary).
+    """
+    single = hasattr(queries, "ndim") and queries.ndim == 4
+    q = _as_calibration("queries", queries, None)
+    rank = 4 if single else 5
+    k = _as_calibration("keys", keys, rank)
+    v = _as_calibration("values", values, rank)
+    nl, s, t, n, h = q.shape
+    if k.shape[:3] != (nl, s, t) or k.shape[-1] != h:
+        raise ValueError(f"keys: expected shape {(nl, s, t, 'K', h)[1 if single else 0:]} (queries' layers, "
+                         f"sequences, tokens and head dim), got {tuple(keys.shape)}")
+    kh = k.shape[3]
+    if n % kh:
+        raise ValueError(f"keys: the {kh} KV heads must divide the {n} query heads of queries")
+    if v.shape != k.shape:
+        raise ValueError(f"values: expected the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    if lengths is None:
+        lens = np.full((s,), t, np.int64)
+    else:
+        lens = np.asarray(jax.device_get(lengths)).astype(np.int64).reshape(-1)
+        if lens.shape != (s,) or (lens < 0).any() or (lens > t).any():
+            raise ValueError(f"lengths: expected {s} values in [0, {t}] (one per calibration sequence), got "
+                             f"{np.asarray(lengths).tolist()}")
+    tokens = int(lens.sum())
+    if tokens < h:
+        raise ValueError(f"queries: calibration needs at least head_dim = {h} valid tokens (the second moments "
+                         f"are [{h}, {h}]; fewer tokens leave them rank-deficient), got {tokens}")
+    if h & (h - 1):
+        raise ValueError(f"queries: the calibrated rotation needs a power-of-two head_dim, got {h}")
+    g = h if group_size is None else group_size
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1 or g & (g - 1) or h % g:
+        raise ValueError(f"group_size: expected a power of two dividing head_dim {h}, got {group_size!r}")
+    sc = 1.0 / np.sqrt(h) if scale is None else float(scale)
+    grp = n // kh
+    valid = np.arange(t)[None, :] < lens[:, None]                                   # [S, T]
+    mask = valid[:, None, :] & valid[:, :, None]                                     # [S, Tq, Tk]
+    if causal:
+        mask = mask & np.tril(np.ones((t, t), bool))[None]
+    cq = np.zeros((nl, kh, h, h))
+    co = np.zeros((nl, kh, h, h))
+    for layer in range(nl):
+        ql = q[layer].reshape(s, t, kh, grp, h)                                      # [S, T, K, G, H]
+        qv = ql[valid]                                                               # [M, K, G, H]
+        cq[layer] = np.einsum("mkgi,mkgj->kij", qv, qv)
+        logits = sc * np.einsum("sqkgh,stkh->skgqt", ql, k[layer])
+        logits = np.where(mask[:, None, None], logits, -np.inf)
+        peak = np.max(logits, axis=-1, keepdims=True)
+        p = np.exp(logits - np.where(np.isfinite(peak), peak, 0.0))
+        total = p.sum(-1, keepdims=True)
+        p = p / np.where(total > 0, total, 1.0)
+        o = np.einsum("skgqt,stkh->sqkgh", p, v[layer])[valid]                      # [M, K, G, H]
+        co[layer] = np.einsum("mkgi,mkgj->kij", o, o)
+    out = KVRotation(rotation_from_covariance(cq, g).astype(np.float32),
+                     rotation_from_covariance(co, g).astype(np.float32))
+    return KVRotation(out.keys[0], out.values[0]) if single else out
+
+
+# -- saving and loading -------------------------------------------------------------
+def _digest(keys: np.ndarray, values: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in (keys, values):
+        h.update(json.dumps([a.dtype.str, list(a.shape)]).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def save_kv_rotation(path, rotation: KVRotation) -> None:
+    """Write rotations to ``path`` (an ``.npz`` of plain arrays, no pickled
+    objects): float32 ``keys``/``values``, a format tag and the SHA-256 of
+    the arrays, which `load_kv_rotation` verifies."""
+    keys = np.asarray(jax.device_get(rotation.keys), np.float32)
+    values = np.asarray(jax.device_get(rotation.values), np.float32)
+    if keys.shape != values.shape or keys.ndim not in (3, 4) or keys.shape[-1] != keys.shape[-2]:
+        raise ValueError(f"rotation: expected keys and values of one shape [L, K, H, H] or [K, H, H], got "
+                         f"{keys.shape} and {values.shape}")
+    for name, a in (("rotation.keys", keys), ("rotation.values", values)):
+        err = orthogonality_error(a)
+        if not err <= ORTHOGONALITY_TOLERANCE:
+            raise ValueError(f"{name}: expected orthogonal matrices, got max |R Rᵀ - I| = {err:.3g}")
+    with open(path, "wb") as f:
+        np.savez(f, keys=keys, values=values, format=np.array(_FORMAT), sha256=np.array(_digest(keys, values)))
+
+
+def load_kv_rotation(path, *, num_layers: int | None = None, num_kv_heads: int | None = None,
+                     head_dim: int | None = None) -> KVRotation:
+    """Read rotations written by `save_kv_rotation` (``allow_pickle=False``).
+
+    Refuses (ValueError naming the file) a file with other or missing
+    entries, another format tag, non-float32 or mismatched arrays, a checksum
+    that does not match (a modified file), non-orthogonal matrices, or shapes
+    other than the expected ``num_layers`` / ``num_kv_heads`` / ``head_dim``
+    (each checked when given).
+    """
+    expected = {"keys", "values", "format", "sha256"}
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:   # pickled content is a ValueError
+        raise ValueError(f"{path}: not a readable .npz rotation file without pickled objects ({e})") from e
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: expected an .npz archive of rotations, got a single {type(z).__name__}")
+    with z:
+        names = set(z.files)
+        if names != expected:
+            raise ValueError(f"{path}: expected the entries {sorted(expected)}, got {sorted(names)}")
+        try:
+            entries = {name: z[name] for name in expected}
+        except ValueError as e:                                          # an object (pickled) entry
+            raise ValueError(f"{path}: refused an entry with pickled objects ({e})") from e
+    fmt, digest = entries["format"], entries["sha256"]
+    if fmt.shape != () or str(fmt) != _FORMAT:
+        raise ValueError(f"{path}: expected format {_FORMAT!r}, got {fmt!r}")
+    keys, values = entries["keys"], entries["values"]
+    for name, a in (("keys", keys), ("values", values)):
+        if a.dtype != np.float32 or a.ndim not in (3, 4) or a.shape[-1] != a.shape[-2]:
+            raise ValueError(f"{path}: {name} must be float32 [L, K, H, H] or [K, H, H], got {a.dtype} {a.shape}")
+    if keys.shape != values.shape:
+        raise ValueError(f"{path}: keys {keys.shape} and values {values.shape} differ in shape")
+    if digest.shape != () or str(digest) != _digest(keys, values):
+        raise ValueError(f"{path}: the checksum does not match the arrays (the file was modified or corrupted)")
+    for name, a in (("keys", keys), ("values", values)):
+        err = orthogonality_error(a)
+        if not err <= ORTHOGONALITY_TOLERANCE:
+            raise ValueError(f"{path}: {name} are not orthogonal (max |R Rᵀ - I| = {err:.3g})")
+    got = dict(zip(("num_layers", "num_kv_heads", "head_dim"),
+                   (keys.shape[0] if keys.ndim == 4 else None, keys.shape[-3], keys.shape[-1])))
+    for name, want in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if want is not None and got[name] != want:
+            raise ValueError(f"{path}: {name}: expected {want}, the file holds {got[name]} (shape {keys.shape})")
+    return KVRotation(keys, values)

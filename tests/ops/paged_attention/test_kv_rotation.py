@@ -1,0 +1,248 @@
+"""Calibrated KV rotations (OSCAR class): the construction, orthogonality, the
+gain over a random Hadamard rotation on planted-outlier data, the round trip
+through the paged cache with every implementation, safe save/load, bad input."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stellax
+from stellax.ops.paged_attention import (
+    KVQuant, KVRotation, PagedConfig, RaggedConfig, calibrate_kv_rotation, dequantize_pages, init_kv_cache,
+    load_kv_rotation, paged_attention, paged_attention_op, quantize_pages, ragged_paged_attention,
+    ragged_paged_attention_op, save_kv_rotation, update_kv_cache,
+)
+from stellax.ops.paged_attention.reference import attend
+from stellax.ops.paged_attention.rotation import (
+    bit_reversal_permutation, hadamard_matrix, orthogonality_error, rotation_from_covariance,
+)
+from stellax.testing import assert_close
+
+H = 32
+
+
+def _structured(seed, s, t, kv_heads, group, outlier_scale=6.0):
+    """Queries ``[S, T, K·G, H]``, keys and values ``[S, T, K, H]`` drawn from a
+    decaying spectrum in a random basis per KV head, with two planted outlier
+    channels (× ``outlier_scale``) in keys and values."""
+    rng = np.random.default_rng(seed)
+    bases = [np.linalg.qr(rng.standard_normal((H, H)))[0] for _ in range(kv_heads)]
+    spectrum = np.sqrt(np.exp(-np.arange(H) / 4.0) * 4 + 0.05)
+
+    def draw(heads, scale):
+        x = rng.standard_normal((s, t, heads, H)) * spectrum
+        x = np.einsum("stnj,nij->stni", x, np.stack([bases[n * kv_heads // heads] for n in range(heads)]))
+        x[..., :2] *= scale
+        return x.astype(np.float32)
+
+    return draw(kv_heads * group, 1.0), draw(kv_heads, outlier_scale), draw(kv_heads, outlier_scale)
+
+
+def test_bit_reversal_puts_one_channel_of_every_level_in_each_group():
+    perm = bit_reversal_permutation(H)
+    np.testing.assert_array_equal(perm[perm], np.arange(H))
+    for g in (4, 8, 16):
+        levels = H // g  # a level: H/g consecutive eigen-indices
+        for j in range(H // g):
+            held = perm[j * g:(j + 1) * g] // levels
+            np.testing.assert_array_equal(np.sort(held), np.arange(g))
+    h = hadamard_matrix(16)
+    np.testing.assert_allclose(h @ h, np.eye(16), atol=1e-12)
+
+
+def test_rotation_from_covariance_is_the_documented_composition():
+    rng = np.random.default_rng(1)
+    u = np.linalg.qr(rng.standard_normal((H, H)))[0]
+    lam = np.linspace(10, 1, H)                               # distinct, descending
+    cov = (u * lam) @ u.T
+    r = rotation_from_covariance(cov, group_size=8)
+    assert orthogonality_error(r) < 1e-10
+    # Undo the group Hadamard: row c of B⁻¹R is ±(eigenvector rev(c)).
+    rows = np.kron(np.eye(4), hadamard_matrix(8)) @ r
+    perm = bit_reversal_permutation(H)
+    np.testing.assert_allclose(np.abs(np.sum(rows * u[:, perm].T, axis=1)), 1.0, atol=1e-8)
+    # Every group carries one eigenvalue of each level (8 levels of 4 consecutive eigenvalues).
+    energy = np.diag(r @ cov @ r.T).reshape(4, 8).sum(1)
+    levels = lam.reshape(8, 4)
+    assert np.all(energy >= levels.min(1).sum() - 1e-9) and np.all(energy <= levels.max(1).sum() + 1e-9), energy
+    consecutive = lam.reshape(4, 8).sum(1)                     # groups of the plain eigenbasis
+    assert np.ptp(energy) < 0.2 * np.ptp(consecutive)
+
+
+def test_calibrated_rotations_are_orthogonal_per_layer_and_head():
+    q, k, v = _structured(2, 4, 24, kv_heads=2, group=2)
+    layers = [np.stack([a, a * 0.5 + 0.1]) for a in (q, k, v)]   # [L=2, S, T, N, H]
+    rot = calibrate_kv_rotation(*layers, group_size=8, causal=False, lengths=np.array([24, 20, 17, 24]))
+    assert isinstance(rot, KVRotation)
+    assert rot.keys.shape == rot.values.shape == (2, 2, H, H) and rot.keys.dtype == np.float32
+    assert orthogonality_error(rot.keys) < 1e-5 and orthogonality_error(rot.values) < 1e-5
+    single = calibrate_kv_rotation(q, k, v, group_size=8)
+    assert single.keys.shape == (2, H, H)
+    assert not np.allclose(single.keys[0], single.keys[1], atol=1e-2)   # per-head
+
+
+def _attention_error(q, k, v, kspec, vspec, key_rotation=None, value_rotation=None):
+    s, t = q.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(t), (s, t))
+    run = functools.partial(attend, q_pos=pos, kv_len=jnp.full((s,), t), scale=H ** -0.5)
+    exact = run(q, k, v)
+    kq = dequantize_pages(quantize_pages(k, kspec, rotation=key_rotation))
+    vq = dequantize_pages(quantize_pages(v, vspec, rotation=value_rotation))
+    return float(jnp.linalg.norm(run(q, kq, vq) - exact) / jnp.linalg.norm(exact))
+
+
+def test_calibrated_rotation_beats_hadamard_on_int2_with_planted_outliers():
+    q, k, v = _structured(0, 16, 64, kv_heads=2, group=2)
+    rot = calibrate_kv_rotation(q[:8], k[:8], v[:8], group_size=8)       # calibrate on half
+    q, k, v = (jnp.asarray(a[8:]) for a in (q, k, v))                   # evaluate on the other half
+    plain = KVQuant("int2", group_size=8)
+    none = _attention_error(q, k, v, plain, plain)
+    had = _attention_error(q, k, v, KVQuant("int2", group_size=8, rotation=True),
+                           KVQuant("int2", group_size=8, rotation=True, seed=1))
+    cal = _attention_error(q, k, v, plain, plain, rot.keys, rot.values)
+    assert had < none, (none, had)
+    assert cal < 0.85 * had, (none, had, cal)
+
+
+def _rotated_cache(spec, rot, seed=0, lengths=(5, 21, 40)):
+    """A cache filled by `update_kv_cache` (in 2 steps) with calibrated rotations."""
+    rng = np.random.default_rng(seed)
+    page_size, kv_heads = 8, 2
+    max_pages = 6
+    lengths = np.asarray(lengths, np.int32)
+    tables = rng.permutation(len(lengths) * max_pages).reshape(len(lengths), max_pages).astype(np.int32)
+    k_pages, v_pages = init_kv_cache(len(lengths) * max_pages, page_size, kv_heads, H, quant=spec,
+                                     max_seqs=len(lengths), key_rotation=rot.keys, value_rotation=rot.values)
+    _, k_all, v_all = _structured(seed + 5, len(lengths), int(lengths.max()), kv_heads, 1)
+    for lo_frac, hi_frac in ((0.0, 0.6), (0.6, 1.0)):
+        seq, pos = [], []
+        for b, n in enumerate(lengths):
+            p = np.arange(int(n * lo_frac), int(n * hi_frac) if hi_frac < 1 else n)
+            seq += [b] * len(p)
+            pos += list(p)
+        seq, pos = np.asarray(seq), np.asarray(pos)
+        slots = tables[seq, pos // page_size] * page_size + pos % page_size
+        k_pages, v_pages = update_kv_cache(
+            k_pages, v_pages, jnp.asarray(k_all[seq, pos]), jnp.asarray(v_all[seq, pos]), jnp.asarray(slots),
+            positions=jnp.asarray(pos), seq_ids=jnp.asarray(seq))
+    return k_pages, v_pages, jnp.asarray(tables), jnp.asarray(lengths), (k_all, v_all, tables)
+
+
+SPECS = [KVQuant("int2", group_size=8), KVQuant("int4", group_size=16, sink_tokens=2, recent_tokens=4)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-w{s.window}")
+def test_update_stores_rotated_rows_and_reference_unrotates(spec):
+    q, k, v = _structured(3, 4, 32, kv_heads=2, group=2)
+    rot = calibrate_kv_rotation(q, k, v, group_size=spec.group(H))
+    k_pages, v_pages, tables, lengths, (k_all, _, tab) = _rotated_cache(spec, rot)
+    assert k_pages.rotation_kind == "calibrated" and k_pages.signs.shape == (2, H, H)
+    b, p = 2, 17                                 # a position held by the quantized pages
+    page, off = tab[b, p // 8], p % 8
+    stored = np.asarray(dequantize_pages(k_pages, rotated=True))[page, off]       # [K, H]
+    back = np.asarray(dequantize_pages(k_pages))[page, off]
+    exact = k_all[b, p]
+    rotated = np.einsum("kij,kj->ki", rot.keys, exact)
+    step = np.abs(rotated).max() / (3 if spec.format == "int2" else 15)
+    assert np.abs(stored - rotated).max() <= step * 1.01
+    np.testing.assert_allclose(np.linalg.norm(back - exact), np.linalg.norm(stored - rotated), rtol=1e-4)
+    if spec.window:                               # windows hold the rotated rows at full precision
+        window = np.asarray(k_pages.window, np.float32)[b, 0]
+        np.testing.assert_allclose(window, np.einsum("kij,kj->ki", rot.keys, k_all[b, 0]), atol=0.05)
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-w{s.window}")
+def test_paged_attention_with_calibrated_rotation_matches_golden(spec, impl):
+    qc, kc, vc = _structured(4, 4, 32, kv_heads=2, group=2)
+    rot = calibrate_kv_rotation(qc, kc, vc, group_size=spec.group(H))
+    k_pages, v_pages, tables, lengths, (k_all, v_all, _) = _rotated_cache(spec, rot)
+    q = jnp.asarray(np.random.default_rng(9).standard_normal((3, 2, 4, H)), jnp.float32)
+    cfg = PagedConfig(pages_per_block=2, num_splits=2) if impl == "triton" else None
+    with stellax.interpret_mode(impl == "triton"):
+        out = paged_attention(q, k_pages, v_pages, tables, lengths, implementation=impl, config=cfg)
+    ref = jax.jit(paged_attention_op.reference)(q, k_pages, v_pages, tables, lengths)
+    assert_close(out, ref)
+    # The golden itself: attention over the un-rotated cache is close to the exact one.
+    t = k_all.shape[1]
+    exact = attend(q, jnp.asarray(k_all), jnp.asarray(v_all), lengths[:, None] - 2 + jnp.arange(2)[None],
+                   lengths, scale=H ** -0.5)
+    err = float(jnp.linalg.norm(ref - exact) / jnp.linalg.norm(exact))
+    assert err < (0.5 if spec.format == "int2" else 0.1), (err, t)
+
+
+def test_ragged_with_calibrated_rotation_triton_matches_golden():
+    spec = SPECS[0]
+    qc, kc, vc = _structured(6, 4, 32, kv_heads=2, group=2)
+    rot = calibrate_kv_rotation(qc, kc, vc, group_size=8)
+    k_pages, v_pages, tables, kv_lens, _ = _rotated_cache(spec, rot)
+    q_lens = np.array([1, 5, 3])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(np.random.default_rng(10).standard_normal((9, 4, H)), jnp.float32)
+    args = (q, k_pages, v_pages, kv_lens, tables, cu, jnp.asarray([3], jnp.int32))
+    with stellax.interpret_mode():
+        out = ragged_paged_attention(*args, implementation="triton",
+                                     config=RaggedConfig(block_q=4, pages_per_block=2, num_splits=2))
+    assert_close(out, jax.jit(ragged_paged_attention_op.reference)(*args))
+
+
+def test_save_load_round_trip_and_refused_files(tmp_path):
+    q, k, v = _structured(7, 2, 40, kv_heads=2, group=1)
+    rot = calibrate_kv_rotation(q, k, v, group_size=8)
+    path = tmp_path / "rot.npz"
+    save_kv_rotation(path, rot)
+    back = load_kv_rotation(path, num_kv_heads=2, head_dim=H)
+    np.testing.assert_array_equal(back.keys, rot.keys)
+    np.testing.assert_array_equal(back.values, rot.values)
+    with pytest.raises(ValueError, match="num_kv_heads: expected 4"):
+        load_kv_rotation(path, num_kv_heads=4)
+    with pytest.raises(ValueError, match="head_dim: expected 64"):
+        load_kv_rotation(path, head_dim=64)
+    with np.load(path) as z:
+        entries = {n: z[n] for n in z.files}
+    tampered = dict(entries, keys=entries["keys"].copy())
+    tampered["keys"][0, 0, 0] += 1e-3
+    np.savez(tmp_path / "tampered.npz", **tampered)
+    with pytest.raises(ValueError, match="checksum"):
+        load_kv_rotation(tmp_path / "tampered.npz")
+    np.savez(tmp_path / "extra.npz", **entries, payload=np.zeros(3))
+    with pytest.raises(ValueError, match="expected the entries"):
+        load_kv_rotation(tmp_path / "extra.npz")
+    np.savez(tmp_path / "pickled.npz", **dict(entries, keys=np.array([object()], dtype=object)))
+    with pytest.raises(ValueError, match="pickled"):
+        load_kv_rotation(tmp_path / "pickled.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="junk.npz"):
+        load_kv_rotation(tmp_path / "junk.npz")
+    with pytest.raises(ValueError, match="rotation.values: expected orthogonal"):
+        save_kv_rotation(tmp_path / "bad.npz", KVRotation(rot.keys, rot.values * 2))
+
+
+def test_bad_input_names_the_argument():
+    q, k, v = _structured(8, 2, 12, kv_heads=2, group=2)
+    with pytest.raises(ValueError, match=r"queries: calibration needs at least head_dim = 32 valid tokens.*got 24"):
+        calibrate_kv_rotation(q, k, v)
+    with pytest.raises(ValueError, match="queries: .* got 20"):
+        calibrate_kv_rotation(q, k, v, lengths=[12, 8])
+    with pytest.raises(ValueError, match="group_size: expected a power of two dividing head_dim 32, got 12"):
+        calibrate_kv_rotation(np.concatenate([q] * 2, 1), np.concatenate([k] * 2, 1), np.concatenate([v] * 2, 1),
+                              group_size=12)
+    with pytest.raises(ValueError, match="values: expected the shape of keys"):
+        calibrate_kv_rotation(q, k, v[..., :16])
+    with pytest.raises(ValueError, match="keys: the 3 KV heads must divide the 4 query heads"):
+        calibrate_kv_rotation(q, np.concatenate([k, k[:, :, :1]], 2), np.concatenate([v, v[:, :, :1]], 2))
+    eye = np.broadcast_to(np.eye(H, dtype=np.float32), (2, H, H))
+    spec = KVQuant("int2", group_size=8)
+    with pytest.raises(ValueError, match=r"key_rotation: expected shape \(2, 32, 32\) or \(32, 32\).*got \(3, 32, 32\)"):
+        init_kv_cache(4, 8, 2, H, quant=spec, key_rotation=np.broadcast_to(np.eye(H, dtype=np.float32), (3, H, H)))
+    with pytest.raises(ValueError, match=r"value_rotation: expected an orthogonal rotation"):
+        init_kv_cache(4, 8, 2, H, quant=spec, key_rotation=eye, value_rotation=eye * 1.5)
+    with pytest.raises(ValueError, match="key_rotation: a rotation is for a quantized pool"):
+        init_kv_cache(4, 8, 2, H, key_rotation=eye)
+    with pytest.raises(ValueError, match="key_rotation: a calibrated rotation replaces the random Hadamard"):
+        init_kv_cache(4, 8, 2, H, quant=KVQuant("int2", group_size=8, rotation=True), key_rotation=eye)
+    with pytest.raises(ValueError, match=r"rotation: expected shape \(2, 16, 16\)"):
+        quantize_pages(jnp.zeros((2, 8, 2, 16)), spec, rotation=eye)
