@@ -25,12 +25,14 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
 from . import examples
+from . import mosaic_tpu_matmul as tpu_kernels
 from . import triton as kernels
 from .base import array_bytes, flatten_operands
 from .configs import QMatmulConfig, qmatmul_heuristic, qmatmul_space
 from .kernel import kernel_operands
 from .qarray import QArray, qarray_from_call
 from .reference import dequantize_reference, expand_blocks
+from .tpu_configs import QMatmulTpuConfig, qmatmul_tpu_heuristic, qmatmul_tpu_space
 
 WEIGHT_FORMATS = ("int8", "int8_asym", "int4", "int4_asym", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2",
                   "mxfp4", "nvfp4")
@@ -193,6 +195,9 @@ quantized_matmul_op = register(Op(
     check=_check,
     reference=_reference,
     implementations=[
+        Implementation("mosaic_tpu", tpu_kernels.qmatmul_tpu_run, backend="mosaic_tpu", config_type=QMatmulTpuConfig,
+                       heuristic=qmatmul_tpu_heuristic, space=qmatmul_tpu_space,
+                       requirements=tpu_kernels.qmatmul_tpu_requirements),
         Implementation("triton", _triton, backend="triton", config_type=QMatmulConfig, heuristic=qmatmul_heuristic,
                        space=qmatmul_space, requirements=_requirements),
         Implementation("xla", _xla),

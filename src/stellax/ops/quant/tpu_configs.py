@@ -192,10 +192,14 @@ def qmm_tpu_vmem(call: Call, c: QMatmulTpuConfig) -> int:
     """VMEM bytes of one quantized-matmul step: double-buffered x tile(s) ``[bm, bk]``,
     weight codes ``[bk, bn]`` (bytes, halved when packed), scale / zero-point rows,
     the output tile, the float32 accumulator and the decoded weights (float32)."""
-    x_item = np.dtype(call.x_values.dtype).itemsize
-    out_item = np.dtype(call.preferred_element_type).itemsize
-    bm, bn, bk = _round_up(c.block_m, 32), c.block_n, c.block_k
-    w_rows = bk // 2 if qmm_packed(call) else bk
+    return qmm_vmem_bytes(np.dtype(call.x_values.dtype).itemsize, np.dtype(call.preferred_element_type).itemsize,
+                          qmm_packed(call), c.block_m, c.block_n, c.block_k)
+
+
+def qmm_vmem_bytes(x_item: int, out_item: int, packed: bool, block_m: int, block_n: int, block_k: int) -> int:
+    """`qmm_tpu_vmem` from the operand item sizes and the tile."""
+    bm, bn, bk = _round_up(block_m, 32), block_n, block_k
+    w_rows = bk // 2 if packed else bk
     x_tiles = 2 * bm * bk * x_item
     w_tiles = 2 * w_rows * bn
     side = 2 * 2 * _round_up(max(bk // 8, 8), 8) * bn * 4
