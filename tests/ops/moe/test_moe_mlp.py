@@ -39,10 +39,10 @@ def per_token_loop(x, logits, w_gate_up, w_down, top_k, capacity=None):
     return out
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_tpu"])
 def test_moe_mlp_matches_per_token_loop(impl):
     args = _args(1)
-    with stellax.interpret_mode(impl == "triton"):
+    with stellax.interpret_mode(impl != "xla"):
         out = jax.jit(lambda *a: moe_mlp(*a, top_k=K, implementation=impl))(*args)
     assert out.shape == (T, D) and out.dtype == jnp.float32
     assert_close(out, per_token_loop(*args, K), rel_l2_tolerance=2e-5)
@@ -57,7 +57,7 @@ def test_moe_mlp_capacity_drops_like_the_loop():
     assert_close(out, per_token_loop(*args, K, capacity=int(np.ceil(0.5 * T * K / E))), rel_l2_tolerance=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("impl", ["xla", "triton", pytest.param("mosaic_tpu", marks=pytest.mark.slow)])
 def test_moe_mlp_gradients(impl):
     args = _args(3)
     cot = inputs(4, [(T, D)])[0]
@@ -65,7 +65,7 @@ def test_moe_mlp_gradients(impl):
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a) * cot)
 
-    with stellax.interpret_mode(impl == "triton"):
+    with stellax.interpret_mode(impl != "xla"):
         grads = jax.jit(jax.grad(loss(lambda *a: moe_mlp(*a, top_k=K, implementation=impl)), (0, 1, 2, 3)))(*args)
     ref = golden(jax.jit(jax.grad(loss(lambda *a: stellax.ops.moe.moe_mlp_op.reference(*a, top_k=K)),
                                   (0, 1, 2, 3))), *args)
@@ -137,6 +137,35 @@ def test_expert_parallel_ragged_collective_lowers_for_cuda():
 
     lowered = jax.jit(jax.grad(loss, (0, 2))).trace(*args).lower(lowering_platforms=("cuda",))
     assert "ragged_all_to_all" in lowered.as_text()
+
+
+def test_expert_parallel_on_tpu_uses_ragged_all_to_all_and_the_tpu_kernels():
+    """For a TPU (``collective="auto"``, ``implementation=None``): the exchange is
+    ``ragged_all_to_all`` and the grouped matmuls (forward and backward) are the
+    Mosaic TPU kernels; lowered for ``tpu`` on the CPU (forward and gradients)."""
+    mesh = _mesh()
+    args = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16 if i != 1 else a.dtype)
+            for i, a in enumerate(_args(9, experts=16, tokens=64))]
+
+    def loss(*a):
+        return jnp.sum(moe_mlp_expert_parallel(*a, mesh=mesh, axis_name="ep", top_k=2).astype(jnp.float32))
+
+    with stellax.lowering_target("v6e"):
+        text = jax.jit(jax.value_and_grad(loss, (0, 2, 3))).trace(*args).lower(
+            lowering_platforms=("tpu",)).as_text()
+    assert "ragged_all_to_all" in text and "all_to_all" in text
+    assert text.count("tpu_custom_call") >= 4  # gate/up and down forward, their dlhs and drhs kernels
+    assert "stellax_ragged_dot_tpu" in text and "stellax_ragged_dot_tgmm_tpu" in text
+
+
+@pytest.mark.slow  # interpreted TPU kernels on 8 simulated devices
+def test_expert_parallel_with_the_tpu_kernels_matches_single_device():
+    mesh = _mesh()
+    args = _args(12, experts=16, tokens=64)
+    with stellax.interpret_mode():
+        out = jax.jit(lambda *a: moe_mlp_expert_parallel(*a, mesh=mesh, axis_name="ep", top_k=2,
+                                                         implementation="mosaic_tpu"))(*args)
+    assert_close(out, jax.jit(lambda *a: moe_mlp(*a, top_k=2))(*args), rel_l2_tolerance=1e-5)
 
 
 def test_expert_parallel_bad_inputs():

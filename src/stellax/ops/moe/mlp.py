@@ -107,6 +107,14 @@ def _runner(name: str):
     return run
 
 
+def _tpu_requirements(call: Call) -> str | None:
+    """The Mosaic TPU grouped matmuls take float32/bfloat16 tokens and weights."""
+    name = jnp.dtype(call.x.dtype).name
+    if name not in ("float32", "bfloat16"):
+        return f"the Mosaic TPU grouped matmuls need float32/bfloat16 x, got {name}"
+    return None
+
+
 def _flops(call: Call) -> float:
     tokens, d = call.x.shape
     f = call.w_gate_up.shape[-1]
@@ -115,7 +123,9 @@ def _flops(call: Call) -> float:
 
 moe_mlp_op = register(Op(
     "moe_mlp", family="moe", check=check_moe_mlp, reference=moe_mlp_reference,
-    implementations=[Implementation("triton", _runner("triton"), backend="triton"),
+    implementations=[Implementation("mosaic_tpu", _runner("mosaic_tpu"), backend="mosaic_tpu",
+                                    requirements=_tpu_requirements),
+                     Implementation("triton", _runner("triton"), backend="triton"),
                      Implementation("xla", _runner("xla"))],
     flops=_flops, examples=mlp_examples, benchmarks=mlp_benchmarks,
     differentiable=("x", "router_logits", "w_gate_up", "w_down"),
@@ -137,7 +147,10 @@ def moe_mlp(x, router_logits, w_gate_up, w_down, *, top_k, scoring="softmax", bi
       capacity_factor: ``None`` (dropless) or the per-expert capacity factor
         of `permute` (dropped copies contribute nothing).
       activation: of the gate (``"silu"``: SwiGLU).
-      implementation: of the grouped matmuls (``None``, ``"triton"``, ``"xla"``).
+      implementation: of the grouped matmuls (``None``, ``"mosaic_tpu"``,
+        ``"triton"``, ``"xla"``): on a TPU the fused gate/up (``act(gate) · up``
+        in the kernel's epilogue) and the down projection are the Mosaic TPU
+        grouped matmul, with its backward kernels.
 
     Returns:
       ``[T, D]`` in ``x.dtype``.
