@@ -168,15 +168,19 @@ def value_dim(call: Call, head_dim: int) -> int:
 
 # -- ops -------------------------------------------------------------------------------------
 def serving_op(name: str, *, check, reference, triton, xla, config_type, heuristic, space, requirements, flops,
-               bytes_accessed, examples, benchmarks) -> Op:
+               bytes_accessed, examples, benchmarks, mosaic_tpu: dict | None = None) -> Op:
     """Register a serving op: ``triton(call, config)`` (with its config type,
-    heuristic, autotuning space and requirements) and ``xla(call, config)``."""
+    heuristic, autotuning space and requirements) and ``xla(call, config)``;
+    ``mosaic_tpu`` (``run``, ``config_type``, ``heuristic``, ``space``,
+    ``requirements``) adds the Mosaic TPU kernel first."""
+    on_tpu = [] if mosaic_tpu is None else [Implementation("mosaic_tpu", backend="mosaic_tpu", **mosaic_tpu)]
     return register(Op(
         name,
         family="paged_attention",
         check=check,
         reference=reference,
         implementations=[
+            *on_tpu,
             Implementation("triton", triton, backend="triton", config_type=config_type, heuristic=heuristic,
                            space=space, requirements=requirements),
             Implementation("xla", xla),

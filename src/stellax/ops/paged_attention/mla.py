@@ -7,7 +7,7 @@ import numpy as np
 
 from ...core import Call, checks
 from ...core.pallas import nbytes
-from . import examples
+from . import examples, mosaic_tpu_mla
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .base import check_pool, check_windows, common_options, int_array, live_tokens, pool_bytes_per_token, serving_op
@@ -70,7 +70,8 @@ mla_decode_op = serving_op(
     "mla_decode", check=check_mla, reference=mla_decode_reference, triton=triton_kernels.run_mla,
     xla=xla_kernels.run_mla, config_type=MlaConfig, heuristic=mla_heuristic, space=mla_space,
     requirements=mla_requirements, flops=_mla_flops, bytes_accessed=_mla_bytes, examples=examples.mla_examples,
-    benchmarks=examples.mla_benchmarks)
+    benchmarks=examples.mla_benchmarks,
+    mosaic_tpu=mosaic_tpu_mla.MLA_IMPLEMENTATION)
 
 
 def mla_decode(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, scale, logits_soft_cap=None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...core import Call, checks
 from ...core.pallas import nbytes
-from . import examples
+from . import examples, mosaic_tpu
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .base import (
@@ -54,7 +54,8 @@ paged_attention_op = serving_op(
     "paged_attention", check=check_paged, reference=paged_attention_reference, triton=triton_kernels.run_paged,
     xla=xla_kernels.run_paged, config_type=PagedConfig, heuristic=paged_heuristic, space=paged_space,
     requirements=paged_requirements, flops=_paged_flops, bytes_accessed=_paged_bytes,
-    examples=examples.paged_examples, benchmarks=examples.paged_benchmarks)
+    examples=examples.paged_examples, benchmarks=examples.paged_benchmarks,
+    mosaic_tpu=mosaic_tpu.PAGED_IMPLEMENTATION)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, logits_soft_cap=None,

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...core import Call, checks
 from ...core.pallas import nbytes
-from . import examples
+from . import examples, mosaic_tpu
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .base import (
@@ -27,6 +27,8 @@ def _num_seqs(value):
     checks.require_int("num_seqs", value)
     if value.size != 1:
         raise ValueError(f"num_seqs: expected a scalar or a [1] array, got shape {tuple(value.shape)}")
+    if tuple(value.shape) == (1,):   # also abstract values (the compile tier's ShapeDtypeStructs)
+        return value
     return value.reshape(1)
 
 
@@ -79,7 +81,8 @@ ragged_paged_attention_op = serving_op(
     "ragged_paged_attention", check=check_ragged, reference=ragged_paged_attention_reference,
     triton=triton_kernels.run_ragged, xla=xla_kernels.run_ragged, config_type=RaggedConfig,
     heuristic=ragged_heuristic, space=ragged_space, requirements=ragged_requirements, flops=_ragged_flops,
-    bytes_accessed=_ragged_bytes, examples=examples.ragged_examples, benchmarks=examples.ragged_benchmarks)
+    bytes_accessed=_ragged_bytes, examples=examples.ragged_examples, benchmarks=examples.ragged_benchmarks,
+    mosaic_tpu=mosaic_tpu.RAGGED_IMPLEMENTATION)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale=None,
