@@ -15,9 +15,10 @@ TPU implementation (``mosaic_tpu``), within a time budget (default 8 min):
    holds only configs that compile for this generation), exported in the
    shipped-cache format, ready for ``src/stellax/autotune/shipped/``;
 4. **bench**: the benchmark shapes with the tuned configs, the Mosaic TPU
-   kernel against XLA (``xla`` / ``xla_chunked``) and, for attention, the
-   splash attention that ships inside jax (``jax_splash``), with roofline
-   numbers;
+   kernel against XLA (``xla`` / ``xla_chunked``) and the kernels that ship
+   inside jax: for attention the splash attention (``jax_splash``), for the
+   grouped matmuls ``jax.lax.ragged_dot`` and megablox ``gmm`` / ``tgmm``
+   (``jax_megablox_gmm``, ``jax_megablox_tgmm``), with roofline numbers;
 5. one JSON file ``stellax-tpu-suite-<date>-<device>.json`` rewritten after
    every stage (a crash keeps what was done).
 
@@ -208,6 +209,96 @@ def splash_peer(query, key, value, bias=None, mask=None, *, scale=None, is_causa
     return jnp.swapaxes(out, 1, 2)
 
 
+def _megablox():
+    import importlib
+
+    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _megablox_tile(dim: int) -> int:
+    """512 when it divides ``dim`` (transformer sizes), else 128."""
+    return 512 if dim % 512 == 0 else 128
+
+
+def _rows_padded(x, axis: int, tm: int):
+    """``x`` zero-padded along ``axis`` to a multiple of megablox's row tile ``tm``."""
+    import jax.numpy as jnp
+
+    extra = -x.shape[axis] % tm
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def megablox_gmm_peer(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
+                      activation=None, transpose_rhs=False):
+    """jax's bundled megablox ``gmm`` on a `ragged_dot` call: ``lhs [M, K]``, ``rhs [G, K, N]``
+    (``[G, N, K]`` transposed), local groups from ``group_offset``. M is padded to its
+    row tile (128); rows outside the local groups are set to zeros (megablox leaves
+    them unspecified), so the result is the op's. Gated weights and fused
+    activations are not megablox's contract: `UnsupportedError`."""
+    import jax.numpy as jnp
+
+    from stellax.core import UnsupportedError, interpret_enabled
+
+    if rhs.ndim != 3 or activation is not None:
+        raise UnsupportedError(f"jax_megablox_gmm peer: plain rhs [G, K, N] without activation only (got rhs "
+                               f"{tuple(rhs.shape)}, activation {activation!r})")
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = preferred_element_type or lhs.dtype
+    offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32).reshape(())
+    out = _megablox().gmm(_rows_padded(lhs, 0, 128), rhs, group_sizes.astype(jnp.int32),
+                          preferred_element_type=out_dtype, tiling=(128, _megablox_tile(k), _megablox_tile(n)),
+                          group_offset=offset, transpose_rhs=transpose_rhs, interpret=interpret_enabled())[:m]
+    ends = jnp.cumsum(group_sizes)
+    first = 0 if offset is None else offset
+    begin = jnp.where(first > 0, ends[jnp.maximum(first - 1, 0)], 0)
+    end = ends[first + rhs.shape[0] - 1]
+    rows = jnp.arange(m)[:, None]
+    return jnp.where((rows >= begin) & (rows < end), out, jnp.zeros((), out.dtype))
+
+
+def megablox_tgmm_peer(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
+                       num_local_groups=None, transpose_lhs=False):
+    """jax's bundled megablox ``tgmm`` on a `ragged_dot_tgmm` call: ``lhs [K, M]``
+    (``[M, K]`` with ``transpose_lhs``: transposed by XLA first), ``rhs [M, N]`` →
+    ``[G_local, K, N]``. M is zero-padded to its row tile (128)."""
+    import jax.numpy as jnp
+
+    from stellax.core import interpret_enabled
+
+    a = lhs.T if transpose_lhs else lhs
+    k, n = a.shape[0], rhs.shape[1]
+    offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32).reshape(())
+    return _megablox().tgmm(_rows_padded(a, 1, 128), _rows_padded(rhs, 0, 128), group_sizes.astype(jnp.int32),
+                            preferred_element_type=preferred_element_type or lhs.dtype,
+                            tiling=(128, _megablox_tile(k), _megablox_tile(n)), group_offset=offset,
+                            num_actual_groups=num_local_groups, interpret=interpret_enabled())
+
+
+def ragged_dot_peer(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
+                    activation=None, transpose_rhs=False):
+    """``jax.lax.ragged_dot`` on a plain `ragged_dot` call (all groups local)."""
+    import jax
+    import jax.numpy as jnp
+
+    from stellax.core import UnsupportedError
+
+    if rhs.ndim != 3 or activation is not None or group_offset is not None:
+        raise UnsupportedError("jax.lax.ragged_dot peer: plain rhs [G, K, N], no activation or group offset")
+    weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    return jax.lax.ragged_dot(lhs, weights, group_sizes, precision=precision,
+                              preferred_element_type=preferred_element_type)
+
+
+#: The MoE ops' peers on a TPU (op name → {peer name: function}).
+MOE_PEERS = {"ragged_dot": {"jax.lax.ragged_dot": ragged_dot_peer, "jax_megablox_gmm": megablox_gmm_peer},
+             "ragged_dot_tgmm": {"jax_megablox_tgmm": megablox_tgmm_peer}}
+
+
 def bench_stage(suite: Suite, tuned) -> None:
     from stellax.bench import report
     from stellax.bench.suites import SuiteOptions, run_suites
@@ -216,6 +307,8 @@ def bench_stage(suite: Suite, tuned) -> None:
     for op in ops:
         if op.family == "attention" and op.name == "dot_product_attention":
             op.peers.setdefault("jax_splash", splash_peer)
+        for name, fn in MOE_PEERS.get(op.name, {}).items():
+            op.peers[name] = fn
     options = SuiteOptions(
         interpret=suite.args.dry_run, max_cases=1 if suite.args.dry_run else 3,
         budget_s=max(1.0, suite.remaining() - 20), use_examples=suite.args.dry_run,

@@ -54,3 +54,47 @@ def test_splash_peer_matches_the_golden_in_interpret_mode():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-3, atol=2e-3)
     with pytest.raises(stellax.UnsupportedError, match="jax_splash peer"):
         suite.splash_peer(q, k[:, :, :1], v[:, :, :1])
+
+
+def _suite_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tpu_suite", ROOT / "benchmarks" / "tpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    return suite
+
+
+def test_moe_peers_match_the_golden_in_interpret_mode():
+    """The suite's grouped-matmul peers (jax.lax.ragged_dot, bundled megablox gmm and
+    tgmm, interpreted) compute the ops' math: an empty group, group sizes summing to
+    less than M (M not a multiple of megablox's row tile), an expert-parallel offset."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    suite = _suite_module()
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    lhs = jax.random.normal(keys[0], (200, 128), jnp.float32)
+    rhs = jax.random.normal(keys[1], (3, 128, 128), jnp.float32) / 12
+    sizes = jnp.asarray([60, 0, 110], jnp.int32)  # 170 of 200 rows
+    ops = stellax.registered_ops()
+
+    def close(a, b):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+    golden = ops["ragged_dot"].reference(lhs, rhs, sizes)
+    with stellax.interpret_mode():
+        close(suite.megablox_gmm_peer(lhs, rhs, sizes), golden)
+        close(suite.megablox_gmm_peer(lhs, rhs[1:], sizes, group_offset=jnp.int32(1)),
+              ops["ragged_dot"].reference(lhs, rhs[1:], sizes, group_offset=jnp.int32(1)))
+        close(suite.megablox_tgmm_peer(lhs.T, lhs[:, :64], sizes),
+              ops["ragged_dot_tgmm"].reference(lhs.T, lhs[:, :64], sizes))
+        close(suite.megablox_tgmm_peer(lhs, lhs[:, :64], sizes, group_offset=jnp.int32(1), num_local_groups=2,
+                                       transpose_lhs=True),
+              ops["ragged_dot_tgmm"].reference(lhs, lhs[:, :64], sizes, group_offset=jnp.int32(1),
+                                               num_local_groups=2, transpose_lhs=True))
+    close(suite.ragged_dot_peer(lhs, rhs, sizes), golden)
+    with pytest.raises(stellax.UnsupportedError, match="megablox"):
+        suite.megablox_gmm_peer(lhs, rhs, sizes, activation="silu")
+    assert set(suite.MOE_PEERS) == {"ragged_dot", "ragged_dot_tgmm"}
