@@ -20,8 +20,11 @@ The pipeline backwards, mirroring the forward's stages:
   through W/U, the solve, the scores and the decay sums
   (`triton_kda_backward.kda_intra_backward`).
 
-The XLA implementation is the VJP of the XLA chunked scan on the same
-layout; the golden is the VJP of the token-by-token recurrence.
+The Mosaic TPU implementation (`mosaic_tpu_backward`) recomputes the
+forward kernel's chunk-initial states and walks the chunks in reverse in one
+kernel, ``dS`` in VMEM, each chunk's gradients the transpose of its forward
+function. The XLA implementation is the VJP of the XLA chunked scan on the
+same layout; the golden is the VJP of the token-by-token recurrence.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call, Implementation, Op, checks, register
-from ...core.pallas import F32, HIGHEST
+from ...core.pallas import F32, HIGHEST, pad_axis
 from . import xla
 from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heuristic, linear_attention_space,
                       triton_requirements)
@@ -41,6 +44,9 @@ from .examples import backward_examples
 from .layout import Stream, flat, kernel_stream, per_chunk
 from .pipeline import gdn_states, kda_factors
 from .reference import delta_rule_recurrence
+from .mosaic_tpu_backward import recurrence_backward
+from .tpu_configs import (TpuLinearAttentionConfig, lanes, linear_attention_tpu_backward_space,
+                          linear_attention_tpu_heuristic, linear_attention_tpu_requirements)
 from .triton_backward import gdn_intra_backward
 from .triton_kda_backward import kda_intra_backward
 from .triton_scan import gdn_state_backward, kda_state_backward
@@ -135,6 +141,35 @@ def kda_triton_backward(call: Call, config: LinearAttentionConfig):
     grads = [d.reshape(x.shape).astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))]
     dh0 = _pass_empty_sequences(call, dh0.reshape(h0.shape), dfinal)
     return tuple(grads) + (dh0.astype(h0.dtype),)
+
+
+# -- Mosaic TPU ----------------------------------------------------------------------------
+def tpu_backward(per_channel: bool):
+    """The Mosaic TPU backward (`mosaic_tpu_backward.recurrence_backward`) of
+    scalar or per-channel decays: head sizes padded to 128 lanes (a no-op when
+    the forward's kernels padded them already), gradients sliced back."""
+
+    def run(call: Call, config):
+        q, k, v, g, beta, h0 = (call.arrays[n] for n in ("q", "k", "v", "g", "beta", "h0"))
+        kdim, vdim = k.shape[-1], v.shape[-1]
+        kp, vp = lanes(kdim), lanes(vdim)
+        pad = lambda x, d: None if x is None else pad_axis(x.astype(F32), x.ndim - 1, d)
+        state = lambda x: None if x is None else pad(pad_axis(x.astype(F32), x.ndim - 2, kp), vp)
+        gp = pad(g, kp) if per_channel else g.astype(F32)
+        grads = recurrence_backward(flat(pad(q, kp)), flat(pad(k, kp)), flat(pad(v, vp)), flat(gp),
+                                    flat(None if beta is None else beta.astype(F32)), flat(state(h0)),
+                                    flat(pad(call.do, vp)), flat(state(call.dfinal)), _meta(call),
+                                    heads=v.shape[1], per_channel=per_channel, config=config)
+        dq, dk, dv, dg, dbeta, dh0 = grads
+        out = [dq.reshape(q.shape[:3] + (kp,))[..., :kdim], dk.reshape(k.shape[:3] + (kp,))[..., :kdim],
+               dv.reshape(v.shape[:3] + (vp,))[..., :vdim],
+               dg.reshape(g.shape[:3] + (kp,))[..., :kdim] if per_channel else dg.reshape(g.shape),
+               None if dbeta is None else dbeta.reshape(beta.shape)]
+        out = [None if d is None else d.astype(x.dtype) for d, x in zip(out, (q, k, v, g, beta))]
+        dh0 = dh0.reshape(h0.shape[:2] + (kp, vp))[..., :kdim, :vdim]
+        dh0 = _pass_empty_sequences(call, dh0, _dfinal(call))
+        return tuple(out) + (dh0.astype(h0.dtype),)
+    return run
 
 
 # -- XLA and the golden ----------------------------------------------------------------------
@@ -250,6 +285,9 @@ def recurrence_backward_op(name: str, triton_backward, *, per_channel: bool) -> 
         check=backward_checker(per_channel=per_channel),
         reference=recurrence_backward_reference,
         implementations=[
+            Implementation("mosaic_tpu", tpu_backward(per_channel), backend="mosaic_tpu",
+                           config_type=TpuLinearAttentionConfig, heuristic=linear_attention_tpu_heuristic,
+                           space=linear_attention_tpu_backward_space, requirements=linear_attention_tpu_requirements),
             Implementation("triton", triton_backward, backend="triton", config_type=LinearAttentionConfig,
                            heuristic=linear_attention_heuristic, space=linear_attention_space,
                            requirements=triton_requirements(per_channel)),

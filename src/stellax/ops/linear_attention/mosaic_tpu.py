@@ -31,6 +31,8 @@ written to ``final[seq·HV + head]`` at its last (the block index maps read
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,21 +64,7 @@ def scalar_spans(g_col, g_row, chunk: int):
     return spans, prefix, tail, jnp.sum(g_row, axis=1, keepdims=True)
 
 
-def _start_chunk(first, h0, state):
-    @pl.when(first[pl.program_id(2)] != 0)
-    def _():
-        state[...] = h0[...].astype(F32)
-
-
-def _finish_chunk(last, final, state, new):
-    state[...] = new
-
-    @pl.when(last[pl.program_id(2)] != 0)
-    def _():
-        final[...] = new
-
-
-def _delta_rule(k_rows, kk_scores, beta, v, chunk: int):
+def _delta_rule(kk_scores, beta, v, chunk: int):
     """``(U, T)`` of the delta rule: ``T = (I + β ⊙ strictly_lower(S_k))⁻¹``, ``U = T (β V)``."""
     rows, cols = square_iota(chunk)
     a = jnp.where(rows > cols, kk_scores, 0.0) * beta
@@ -84,53 +72,130 @@ def _delta_rule(k_rows, kk_scores, beta, v, chunk: int):
     return dot(t, beta * v), t
 
 
-def _scalar_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, state, chunk):
-    """One chunk of the scalar-decay recurrence (GDN with ``beta``, SSD without)."""
-    del seq
-    _start_chunk(first, h0, state)
-    qc, kc, vc = q[...], k[...], v[...]
-    spans, prefix, tail, total = scalar_spans(g[...], g_row[...], chunk)
+def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int):
+    """One chunk of the scalar-decay recurrence, a pure function of its tiles
+    (the forward kernel runs it, the backward kernel differentiates it):
+    ``(O [C, BV], S' [K, BV])`` from ``q, k [C, K]``, ``v [C, BV]``, the decays
+    as ``g_col [C, 1]`` and ``g_row [1, C]`` (the same values), ``beta [C, 1]``
+    or ``None`` (SSD: ``Δ = V``) and the chunk's initial state ``s [K, BV]``."""
+    spans, prefix, tail, total = scalar_spans(g_col, g_row, chunk)
     rows, cols = square_iota(chunk)
     decay = jnp.exp(jnp.where(rows >= cols, spans, -jnp.inf))
-    s = state[...]
-    qg = qc * jnp.exp(prefix)
-    if beta is None:
-        delta = vc
-    else:
-        b = beta[...]
-        kk = dot_nt(kc, kc) * decay
-        u, t = _delta_rule(kc, kk, b, vc, chunk)
-        w = dot(t, b * jnp.exp(prefix) * kc)
-        delta = u - dot(w, s)
-    p = dot_nt(qc, kc) * decay
-    o[...] = (dot(qg, s) + dot(p, delta)).astype(o.dtype)
-    new = jnp.exp(total) * s + dot_tn(kc * jnp.exp(tail), delta)
-    _finish_chunk(last, final, state, new)
-
-
-def _channel_kernel(*, first, seq, last, q, k, v, g, beta, h0, o, final, state, chunk):
-    """One chunk of the per-channel (KDA) recurrence."""
-    del seq
-    _start_chunk(first, h0, state)
-    qc, kc, vc, gc, b = q[...], k[...], v[...], g[...], beta[...]
-    rows, cols = square_iota(chunk)
-    prefix = dot((rows >= cols).astype(F32), gc)  # Σ_{t≤i} g_t per channel
-    tail = dot((cols > rows).astype(F32), gc)     # Σ_{t>j} g_t per channel
     gate = jnp.exp(prefix)
-    pq, pk = channel_scores(qc, kc, gc, chunk)
-    u, t = _delta_rule(kc, pk, b, vc, chunk)
-    w = dot(t, b * gate * kc)
-    s = state[...]
-    delta = u - dot(w, s)
-    o[...] = (dot(qc * gate, s) + dot(pq, delta)).astype(o.dtype)
+    if beta is None:
+        delta = v
+    else:
+        u, t = _delta_rule(dot_nt(k, k) * decay, beta, v, chunk)
+        delta = u - dot(dot(t, beta * gate * k), s)
+    o = dot(q * gate, s) + dot(dot_nt(q, k) * decay, delta)
+    return o, jnp.exp(total) * s + dot_tn(k * jnp.exp(tail), delta)
+
+
+def channel_chunk(q, k, v, g, beta, s, *, chunk: int):
+    """One chunk of the per-channel (KDA) recurrence, as `scalar_chunk` with
+    ``g [C, K]`` (``beta [C, 1]``)."""
+    rows, cols = square_iota(chunk)
+    prefix = dot((rows >= cols).astype(F32), g)  # Σ_{t≤i} g_t per channel
+    tail = dot((cols > rows).astype(F32), g)     # Σ_{t>j} g_t per channel
+    gate = jnp.exp(prefix)
+    pq, pk = channel_scores(q, k, g, chunk, unrolled=True)
+    u, t = _delta_rule(pk, beta, v, chunk)
+    delta = u - dot(dot(t, beta * gate * k), s)
+    o = dot(q * gate, s) + dot(pq, delta)
     # Γ_C per channel as a column [K, 1]: Σ_t g_tk by a matmul with ones (lanes all equal).
-    gamma = jnp.exp(dot_tn(gc, jnp.ones((chunk, 128), F32))[:, :1])
-    new = gamma * s + dot_tn(kc * jnp.exp(tail), delta)
-    _finish_chunk(last, final, state, new)
+    gamma = jnp.exp(dot_tn(g, jnp.ones((chunk, 128), F32))[:, :1])
+    return o, gamma * s + dot_tn(k * jnp.exp(tail), delta)
+
+
+def _load(ref):
+    return None if ref is None else ref[...]
+
+
+def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, states, state, chunk, per_channel):
+    """One chunk: reset the state at a sequence's first chunk, store the
+    chunk-initial state (``states``, for the backward), run the chunk, write
+    the final state at a sequence's last chunk."""
+    del seq
+    c = pl.program_id(2)
+
+    @pl.when(first[c] != 0)
+    def _():
+        state[...] = h0[...].astype(F32)
+
+    s = state[...]
+    if states is not None:
+        states[...] = s
+    if per_channel:
+        out, new = channel_chunk(q[...], k[...], v[...], g[...], beta[...], s, chunk=chunk)
+    else:
+        out, new = scalar_chunk(q[...], k[...], v[...], g[...], g_row[...], _load(beta), s, chunk=chunk)
+    o[...] = out.astype(o.dtype)
+    state[...] = new
+
+    @pl.when(last[c] != 0)
+    def _():
+        final[...] = new
+
+
+class Specs:
+    """Block specs of the operands on grid ``(BH, V/BV, NT)`` (``reverse``: the
+    chunk axis runs from the last chunk back), index maps reading the
+    prefetched ``(first, seq, last)``: ``tokens(width)`` ``[BH, Tp, width]``,
+    ``cols`` ``[BH, Tp, Vp]``, ``state`` ``[N·HV, Kp, Vp]`` by sequence,
+    ``per_chunk`` ``[BH, NT, Kp, Vp]``, ``rows`` ``[BH, NT, 1, C]``; ``parts``
+    wraps a spec with a leading value-block axis (partial sums over ``V/BV``)."""
+
+    def __init__(self, kp: int, bv: int, chunk: int, heads: int, chunks: int, reverse: bool = False):
+        self.kp, self.bv, self.chunk, self.heads = kp, bv, chunk, heads
+        self.at = (lambda c: chunks - 1 - c) if reverse else (lambda c: c)
+
+    def tokens(self, width: int, parts: bool = False):
+        if parts:
+            return pl.BlockSpec((None, None, self.chunk, width), lambda i, j, c, *_: (j, i, self.at(c), 0))
+        return pl.BlockSpec((None, self.chunk, width), lambda i, j, c, *_: (i, self.at(c), 0))
+
+    @property
+    def cols(self):
+        return pl.BlockSpec((None, self.chunk, self.bv), lambda i, j, c, *_: (i, self.at(c), j))
+
+    @property
+    def state(self):
+        return pl.BlockSpec((None, self.kp, self.bv),
+                            lambda i, j, c, first, seq, last: (seq[self.at(c)] * self.heads + i, 0, j))
+
+    @property
+    def per_chunk(self):
+        return pl.BlockSpec((None, None, self.kp, self.bv), lambda i, j, c, *_: (i, self.at(c), 0, j))
+
+    def rows(self, parts: bool = False):
+        if parts:
+            return pl.BlockSpec((None, None, None, 1, self.chunk), lambda i, j, c, *_: (j, i, self.at(c), 0, 0))
+        return pl.BlockSpec((None, None, 1, self.chunk), lambda i, j, c, *_: (i, self.at(c), 0, 0))
+
+
+def check_layout(k, v, chunk: int, bv: int) -> None:
+    """The kernels' layout: head sizes padded to multiples of 128, ``Tp`` whole chunks, ``BV | Vp``."""
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[-1] % 128:
+            raise ValueError(f"{name}: expected a head size padded to a multiple of 128, got {x.shape[-1]}")
+    if k.shape[1] % chunk:
+        raise ValueError(f"k: expected a padded length that is a multiple of {chunk}, got {k.shape[1]}")
+    if v.shape[-1] % bv:
+        raise ValueError(f"config.block_v: expected a divisor of the padded value size {v.shape[-1]}, got {bv}")
+
+
+def decay_operands(g, specs: Specs, per_channel: bool, name: str = "g"):
+    """The named decay operands: ``g [BH, Tp, Kp]`` per channel, else ``g`` as a
+    column ``[BH, Tp, 1]`` and as rows ``[BH, NT, 1, C]`` (``g_row``)."""
+    if per_channel:
+        return {name: operand(g, specs.tokens(specs.kp)), name + "_row": None}
+    bh, tp = g.shape
+    return {name: operand(g[..., None], specs.tokens(1)),
+            name + "_row": operand(g.reshape(bh, tp // specs.chunk, 1, specs.chunk), specs.rows())}
 
 
 def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: bool,
-                       config: TpuLinearAttentionConfig):
+                       config: TpuLinearAttentionConfig, with_states: bool = False):
     """The chunked recurrence on the kernels' layout (module docstring), float32.
 
     Args:
@@ -141,46 +206,33 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
       h0: ``[N·HV, Kp, Vp]`` initial states; meta: ``None`` (dense) or int32
         ``(first, seq, last) [NT]`` of a packed row (``BH = HV``).
       heads: ``HV``.
-    Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])``; the final state of a
-    packed sequence with no chunk is left unwritten (the caller passes ``h0``).
+      with_states: also return each chunk's initial state ``[BH, NT, Kp, Vp]``.
+    Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])`` (and the states); the
+    final state of a packed sequence with no chunk is left unwritten (the
+    caller passes ``h0``).
     """
     bh, tp, kp = k.shape
     vp = v.shape[-1]
     chunk, bv = config.chunk, min(config.block_v, vp)
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[-1] % 128:
-            raise ValueError(f"{name}: expected a head size padded to a multiple of 128, got {x.shape[-1]}")
-    if tp % chunk:
-        raise ValueError(f"k: expected a padded length that is a multiple of {chunk}, got {tp}")
-    if vp % bv:
-        raise ValueError(f"config.block_v: expected a divisor of the padded value size {vp}, got {bv}")
+    check_layout(k, v, chunk, bv)
     if per_channel and beta is None:
         raise ValueError("beta: the per-channel recurrence is a delta rule (beta required), got None")
     nt = tp // chunk
     first, seq, last = dense_meta(nt) if meta is None else meta
-    tok = lambda width: pl.BlockSpec((None, chunk, width), lambda i, j, c, *_: (i, c, 0))
-    cols = pl.BlockSpec((None, chunk, bv), lambda i, j, c, *_: (i, c, j))
-    state_spec = pl.BlockSpec((None, kp, bv), lambda i, j, c, first, seq, last: (seq[c] * heads + i, 0, j))
-    inputs = {"q": operand(q, tok(kp)), "k": operand(k, tok(kp)), "v": operand(v, cols),
-              "beta": operand(None if beta is None else beta[..., None], tok(1)),
-              "h0": operand(h0, state_spec)}
-    if per_channel:
-        inputs["g"] = operand(g, tok(kp))
-        kernel = _channel_kernel
-    else:
-        inputs["g"] = operand(g[..., None], tok(1))
-        inputs["g_row"] = operand(g.reshape(bh, nt, 1, chunk),
-                                  pl.BlockSpec((None, None, 1, chunk), lambda i, j, c, *_: (i, c, 0, 0)))
-        kernel = _scalar_kernel
+    specs = Specs(kp, bv, chunk, heads, nt)
+    inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
+              "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
+              "h0": operand(h0, specs.state), **decay_operands(g, specs, per_channel)}
     outs = tpu_kernel_call(
-        lambda **refs: kernel(**refs, chunk=chunk),
+        functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel),
         grid=(bh, vp // bv, nt),
         inputs=inputs,
-        outputs={"o": output((bh, tp, vp), F32, cols), "final": output(h0.shape, F32, state_spec)},
+        outputs={"o": output((bh, tp, vp), F32, specs.cols), "final": output(h0.shape, F32, specs.state),
+                 "states": output((bh, nt, kp, vp), F32, specs.per_chunk) if with_states else None},
         scratch={"state": pltpu.VMEM((kp, bv), F32)},
         scalar_prefetch={"first": first, "seq": seq, "last": last},
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel),
         name="linear_attention_channel_forward" if per_channel else "linear_attention_scalar_forward",
     )
-    return outs.o, outs.final
+    return (outs.o, outs.final, outs.states) if with_states else (outs.o, outs.final)

@@ -12,7 +12,11 @@ scale; SSD maps ``C, B, dt·x, dt·A`` onto ``q, k, v, g``) and calls
   scalar decays (``per_channel=False``: GDN, SSD) or per-channel decays
   (``per_channel=True``: KDA), behind a ``jax.custom_vjp`` whose backward is
   the registered op `backward.gated_recurrence_backward_op` /
-  `backward.kda_recurrence_backward_op` (its own implementations and configs).
+  `backward.kda_recurrence_backward_op` (its own implementations and configs);
+* ``backend="mosaic_tpu"``: the same layout with head sizes padded to 128
+  lanes (`tpu_recurrence`), one fused Mosaic TPU kernel per chunk
+  (`mosaic_tpu`), the same custom VJP with the backward ops' ``mosaic_tpu``
+  implementation (`mosaic_tpu_backward`).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def _channel_decayed_scores(x, y, g):
     return out.reshape(*lead, r, c, c)
 
 
-def channel_scores(q, k, g, chunk: int):
+def channel_scores(q, k, g, chunk: int, unrolled: bool = False):
     """``(P_q, P_k)``, each ``[C, C]`` float32, on one tile inside a Triton kernel:
     ``P_x[i, j] = Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i`` and 0 above,
     for ``x = q`` and ``x = k`` (``q, k, g [C, K]`` float32).
@@ -104,6 +104,7 @@ def channel_scores(q, k, g, chunk: int):
     diagonal block, for each offset ``d`` the column ``j = a·s + d`` of every
     block at once, elementwise (``s`` steps of a ``[C, K]`` exp and row sum).
     Every exponent is a direct span sum ≤ 0 (−inf outside its span).
+    ``unrolled`` runs the diagonal offsets as a Python loop instead of a ``fori_loop``.
     """
     s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
     rows, cols = square_iota(chunk)
@@ -135,4 +136,9 @@ def channel_scores(q, k, g, chunk: int):
         hit = pick & valid
         return pq + jnp.where(hit, sq, 0.0), pk + jnp.where(hit, sk, 0.0)
 
+    if unrolled:  # a Python loop: differentiable inside a Mosaic TPU kernel (no scan to lower)
+        carry = (pq, pk)
+        for d in range(s):
+            carry = diagonal(d, carry)
+        return carry
     return jax.lax.fori_loop(0, s, diagonal, (pq, pk))

@@ -56,19 +56,27 @@ def _dims(call: Call) -> tuple[int, int, bool]:
     return call.k.shape[-1], call.v.shape[-1], per_channel
 
 
-def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool) -> int:
-    """VMEM bytes of one grid step (module docstring), float32."""
-    tokens = 2 * chunk * (2 * kp + (kp if per_channel else 128) + 128 + 2 * bv)  # q k g β v o, double-buffered
-    states = 2 * 2 * kp * bv + kp * bv                                          # h0, final, scratch
+def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False) -> int:
+    """VMEM bytes of one grid step (module docstring), float32. The backward
+    kernel (``backward``) adds ``do``, the stored state, ``dfinal``/``dh0``, the
+    gradient blocks, and keeps the chunk's forward temporaries for its
+    transpose (counted three times)."""
+    g_width = kp if per_channel else 128
+    tokens = 2 * chunk * (2 * kp + g_width + 128 + 2 * bv)  # q k g β v o, double-buffered
+    states = 2 * 2 * kp * bv + kp * bv                      # h0, final, scratch
     temporaries = _TEMPORARIES * chunk * max(chunk, kp, bv)
+    if backward:
+        tokens += 2 * chunk * (2 * kp + g_width + 128 + bv)  # dq dk dg dβ dv
+        states += 2 * kp * bv
+        temporaries *= 3
     return 4 * (tokens + states + temporaries)
 
 
-def tpu_vmem_limit(kp: int, bv: int, chunk: int, per_channel: bool) -> int | None:
+def tpu_vmem_limit(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False) -> int | None:
     """``vmem_limit_bytes`` for a config: ``None`` within the generation's scoped
     default, else twice the estimate (at most half the physical VMEM)."""
     generation = target_generation()
-    need = tpu_vmem_bytes(kp, bv, chunk, per_channel)
+    need = tpu_vmem_bytes(kp, bv, chunk, per_channel, backward)
     if need <= generation.scoped_vmem_bytes:
         return None
     return min(2 * need, generation.vmem_bytes // 2)
@@ -83,6 +91,17 @@ def linear_attention_tpu_space(call: Call) -> list[TpuLinearAttentionConfig]:
     configs = product_space(TpuLinearAttentionConfig, chunk=TPU_CHUNKS, block_v=TPU_BLOCK_V)
     return [c for c in configs
             if c.block_v <= vp and vp % c.block_v == 0 and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel) <= budget]
+
+
+def linear_attention_tpu_backward_space(call: Call) -> list[TpuLinearAttentionConfig]:
+    """The backward ops' space: chunks of 64 (their layout's, `configs.TRITON_CHUNK`)
+    and ``block_v`` 128 or 256 whose backward VMEM estimate fits half the physical VMEM."""
+    kdim, vdim, per_channel = _dims(call)
+    kp, vp = lanes(kdim), lanes(vdim)
+    budget = target_generation().vmem_bytes // 2
+    configs = product_space(TpuLinearAttentionConfig, chunk=(64,), block_v=TPU_BLOCK_V)
+    return [c for c in configs if c.block_v <= vp and vp % c.block_v == 0
+            and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel, backward=True) <= budget]
 
 
 def linear_attention_tpu_heuristic(call: Call) -> TpuLinearAttentionConfig:

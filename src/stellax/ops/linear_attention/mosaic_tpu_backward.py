@@ -1,0 +1,129 @@
+"""Pallas Mosaic TPU kernel of the chunked recurrence's backward: the reverse
+state scan and every chunk's gradients in one kernel, ``dS`` carried in VMEM.
+
+The forward kernel runs again storing each chunk's initial state ``S_c``
+(`mosaic_tpu.recurrence_forward` with ``with_states``; recomputed, not kept
+from the forward). Then on grid ``(BH, V/BV, NT)`` with the chunk axis
+``"arbitrary"`` and walked from the last chunk back, each step holds
+``dS'`` (the cotangent of the chunk's final state) in a float32 scratch and
+differentiates the chunk's own function (`mosaic_tpu.scalar_chunk` /
+`mosaic_tpu.channel_chunk`: ``(O, S') = f(q, k, v, g, β, S_c)``) at the
+cotangents ``(dO, dS')``:
+
+    (dq, dk, dv, dg, dβ, dS_c) = f'(q, k, v, g, β, S_c)ᵀ · (dO, dS')
+
+— the same math as the forward chunk (scores, the MXU inverse, W/U, the state
+step), transposed by ``jax.vjp`` while the kernel is traced, so every
+exponent stays a masked span sum ≤ 0 and no ``inf·0`` appears. ``dS_c`` is
+the next (earlier) chunk's ``dS'``. A packed sequence's last chunk starts
+from ``dfinal[seq]`` and its first chunk writes ``dh0[seq] = dS_c``
+(int32 ``first, seq, last`` by scalar prefetch, as in the forward).
+
+The gradients of ``q, k, g, β`` collect over the value blocks: each block
+writes its partial into a leading ``V/BV`` axis, summed in XLA (a fixed
+order: deterministic).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ...core.pallas import F32, operand, output, tpu_kernel_call
+from .mosaic_tpu import Specs, channel_chunk, check_layout, decay_operands, dense_meta, recurrence_forward, scalar_chunk
+from .tpu_configs import TpuLinearAttentionConfig, tpu_vmem_limit
+
+
+def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
+                     dbeta, dh0, dstate, chunk, chunks, per_channel):
+    """One chunk, walked in reverse (module docstring)."""
+    del seq
+    rc = chunks - 1 - pl.program_id(2)
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():  # chunks after the last sequence (a traced cu_seqlens' padding) get no cotangent
+        dstate[...] = jnp.zeros(dstate.shape, F32)
+
+    @pl.when(last[rc] != 0)
+    def _():
+        dstate[...] = dfinal[...]
+
+    if per_channel:
+        tiles = (q[...], k[...], v[...], g[...], beta[...], states[...])
+        f = functools.partial(channel_chunk, chunk=chunk)
+    else:
+        b = None if beta is None else beta[...]
+        tiles = (q[...], k[...], v[...], g[...], g_row[...], b, states[...])
+        f = functools.partial(scalar_chunk, chunk=chunk)
+    _, vjp = jax.vjp(f, *tiles)
+    grads = vjp((do[...], dstate[...]))
+    if per_channel:
+        gq, gk, gv, gg, gb, gs = grads
+        dg[...] = gg
+    else:
+        gq, gk, gv, gg, gr, gb, gs = grads
+        dg[...] = gg
+        dg_row[...] = gr
+    dq[...] = gq
+    dk[...] = gk
+    dv[...] = gv
+    if dbeta is not None:
+        dbeta[...] = gb
+    dstate[...] = gs
+
+    @pl.when(first[rc] != 0)
+    def _():
+        dh0[...] = gs
+
+
+def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, per_channel: bool,
+                        config: TpuLinearAttentionConfig):
+    """The gradients of `mosaic_tpu.recurrence_forward` (same layout and arguments;
+    ``do [BH, Tp, Vp]``, ``dfinal [N·HV, Kp, Vp]`` or ``None``), float32:
+    ``(dq, dk, dv, dg, dβ or None, dh0)`` shaped as their primals. ``dh0`` of a
+    packed sequence with no chunk is left unwritten (the caller passes ``dfinal``)."""
+    bh, tp, kp = k.shape
+    vp = v.shape[-1]
+    chunk, bv = config.chunk, min(config.block_v, vp)
+    check_layout(k, v, chunk, bv)
+    nt, nv = tp // chunk, vp // bv
+    _, _, states = recurrence_forward(q, k, v, g, beta, h0, meta, heads=heads, per_channel=per_channel,
+                                      config=config, with_states=True)
+    first, seq, last = dense_meta(nt) if meta is None else meta
+    dfinal = jnp.zeros(h0.shape, F32) if dfinal is None else dfinal.astype(F32)
+    specs = Specs(kp, bv, chunk, heads, nt, reverse=True)
+    inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
+              "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
+              "states": operand(states, specs.per_chunk), "do": operand(do.astype(F32), specs.cols),
+              "dfinal": operand(dfinal, specs.state), **decay_operands(g, specs, per_channel)}
+    parts = lambda *shape: jax.ShapeDtypeStruct((nv,) + shape, F32)
+    outputs = {
+        "dq": output(parts(bh, tp, kp).shape, F32, specs.tokens(kp, parts=True)),
+        "dk": output(parts(bh, tp, kp).shape, F32, specs.tokens(kp, parts=True)),
+        "dv": output((bh, tp, vp), F32, specs.cols),
+        "dg": output((nv, bh, tp, kp if per_channel else 1), F32, specs.tokens(kp if per_channel else 1, parts=True)),
+        "dg_row": None if per_channel else output((nv, bh, nt, 1, chunk), F32, specs.rows(parts=True)),
+        "dbeta": None if beta is None else output((nv, bh, tp, 1), F32, specs.tokens(1, parts=True)),
+        "dh0": output(h0.shape, F32, specs.state),
+    }
+    outs = tpu_kernel_call(
+        functools.partial(_backward_kernel, chunk=chunk, chunks=nt, per_channel=per_channel),
+        grid=(bh, nv, nt),
+        inputs=inputs,
+        outputs=outputs,
+        scratch={"dstate": pltpu.VMEM((kp, bv), F32)},
+        scalar_prefetch={"first": first, "seq": seq, "last": last},
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel, backward=True),
+        name="linear_attention_channel_backward" if per_channel else "linear_attention_scalar_backward",
+    )
+    total = lambda x: jnp.sum(x, axis=0)
+    dg = total(outs.dg)
+    if not per_channel:
+        dg = dg[..., 0] + total(outs.dg_row).reshape(bh, tp)
+    dbeta = None if beta is None else total(outs.dbeta)[..., 0]
+    return total(outs.dq), total(outs.dk), outs.dv, dg, dbeta, outs.dh0
