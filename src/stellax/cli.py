@@ -119,7 +119,7 @@ def _check_tpu_compile(args, console, selected) -> int:
 def _check(args) -> int:
     if args.static_gpu:
         from stellax.testing.static_gpu import run_cli
-        return run_cli(args.ops, args.arch.split(","), json_path=args.json)
+        return run_cli(args.ops, args.arch.split(","), json_path=args.json, heuristic_only=args.heuristic_only)
     _fast_compiles()
     from rich.console import Console
 
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                             "cp.async, registers, occupancy); needs the cuda-check extra; exit 1 when a config "
                             "the heuristic can choose fails")
     check.add_argument("--arch", default="9.0,8.0", help="with --static-gpu: compute capabilities (default 9.0,8.0)")
+    check.add_argument("--heuristic-only", action="store_true",
+                       help="with --static-gpu: only the configs the heuristic chooses (they decide the exit code)")
     check.add_argument("--tpu-compile", action="store_true",
                        help="tier 3 for Mosaic TPU kernels: compile with the real TPU compiler (libtpu, the "
                             "tpu-check extra; no TPU needed) for each generation, heuristic configs on examples "

@@ -130,3 +130,55 @@ def test_tpu_kernel_call_needs_one_semantics_per_grid_axis():
     with pytest.raises(ValueError, match="dimension_semantics: expected 2 entries"):
         tpu_kernel_call(lambda **refs: None, grid=(1, 1), inputs=dict(x=operand(x)),
                         outputs=dict(y=output(x.shape, x.dtype)), dimension_semantics=("parallel",), name="k")
+
+
+def test_tf32x3_dot_emulation_rounds_like_three_tensor_core_passes():
+    """Interpreted, a `TF32X3` dot is ``a_hi·b_hi + a_hi·b_lo + a_lo·b_hi``
+    with TF32 roundings: about float32 accuracy (far better than one TF32
+    pass), but not IEEE float32 — the test can tell the three apart."""
+    from stellax.core.pallas import TF32X3
+
+    a = jax.random.normal(jax.random.PRNGKey(1), (64, 64), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(2), (64, 32), jnp.float32)
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    with interpret_mode():
+        x3 = np.asarray(dot(a, b, precision=TF32X3))
+        x3_nt = np.asarray(dot_nt(a, b.T, precision=TF32X3))
+    np.testing.assert_array_equal(x3, x3_nt)
+    # One TF32 pass (10 mantissa bits) errs ~1e-3 relative; three passes ~1e-6.
+    a_hi = np.asarray(a).view(np.uint32)
+    a_hi = ((a_hi + 0x1000) & 0xFFFFE000).view(np.float32)
+    b_hi = ((np.asarray(b).view(np.uint32) + 0x1000) & 0xFFFFE000).view(np.float32)
+    one_pass = np.abs(a_hi.astype(np.float64) @ b_hi.astype(np.float64) - exact).max()
+    three_pass = np.abs(x3 - exact).max()
+    assert three_pass < 2e-5 and one_pass > 20 * three_pass, (three_pass, one_pass)
+    assert np.abs(x3 - np.asarray(dot(a, b))).max() > 0  # not silently IEEE float32
+
+
+def test_tf32x3_dot_lowers_to_a_tf32x3_triton_dot():
+    """The Triton IR names ``tf32x3`` (tensor cores); a `HIGHEST` float32 dot
+    names nothing, which is IEEE (``tt.dot``'s default), i.e. FMA."""
+    from stellax.core.pallas import HIGHEST, TF32X3
+    from stellax.testing.ptx_analysis import ir_text, parse_dots, triton_sources
+
+    spec = pl.BlockSpec((32, 32), lambda i: (0, 0))
+    s = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+
+    def ir_dot(precision):
+        def kernel(*, a, b, c):
+            c[...] = dot(a[...], b[...], precision=precision)
+
+        def f(a, b):
+            return triton_kernel_call(kernel, grid=(1,), inputs=dict(a=operand(a, spec), b=operand(b, spec)),
+                                      outputs=dict(c=output((32, 32), jnp.float32, spec)), num_warps=4,
+                                      num_stages=1, name="tf32x3").c
+
+        with interpret_mode(False):
+            lowered = jax.jit(f).trace(s, s).lower(lowering_platforms=("cuda",))
+        (source,) = triton_sources(lowered)
+        (found,) = parse_dots(ir_text(source))
+        return found
+
+    fast, ieee = ir_dot(TF32X3), ir_dot(HIGHEST)
+    assert (fast.lhs, fast.precision, fast.tc_dtype) == ("f32", "tf32x3", "tf32"), fast
+    assert (ieee.lhs, ieee.precision, ieee.tc_dtype) == ("f32", "", None), ieee

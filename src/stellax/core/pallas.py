@@ -28,7 +28,9 @@ Launching (`kernel_call`, `triton_kernel_call`):
   wrong against the golden, which is how the numerics checks catch it.
 
 Helpers: `cdiv`, `pad_axis`, `padded_dim`, `nbytes`, `dot` / `dot_nt` / `dot_tn`
-(explicit precision, float32 accumulation), `iota`, `square_iota`.
+(explicit precision, float32 accumulation; `TF32X3` puts float32 dots on GPU
+tensor cores at about float32 accuracy, emulated bit for bit in interpret
+mode), `iota`, `square_iota`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ from .platform import interpret_enabled
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
+#: Float32 dots as three TF32 tensor-core passes, ``a_hi·b_hi + a_hi·b_lo +
+#: a_lo·b_hi`` (``hi`` = the value rounded to TF32's 10 mantissa bits, ``lo``
+#: the remainder, truncated to TF32 by the tensor core): relative error about
+#: 2⁻²⁰ instead of 2⁻²⁴, on tensor cores (an IEEE float32 `HIGHEST` dot is
+#: scalar FMA on a GPU, ~15× slower on an H200). Triton kernels only: on a CPU
+#: (interpret mode) the three passes are emulated with the same roundings.
+TF32X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 # -- sizes and padding ------------------------------------------------------------
@@ -86,19 +95,39 @@ _NT = (((1,), (1,)), ((), ()))
 _TN = (((0,), (0,)), ((), ()))
 
 
+def _tf32_bits(x, round_to_nearest: bool):
+    """``x`` (float32) with its 13 low mantissa bits cleared: rounded to the
+    nearest TF32, ties away from zero (``cvt.rna.tf32.f32``), or truncated
+    (what a tensor core does to a TF32 operand's extra bits)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(F32), jnp.uint32)
+    if round_to_nearest:
+        bits = bits + jnp.uint32(0x1000)
+    return jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFE000), F32)
+
+
+def _dot_general(a, b, dims, precision, out_dtype):
+    if precision == TF32X3 and interpret_enabled():
+        a_hi, b_hi = _tf32_bits(a, True), _tf32_bits(b, True)
+        a_lo = _tf32_bits(a.astype(F32) - a_hi, False)
+        b_lo = _tf32_bits(b.astype(F32) - b_hi, False)
+        exact = lambda x, y: jax.lax.dot_general(x, y, dims, precision=HIGHEST, preferred_element_type=F32)
+        return (exact(a_lo, b_hi) + exact(a_hi, b_lo) + exact(a_hi, b_hi)).astype(out_dtype)
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
+
+
 def dot(a, b, *, precision=HIGHEST, out_dtype=F32):
     """``a [M, K] · b [K, N]`` accumulated in ``out_dtype``."""
-    return jax.lax.dot_general(a, b, _NN, precision=precision, preferred_element_type=out_dtype)
+    return _dot_general(a, b, _NN, precision, out_dtype)
 
 
 def dot_nt(a, b, *, precision=HIGHEST, out_dtype=F32):
     """``a [M, K] · b [N, K]ᵀ`` accumulated in ``out_dtype``."""
-    return jax.lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=out_dtype)
+    return _dot_general(a, b, _NT, precision, out_dtype)
 
 
 def dot_tn(a, b, *, precision=HIGHEST, out_dtype=F32):
     """``a [K, M]ᵀ · b [K, N]`` accumulated in ``out_dtype``."""
-    return jax.lax.dot_general(a, b, _TN, precision=precision, preferred_element_type=out_dtype)
+    return _dot_general(a, b, _TN, precision, out_dtype)
 
 
 def iota(n: int, dtype=jnp.int32) -> jax.Array:

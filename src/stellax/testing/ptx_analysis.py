@@ -77,13 +77,13 @@ class Dot:
     lhs: str
     rhs: str
     acc: str
-    precision: str  # "tf32", "ieee", "tf32x3", ... ("" when the IR does not say)
+    precision: str  # "tf32", "tf32x3", ... ("" when the IR does not say: IEEE, tt.dot's default)
 
     @property
     def tc_dtype(self) -> str | None:
         """The operand type a tensor-core instruction for this dot would name (None: none exists)."""
-        if self.lhs == "f32" and self.precision not in ("", "tf32", "tf32x3"):
-            return None  # an IEEE float32 dot: FMA by construction
+        if self.lhs == "f32" and self.precision not in ("tf32", "tf32x3"):
+            return None  # an IEEE float32 dot (tt.dot's default precision): FMA by construction
         return TC_DTYPE.get(self.lhs)
 
 

@@ -218,12 +218,17 @@ def analyze_unit(unit: Unit, archs: Iterable[str] = ARCHS, *, use_ptxas: bool = 
 
 
 def run_static_tier(ops: Mapping[str, Op], archs: Iterable[str] = ARCHS, *, use_ptxas: bool = True,
-                    progress: Callable[[StaticConfig], None] | None = None) -> list[StaticConfig]:
-    """`analyze_unit` over every unit of every Triton implementation of ``ops``."""
+                    progress: Callable[[StaticConfig], None] | None = None,
+                    heuristic_only: bool = False) -> list[StaticConfig]:
+    """`analyze_unit` over every unit of every Triton implementation of ``ops``
+    (only the heuristic's choices with ``heuristic_only``: the configs that
+    decide the exit code, a few per kernel instead of the whole space)."""
     archs = tuple(archs)
     results = []
     for op, name in triton_implementations(ops):
         for unit in units(op, name):
+            if heuristic_only and not unit.heuristic:
+                continue
             for r in analyze_unit(unit, archs, use_ptxas=use_ptxas):
                 results.append(r)
                 if progress is not None:
@@ -325,10 +330,10 @@ def write_json(results: Iterable[StaticConfig], path) -> None:
 
 
 def run_cli(names: list[str], archs: Iterable[str] = ARCHS, *, json_path: str | None = None,
-            use_ptxas: bool = True, print_fn: Callable[[str], None] = print) -> int:
-    """`stellax check --static-gpu [OPS...]`: findings per kernel and config, then the
-    per-family table. Exit 1 when a config the heuristic can choose fails, 2 when the
-    compiler is missing or nothing matches ``names``."""
+            use_ptxas: bool = True, print_fn: Callable[[str], None] = print, heuristic_only: bool = False) -> int:
+    """`stellax check --static-gpu [--heuristic-only] [OPS...]`: findings per kernel and
+    config, then the per-family table. Exit 1 when a config the heuristic can choose fails,
+    2 when the compiler is missing or nothing matches ``names``."""
     import stellax
 
     from .lowering import triton_compiler_available
@@ -350,7 +355,7 @@ def run_cli(names: list[str], archs: Iterable[str] = ARCHS, *, json_path: str | 
         return 2
     if use_ptxas and ptxas_path() is None:
         print_fn(f"note: {PTXAS_MISSING}")
-    results = run_static_tier(ops, archs, use_ptxas=use_ptxas,
+    results = run_static_tier(ops, archs, use_ptxas=use_ptxas, heuristic_only=heuristic_only,
                               progress=lambda r: print_fn("\n".join(format_findings(r))))
     if json_path:
         write_json(results, json_path)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core.pallas import F32, dot, square_iota
+from ...core.pallas import F32, HIGHEST, dot, square_iota
 
 
 # -- batched (XLA) ------------------------------------------------------------------
@@ -65,14 +65,16 @@ def expand_gate(g, like):
 
 
 # -- one tile (inside the Triton kernels) -----------------------------------------------
-def tile_spans(g, chunk: int):
+def tile_spans(g, chunk: int, *, precision=HIGHEST):
     """The span sums of one chunk's scalar log decays ``g [C]`` (float32):
     ``(D [C, C], G [C], tail [C], total)`` with ``D[i, j] = Σ_{j<t≤i} g_t`` (a
-    matmul with a 0/1 matrix, exact products), ``G_i = Σ_{t≤i} g_t``,
-    ``tail_j = Σ_{t>j} g_t`` and ``total = Σ_t g_t``."""
+    matmul with a 0/1 matrix at ``precision``: exact products at `HIGHEST`; at
+    `TF32X3` each ``g_t`` carries a relative error below 2⁻²⁰, so ``exp(D)``
+    one below ``|D|·2⁻²⁰``), ``G_i = Σ_{t≤i} g_t``, ``tail_j = Σ_{t>j} g_t``
+    and ``total = Σ_t g_t``."""
     rows, cols = square_iota(chunk)
     later = jnp.where(rows > cols, g[:, None], 0.0)  # [t, j]: g_t for t > j
-    spans = dot((rows >= cols).astype(F32), later)
+    spans = dot((rows >= cols).astype(F32), later, precision=precision)
     prefix = jnp.sum(jnp.where(rows >= cols, g[None, :], 0.0), axis=1)
     return spans, prefix, jnp.sum(later, axis=0), jnp.sum(g)
 

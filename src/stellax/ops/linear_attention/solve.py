@@ -62,15 +62,15 @@ def solve_unit_lower(A, R):
     return jnp.concatenate(xs, axis=-2)
 
 
-def unit_lower_inverse(a, rows, cols, chunk: int):
+def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST):
     """``T = (I + A)⁻¹ [C, C]`` of a strictly lower ``A [C, C]`` on one tile
     (``rows, cols`` its `square_iota`): ``(I − A)(I + A²)(I + A⁴)…`` — exact,
-    as ``A^C = 0``."""
+    as ``A^C = 0``. ``precision`` of its ``2·log2(C/2)`` matmuls."""
     inv = (rows == cols).astype(F32) - a
     power = a
     span = 2
     while span < chunk:
-        power = dot(power, power)
-        inv = inv + dot(inv, power)
+        power = dot(power, power, precision=precision)
+        inv = inv + dot(inv, power, precision=precision)
         span *= 2
     return inv

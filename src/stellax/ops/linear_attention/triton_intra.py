@@ -17,7 +17,10 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
   cheaply: ``P`` (the causal decayed ``q·k`` scores), ``Q⊙Γ``,
   ``K̃ = K⊙exp(Σ_{t>j} g_t)`` and ``Γ_C = exp(Σ_t g_t)``.
 
-All matmuls run at ``Precision.HIGHEST`` (IEEE float32); every exponent is ≤ 0.
+The chunk matmuls (``K Kᵀ``, the inverse's products, ``T(β⊙V)``, ``T(β⊙Γ⊙K)``)
+run as `TF32X3` (three TF32 tensor-core passes, about float32 accuracy: an
+IEEE float32 dot is scalar FMA on a GPU); KDA's channel scores, gathers and
+decay sums stay IEEE float32 (exactness matters there). Every exponent is ≤ 0.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, dot, dot_nt, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
 from .configs import KDA_BLOCK_K, LinearAttentionConfig
 from .decay import masked_decay, span_sum, tile_spans
 from .layout import check_flat_layout
@@ -53,11 +56,11 @@ def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk):
     vc = v[...].astype(F32)
     b = beta[...]
     rows, cols = square_iota(chunk)
-    spans, prefix, _, _ = tile_spans(g[...], chunk)
-    a = dot_nt(kc, kc) * masked_decay(spans, rows > cols) * b[:, None]
-    inv = unit_lower_inverse(a, rows, cols, chunk)
-    u[...] = dot(inv, vc * b[:, None]).astype(u.dtype)
-    w[...] = dot(inv, kc * (b * jnp.exp(prefix))[:, None]).astype(w.dtype)
+    spans, prefix, _, _ = tile_spans(g[...], chunk, precision=TF32X3)
+    a = dot_nt(kc, kc, precision=TF32X3) * masked_decay(spans, rows > cols) * b[:, None]
+    inv = unit_lower_inverse(a, rows, cols, chunk, precision=TF32X3)
+    u[...] = dot(inv, vc * b[:, None], precision=TF32X3).astype(u.dtype)
+    w[...] = dot(inv, kc * (b * jnp.exp(prefix))[:, None], precision=TF32X3).astype(w.dtype)
 
 
 def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
@@ -103,16 +106,16 @@ def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk)
     pq, pk = jax.lax.fori_loop(0, kdim // bk, channels, (zeros, zeros))
     p[...] = pq
     a = jnp.where(rows > cols, pk, 0.0) * b[:, None]
-    inv = unit_lower_inverse(a, rows, cols, chunk)
+    inv = unit_lower_inverse(a, rows, cols, chunk, precision=TF32X3)
 
     def w_block(i, _):
         cs, _, kb, gb = load(i)
-        w[:, cs] = dot(inv, kb * jnp.exp(span_sum(cols <= rows, gb)) * b[:, None])
+        w[:, cs] = dot(inv, kb * jnp.exp(span_sum(cols <= rows, gb)) * b[:, None], precision=TF32X3)
         return 0
 
     def u_block(i, _):
         vs = pl.ds(i * bv, bv)
-        u[:, vs] = dot(inv, v[:, vs].astype(F32) * b[:, None])
+        u[:, vs] = dot(inv, v[:, vs].astype(F32) * b[:, None], precision=TF32X3)
         return 0
 
     jax.lax.fori_loop(0, kdim // bk, w_block, 0)

@@ -10,7 +10,8 @@ Per chunk and block of ``BV`` value columns, from the chunk-initial states
 * `kda_output_forward` (per-channel decays): ``Q⊙Γ`` and ``P`` as stored by
   `triton_intra.kda_intra_forward`.
 
-Arrays are heads-major and flattened (`layout`); float32 at ``Precision.HIGHEST``.
+Arrays are heads-major and flattened (`layout`); float32; the
+matmuls run as `TF32X3` (three TF32 tensor-core passes, about float32 accuracy).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, dot, dot_nt, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
 from .configs import LinearAttentionConfig
 from .decay import masked_decay, tile_spans
 from .layout import check_flat_layout
@@ -38,9 +39,9 @@ def _gdn_output_kernel(*, q, k, g, delta, states, o, chunk):
     qc = q[...].astype(F32)
     kc = k[...].astype(F32)
     rows, cols = square_iota(chunk)
-    spans, prefix, _, _ = tile_spans(g[...], chunk)
-    p = dot_nt(qc, kc) * masked_decay(spans, rows >= cols)
-    out = dot(qc * jnp.exp(prefix)[:, None], states[...]) + dot(p, delta[...])
+    spans, prefix, _, _ = tile_spans(g[...], chunk, precision=TF32X3)
+    p = dot_nt(qc, kc, precision=TF32X3) * masked_decay(spans, rows >= cols)
+    out = dot(qc * jnp.exp(prefix)[:, None], states[...], precision=TF32X3) + dot(p, delta[...], precision=TF32X3)
     o[...] = out.astype(o.dtype)
 
 
@@ -65,7 +66,7 @@ def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAtte
 
 def _kda_output_kernel(*, qg, p, delta, states, o):
     """``O = (Q⊙Γ) S_c + P Δ``."""
-    o[...] = dot(qg[...], states[...]) + dot(p[...], delta[...])
+    o[...] = dot(qg[...], states[...], precision=TF32X3) + dot(p[...], delta[...], precision=TF32X3)
 
 
 def kda_output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttentionConfig):

@@ -23,7 +23,8 @@ storing it per chunk, with ``dΔ`` and the initial states' gradients:
   ``dS ← exp(G_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ`` (``P`` recomputed per chunk);
 * `kda_state_backward`: the same from the stored ``P``, ``Q⊙Γ``, ``K̃``, ``W``, ``Γ_C``.
 
-All matmuls run at ``Precision.HIGHEST``; exponents are ≤ 0.
+The forward scans' matmuls run as `TF32X3` (three TF32 tensor-core passes, about
+float32 accuracy); the backward's at ``Precision.HIGHEST``. Exponents are ≤ 0.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import F32, TF32X3, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call
 from .configs import LinearAttentionConfig
 from .decay import masked_decay, tile_spans
 from .layout import check_flat_layout
@@ -159,10 +160,10 @@ def _gdn_state_kernel(*, w, u, k, g, h0, first, seq, last, states, delta, final,
         tail, total = jnp.sum(later, axis=0), jnp.sum(gc)
         d = u[rows, :].astype(F32)
         if w is not None:
-            d = d - dot(w[rows, :].astype(F32), state)
+            d = d - dot(w[rows, :].astype(F32), state, precision=TF32X3)
         delta[rows, :] = d
         kt = k[rows, :].astype(F32) * jnp.exp(tail)[:, None]
-        return jnp.exp(total) * state + dot_tn(kt, d)
+        return jnp.exp(total) * state + dot_tn(kt, d, precision=TF32X3)
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=h0, store=states, end=final)
 
@@ -186,9 +187,9 @@ def _kda_state_kernel(*, w, u, kg, gamma, h0, first, seq, last, states, delta, f
     """``Δ = U − W S``, ``S ← diag(Γ_C) S + K̃ᵀ Δ`` chunk by chunk."""
     def step(c, state):
         rows = pl.ds(c * chunk, chunk)
-        d = u[rows, :] - dot(w[rows, :], state)
+        d = u[rows, :] - dot(w[rows, :], state, precision=TF32X3)
         delta[rows, :] = d
-        return gamma[c][:, None] * state + dot_tn(kg[rows, :], d)
+        return gamma[c][:, None] * state + dot_tn(kg[rows, :], d, precision=TF32X3)
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=h0, store=states, end=final)
 
