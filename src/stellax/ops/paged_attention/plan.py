@@ -147,12 +147,20 @@ def _window_counts(*sources):
     return 0, 0
 
 
+def _pool_source(pool) -> Source:
+    """`as_source`, with a quantized pool's half of a combined buffer (`KVQuant.part`) as the source's part."""
+    src = as_source(pool)
+    if src.quantized and src.spec.part is not None:
+        src = dataclasses.replace(src, part=src.spec.part)
+    return src
+
+
 def _sources(call: Call, key_name: str, value_name: str | None):
     k_pool = pool_from_call(call, key_name)
     v_pool = None if value_name is None else pool_from_call(call, value_name)
     if value_name is not None and v_pool is None:  # combined kv_pages
         return as_source(k_pool, 0), as_source(k_pool, 1)
-    return as_source(k_pool), None if v_pool is None else as_source(v_pool)
+    return _pool_source(k_pool), None if v_pool is None else _pool_source(v_pool)
 
 
 def _finish(values: Source, qb: int, out_dtype, post: Callable | None = None):
@@ -300,6 +308,9 @@ def gather_block(src: Source, ids):
         return data.reshape(bp, n * ps, *data.shape[3:]).astype(jnp.float32)
     spec = src.spec
     codes = load_codes(data, spec)                                               # [Bp, n, PS, K, H]
+    if spec.group_axis == "tensor":                                              # one float32 scale
+        x = codes * jnp.asarray(src.scale, jnp.float32)
+        return x.reshape(bp, n * ps, *x.shape[3:])
     scale = src.scale[ids].astype(jnp.float32)
     zero = None if src.zero is None else src.zero[ids].astype(jnp.float32)
     if spec.group_axis == "token":

@@ -17,12 +17,22 @@ page_size, H]``):
   - ``"token"``: groups of ``group_size`` consecutive tokens of one page, per
     channel (KIVI's per-channel key quantization),
     ``scale [num_pages, page_size // group_size, K, H]``.
+  - ``"tensor"``: one scale for the whole pool, ``scale []`` (float32; int8 /
+    fp8 only). A static, calibrated scale (vLLM's per-layer ``k_scale`` /
+    ``v_scale``): `quantize_pages` sets it from the pool's absolute maximum,
+    `quantize_with_scale` writes codes with a given one; `update_kv_cache`
+    does not re-range it (it raises: write with `quantize_with_scale`).
 
   Symmetric (int8, fp8):  ``x ≈ code · scale``, ``scale = amax / qmax``.
   Asymmetric (int4, int2): ``x ≈ code · scale + zero``, ``zero = min``,
   ``scale = (max - min) / (2^bits - 1)``, ``code ∈ [0, 2^bits)``.
   Scales are rounded to ``scale_dtype`` *before* the codes are computed, so
   dequantization is exactly what quantization assumed.
+* ``part`` (`KVQuant.part`, optional): the codes are one half of a combined
+  ``[num_pages, page_size, 2, K, H]`` buffer holding keys (part 0) and values
+  (part 1) of every token, as vLLM's pages do; the key and value pools are two
+  `QuantizedPages` sharing that ``data`` (read in place, never split or copied).
+  Logical shape, `shape`, stays ``[num_pages, page_size, K, H]``.
 * ``signs`` (optional rotation): ``±1 [H]``. Values are rotated before
   quantization by ``R x = WHT(signs ⊙ x) / √H`` (random-sign Walsh–Hadamard;
   orthogonal, so ``(R q)·(R k) = q·k``). Outliers concentrated in a few
@@ -56,12 +66,14 @@ import numpy as np
 _FORMATS = {
     "int8": (8, True, 127.0),
     "fp8": (8, True, 448.0),
+    "fp8_e5m2": (8, True, 57344.0),
     "int4": (4, False, 15.0),
     "int2": (2, False, 3.0),
 }
-_ALIASES = {"float8_e4m3fn": "fp8", "fp8_e4m3": "fp8", "e4m3": "fp8"}
+_ALIASES = {"float8_e4m3fn": "fp8", "fp8_e4m3": "fp8", "e4m3": "fp8", "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2"}
 FORMATS = tuple(_FORMATS)
-GROUP_AXES = ("head_dim", "token")
+FP8_FORMATS = ("fp8", "fp8_e5m2")
+GROUP_AXES = ("head_dim", "token", "tensor")
 
 
 def canonical_format(name: str) -> str:
@@ -78,13 +90,15 @@ class KVQuant:
     """How one cache tensor (keys or values) is quantized (static, hashable).
 
     Attributes:
-      format: ``"int8"``, ``"fp8"`` (e4m3), ``"int4"`` or ``"int2"``.
+      format: ``"int8"``, ``"fp8"`` (e4m3), ``"fp8_e5m2"``, ``"int4"`` or ``"int2"``.
       group_size: values per scale along ``group_axis``; ``None`` means the
         whole head (``H``, per-token-per-head) on ``"head_dim"`` and 32 tokens
         on ``"token"``. Must divide ``H`` (``head_dim``) or the page size
         (``token``).
-      group_axis: ``"head_dim"`` (per token, groups of channels) or
-        ``"token"`` (per channel, groups of tokens within a page: KIVI keys).
+      group_axis: ``"head_dim"`` (per token, groups of channels),
+        ``"token"`` (per channel, groups of tokens within a page: KIVI keys)
+        or ``"tensor"`` (one float32 scale for the pool; int8/fp8, no
+        ``group_size``).
       scale_dtype: dtype of the stored scales and zero points; ``None`` is
         float32 for int8/fp8 (one per token and head) and float16 for
         int4/int2 (a zero point rounded to bfloat16 would lose too much of a
@@ -94,6 +108,9 @@ class KVQuant:
       seed: seed of the rotation's signs.
       sink_tokens, recent_tokens: full-precision windows (see the module doc).
       window_dtype: dtype of the windows.
+      part: ``None``, or 0 / 1: the pool's codes are the keys (0) / values (1)
+        half of a combined ``[num_pages, page_size, 2, K, H]`` buffer (see the
+        module doc; ``"tensor"`` scales, no windows or rotation).
     """
 
     format: str = "int8"
@@ -105,6 +122,7 @@ class KVQuant:
     sink_tokens: int = 0
     recent_tokens: int = 0
     window_dtype: Any = jnp.bfloat16
+    part: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "format", canonical_format(self.format))
@@ -119,6 +137,18 @@ class KVQuant:
                 raise ValueError(f"KVQuant.{name}: expected an int >= 0, got {value!r}")
         if not isinstance(self.rotation, bool):
             raise TypeError(f"KVQuant.rotation: expected a bool, got {type(self.rotation).__name__}")
+        if self.group_axis == "tensor":
+            if self.bits != 8 or self.group_size is not None:
+                raise ValueError(f"KVQuant.group_axis: a per-tensor scale is for int8/fp8 codes without "
+                                 f"group_size, got format={self.format!r}, group_size={self.group_size!r}")
+            if self.scale_dtype is not None and np.dtype(self.scale_dtype) != np.dtype(jnp.float32):
+                raise ValueError(f"KVQuant.scale_dtype: a per-tensor scale is float32, got "
+                                 f"{np.dtype(self.scale_dtype).name}")
+        if self.part is not None and (self.part not in (0, 1) or isinstance(self.part, bool)
+                                      or self.group_axis != "tensor" or self.rotation or self.window):
+            raise ValueError(f"KVQuant.part: expected None, or 0 (keys) / 1 (values) of a combined buffer with "
+                             f"a per-tensor scale, no rotation and no windows; got part={self.part!r}, "
+                             f"group_axis={self.group_axis!r}, rotation={self.rotation}, windows={self.window}")
         scale_dtype = self.scale_dtype
         if scale_dtype is None:
             scale_dtype = jnp.float32 if self.symmetric else jnp.float16
@@ -152,6 +182,8 @@ class KVQuant:
             return np.dtype(jnp.int8)
         if self.format == "fp8":
             return np.dtype(jnp.float8_e4m3fn)
+        if self.format == "fp8_e5m2":
+            return np.dtype(jnp.float8_e5m2)
         return np.dtype(jnp.uint8)
 
     @property
@@ -159,12 +191,18 @@ class KVQuant:
         return self.sink_tokens + self.recent_tokens
 
     def group(self, head_dim: int) -> int:
+        if self.group_axis == "tensor":
+            raise ValueError("update_kv_cache: a per-tensor ('tensor') scale is static (calibrated, e.g. vLLM's "
+                             "k_scale / v_scale) and has no groups to re-range; write codes with "
+                             "quantize_with_scale")
         if self.group_size is not None:
             return self.group_size
         return head_dim if self.group_axis == "head_dim" else 32
 
     def check_shape(self, page_size: int, head_dim: int, what: str = "pages") -> None:
         """Raise a ValueError when this format cannot store ``[.., page_size, .., head_dim]``."""
+        if self.group_axis == "tensor":
+            return
         g = self.group(head_dim)
         if head_dim % self.per_byte:
             raise ValueError(f"{what}: {self.format} packs {self.per_byte} values per byte; head_dim "
@@ -179,6 +217,8 @@ class KVQuant:
 
     def bytes_per_token(self, head_dim: int, num_heads: int = 1) -> float:
         """Average cache bytes per token (all heads), windows excluded."""
+        if self.group_axis == "tensor":
+            return float(num_heads * head_dim)
         g = self.group(head_dim)
         data = head_dim / self.per_byte
         per_scale = np.dtype(self.scale_dtype).itemsize * (1 if self.symmetric else 2)
@@ -342,8 +382,8 @@ def store_codes(codes, spec: KVQuant):
     uint8 with ``8 / bits`` codes per byte (`pack_codes`)."""
     if spec.format == "int8":
         return codes.astype(jnp.int8)
-    if spec.format == "fp8":
-        return codes.astype(jnp.float8_e4m3fn)
+    if spec.format in FP8_FORMATS:
+        return codes.astype(spec.storage_dtype)
     return pack_codes(codes.astype(jnp.uint8), spec.bits)
 
 
@@ -372,7 +412,9 @@ class QuantizedPages:
     """A quantized page pool (a pytree; see the module doc for the layout).
 
     Logical shape ``[num_pages, page_size, K, H]`` (or ``[num_pages,
-    page_size, H]`` for an MLA latent/rope cache).
+    page_size, H]`` for an MLA latent/rope cache). With ``spec.part`` set,
+    ``data`` is the whole combined ``[num_pages, page_size, 2, K, H]``
+    buffer and this pool is its keys (0) or values (1) half.
     """
 
     data: Any
@@ -386,11 +428,14 @@ class QuantizedPages:
     # -- logical view ---------------------------------------------------------
     @property
     def shape(self) -> tuple:
-        return (*self.data.shape[:-1], self.head_dim)
+        lead = self.data.shape[:-1]
+        if self.spec.part is not None:  # [NP, PS, 2, K, H']: drop the keys/values axis
+            lead = (*lead[:2], *lead[3:])
+        return (*lead, self.head_dim)
 
     @property
     def ndim(self) -> int:
-        return self.data.ndim
+        return len(self.shape)
 
     @property
     def dtype(self):
@@ -407,21 +452,23 @@ class QuantizedPages:
 
     @property
     def has_heads(self) -> bool:
-        return self.data.ndim == 4
+        return self.ndim == 4
 
     def with_heads(self) -> "QuantizedPages":
         """The same pool with a unit head axis (MLA latents → ``[.., 1, H]``)."""
         if self.has_heads:
             return self
         add = lambda a, axis: None if a is None else jnp.expand_dims(a, axis)
-        return dataclasses.replace(self, data=add(self.data, 2), scale=add(self.scale, 2),
+        scale = self.scale if self.spec.group_axis == "tensor" else add(self.scale, 2)
+        return dataclasses.replace(self, data=add(self.data, 2), scale=scale,
                                    zero=add(self.zero, 2), window=add(self.window, 2))
 
     def without_heads(self) -> "QuantizedPages":
         if not self.has_heads:
             return self
         sq = lambda a, axis: None if a is None else jnp.squeeze(a, axis)
-        return dataclasses.replace(self, data=sq(self.data, 2), scale=sq(self.scale, 2),
+        scale = self.scale if self.spec.group_axis == "tensor" else sq(self.scale, 2)
+        return dataclasses.replace(self, data=sq(self.data, 2), scale=scale,
                                    zero=sq(self.zero, 2), window=sq(self.window, 2))
 
     @property
@@ -436,8 +483,9 @@ class QuantizedPages:
                    for a in (self.data, self.scale, self.zero, self.window) if a is not None)
 
     def __repr__(self) -> str:
-        return (f"QuantizedPages({self.spec.format}, shape={self.shape}, group={self.spec.group(self.head_dim)}"
-                f"/{self.spec.group_axis}, rotation={self.spec.rotation}, windows="
+        group = "tensor" if self.spec.group_axis == "tensor" else self.spec.group(self.head_dim)
+        return (f"QuantizedPages({self.spec.format}, shape={self.shape}, group={group}"
+                f"/{self.spec.group_axis}, part={self.spec.part}, rotation={self.spec.rotation}, windows="
                 f"{self.spec.sink_tokens}+{self.spec.recent_tokens})")
 
 
@@ -455,11 +503,18 @@ def init_quantized_pages(num_pages: int, page_size: int, num_heads: int | None, 
     head-less MLA layout. ``max_seqs`` rows of windows when the spec has them.
     ``rotation``: calibrated orthogonal matrices ``[num_heads, H, H]`` (or
     ``[H, H]``) that rows are rotated with before quantization (instead of
-    the spec's random Hadamard rotation; see `rotate`)."""
+    the spec's random Hadamard rotation; see `rotate`).
+    A per-tensor (``"tensor"``) scale starts at 1.0. Pools of a combined
+    buffer (``spec.part``): `combined_quantized_pages`."""
+    if spec.part is not None:
+        raise ValueError("spec: a pool with KVQuant.part views a combined buffer; build the key and value pools "
+                         "with combined_quantized_pages")
     spec.check_shape(page_size, head_dim)
     heads = () if num_heads is None else (num_heads,)
-    g = spec.group(head_dim)
     data = jnp.zeros((num_pages, page_size, *heads, head_dim // spec.per_byte), spec.storage_dtype)
+    if spec.group_axis == "tensor":
+        return QuantizedPages(data, jnp.ones((), jnp.float32), None, None, None, spec, head_dim)
+    g = spec.group(head_dim)
     if spec.group_axis == "head_dim":
         sshape = (num_pages, page_size, *heads, head_dim // g)
     else:
@@ -494,7 +549,14 @@ def quantize_pages(pages, spec: KVQuant | str, *, max_seqs: int | None = None, b
     x = pages.astype(jnp.float32)
     if signs is not None:
         x = rotate(x, signs)
-    if spec.group_axis == "head_dim":
+    if spec.part is not None:
+        raise ValueError("spec: quantize_pages quantizes one pool; for a combined buffer use "
+                         "combined_quantized_pages")
+    if spec.group_axis == "tensor":
+        scale = (jnp.max(jnp.abs(x)) / spec.qmax).astype(jnp.float32)
+        data, zero = quantize_with_scale(x, jnp.where(scale > 0, scale, 1.0), spec), None
+        scale = jnp.where(scale > 0, scale, 1.0)
+    elif spec.group_axis == "head_dim":
         data, scale, zero = quantize_rows(x, spec)
     else:
         data, scale, zero = quantize_token_groups(x, spec)
@@ -518,6 +580,52 @@ def quantize_token_groups(x, spec: KVQuant):
     return store_codes(codes, spec), scale[:, :, 0], None if zero is None else zero[:, :, 0]
 
 
+def quantize_with_scale(x, scale, spec: KVQuant):
+    """Codes of float ``x [...]`` for a given per-tensor ``scale`` (a float32
+    scalar): ``x / scale`` clipped to ``±qmax``, rounded to the nearest
+    integer (int8) or the nearest float8 value (fp8, round-to-nearest-even),
+    in the spec's storage dtype. (vLLM's CPU backend truncates fp8
+    mantissas instead: ``stellax.integrations.vllm.fp8`` writes its codes.)"""
+    if spec.group_axis != "tensor":
+        raise ValueError(f"spec: quantize_with_scale is for per-tensor scales (group_axis='tensor'), got "
+                         f"{spec.group_axis!r}")
+    y = jnp.clip(x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32), -spec.qmax, spec.qmax)
+    return store_codes(jnp.round(y) if spec.format == "int8" else y, spec)
+
+
+def combined_quantized_pages(kv_codes, k_scale, v_scale, spec: KVQuant | str = "fp8"):
+    """The key and value pools of a combined quantized buffer, without a copy.
+
+    Args:
+      kv_codes: ``[num_pages, page_size, 2, K, H]`` codes in the spec's
+        storage dtype (int8, float8_e4m3fn or float8_e5m2): keys at
+        ``[:, :, 0]``, values at ``[:, :, 1]`` (vLLM's page contents).
+      k_scale, v_scale: float32 scalars: ``key ≈ code · k_scale``,
+        ``value ≈ code · v_scale``.
+      spec: a format name or a `KVQuant` with ``group_axis="tensor"`` (its
+        ``part`` is set here).
+
+    Returns ``(k_pages, v_pages)``: two `QuantizedPages` sharing ``kv_codes``
+    (logical shape ``[num_pages, page_size, K, H]`` each)."""
+    if isinstance(spec, str):
+        spec = KVQuant(spec, group_axis="tensor")
+    if spec.group_axis != "tensor":
+        raise ValueError(f"spec: a combined quantized buffer has per-tensor scales (group_axis='tensor'), got "
+                         f"{spec.group_axis!r}")
+    if kv_codes.ndim != 5 or kv_codes.shape[2] != 2:
+        raise ValueError(f"kv_codes: expected [num_pages, page_size, 2, K, H], got shape {tuple(kv_codes.shape)}")
+    if np.dtype(kv_codes.dtype) != spec.storage_dtype:
+        raise TypeError(f"kv_codes: expected dtype {spec.storage_dtype.name} ({spec.format} codes), got "
+                        f"{np.dtype(kv_codes.dtype).name}")
+    pools = []
+    for part, (name, scale) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
+        if tuple(np.shape(scale)) != () or not jnp.issubdtype(getattr(scale, "dtype", np.float32), jnp.floating):
+            raise ValueError(f"{name}: expected a float32 scalar, got shape {tuple(np.shape(scale))}")
+        pools.append(QuantizedPages(kv_codes, jnp.asarray(scale, jnp.float32), None, None, None,
+                                    dataclasses.replace(spec, part=part), int(kv_codes.shape[-1])))
+    return tuple(pools)
+
+
 def expand_token_groups(a, page_size: int):
     """``[NP, PS/g, ...]`` → ``[NP, PS, ...]`` (repeat each group's row)."""
     g = page_size // a.shape[1]
@@ -530,7 +638,10 @@ def dequantize_pages(pages: QuantizedPages, *, rotated: bool = False):
     basis (what the kernels multiply the rotated query with)."""
     spec = pages.spec
     scale, zero = pages.scale, pages.zero
-    if spec.group_axis == "token":
+    if spec.group_axis == "tensor":
+        data = pages.data if spec.part is None else pages.data[:, :, spec.part]
+        x = load_codes(data, spec) * jnp.asarray(scale, jnp.float32)
+    elif spec.group_axis == "token":
         ps = pages.page_size
         codes = load_codes(pages.data, spec)
         x = codes * expand_token_groups(scale, ps).astype(jnp.float32)

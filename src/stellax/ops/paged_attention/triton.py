@@ -63,6 +63,11 @@ class _SrcMeta:
         s = self.spec
         return s is not None and s.symmetric and s.group_axis == "head_dim" and s.group(self.head_dim) == self.head_dim
 
+    @property
+    def tensor_scale(self) -> bool:
+        """One scale for the pool (``[1]`` in the kernel): applied to logits/probabilities like a column scale."""
+        return self.spec is not None and self.spec.group_axis == "tensor"
+
 
 class _Pool(NamedTuple):
     """A paged source's refs: codes (or values), scales, zero points (``None`` when absent)."""
@@ -79,9 +84,10 @@ def _pool_operands(name: str, src: Source | None) -> tuple[_SrcMeta | None, dict
         return None, {name: None, f"{name}_scale": None, f"{name}_zero": None}
     full = pl.no_block_spec
     quantized = src.spec is not None
+    scale = src.scale.reshape(1) if quantized and src.spec.group_axis == "tensor" else src.scale
     return _SrcMeta(src.spec, src.part, src.head_dim), {
         name: operand(src.data, full),
-        f"{name}_scale": operand(src.scale, full) if quantized else None,
+        f"{name}_scale": operand(scale, full) if quantized else None,
         f"{name}_zero": operand(src.zero, full) if quantized and not src.spec.symmetric else None,
     }
 
@@ -109,6 +115,8 @@ def _load_tile(pool: _Pool, meta: _SrcMeta, ids, kv, *, ppb: int, page_size: int
     spec = meta.spec
     if spec is None:
         return raw.astype(dtype), None
+    if meta.tensor_scale:  # int8 / fp8 codes are exact in any dot dtype; the scale goes to the logits / p
+        return raw.astype(dtype), jnp.broadcast_to(pool.scale[0].astype(jnp.float32), (tokens,))
     if meta.column_scale:
         col = pool.scale[ids, :, kv, :].reshape(tokens).astype(jnp.float32)
         return raw.astype(dtype), col
@@ -378,24 +386,32 @@ def _main_call(problem: Problem, config: PagedConfig, rows: _Rows, finalize: boo
                               name="stellax_paged_attention")
 
 
+#: Value columns per merge program: a ``[r, 128]`` float32 accumulator (32 rows: 32
+#: registers a thread on 4 warps). Whole rows of MLA's 512 latent columns spilled
+#: 56–120 B per thread in the static GPU tier.
+MERGE_BLOCK_V = 128
+
+
 def _merge_call(problem: Problem, rows: _Rows, parts, sinks, splits: int):
-    """Launch the merge kernel over the main kernel's partials (and the window partial): ``[Bp, K·hb, r, Hv]``."""
+    """Launch the merge kernel over the main kernel's partials (and the window partial): ``[Bp, K·hb, r, Hv]``,
+    grid ``(Bp, K·hb, Hv / MERGE_BLOCK_V)``."""
     r, hv = rows.r, problem.value_dim
-    rows_of = pl.BlockSpec((None, None, r, hv), lambda b, c: (b, c, 0, 0))
-    stat = pl.BlockSpec((None, None, r), lambda b, c: (b, c, 0))
+    bv = MERGE_BLOCK_V if hv % MERGE_BLOCK_V == 0 else hv
+    rows_of = pl.BlockSpec((None, None, r, bv), lambda b, c, j: (b, c, 0, j))
+    stat = pl.BlockSpec((None, None, r), lambda b, c, j: (b, c, 0))
     window = window_partial(problem)
     ow = mw = lw = None
     if window is not None:
         ow, mw, lw = window
         ow, mw, lw = rows.blocks(ow), rows.blocks(mw[..., None], -jnp.inf)[..., 0], rows.blocks(lw[..., None])[..., 0]
     inputs = dict(
-        o_part=operand(parts.o_part, pl.BlockSpec((None, None, splits, r, hv), lambda b, c: (b, c, 0, 0, 0))),
-        m_part=operand(parts.m_part, pl.BlockSpec((None, None, splits, r), lambda b, c: (b, c, 0, 0))),
-        l_part=operand(parts.l_part, pl.BlockSpec((None, None, splits, r), lambda b, c: (b, c, 0, 0))),
-        sinks=operand(sinks, pl.BlockSpec((None, r), lambda b, c: (c, 0))),
+        o_part=operand(parts.o_part, pl.BlockSpec((None, None, splits, r, bv), lambda b, c, j: (b, c, 0, 0, j))),
+        m_part=operand(parts.m_part, pl.BlockSpec((None, None, splits, r), lambda b, c, j: (b, c, 0, 0))),
+        l_part=operand(parts.l_part, pl.BlockSpec((None, None, splits, r), lambda b, c, j: (b, c, 0, 0))),
+        sinks=operand(sinks, pl.BlockSpec((None, r), lambda b, c, j: (c, 0))),
         o_window=operand(ow, rows_of), m_window=operand(mw, stat), l_window=operand(lw, stat))
     result = triton_kernel_call(
-        functools.partial(_merge_kernel, num_splits=splits), grid=(rows.bp, rows.programs), inputs=inputs,
+        functools.partial(_merge_kernel, num_splits=splits), grid=(rows.bp, rows.programs, hv // bv), inputs=inputs,
         outputs=dict(out=output((rows.bp, rows.programs, r, hv), jnp.float32, rows_of)),
         num_warps=4, num_stages=1, name="stellax_paged_attention_merge")
     return result.out
