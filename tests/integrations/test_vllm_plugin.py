@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from stellax.integrations.vllm import support  # noqa: E402
+from stellax.integrations.vllm import fp8, support  # noqa: E402
 from stellax.integrations.vllm.metadata import bucket, build_metadata, paged_kv_view  # noqa: E402
 
 
@@ -34,15 +34,58 @@ def test_unparsable_version():
         support.check_version("dev")
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "nvfp4"])
-def test_quantized_cache_dtypes_are_refused_naming_the_option(dtype):
-    with pytest.raises(support.UnsupportedByStellax, match=f"kv_cache_dtype: .*got '{dtype}'"):
+# vLLM 0.32's other CacheDType values, each refused with its reason.
+@pytest.mark.parametrize("dtype, why", [
+    ("int8_per_token_head", "scale inline"), ("fp8_per_token_head", "scale inline"),
+    ("int4_per_token_head", "scale inline"), ("nvfp4", "NVFP4"), ("nvfp4_4over6", "NVFP4"),
+    ("turboquant_k8v4", "TurboQuant"), ("ultraquant_4bit", "UltraQuant"), ("fp8_ds_mla", "MLA"),
+    ("fp8_inc", "Gaudi"), ("int8", "in place"),
+])
+def test_other_quantized_cache_dtypes_are_refused_naming_the_option(dtype, why):
+    with pytest.raises(support.UnsupportedByStellax, match=f"^kv_cache_dtype: .*got '{dtype}' .*{why}"):
         support.check_kv_cache_dtype(dtype)
 
 
 @pytest.mark.parametrize("dtype", support.KV_CACHE_DTYPES)
-def test_dense_cache_dtypes_pass(dtype):
+def test_dense_and_fp8_cache_dtypes_pass(dtype):
     support.check_kv_cache_dtype(dtype)
+
+
+# -- vLLM's fp8 codes -----------------------------------------------------------------------
+def _truncating_reference(x, scale, dtype):
+    """The float8 value of largest magnitude not above |x / scale| (same sign), clamped to the
+    largest finite value: built from the format's 256 codes, independently of `fp8.fp8_codes`."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(dtype).float()
+    finite = torch.isfinite(values) & (codes < 0x80)           # the non-negative half
+    pos_codes, pos_values = codes[finite], values[finite]
+    v = x.float() * (torch.tensor(1.0) / torch.tensor(scale, dtype=torch.float32))   # vLLM: x · (1 / scale)
+    mag = v.abs().clamp(max=float(pos_values.max()))
+    order = pos_values.argsort()
+    idx = torch.searchsorted(pos_values[order], mag.contiguous(), right=True) - 1
+    byte = pos_codes[order][idx.clamp(min=0)].to(torch.int32)
+    byte = torch.where((v < 0) & (byte != 0), byte | 0x80, byte)
+    neg_zero = (v < 0) & (byte == 0) & (v != 0)
+    return torch.where(neg_zero, torch.full_like(byte, 0x80), byte).to(torch.uint8)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("scale", [1.0, 0.037, 3.7])
+def test_fp8_codes_truncate_like_vllm_cpu(cache_dtype, scale):
+    """vLLM's CPU backend truncates the mantissa of x · (1/scale) (csrc/cpu/cpu_attn_fp8.hpp); the exact
+    bytes against vLLM's own op are checked in its venv (test_vllm_e2e.py)."""
+    torch.manual_seed(0)
+    x = torch.randn(4096) * torch.logspace(-10, 6, 4096)
+    got = fp8.fp8_codes(x, scale, cache_dtype)
+    dtype = fp8.FP8_CACHE_DTYPES[cache_dtype]
+    assert got.dtype == torch.uint8
+    assert torch.equal(got, _truncating_reference(x, scale, dtype))
+    back = fp8.dequantize(got, scale, cache_dtype)
+    limit = 448.0 if cache_dtype == "fp8" else 57344.0
+    assert bool((back.abs() <= (x.abs().clamp(max=limit * scale) * (1 + 1e-6))).all())   # toward zero
+    special = fp8.fp8_codes(torch.tensor([0.0, -0.0, float("nan"), 1e30, -1e30]), 1.0, cache_dtype)
+    top = 0x7E if cache_dtype == "fp8" else 0x7B                 # the largest finite code (e4m3fn / e5m2)
+    assert special.tolist() == [0, 0, top, top, 0x80 | top]
 
 
 LAYER = dict(num_heads=8, num_kv_heads=2, head_size=64)
@@ -194,3 +237,46 @@ def test_mixed_step_matches_reference(window, soft_cap, with_sinks):
         np.testing.assert_allclose(out[start:start + q_lens[s]].numpy(), want, atol=2e-5, rtol=2e-5)
         start += q_lens[s]
     assert not out[start:].any()                                # padding rows are zeros
+
+
+@pytest.mark.parametrize("cache_dtype, k_scale, v_scale", [("fp8", 0.05, 2.0), ("fp8_e5m2", 1.0, 0.3)])
+def test_fp8_mixed_step_matches_reference(cache_dtype, k_scale, v_scale):
+    """The backend's fp8 path: `fp8.write_kv` into the uint8 view of vLLM-layout pages, then
+    `stellax.torch.ragged_paged_attention` over `fp8.kv_pools` (the float8 view, read in place) equals
+    float64 attention over the dequantized codes (dequantize-then-attend)."""
+    import stellax.torch as st
+
+    rng = np.random.default_rng(1)
+    n, kh, d, ps, num_blocks = 4, 2, 16, 16, 8
+    raw = torch.zeros(num_blocks * ps * 2 * kh * d, dtype=torch.uint8)
+    cache = vllm_layer_view(raw, num_blocks, kh, ps, d, "LBHNC")
+    u8 = paged_kv_view(cache, block_size=ps, num_kv_heads=kh, head_size=d, dtype=torch.uint8)
+    codes = paged_kv_view(cache, block_size=ps, num_kv_heads=kh, head_size=d, dtype=fp8.FP8_CACHE_DTYPES[cache_dtype])
+    kv_lens, q_lens, tables = [20, 33], [20, 1], [[3, 6], [0, 5, 7]]
+    new_k = rng.standard_normal((sum(kv_lens), kh, d)) * 3
+    new_v = rng.standard_normal((sum(kv_lens), kh, d))
+    slots = [tables[s][p // ps] * ps + p % ps for s, L in enumerate(kv_lens) for p in range(L)]
+    fp8.write_kv(u8, torch.from_numpy(new_k).float(), torch.from_numpy(new_v).float(), torch.tensor(slots),
+                 k_scale, v_scale, cache_dtype)
+    kp, vp = fp8.kv_pools(codes, torch.tensor(k_scale), torch.tensor(v_scale), cache_dtype, d)
+    assert kp.data.data_ptr() == vp.data.data_ptr() == raw.data_ptr()
+    dq_k = fp8.dequantize(fp8.fp8_codes(torch.from_numpy(new_k).float(), k_scale, cache_dtype), k_scale,
+                          cache_dtype).double().numpy()
+    dq_v = fp8.dequantize(fp8.fp8_codes(torch.from_numpy(new_v).float(), v_scale, cache_dtype), v_scale,
+                          cache_dtype).double().numpy()
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    for s, row in enumerate(tables):
+        table[s, : len(row)] = torch.tensor(row)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    m = build_metadata(query_start_loc=qsl, seq_lens=torch.tensor(kv_lens), block_table=table,
+                       slot_mapping=torch.tensor(slots), num_reqs=2, num_actual_tokens=sum(q_lens))
+    q = rng.standard_normal((sum(q_lens), n, d))
+    qp = torch.zeros(m.padded_tokens, n, d)
+    qp[: len(q)] = torch.from_numpy(q).float()
+    out = st.ragged_paged_attention(qp, kp, vp, m.kv_lens, m.block_tables, m.cu_q_lens, m.num_seqs, scale=d ** -0.5)
+    start, first = 0, 0
+    for s, L in enumerate(kv_lens):
+        want = reference(q[start:start + q_lens[s]], dq_k[first:first + L], dq_v[first:first + L], q_lens[s],
+                         d ** -0.5, None, None, None)
+        np.testing.assert_allclose(out[start:start + q_lens[s]].numpy(), want, atol=2e-5, rtol=2e-5)
+        start, first = start + q_lens[s], first + L

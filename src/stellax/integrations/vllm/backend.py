@@ -13,6 +13,12 @@
   `stellax.torch.ragged_paged_attention` over the same pages: the cache
   crosses to JAX over DLPack without a copy, the result comes back the same
   way and is written into vLLM's output buffer.
+* fp8 caches (``--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2``): the write
+  quantizes with the layer's ``_k_scale_float`` / ``_v_scale_float`` exactly
+  as vLLM's CPU backend does (`fp8.fp8_codes`, truncating, bit for bit the
+  same codes); ``forward`` reads the codes in place as two
+  `stellax.torch.QuantizedPages` sharing the page buffer, with per-tensor
+  scales (`KVQuant(group_axis="tensor", part=0|1)`): ``k ≈ code · k_scale``.
 
 On a CPU stellax runs its XLA path; on a GPU or TPU the same call runs the
 device kernels (``implementation=None`` picks the best available).
@@ -28,7 +34,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from . import support
+from . import fp8, support
 from .metadata import StellaxAttentionMetadata, build_metadata, paged_kv_view
 
 NAME = "STELLAX"
@@ -138,18 +144,24 @@ class StellaxAttentionImpl(AttentionImpl[StellaxAttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
-        self._pages: tuple[int, torch.Tensor] | None = None  # (data_ptr, kv_pages view) of the bound cache
+        self._pages: dict[tuple, torch.Tensor] = {}  # (data_ptr, shape, dtype) → kv_pages view of the bound cache
+        # fp8 caches: the code dtype, and the layer's scales as float32 tensors (keyed by their values).
+        self.code_dtype = fp8.FP8_CACHE_DTYPES.get(kv_cache_dtype)
+        self._scales: tuple[tuple[float, float], torch.Tensor, torch.Tensor] | None = None
 
     # -- the cache -------------------------------------------------------------------------
     def kv_pages(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's cache as ``kv_pages [num_blocks, block_size, 2, K, D]`` (a view, cached per buffer)."""
+        """The layer's cache as ``kv_pages [num_blocks, block_size, 2, K, D]`` in ``dtype``
+        (a view, cached per buffer and dtype)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), dtype)
-        if self._pages is None or self._pages[0] != key:
-            block_size = self._block_size(kv_cache)
-            view = paged_kv_view(kv_cache, block_size=block_size, num_kv_heads=self.num_kv_heads,
-                                 head_size=self.head_size, dtype=dtype)
-            self._pages = (key, view)
-        return self._pages[1]
+        view = self._pages.get(key)
+        if view is None:
+            if len(self._pages) > 4:  # a rebound cache: drop the old buffer's views
+                self._pages.clear()
+            view = self._pages[key] = paged_kv_view(kv_cache, block_size=self._block_size(kv_cache),
+                                                    num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                                                    dtype=dtype)
+        return view
 
     def _block_size(self, kv_cache: torch.Tensor) -> int:
         """Tokens per page of vLLM's logical ``[num_blocks, H, N, C]`` layer view."""
@@ -163,9 +175,26 @@ class StellaxAttentionImpl(AttentionImpl[StellaxAttentionMetadata]):
         """Write this step's keys / values ``[T, K, D]`` into the pages, in place."""
         from stellax.torch import update_kv_cache_
 
-        pages = self.kv_pages(kv_cache, key.dtype)
         n = slot_mapping.shape[0]
+        if self.code_dtype is not None:  # vLLM's fp8 codes, written as its CPU backend writes them
+            fp8.write_kv(self.kv_pages(kv_cache, torch.uint8), key[:n], value[:n], slot_mapping,
+                         *self._scale_floats(layer), self.kv_cache_dtype)
+            return
+        pages = self.kv_pages(kv_cache, key.dtype)
         update_kv_cache_(pages[:, :, 0], pages[:, :, 1], key[:n], value[:n], slot_mapping)
+
+    @staticmethod
+    def _scale_floats(layer) -> tuple[float, float]:
+        """The layer's per-tensor fp8 scales (the floats vLLM's CPU backend reads)."""
+        return float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0))
+
+    def _pools(self, layer, kv_cache: torch.Tensor):
+        """fp8: the key and value pools over the layer's pages (one buffer, read in place)."""
+        codes = self.kv_pages(kv_cache, self.code_dtype)
+        floats = self._scale_floats(layer)
+        if self._scales is None or self._scales[0] != floats:  # traced operands: no recompilation per value
+            self._scales = (floats, *(torch.tensor(f, dtype=torch.float32, device=codes.device) for f in floats))
+        return fp8.kv_pools(codes, self._scales[1], self._scales[2], self.kv_cache_dtype, self.head_size)
 
     # -- attention -------------------------------------------------------------------------
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -182,13 +211,16 @@ class StellaxAttentionImpl(AttentionImpl[StellaxAttentionMetadata]):
 
         m = attn_metadata
         t = m.num_actual_tokens
-        pages = self.kv_pages(kv_cache, query.dtype)
+        if self.code_dtype is not None:
+            k_pages, v_pages = self._pools(layer, kv_cache)
+        else:
+            k_pages, v_pages = self.kv_pages(kv_cache, query.dtype), None
         q = query.new_zeros((m.padded_tokens, self.num_heads, self.head_size))
         q[:t] = query[:t]
         sinks = self.sinks
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
-        out = ragged_paged_attention(q, pages, None, m.kv_lens, m.block_tables, m.cu_q_lens, m.num_seqs,
+        out = ragged_paged_attention(q, k_pages, v_pages, m.kv_lens, m.block_tables, m.cu_q_lens, m.num_seqs,
                                      scale=self.scale, logits_soft_cap=self.logits_soft_cap,
                                      local_window_size=self.window_left, sinks=sinks)
         output[:t].copy_(out[:t].view(output[:t].shape))

@@ -19,9 +19,25 @@ MAX_VERSION = (0, 33, 0)
 #: Model dtypes the XLA / Pallas paths run (vLLM's ``--dtype``).
 DTYPES = ("float32", "bfloat16", "float16")
 
-#: vLLM ``--kv-cache-dtype`` values this backend accepts: the cache holds the
-#: model dtype. vLLM's fp8 / int8 cache formats are refused (see `check_kv_cache_dtype`).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: vLLM ``--kv-cache-dtype`` values whose cache holds the model dtype.
+DENSE_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: vLLM's fp8 caches (one byte per element, one float32 scale per layer for keys
+#: and one for values): read in place as stellax per-tensor-scale pools (see `fp8`).
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+#: Every ``--kv-cache-dtype`` this backend accepts; the rest are refused (see `check_kv_cache_dtype`).
+KV_CACHE_DTYPES = DENSE_KV_CACHE_DTYPES + FP8_KV_CACHE_DTYPES
+
+#: Why each other cache dtype of vLLM 0.32 (``vllm.config.cache.CacheDType``) is refused.
+_REFUSED_KV_CACHE_DTYPES = {
+    "per_token_head": "vLLM packs each token-head's float32 scale inline after its codes (its Triton "
+                      "backend's page layout; vLLM's CPU backend does not run these caches), while stellax's "
+                      "per-token-head pools keep the scales in an array of their own",
+    "nvfp4": "NVFP4 codes with fp8 block scales are not a stellax cache format",
+    "turboquant": "TurboQuant caches are not a stellax cache format",
+    "ultraquant": "UltraQuant caches are not a stellax cache format",
+    "ds_mla": "an MLA cache format (the STELLAX backend does not run MLA models)",
+    "fp8_inc": "Intel Gaudi's fp8 cache (HPU only)",
+}
 
 
 class UnsupportedByStellax(ValueError):
@@ -60,18 +76,21 @@ def check_dtype(dtype_name: str) -> None:
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    """``--kv-cache-dtype``: dense caches in the model dtype only.
+    """``--kv-cache-dtype``: the model dtype (``auto``, ...) or vLLM's fp8 caches.
 
-    stellax's quantized page pools (`stellax.QuantizedPages`) keep keys and
-    values in separate arrays with per-token-per-head scales; vLLM's fp8 /
-    int8 cache formats pack keys and values into one page with per-tensor (or
-    in-page) scales, which stellax's kernels cannot read in place, and the
-    backend never copies the cache."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise UnsupportedByStellax(
-            f"kv_cache_dtype: the stellax attention backend supports {list(KV_CACHE_DTYPES)}, got "
-            f"{kv_cache_dtype!r} (stellax's quantized caches keep keys and values in separate pools with "
-            f"per-token scales, which vLLM's {kv_cache_dtype} page layout is not; use --kv-cache-dtype auto)")
+    ``fp8`` (= ``fp8_e4m3``) and ``fp8_e5m2`` pages hold one code per key /
+    value element and the layer's per-tensor ``k_scale`` / ``v_scale``:
+    stellax reads them in place as two `stellax.QuantizedPages` with a
+    per-tensor scale sharing the page buffer (`KVQuant(group_axis="tensor",
+    part=0|1)`). Every other vLLM cache format is refused, naming why
+    (`_REFUSED_KV_CACHE_DTYPES`)."""
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return
+    why = next((reason for key, reason in _REFUSED_KV_CACHE_DTYPES.items() if key in str(kv_cache_dtype)),
+               "not a cache format stellax can read in place")
+    raise UnsupportedByStellax(
+        f"kv_cache_dtype: the stellax attention backend supports {list(KV_CACHE_DTYPES)}, got "
+        f"{kv_cache_dtype!r} ({why}; use --kv-cache-dtype auto or fp8)")
 
 
 def check_layer(*, num_heads: int, num_kv_heads: int, head_size: int, head_size_v: int | None = None,
