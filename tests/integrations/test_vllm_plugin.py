@@ -192,6 +192,21 @@ def reference(q, k_seq, v_seq, q_len, scale, window, soft_cap, sinks):
     return out
 
 
+def _step(rng, tables, kv_lens, q_lens, slots, n, d):
+    """The step's metadata (as the builder makes it from vLLM's fields), random queries ``[T, n, d]`` (float64)
+    and the padded float32 query rows passed to stellax."""
+    table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+    for s, row in enumerate(tables):
+        table[s, : len(row)] = torch.tensor(row)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    m = build_metadata(query_start_loc=qsl, seq_lens=torch.tensor(kv_lens), block_table=table,
+                       slot_mapping=torch.tensor(slots), num_reqs=len(tables), num_actual_tokens=sum(q_lens))
+    q = rng.standard_normal((sum(q_lens), n, d))
+    qp = torch.zeros(m.padded_tokens, n, d)
+    qp[: len(q)] = torch.from_numpy(q).float()
+    return m, q, qp
+
+
 @pytest.mark.parametrize("window, soft_cap, with_sinks", [(None, None, False), (6, 20.0, True)])
 def test_mixed_step_matches_reference(window, soft_cap, with_sinks):
     import stellax.torch as st
@@ -215,15 +230,7 @@ def test_mixed_step_matches_reference(window, soft_cap, with_sinks):
     slots = [tables[s][p // ps] * ps + p % ps for s, L in enumerate(kv_lens) for p in range(L - q_lens[s], L)]
     st.update_kv_cache_(pages[:, :, 0], pages[:, :, 1], torch.from_numpy(new_k).float(),
                         torch.from_numpy(new_v).float(), torch.tensor(slots))   # do_kv_cache_update
-    table = torch.zeros(3, 3, dtype=torch.int32)
-    for s, row in enumerate(tables):
-        table[s, : len(row)] = torch.tensor(row)
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    m = build_metadata(query_start_loc=qsl, seq_lens=torch.tensor(kv_lens), block_table=table,
-                       slot_mapping=torch.tensor(slots), num_reqs=3, num_actual_tokens=sum(q_lens))
-    q = rng.standard_normal((sum(q_lens), n, d))
-    qp = torch.zeros(m.padded_tokens, n, d)
-    qp[: len(q)] = torch.from_numpy(q).float()
+    m, q, qp = _step(rng, tables, kv_lens, q_lens, slots, n, d)
     sinks = rng.standard_normal(n) if with_sinks else None
     scale = d ** -0.5
     out = st.ragged_paged_attention(qp, pages, None, m.kv_lens, m.block_tables, m.cu_q_lens, m.num_seqs,
@@ -264,15 +271,7 @@ def test_fp8_mixed_step_matches_reference(cache_dtype, k_scale, v_scale):
                           cache_dtype).double().numpy()
     dq_v = fp8.dequantize(fp8.fp8_codes(torch.from_numpy(new_v).float(), v_scale, cache_dtype), v_scale,
                           cache_dtype).double().numpy()
-    table = torch.zeros(2, 3, dtype=torch.int32)
-    for s, row in enumerate(tables):
-        table[s, : len(row)] = torch.tensor(row)
-    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    m = build_metadata(query_start_loc=qsl, seq_lens=torch.tensor(kv_lens), block_table=table,
-                       slot_mapping=torch.tensor(slots), num_reqs=2, num_actual_tokens=sum(q_lens))
-    q = rng.standard_normal((sum(q_lens), n, d))
-    qp = torch.zeros(m.padded_tokens, n, d)
-    qp[: len(q)] = torch.from_numpy(q).float()
+    m, q, qp = _step(rng, tables, kv_lens, q_lens, slots, n, d)
     out = st.ragged_paged_attention(qp, kp, vp, m.kv_lens, m.block_tables, m.cu_q_lens, m.num_seqs, scale=d ** -0.5)
     start, first = 0, 0
     for s, L in enumerate(kv_lens):
