@@ -17,6 +17,8 @@ import numpy as np
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32
 from . import checks as la_checks
+from . import mosaic_tpu_decode
+from .decode_examples import recurrent_benchmarks
 from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements
 from .costs import delta_rule_bytes, delta_rule_flops, recurrent_flops
 from .examples import delta_rule_benchmarks, delta_rule_examples, naive_scan
@@ -24,6 +26,8 @@ from .recurrence import recurrence
 from .tpu_configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_requirements,
                           linear_attention_tpu_space)
 from .reference import delta_rule_recurrence, delta_rule_reference, prepare_delta_inputs
+from .tpu_decode_configs import (FusedRecurrentTpuConfig, fused_recurrent_tpu_heuristic, fused_recurrent_tpu_requirements,
+                                 fused_recurrent_tpu_space)
 
 
 # -- argument checks -----------------------------------------------------------
@@ -180,15 +184,19 @@ def _chunked_op(name: str, per_channel: bool) -> Op:
 
 
 def _recurrent_op(name: str, per_channel: bool) -> Op:
+    tpu = Implementation("mosaic_tpu", mosaic_tpu_decode.fused_recurrent, backend="mosaic_tpu",
+                         config_type=FusedRecurrentTpuConfig, heuristic=fused_recurrent_tpu_heuristic,
+                         space=fused_recurrent_tpu_space, requirements=fused_recurrent_tpu_requirements)
     return register(Op(
         name,
         family="linear_attention",
         check=_check_kda if per_channel else _check_gdn,
         reference=delta_rule_reference,
-        implementations=[Implementation("xla", _recurrent_xla)],
+        implementations=[tpu, Implementation("xla", _recurrent_xla)],
         flops=recurrent_flops,
         bytes_accessed=delta_rule_bytes,
         examples=delta_rule_examples(per_channel),
+        benchmarks=recurrent_benchmarks(per_channel),
         differentiable=_DIFFERENTIABLE,
     ))
 

@@ -19,6 +19,8 @@ import numpy as np
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32
 from . import checks as la_checks
+from . import mosaic_tpu_decode
+from .decode_examples import ssd_step_benchmarks
 from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements
 from .costs import ssd_bytes, ssd_flops
 from .examples import naive_ssd, ssd_benchmarks, ssd_examples, ssd_step_examples
@@ -26,6 +28,8 @@ from .recurrence import recurrence
 from .tpu_configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_requirements,
                           linear_attention_tpu_space)
 from .reference import ssd_dt, ssd_epilogue, ssd_reference, ssd_step_reference
+from .tpu_decode_configs import (SsdStepTpuConfig, ssd_step_tpu_heuristic, ssd_step_tpu_requirements,
+                                 ssd_step_tpu_space)
 
 _INF = float("inf")
 
@@ -217,6 +221,11 @@ def _ssd_step_xla(call: Call, config):
     return _step_reference(call)
 
 
+def _ssd_step_mosaic_tpu(call: Call, config):
+    """The Mosaic TPU step kernel (`mosaic_tpu_decode.ssd_step`; its backward is XLA's)."""
+    return mosaic_tpu_decode.ssd_step(call, config)
+
+
 ssd_op = register(Op(
     "ssd",
     family="linear_attention",
@@ -244,9 +253,15 @@ ssd_step_op = register(Op(
     family="linear_attention",
     check=_check_ssd_step,
     reference=_step_reference,
-    implementations=[Implementation("xla", _ssd_step_xla)],
+    implementations=[
+        Implementation("mosaic_tpu", _ssd_step_mosaic_tpu, backend="mosaic_tpu", config_type=SsdStepTpuConfig,
+                       heuristic=ssd_step_tpu_heuristic, space=ssd_step_tpu_space,
+                       requirements=ssd_step_tpu_requirements),
+        Implementation("xla", _ssd_step_xla),
+    ],
     bytes_accessed=ssd_bytes,
     examples=ssd_step_examples,
+    benchmarks=ssd_step_benchmarks,
     differentiable=("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"),
 ))
 
