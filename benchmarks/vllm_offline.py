@@ -7,6 +7,7 @@ compare ``--backend STELLAX`` with ``--backend CPU_ATTN``) and, with
 ``--throughput``, for the tokens/s table in docs/integrations.md ("vLLM").
 
     python benchmarks/vllm_offline.py --backend STELLAX --out runs.json [--models llama,mistral] [--throughput]
+                                      [--kv-cache-dtype fp8 [--kv-scales 0.05,0.02]]
 
 Models are built with `transformers` from configs written here (no
 downloads), saved next to the output and loaded by vLLM from disk, with
@@ -22,6 +23,10 @@ Scenarios (each on each model):
   twice (the second pass reads the cached pages of the first).
 * ``chunked``: the plain prompts with ``max_num_batched_tokens=32``: long
   prompts are prefilled in chunks mixed with other requests' decodes.
+* ``--kv-cache-dtype``: vLLM's cache dtype for every scenario (``fp8``,
+  ``fp8_e5m2``, ...); ``--kv-scales K,V`` then sets every attention layer's
+  per-tensor ``k_scale`` / ``v_scale`` after start-up, as an fp8 checkpoint's
+  calibrated KV scales would (both backends read the same layer fields).
 * ``throughput`` (``--throughput``): the plain prompts repeated to
   ``--num-prompts``, timed after an untimed warm-up pass; ``generated_tokens /
   seconds`` is the tokens/s in docs/integrations.md.
@@ -96,7 +101,8 @@ def prompts(kind: str):
     return [draw(n) for n in (3, 9, 16, 17, 31, 50, 70, 90)]
 
 
-def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: int, num_prompts: int | None = None):
+def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: int, num_prompts: int | None = None,
+                 kv_cache_dtype: str = "auto", kv_scales: tuple[float, float] | None = None):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -104,10 +110,12 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
                   block_size=BLOCK_SIZE, enforce_eager=True, distributed_executor_backend="uni",
                   attention_backend=backend, enable_prefix_caching=scenario == "prefix", max_num_seqs=16,
                   # the machine's memory is shared: a small reservation and a 64 MiB cache.
-                  gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20)
+                  gpu_memory_utilization=0.05, kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_cache_dtype)
     if scenario == "chunked":
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=32)
     llm = LLM(**kwargs)
+    if kv_scales is not None:
+        _set_kv_scales(llm, *kv_scales)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
     batch = prompts("prefix" if scenario == "prefix" else "plain")
     if num_prompts is not None:
@@ -135,6 +143,20 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
             "backend_class": backend_used}
 
 
+def _set_kv_scales(llm, k_scale: float, v_scale: float) -> None:
+    """Every attention layer's per-tensor fp8 scales (the fields vLLM's fp8 checkpoints load)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise RuntimeError("--kv-scales: no vllm Attention layer found in the model")
+    for layer in layers:
+        layer._k_scale.fill_(k_scale)
+        layer._v_scale.fill_(v_scale)
+        layer._k_scale_float, layer._v_scale_float = float(k_scale), float(v_scale)
+
+
 def _backend_class(llm) -> str | None:
     """The attention backend class the in-process engine built (None if it cannot be seen)."""
     try:
@@ -153,7 +175,11 @@ def main(argv=None) -> int:
     parser.add_argument("--throughput", action="store_true",
                         help="one extra timed 'plain' run per model with --num-prompts prompts, after a warm-up run")
     parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype for every scenario")
+    parser.add_argument("--kv-scales", default=None, help="K,V: per-tensor fp8 scales set on every attention layer")
     args = parser.parse_args(argv)
+    scales = None if args.kv_scales is None else tuple(float(x) for x in args.kv_scales.split(","))
+    cache = dict(kv_cache_dtype=args.kv_cache_dtype, kv_scales=scales)
 
     import vllm
 
@@ -166,10 +192,10 @@ def main(argv=None) -> int:
         for scenario in args.scenarios.split(","):
             if scenario:
                 result["runs"][f"{name}/{scenario}"] = run_scenario(path, args.backend, scenario,
-                                                                    max_tokens=args.max_tokens)
+                                                                    max_tokens=args.max_tokens, **cache)
         if args.throughput:
             result["runs"][f"{name}/throughput"] = run_scenario(path, args.backend, "plain", max_tokens=args.max_tokens,
-                                                                num_prompts=args.num_prompts)
+                                                                num_prompts=args.num_prompts, **cache)
         args.out.write_text(json.dumps(result))
     args.out.write_text(json.dumps(result))
     return 0

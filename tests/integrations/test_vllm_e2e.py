@@ -8,8 +8,13 @@ GPT-OSS-style model with attention sinks and alternating windowed layers;
 prefix caching off, on (a second pass over cached pages) and chunked prefill
 mixed with decodes) once with ``attention_backend="STELLAX"`` and once with
 vLLM's own ``CPU_ATTN``; greedy token ids must be identical and the logprobs
-within 1e-3. Start-up refusals run vLLM too: a quantized cache dtype and an
-ALiBi model must stop the engine before any request, naming the option.
+within 1e-3. The same for vLLM's fp8 KV caches (``kv_cache_dtype="fp8"`` and
+``"fp8_e5m2"``, with unit and with calibrated-style per-tensor scales), which
+vLLM's CPU backend runs too: both backends write the same codes (checked
+byte for byte against vLLM's own cache-write op) and read them with the
+layer's ``k_scale`` / ``v_scale``. Start-up refusals run vLLM too: a cache
+dtype stellax cannot read (``int8_per_token_head``) and an ALiBi model must
+stop the engine before any request, naming the option.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +90,105 @@ def test_the_window_changes_the_generation(results):
     assert runs["mistral/plain"]["token_ids"] != runs["llama/plain"]["token_ids"]
 
 
+# -- fp8 KV caches ---------------------------------------------------------------------------
+#: name → runner arguments: vLLM's fp8 cache dtypes on the same tiny models (scales 1, or set on every layer
+#: as an fp8 checkpoint's calibrated KV scales would be).
+FP8_CONFIGS = {
+    "fp8": ["--kv-cache-dtype", "fp8", "--models", "llama,gptoss", "--scenarios", "plain,prefix,chunked"],
+    "fp8_e5m2": ["--kv-cache-dtype", "fp8_e5m2", "--models", "llama", "--scenarios", "plain"],
+    "fp8_scaled": ["--kv-cache-dtype", "fp8", "--kv-scales", "0.05,0.02", "--models", "mistral",
+                   "--scenarios", "plain,chunked"],
+}
+FP8_RUNS = [("fp8", f"{m}/{s}") for m in ("llama", "gptoss") for s in ("plain", "prefix", "chunked")] + [
+    ("fp8_e5m2", "llama/plain"), ("fp8_scaled", "mistral/plain"), ("fp8_scaled", "mistral/chunked")]
+
+
+@pytest.fixture(scope="module")
+def fp8_results(vllm_python, tmp_path_factory):
+    """config → backend → the runner's JSON (plus ``wall_seconds`` of the whole invocation)."""
+    out = {}
+    root = tmp_path_factory.mktemp("vllm_fp8")
+    for config, args in FP8_CONFIGS.items():
+        for backend in ("CPU_ATTN", "STELLAX"):
+            path = root / f"{config}-{backend}.json"
+            start = time.perf_counter()
+            run = subprocess.run([vllm_python, str(RUNNER), "--backend", backend, "--out", str(path), *args],
+                                 capture_output=True, text=True, env=_env(), cwd=root, timeout=1500)
+            assert run.returncode == 0, f"{config} {backend} failed:\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+            out.setdefault(config, {})[backend] = {**json.loads(path.read_text()),
+                                                   "wall_seconds": time.perf_counter() - start}
+            print(f"{config} {backend}: {out[config][backend]['wall_seconds']:.0f} s")
+    return out
+
+
+def _worst_logprob_gap(ours, theirs):
+    return max(abs(a - b) for x, y in zip(ours["logprobs"], theirs["logprobs"]) for a, b in zip(x, y, strict=True))
+
+
+@pytest.mark.parametrize("config, name", FP8_RUNS, ids=[f"{c}-{n}" for c, n in FP8_RUNS])
+def test_fp8_cache_same_tokens_and_logprobs_as_vllm_cpu_attention(fp8_results, config, name):
+    ours, theirs = fp8_results[config]["STELLAX"]["runs"][name], fp8_results[config]["CPU_ATTN"]["runs"][name]
+    assert ours["backend_class"] == "StellaxAttentionBackend" and theirs["backend_class"] == "CPUAttentionBackend"
+    assert ours["generated_tokens"] == theirs["generated_tokens"] > 0
+    assert ours["token_ids"] == theirs["token_ids"]
+    worst = _worst_logprob_gap(ours, theirs)
+    print(f"{config} {name}: logprobs differ by up to {worst:.2e}")
+    assert worst <= LOGPROB_TOL, f"{config} {name}: logprobs differ by up to {worst:.2e}"
+
+
+def test_fp8_formats_are_honoured(fp8_results):
+    """e4m3 and e5m2 codes of the same model give different logprobs on both backends, so neither ignores the
+    format (the scales are covered by the scaled runs' comparison with CPU_ATTN above)."""
+    for backend in ("STELLAX", "CPU_ATTN"):
+        e4m3 = fp8_results["fp8"][backend]["runs"]["llama/plain"]
+        e5m2 = fp8_results["fp8_e5m2"][backend]["runs"]["llama/plain"]
+        assert _worst_logprob_gap(e4m3, e5m2) > 10 * LOGPROB_TOL, backend
+
+
+CODES = """
+import sys, torch
+from vllm import _custom_ops as ops
+from stellax.integrations.vllm import fp8
+from stellax.integrations.vllm.metadata import paged_kv_view
+torch.manual_seed(0)
+NB, H, PS, D, T = 4, 2, 32, 32, 100
+bad = 0
+for dt in ("fp8", "fp8_e5m2"):
+    for scale in (1.0, 0.037, 3.7):
+        k = torch.randn(T, H, D) * torch.logspace(-9, 3, T)[:, None, None]
+        v = torch.randn(T, H, D) * torch.logspace(3, -9, T)[:, None, None]
+        k[0, 0, :4] = torch.tensor([0.0, -0.0, float("nan"), -1e9])
+        slots = torch.randperm(NB * PS)[:T].to(torch.int64)
+        cache = torch.zeros(NB, H, 2 * PS, D, dtype=torch.uint8)       # vLLM CPU_ATTN's own write
+        kc, vc = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "vec", k_scale=scale, v_scale=scale, kv_cache_dtype=dt)
+        # CPU_ATTN's in-page order: keys [D, PS] (column-major), values [PS, D] per block and head.
+        blk, off = slots // PS, slots % PS
+        theirs_k = kc.reshape(NB, H, D, PS)[blk, :, :, off]                  # [T, H, D]
+        theirs_v = vc[blk, :, off, :]
+        ours = torch.zeros(NB * H * PS * 2 * D, dtype=torch.uint8)      # the stellax backend's write
+        pages = paged_kv_view(ours.view(NB, H, PS, 2 * D), block_size=PS, num_kv_heads=H, head_size=D,
+                              dtype=torch.uint8)
+        fp8.write_kv(pages, k, v, slots, scale, scale, dt)
+        mine_k, mine_v = pages[blk, off, 0], pages[blk, off, 1]
+        n = int((mine_k != theirs_k).sum() + (mine_v != theirs_v).sum())
+        print(dt, scale, "mismatching codes:", n, "of", 2 * k.numel())
+        bad += n
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_fp8_cache_write_equals_vllm_cpu_codes(vllm_python, tmp_path):
+    """The stellax backend's fp8 write (`fp8.write_kv`) stores, for every token, head and channel, the byte
+    vLLM's CPU backend stores (its `cpu_attn_reshape_and_cache`, truncating), for e4m3 and e5m2, scales 1 and
+    not, values from 1e-9 (subnormals) to 1e9 (saturation), ±0 and NaN."""
+    (tmp_path / "codes.py").write_text(CODES)
+    run = subprocess.run([vllm_python, "codes.py"], capture_output=True, text=True, env=_env(), cwd=tmp_path,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("mismatching codes: 0 of") == 6, run.stdout
+
+
 def test_prefix_pass_reuses_the_cache_with_the_same_tokens(results):
     """The prefix scenario generates the same prompts twice; the second pass
     reads pages cached by the first and must generate the same tokens."""
@@ -127,7 +231,7 @@ print("STARTED")
 """
 
 
-@pytest.mark.parametrize("kind, option", [("fp8", "kv_cache_dtype"), ("alibi", "alibi_slopes")])
+@pytest.mark.parametrize("kind, option", [("int8_per_token_head", "kv_cache_dtype"), ("alibi", "alibi_slopes")])
 def test_unsupported_options_are_refused_at_start_up(vllm_python, tmp_path, kind, option):
     (tmp_path / "benchmarks_runner.py").write_text(RUNNER.read_text())
     (tmp_path / "refuse.py").write_text(REFUSAL)
