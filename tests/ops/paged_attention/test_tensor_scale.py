@@ -49,6 +49,7 @@ def test_ragged_combined_tensor_scale_equals_dequantize_then_attend(fmt, impl):
     assert_close(out, want)
 
 
+@pytest.mark.slow  # 8-14 s each (compiles); the ragged tests above cover the same kernels by default
 @pytest.mark.parametrize("impl", ["xla", "triton"])
 def test_paged_separate_tensor_scale_pools(impl):
     """Separate key / value pools with a per-tensor scale each (`quantize_pages`: amax / qmax), bfloat16 queries."""
