@@ -96,9 +96,10 @@ def dequantize(qx: QArray, dtype=jnp.float32, *, implementation=None, config=Non
     """Values of a `QArray`: ``(code - zero_point) * scale * tensor_scale``
     computed in float32, returned in ``dtype`` (float32/bfloat16/float16).
 
-    ``implementation``: ``None`` (the Triton kernel on a GPU when the blocks
-    are 1-D along the last axis, else XLA), ``"triton"`` or ``"xla"``;
-    ``config``: a `DequantConfig`."""
+    ``implementation``: ``None`` (the Mosaic TPU kernel on a TPU / the Triton
+    kernel on a GPU when the blocks are 1-D along the last axis, else XLA),
+    ``"mosaic_tpu"``, ``"triton"`` or ``"xla"``; ``config``: a
+    `QuantTpuConfig` / `DequantConfig`."""
     if not isinstance(qx, QArray):
         raise TypeError(f"qx: expected a QArray, got {type(qx).__name__}")
     arrays, options = qarray_fields(qx)

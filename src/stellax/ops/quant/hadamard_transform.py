@@ -95,7 +95,8 @@ def hadamard_transform(x, *, block_size=None, random_signs_key=None, inverse=Fal
         Hadamard: ``v → H(d ⊙ v)/√b``); the same key gives the same signs.
       inverse: apply the inverse (``w → d ⊙ (H w)/√b``; without signs the
         transform is its own inverse).
-      implementation, config: ``None`` / ``"triton"`` / ``"xla"``; a `HadamardConfig`.
+      implementation, config: ``None`` / ``"mosaic_tpu"`` / ``"triton"`` / ``"xla"``; a
+        `HadamardTpuConfig` / `HadamardConfig`.
 
     Returns:
       An array like ``x`` (float32 math inside).

@@ -218,7 +218,8 @@ def quantized_matmul(x, w, *, preferred_element_type=jnp.bfloat16, implementatio
         ``[M, K]`` quantized along axis 1 (activation × weight).
       w: a `QArray` ``[K, N]`` quantized along axis 0.
       preferred_element_type: the output dtype (float32/bfloat16/float16).
-      implementation: ``None`` (Triton on a GPU, else XLA), ``"triton"``, ``"xla"``.
+      implementation: ``None`` (Mosaic TPU on a TPU for weight-only and int8 ×
+        int8, Triton on a GPU, else XLA), ``"mosaic_tpu"``, ``"triton"``, ``"xla"``.
       config: a `QMatmulConfig` for the Triton kernel.
 
     Returns:

@@ -187,7 +187,9 @@ def quantize(x, format, *, axis=-1, block_size=None, scale_dtype=None, stochasti
         rotation is recorded in ``QArray.rotation``; `dequantize` returns the
         rotated values (undo with ``hadamard_transform(..., inverse=True)``).
         Rotate both matmul operands with the same block and key: ``(x Rᵀ)(R w) = x w``.
-      implementation: ``None`` or ``"xla"``.
+      implementation: ``None`` (the Mosaic TPU kernel on a TPU / Triton on a
+        GPU for 1-D blocks along the last axis, else XLA), ``"mosaic_tpu"``,
+        ``"triton"`` or ``"xla"``.
 
     Returns:
       A `QArray` (see `stellax.ops.quant.qarray` for the layout).
