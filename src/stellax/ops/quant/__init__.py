@@ -3,7 +3,8 @@ Hadamard rotations and quantized matmuls. See docs/quant.md.
 
 One op per module: `quantize`, `dequantize`, `hadamard_transform` and
 `matmul` (`quantized_matmul`); what they share is in `base`, their examples
-in `examples`, the Pallas Triton kernels in `triton`."""
+in `examples`, the Pallas Triton kernels in `triton`, the Mosaic TPU kernels in
+`mosaic_tpu` / `mosaic_tpu_matmul` (configs in `tpu_configs`)."""
 
 from .configs import DequantConfig, HadamardConfig, QMatmulConfig, QuantizeConfig
 from .dequantize import dequantize, dequantize_op
@@ -12,7 +13,8 @@ from .hadamard_transform import hadamard_op, hadamard_transform
 from .matmul import quantized_matmul, quantized_matmul_op
 from .qarray import QArray
 from .quantize import quantize, quantize_op
+from .tpu_configs import HadamardTpuConfig, QMatmulTpuConfig, QuantTpuConfig
 
-__all__ = ["FORMATS", "DequantConfig", "HadamardConfig", "QArray", "QMatmulConfig", "QuantizeConfig", "dequantize", "dequantize_op", "get_format",
+__all__ = ["FORMATS", "DequantConfig", "HadamardConfig", "HadamardTpuConfig", "QMatmulTpuConfig", "QuantTpuConfig", "QArray", "QMatmulConfig", "QuantizeConfig", "dequantize", "dequantize_op", "get_format",
            "hadamard_op", "hadamard_transform", "quantize", "quantize_op",
            "quantized_matmul", "quantized_matmul_op"]
