@@ -294,6 +294,37 @@ def ragged_dot_peer(lhs, rhs, group_sizes, precision=None, preferred_element_typ
                               preferred_element_type=preferred_element_type)
 
 
+def ragged_paged_peer(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale=None,
+                      logits_soft_cap=None, local_window_size=None, sinks=None):
+    """jax's bundled ragged paged attention on the op's arguments: dense
+    ``k_pages`` / ``v_pages [NP, PS, K, H]`` interleaved into its combined
+    ``[NP, PS, 2K, H]`` pool (k0 v0 k1 v1 ...; the copy is part of its time),
+    soft cap and left window. Quantized pools and sinks are not its contract,
+    and it does not run interpreted on jax 0.10.2: `UnsupportedError`."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as bundled
+
+    from stellax.core import UnsupportedError, interpret_enabled
+    from stellax.ops.paged_attention import QuantizedPages
+
+    if interpret_enabled():
+        raise UnsupportedError("jax_ragged_paged_attention peer: jax 0.10.2's kernel does not run interpreted")
+    if sinks is not None or v_pages is None or isinstance(k_pages, QuantizedPages) \
+            or isinstance(v_pages, QuantizedPages) or k_pages.shape != v_pages.shape:
+        raise UnsupportedError("jax_ragged_paged_attention peer: dense k/v pools of one shape, no sinks")
+    if isinstance(local_window_size, (tuple, list)):
+        local_window_size = local_window_size[0]
+    num_pages, page_size, kv_heads, h = k_pages.shape
+    kv = jnp.stack([k_pages, v_pages], axis=3).reshape(num_pages, page_size, 2 * kv_heads, h)
+    try:
+        return bundled.ragged_paged_attention(
+            q, kv, kv_lens, block_tables, cu_q_lens, jnp.asarray(num_seqs, jnp.int32).reshape(1),
+            sm_scale=(1.0 / h ** 0.5) if scale is None else scale, soft_cap=logits_soft_cap,
+            sliding_window=None if local_window_size is None else local_window_size + 1)
+    except (ValueError, NotImplementedError) as e:  # its static checks (head counts it cannot tile, ...)
+        raise UnsupportedError(f"jax_ragged_paged_attention peer: {e}") from e
+
+
 #: The MoE ops' peers on a TPU (op name → {peer name: function}).
 MOE_PEERS = {"ragged_dot": {"jax.lax.ragged_dot": ragged_dot_peer, "jax_megablox_gmm": megablox_gmm_peer},
              "ragged_dot_tgmm": {"jax_megablox_tgmm": megablox_tgmm_peer}}
@@ -309,6 +340,8 @@ def bench_stage(suite: Suite, tuned) -> None:
             op.peers.setdefault("jax_splash", splash_peer)
         for name, fn in MOE_PEERS.get(op.name, {}).items():
             op.peers[name] = fn
+        if op.name == "ragged_paged_attention":
+            op.peers.setdefault("jax_ragged_paged_attention", ragged_paged_peer)
     options = SuiteOptions(
         interpret=suite.args.dry_run, max_cases=1 if suite.args.dry_run else 3,
         budget_s=max(1.0, suite.remaining() - 20), use_examples=suite.args.dry_run,
