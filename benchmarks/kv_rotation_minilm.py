@@ -227,7 +227,7 @@ def measure(q, k, v, lengths, configs=CONFIGS, *, with_bidirectional: bool = Tru
 
 
 def table(rows, mode="causal"):
-    lines = [f"| format | group | none | random Hadamard | calibrated | calibrated / Hadamard |",
+    lines = ["| format | group | none | random Hadamard | calibrated | calibrated / Hadamard |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         n, h, c = (r[f"{k}_{mode}"] for k in ("none", "hadamard", "calibrated"))

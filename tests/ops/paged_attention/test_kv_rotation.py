@@ -84,6 +84,7 @@ def test_calibrated_rotations_are_orthogonal_per_layer_and_head():
     assert not np.allclose(single.keys[0], single.keys[1], atol=1e-2)   # per-head
 
 
+@functools.partial(jax.jit, static_argnames=("kspec", "vspec"))
 def _attention_error(q, k, v, kspec, vspec, key_rotation=None, value_rotation=None):
     s, t = q.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(t), (s, t))
@@ -91,7 +92,7 @@ def _attention_error(q, k, v, kspec, vspec, key_rotation=None, value_rotation=No
     exact = run(q, k, v)
     kq = dequantize_pages(quantize_pages(k, kspec, rotation=key_rotation))
     vq = dequantize_pages(quantize_pages(v, vspec, rotation=value_rotation))
-    return float(jnp.linalg.norm(run(q, kq, vq) - exact) / jnp.linalg.norm(exact))
+    return jnp.linalg.norm(run(q, kq, vq) - exact) / jnp.linalg.norm(exact)
 
 
 def test_calibrated_rotation_beats_hadamard_on_int2_with_planted_outliers():
@@ -99,10 +100,10 @@ def test_calibrated_rotation_beats_hadamard_on_int2_with_planted_outliers():
     rot = calibrate_kv_rotation(q[:8], k[:8], v[:8], group_size=8)       # calibrate on half
     q, k, v = (jnp.asarray(a[8:]) for a in (q, k, v))                   # evaluate on the other half
     plain = KVQuant("int2", group_size=8)
-    none = _attention_error(q, k, v, plain, plain)
-    had = _attention_error(q, k, v, KVQuant("int2", group_size=8, rotation=True),
-                           KVQuant("int2", group_size=8, rotation=True, seed=1))
-    cal = _attention_error(q, k, v, plain, plain, rot.keys, rot.values)
+    none = float(_attention_error(q, k, v, plain, plain))
+    had = float(_attention_error(q, k, v, KVQuant("int2", group_size=8, rotation=True),
+                                 KVQuant("int2", group_size=8, rotation=True, seed=1)))
+    cal = float(_attention_error(q, k, v, plain, plain, rot.keys, rot.values))
     assert had < none, (none, had)
     assert cal < 0.85 * had, (none, had, cal)
 
@@ -140,6 +141,7 @@ def test_update_stores_rotated_rows_and_reference_unrotates(spec):
     rot = calibrate_kv_rotation(q, k, v, group_size=spec.group(H))
     k_pages, v_pages, tables, lengths, (k_all, _, tab) = _rotated_cache(spec, rot)
     assert k_pages.rotation_kind == "calibrated" and k_pages.signs.shape == (2, H, H)
+    assert k_pages.spec.rotation == "calibrated" and spec.rotation is False      # the pool's spec says so
     b, p = 2, 17                                 # a position held by the quantized pages
     page, off = tab[b, p // 8], p % 8
     stored = np.asarray(dequantize_pages(k_pages, rotated=True))[page, off]       # [K, H]
@@ -236,7 +238,8 @@ def test_bad_input_names_the_argument():
         calibrate_kv_rotation(q, np.concatenate([k, k[:, :, :1]], 2), np.concatenate([v, v[:, :, :1]], 2))
     eye = np.broadcast_to(np.eye(H, dtype=np.float32), (2, H, H))
     spec = KVQuant("int2", group_size=8)
-    with pytest.raises(ValueError, match=r"key_rotation: expected shape \(2, 32, 32\) or \(32, 32\).*got \(3, 32, 32\)"):
+    with pytest.raises(ValueError,
+                       match=r"key_rotation: expected shape \(2, 32, 32\) or \(32, 32\).*got \(3, 32, 32\)"):
         init_kv_cache(4, 8, 2, H, quant=spec, key_rotation=np.broadcast_to(np.eye(H, dtype=np.float32), (3, H, H)))
     with pytest.raises(ValueError, match=r"value_rotation: expected an orthogonal rotation"):
         init_kv_cache(4, 8, 2, H, quant=spec, key_rotation=eye, value_rotation=eye * 1.5)
@@ -246,6 +249,28 @@ def test_bad_input_names_the_argument():
         init_kv_cache(4, 8, 2, H, quant=KVQuant("int2", group_size=8, rotation=True), key_rotation=eye)
     with pytest.raises(ValueError, match=r"rotation: expected shape \(2, 16, 16\)"):
         quantize_pages(jnp.zeros((2, 8, 2, 16)), spec, rotation=eye)
+    with pytest.raises(ValueError, match="key_rotation: KVQuant.rotation='calibrated'. needs the rotation matrices"):
+        init_kv_cache(4, 8, 2, H, quant=KVQuant("int2", group_size=8, rotation="calibrated"), value_quant=None)
+    with pytest.raises(TypeError, match="KVQuant.rotation: expected a bool, 'hadamard' or 'calibrated'"):
+        KVQuant("int2", rotation="learned")
+    assert KVQuant("int2", rotation="hadamard").rotation is True
+
+
+def test_torch_front_end_carries_the_calibrated_rotation():
+    """`stellax.torch` pools are built from the spec: a calibrated one keeps its matrices."""
+    torch = pytest.importorskip("torch", reason="needs torch for the stellax.torch front end")
+    import stellax.torch.paged as st
+
+    spec = SPECS[0]
+    qc, kc, vc = _structured(13, 4, 32, kv_heads=2, group=2)
+    rot = calibrate_kv_rotation(qc, kc, vc, group_size=8)
+    k_pages, v_pages, tables, lengths, _ = _rotated_cache(spec, rot)
+    q = np.random.default_rng(14).standard_normal((3, 4, H)).astype(np.float32)
+    ref = jax.jit(paged_attention_op.reference)(jnp.asarray(q), k_pages, v_pages, tables, lengths)
+    kt, vt = (st.QuantizedPages.from_jax(p) for p in (k_pages, v_pages))
+    out = st.paged_attention(torch.from_numpy(q), kt, vt, torch.from_numpy(np.array(tables)),
+                             torch.from_numpy(np.array(lengths)))
+    assert_close(jnp.asarray(out.numpy()), ref)
 
 
 def _minilm_benchmark():
@@ -292,3 +317,26 @@ def test_minilm_calibrated_rotation_beats_hadamard_on_int2():
         errors[name] = float(np.sqrt(num / den))
     assert errors["calibrated"] < 0.95 * errors["hadamard"], errors
     assert errors["calibrated"] < 0.95 * errors["none"], errors
+
+
+def test_mla_latent_with_a_shared_rotation_matches_golden():
+    """A head-less MLA latent pool (keys and values at once) takes one ``[R, R]`` rotation."""
+    from stellax.ops.paged_attention import mla_decode, mla_decode_op
+    from stellax.paged import mla_inputs
+
+    qn, qr, latent, pe, tables, lengths = mla_inputs(11, lengths=[9, 30], page_size=16, heads=4, latent_dim=H,
+                                                     rope_dim=16, dtype=jnp.float32)
+    c = np.asarray(latent).reshape(1, -1, 1, H)                          # [S=1, T, K=1, H]
+    qc = np.random.default_rng(12).standard_normal((1, c.shape[1], 4, H)) * np.linspace(3, 0.1, H)
+    rot = calibrate_kv_rotation(qc, c, c, group_size=8)
+    assert rot.keys.shape == (1, H, H)
+    with pytest.raises(ValueError, match=r"rotation: expected shape \(32, 32\)"):
+        quantize_pages(latent, KVQuant("int4", group_size=8), rotation=np.stack([rot.keys[0]] * 2))
+    pool = quantize_pages(latent, KVQuant("int4", group_size=8), rotation=rot.keys)
+    assert pool.signs.shape == (H, H)
+    golden = jax.jit(functools.partial(mla_decode_op.reference, scale=0.15))
+    out = mla_decode(qn, qr, pool, pe, tables, lengths, scale=0.15, implementation="xla")
+    ref = golden(qn, qr, pool, pe, tables, lengths)
+    assert_close(out, ref)
+    exact = golden(qn, qr, latent, pe, tables, lengths)
+    assert float(jnp.linalg.norm(ref - exact) / jnp.linalg.norm(exact)) < 0.1

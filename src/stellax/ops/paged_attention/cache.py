@@ -186,8 +186,8 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
     def make(spec, dim, rotation, name):
         if spec is None:
             return jnp.zeros((num_pages, page_size, *heads, dim), dtype)
-        if rotation is not None:
-            rotation = pool_rotation(spec, rotation, num_kv_heads, dim, name)
+        if rotation is not None or spec.rotation == "calibrated":
+            spec, rotation = pool_rotation(spec, rotation, num_kv_heads, dim, name)
         return init_quantized_pages(num_pages, page_size, num_kv_heads, dim, spec, max_seqs=max_seqs,
                                     rotation=rotation)
 

@@ -103,8 +103,12 @@ class KVQuant:
         float32 for int8/fp8 (one per token and head) and float16 for
         int4/int2 (a zero point rounded to bfloat16 would lose too much of a
         large channel offset against a 4-level step).
-      rotation: rotate with a random-sign Walsh–Hadamard transform before
-        quantizing (``H`` a power of two).
+      rotation: rotate before quantizing: ``False``; ``True`` (or
+        ``"hadamard"``): a random-sign Walsh–Hadamard transform (``H`` a power
+        of two); ``"calibrated"``: the pool holds calibrated per-head
+        matrices (`rotation.calibrate_kv_rotation`), given as ``rotation=`` /
+        ``key_rotation=`` / ``value_rotation=`` when the pool is made (a pool
+        made with matrices and a spec without rotation gets this value).
       seed: seed of the rotation's signs.
       sink_tokens, recent_tokens: full-precision windows (see the module doc).
       window_dtype: dtype of the windows.
@@ -135,8 +139,10 @@ class KVQuant:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"KVQuant.{name}: expected an int >= 0, got {value!r}")
-        if not isinstance(self.rotation, bool):
-            raise TypeError(f"KVQuant.rotation: expected a bool, got {type(self.rotation).__name__}")
+        if self.rotation == "hadamard":
+            object.__setattr__(self, "rotation", True)
+        if not isinstance(self.rotation, bool) and self.rotation != "calibrated":
+            raise TypeError(f"KVQuant.rotation: expected a bool, 'hadamard' or 'calibrated', got {self.rotation!r}")
         if self.group_axis == "tensor":
             if self.bits != 8 or self.group_size is not None:
                 raise ValueError(f"KVQuant.group_axis: a per-tensor scale is for int8/fp8 codes without "
@@ -212,7 +218,7 @@ class KVQuant:
         if self.group_axis == "token" and page_size % g:
             raise ValueError(f"{what}: per-channel (token-axis) groups of {g} tokens must divide "
                              f"page_size {page_size}")
-        if self.rotation and head_dim & (head_dim - 1):
+        if self.rotation is True and head_dim & (head_dim - 1):
             raise ValueError(f"{what}: the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
 
     def bytes_per_token(self, head_dim: int, num_heads: int = 1) -> float:
@@ -296,16 +302,20 @@ def unrotate(y, signs, *, head_axis: int = -2):
 
 
 def pool_rotation(spec: KVQuant, rotation, num_heads: int | None, head_dim: int, what: str = "rotation"):
-    """The rotation array a pool stores in its ``signs`` field: the Hadamard
-    signs when ``spec.rotation``, a checked calibrated ``rotation`` (see
-    `rotation.check_rotation`), or None."""
+    """``(spec, signs)`` of a new pool: the array it stores in its ``signs``
+    field (the Hadamard signs when ``spec.rotation is True``, the checked
+    calibrated ``rotation`` (see `rotation.check_rotation`), or None) and its
+    spec (``rotation="calibrated"`` when matrices are given)."""
     if rotation is None:
-        return rotation_signs(head_dim, spec.seed) if spec.rotation else None
-    if spec.rotation:
+        if spec.rotation == "calibrated":
+            raise ValueError(f"{what}: KVQuant(rotation='calibrated') needs the rotation matrices "
+                             "[num_kv_heads, head_dim, head_dim] (rotation= / key_rotation= / value_rotation=)")
+        return spec, (rotation_signs(head_dim, spec.seed) if spec.rotation else None)
+    if spec.rotation is True:
         raise ValueError(f"{what}: a calibrated rotation replaces the random Hadamard one (it already holds a "
-                         "Hadamard transform); use it with KVQuant(rotation=False)")
+                         "Hadamard transform); use it with KVQuant(rotation=False) or 'calibrated'")
     from .rotation import check_rotation
-    return check_rotation(what, rotation, num_heads, head_dim)
+    return dataclasses.replace(spec, rotation="calibrated"), check_rotation(what, rotation, num_heads, head_dim)
 
 
 # -- packing -----------------------------------------------------------------------
@@ -521,7 +531,7 @@ def init_quantized_pages(num_pages: int, page_size: int, num_heads: int | None, 
         sshape = (num_pages, page_size // g, *heads, head_dim)
     scale = jnp.zeros(sshape, spec.scale_dtype)
     zero = None if spec.symmetric else jnp.zeros(sshape, spec.scale_dtype)
-    signs = pool_rotation(spec, rotation, num_heads, head_dim)
+    spec, signs = pool_rotation(spec, rotation, num_heads, head_dim)
     window = None
     if spec.window:
         if max_seqs is None:
@@ -545,7 +555,7 @@ def quantize_pages(pages, spec: KVQuant | str, *, max_seqs: int | None = None, b
     pages = jnp.asarray(pages)
     page_size, head_dim = pages.shape[1], pages.shape[-1]
     spec.check_shape(page_size, head_dim)
-    signs = pool_rotation(spec, rotation, pages.shape[2] if pages.ndim == 4 else None, head_dim)
+    spec, signs = pool_rotation(spec, rotation, pages.shape[2] if pages.ndim == 4 else None, head_dim)
     x = pages.astype(jnp.float32)
     if signs is not None:
         x = rotate(x, signs)

@@ -168,6 +168,24 @@ def _as_calibration(name, x, rank):
 
 
 # -- calibration --------------------------------------------------------------------
+def _output_moment(q, k, v, scale: float, causal: bool, block: int = 256):
+    """``Σ_rows o oᵀ`` per KV head of one sequence: ``q [T, K, G, H]``, ``k, v
+    [T, K, H]``, ``o = softmax(scale · q kᵀ) v`` (causal or not), query rows in
+    blocks of ``block`` (memory ``K·G·block·T``) → float64 ``[K, H, H]``."""
+    t = q.shape[0]
+    out = np.zeros((k.shape[1], k.shape[2], k.shape[2]))
+    for lo in range(0, t, block):
+        qb = q[lo:lo + block]
+        logits = scale * np.einsum("qkgh,tkh->kgqt", qb, k)
+        if causal:
+            rows = np.arange(lo, lo + qb.shape[0])
+            logits = np.where(np.arange(t)[None, :] <= rows[:, None], logits, -np.inf)
+        p = np.exp(logits - logits.max(-1, keepdims=True))                  # row max is finite: key 0 is visible
+        o = np.einsum("kgqt,tkh->kgqh", p / p.sum(-1, keepdims=True), v)
+        out += np.einsum("kgqi,kgqj->kij", o, o)
+    return out
+
+
 def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool = True, scale: float | None = None,
                           group_size: int | None = None) -> KVRotation:
     """Calibrated key and value rotations per (layer, KV head) from captured
@@ -231,23 +249,14 @@ def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool =
     sc = 1.0 / np.sqrt(h) if scale is None else float(scale)
     grp = n // kh
     valid = np.arange(t)[None, :] < lens[:, None]                                   # [S, T]
-    mask = valid[:, None, :] & valid[:, :, None]                                     # [S, Tq, Tk]
-    if causal:
-        mask = mask & np.tril(np.ones((t, t), bool))[None]
     cq = np.zeros((nl, kh, h, h))
     co = np.zeros((nl, kh, h, h))
     for layer in range(nl):
         ql = q[layer].reshape(s, t, kh, grp, h)                                      # [S, T, K, G, H]
         qv = ql[valid]                                                               # [M, K, G, H]
         cq[layer] = np.einsum("mkgi,mkgj->kij", qv, qv)
-        logits = sc * np.einsum("sqkgh,stkh->skgqt", ql, k[layer])
-        logits = np.where(mask[:, None, None], logits, -np.inf)
-        peak = np.max(logits, axis=-1, keepdims=True)
-        p = np.exp(logits - np.where(np.isfinite(peak), peak, 0.0))
-        total = p.sum(-1, keepdims=True)
-        p = p / np.where(total > 0, total, 1.0)
-        o = np.einsum("skgqt,stkh->sqkgh", p, v[layer])[valid]                      # [M, K, G, H]
-        co[layer] = np.einsum("mkgi,mkgj->kij", o, o)
+        for b in range(s):
+            co[layer] += _output_moment(ql[b, :lens[b]], k[layer, b, :lens[b]], v[layer, b, :lens[b]], sc, causal)
     out = KVRotation(rotation_from_covariance(cq, g).astype(np.float32),
                      rotation_from_covariance(co, g).astype(np.float32))
     return KVRotation(out.keys[0], out.values[0]) if single else out
