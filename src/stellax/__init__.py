@@ -27,6 +27,7 @@ from .ops.norm import NormConfig, layer_norm, rms_norm
 from .paged import (KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, init_kv_cache, mla_decode, paged_attention, ragged_paged_attention, update_kv_cache)
 from .ops.paged_attention.rotation import KVRotation, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation
 from .ops.quant import HadamardConfig, QArray, QMatmulConfig, dequantize, hadamard_transform, quantize, quantized_matmul
+from .ops.quant import QuantRecipe, quantized_linear
 
 # Autotuning and benchmarking (`stellax.autotune(fn, *args)` is callable).
 from . import autotune

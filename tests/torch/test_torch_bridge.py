@@ -114,6 +114,7 @@ OPCHECKED = {
     "context_parallel_gated_delta_rule": "test_torch_parallel", "context_parallel_kda": "test_torch_parallel",
     "dot_product_attention_fp8": "test_torch_ops", "quantize_for_attention": "test_torch_ops",
     "linear_cross_entropy": "test_torch_loss",
+    "quantized_linear": "test_quantized_linear_torch",
     "test_identity": "test_torch_bridge",
 }
 

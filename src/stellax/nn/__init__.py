@@ -21,6 +21,7 @@ from .attention import Attention, PagedKVCache, rotary
 from .linear_attention import GatedDeltaNet, KimiDeltaAttention, Mamba2
 from .mlp import MoE, GatedMLP
 from .norm import LayerNorm, RMSNorm
+from .quantized_linear import QuantizedLinear
 
 __all__ = ["Attention", "GatedDeltaNet", "GatedMLP", "KimiDeltaAttention", "LayerNorm", "Mamba2", "MoE",
-           "PagedKVCache", "RMSNorm", "rotary"]
+           "PagedKVCache", "QuantizedLinear", "RMSNorm", "rotary"]

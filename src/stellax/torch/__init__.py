@@ -25,6 +25,7 @@ from .norm import layer_norm, rms_norm
 from .paged import (QuantizedPages, dequantize_pages, init_kv_cache, mla_decode, paged_attention, quantize_pages,
                     ragged_paged_attention, update_kv_cache, update_kv_cache_)
 from .quant import QTensor, dequantize, hadamard_transform, quantize, quantized_matmul
+from .quantized_linear import QuantizedLinear, quantized_linear
 from .modules import GatedMLP, LayerNorm, RMSNorm
 from .hf import register_transformers_attention
 from .patching import PatchReport, apply_kernels
@@ -34,7 +35,7 @@ from .parallel import (context_parallel_attention, context_parallel_gated_delta_
 from stellax.ops.paged_attention import KVQuant  # the cache format spec (plain Python; shared with JAX)
 
 __all__ = [
-    "ForwardOnlyError", "GatedDeltaNet", "PatchReport", "apply_kernels", "GatedMLP", "KVQuant", "LayerNorm", "MoE", "PackedTensor", "QTensor", "QuantizedPages", "RMSNorm", "TorchOp", "cache_info", "context_parallel_attention",
+    "ForwardOnlyError", "GatedDeltaNet", "QuantizedLinear", "quantized_linear", "PatchReport", "apply_kernels", "GatedMLP", "KVQuant", "LayerNorm", "MoE", "PackedTensor", "QTensor", "QuantizedPages", "RMSNorm", "TorchOp", "cache_info", "context_parallel_attention",
     "context_parallel_gated_delta_rule", "context_parallel_kda",
     "chunk_gated_delta_rule", "chunk_kda", "clear_cache", "define_op", "dequantize", "dequantize_pages", "dot_product_attention",
     "dot_product_attention_varlen", "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_linear_unit",

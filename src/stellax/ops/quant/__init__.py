@@ -14,7 +14,10 @@ from .matmul import quantized_matmul, quantized_matmul_op
 from .qarray import QArray
 from .quantize import quantize, quantize_op
 from .tpu_configs import HadamardTpuConfig, QMatmulTpuConfig, QuantTpuConfig
+from .recipes import QuantRecipe, get_recipe
+from .training import quantized_linear, quantized_linear_reference
 
 __all__ = ["FORMATS", "DequantConfig", "HadamardConfig", "HadamardTpuConfig", "QMatmulTpuConfig", "QuantTpuConfig", "QArray", "QMatmulConfig", "QuantizeConfig", "dequantize", "dequantize_op", "get_format",
            "hadamard_op", "hadamard_transform", "quantize", "quantize_op",
-           "quantized_matmul", "quantized_matmul_op"]
+           "quantized_matmul", "quantized_matmul_op",
+           "QuantRecipe", "get_recipe", "quantized_linear", "quantized_linear_reference"]
