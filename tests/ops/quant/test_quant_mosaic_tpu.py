@@ -306,3 +306,23 @@ def test_configs_fit_the_generation(generation):
         hcall = hadamard_op.check(jnp.zeros((256, 4096), jnp.bfloat16), None, block=32)
         assert C.hadamard_lanes(256 * 4096, 32) == TPU_GENERATIONS[generation].mxu
         assert C.hadamard_tpu_heuristic(hcall) in C.hadamard_tpu_space(hcall)
+
+
+@pytest.mark.slow
+def test_float16_paths():
+    """Mosaic has no float16 vectors: float16 inputs are upcast (exactly) before the kernel and
+    float16 outputs cast after it, so the results stay bit-identical / as accurate."""
+    x = jnp.asarray(_awkward_rows(64, "mxfp4")).astype(jnp.float16)
+    kwargs = dict(format="mxfp4", axis=1, block_shape=(1, 32))
+    want = quantize_op(x, **kwargs, implementation="xla")
+    with interpret_mode(True):
+        got = quantize_op(x, **kwargs, implementation=IMPL)
+    _assert_identical("values", got.values, want.values)
+    _assert_identical("scales", got.scales, want.scales)
+    arrays, options = qarray_fields(want)
+    with interpret_mode(True):
+        y = dequantize_op(*arrays.values(), **options, dtype="float16", implementation=IMPL)
+        h = hadamard_op(x[:4], None, block=64, inverse=False, implementation=IMPL)
+    _assert_identical("dequantize", y, dequantize_op(*arrays.values(), **options, dtype="float16",
+                                                     implementation="xla"))
+    assert_close(h, hadamard_op.reference(x[:4], None, block=64, inverse=False), dtype=jnp.float16)

@@ -241,6 +241,8 @@ def quantize(x, *, fmt: str, group: int, block_rows: int):
     or ``None``)."""
     f = F.get_format(fmt)
     rows, k = x.shape
+    if x.dtype == jnp.float16:  # Mosaic has no float16 vectors; the upcast is exact (the golden's first step)
+        x = x.astype(F32)
     _, nb, width = quant_block_geometry(x.shape, (1, group))
     xb = block_rows_view(x, k, nb, width)
     total = rows * nb
@@ -316,6 +318,9 @@ def dequantize(values, scales, zero_points, tensor_scale, *, fmt: str, k: int, g
     or ``None``, ``tensor_scale`` or ``None``."""
     f = F.get_format(fmt)
     rows = values.shape[0]
+    final_dtype = jnp.dtype(out_dtype)
+    if final_dtype == jnp.float16:  # no float16 vectors in Mosaic: float32 out, cast (the golden's last step)
+        out_dtype = F32
     _, nb, width = quant_block_geometry((rows, k), (1, group))
     if np.dtype(values.dtype).itemsize == 1 and np.dtype(values.dtype) != np.dtype(jnp.int8):
         values = jax.lax.bitcast_convert_type(values, jnp.int8)
@@ -340,7 +345,8 @@ def dequantize(values, scales, zero_points, tensor_scale, *, fmt: str, k: int, g
         vmem_limit_bytes=_vmem_limit(need),
     )
     y = outs.y.reshape(rows, nb * width)
-    return y if nb * width == k else y[:, :k]
+    y = y if nb * width == k else y[:, :k]
+    return y.astype(final_dtype)
 
 
 # -- Hadamard --------------------------------------------------------------------------
@@ -357,6 +363,8 @@ def _hadamard_kernel(*, x, m, y, scale: float):
 def hadamard(x, signs, *, block: int, inverse: bool, block_rows: int):
     """Normalized (randomized) WHT over blocks of the last axis (the contract of
     `hadamard_transform`): ``x [..., n]``, ``signs [block]`` or ``None``."""
+    if x.dtype == jnp.float16:  # no float16 vectors in Mosaic: float32 math (as the golden), float16 out
+        return hadamard(x.astype(F32), signs, block=block, inverse=inverse, block_rows=block_rows).astype(x.dtype)
     shape = x.shape
     total = int(np.prod(shape))
     width = hadamard_lanes(total, block)
@@ -408,7 +416,8 @@ def quantize_requirements(call) -> str | None:
 
 
 def quantize_run(call, config) -> QArray:
-    """`quantize` of ``call`` (rows of the last axis) → a `QArray` like the XLA path's."""
+    """`quantize` of ``call`` (rows of the last axis) → a `QArray` like the XLA path's
+    (float16 inputs are upcast to float32 first: Mosaic has no float16 vectors)."""
     f = F.get_format(call.format)
     shape = call.x.shape
     rows = int(np.prod(shape[:-1]))
