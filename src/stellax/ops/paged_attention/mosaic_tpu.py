@@ -116,13 +116,40 @@ def source_meta(src: Source) -> SourceMeta:
 
 
 def source_arrays(src: Source) -> dict:
-    """The HBM arrays of a source: ``data`` and, quantized, ``scale`` / ``zero``."""
-    arrays = {"data": src.data}
+    """The HBM arrays of a source: ``data`` and, quantized, ``scale`` / ``zero``.
+    Packed int4/int2 bytes are passed as int8 (a same-width bitcast: Mosaic
+    cannot load the uint8 vectors; the kernel masks the bit fields, so the
+    sign does not matter)."""
+    data = src.data
+    if jnp.dtype(data.dtype) == jnp.uint8:
+        data = jax.lax.bitcast_convert_type(data, jnp.int8)
+    arrays = {"data": data}
     if src.quantized:
-        arrays["scale"] = src.scale
+        arrays["scale"] = _loadable(src.scale)
         if not src.spec.symmetric:
-            arrays["zero"] = src.zero
+            arrays["zero"] = _loadable(src.zero)
     return arrays
+
+
+def _loadable(x):
+    """float16 scales / zero points as their int16 bits (Mosaic has no float16
+    vectors on these generations; `_to_f32` decodes them in VMEM)."""
+    if jnp.dtype(x.dtype) == jnp.float16:
+        return jax.lax.bitcast_convert_type(x, jnp.int16)
+    return x
+
+
+def _to_f32(x):
+    """A loaded scale block → float32; int16 holds float16 bits: ``(-1)^s ·
+    2^(e-15) · (1 + m/1024)``, subnormals ``(-1)^s · m · 2^-24``, e = 31 inf/NaN."""
+    if x.dtype != jnp.int16:
+        return x.astype(F32)
+    h = x.astype(jnp.int32) & 0xFFFF
+    sign, exp, mant = (h >> 15) & 1, (h >> 10) & 0x1F, h & 0x3FF
+    normal = jax.lax.bitcast_convert_type((sign << 31) | ((exp + 112) << 23) | (mant << 13), F32)
+    special = jax.lax.bitcast_convert_type((sign << 31) | (255 << 23) | (mant << 13), F32)
+    sub = jnp.where(sign == 1, -1.0, 1.0) * mant.astype(F32) * F32(2.0 ** -24)
+    return jnp.where(exp == 0, sub, jnp.where(exp == 31, special, normal))
 
 
 def _page_view(ref, meta: SourceMeta, page, name: str):
@@ -226,7 +253,7 @@ def _expand(a, meta: SourceMeta, part: int, ppb: int):
 def _block(ref, slot, kv: int):
     """Slot ``slot`` of a ``[2, ppb, rows, K, lanes]`` buffer, kv head ``kv``, as
     float32 ``[ppb·rows, lanes]``."""
-    x = ref[slot, :, :, kv, :].astype(F32)
+    x = _to_f32(ref[slot, :, :, kv, :])
     return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
 
 
