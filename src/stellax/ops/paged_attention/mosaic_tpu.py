@@ -4,13 +4,13 @@ Both ops become the same `plan.Problem` (the prologue and epilogue the XLA
 and Triton paths use: query rotation, GQA row packing, ragged programs,
 full-precision windows, output un-rotation), so one kernel runs both.
 
-**Grid** ``(Bp, K)``, both axes ``parallel``: step ``(b, kv)`` owns the ``R``
-query rows of program ``b`` (a batch row, or a block of ``block_q`` tokens of
-one ragged sequence: ``R = tokens · G``, every query head of kv head ``kv``
-against one read of its pages: GQA packing). Ragged calls have a static
-upper bound of programs (`plan.ragged_programs`): dead ones see no key,
-copy nothing and write zeros, so one compilation serves every number of
-sequences and tokens.
+**Grid** ``(Bp,)``, ``parallel``: step ``b`` owns program ``b`` (a batch
+row, or a block of ``block_q`` tokens of one ragged sequence) and loops over
+the kv heads statically; each kv head has ``R = tokens · G`` query rows
+(every query head of the group against one read of its pages: GQA packing).
+Ragged calls have a static upper bound of programs (`plan.ragged_programs`):
+dead ones see no key, copy nothing and write zeros, so one compilation
+serves every number of sequences and tokens.
 
 **Scalar prefetch** (SMEM): the block tables ``[S, P]`` (clamped), each
 program's table row ``seq [Bp]``, its sequence length and the key range
@@ -20,7 +20,8 @@ start, minus the full-precision windows).
 **Page pipeline** (`PagePipeline`). The pools stay in HBM
 (``memory_space=ANY``); a step walks the blocks of ``pages_per_block`` pages
 covering ``[lo, hi)`` with two VMEM slots per pool array (codes, scales,
-zero points: each page ``[page_size, H']`` of kv head ``kv`` is one
+zero points: each page ``[page_size, K, H']``, all kv heads, since one kv
+head is not a whole (8, 128) tile of the HBM layout, is one
 ``pltpu.make_async_copy`` HBM → VMEM, all copies of a slot signalling the
 slot's DMA semaphore):
 
@@ -28,13 +29,14 @@ slot's DMA semaphore):
     for i in 0 .. n-1:
         if i + 1 < n: start(block i+1 → slot (i+1) % 2)     # in flight ...
         wait(slot i % 2)
-        compute(block i from slot i % 2)                    # ... during this
+        compute(block i from slot i % 2, every kv head)     # ... during this
 
 so the copy of block ``i+1`` overlaps the dequantization, the two matmuls
-and the softmax update of block ``i``; only block 0's copy is exposed.
+and the softmax update of block ``i``; only each grid step's block-0 copy is
+exposed (issued at the start of the step).
 
-**Compute** per block, float32 online softmax in VMEM scratch (``m``, ``l``
-``[R, 128]`` lanes equal, ``acc [parts, R, Hv']``):
+**Compute** per block and kv head, float32 online softmax in VMEM scratch
+(``m``, ``l`` ``[K, R, 128]`` lanes equal, ``acc [K, parts, R, Hv']``):
 
     K, V = dequantize(slot)        codes·scale (+ zero) in VMEM (see below)
     s    = scale · q Kᵀ → cap·tanh(s/cap) → -inf where not visible
@@ -54,7 +56,9 @@ is split the same way outside the kernel (``s = Σ_i q_i · k_iᵀ``), values
 accumulate per part and the wrapper interleaves the output. Group scales
 (and zero points) are expanded onto the parts with exact 0/1 matmuls at
 ``HIGHEST`` precision (head-dim groups: ``[T, H/g] @ E_i``; token groups:
-``E_t @ [PS/g, H] @ S_i``).
+``E_t @ [T/g, H] @ S_i``). Mosaic loads neither uint8 nor float16 vectors
+here, so packed bytes travel as int8 and float16 scales as their int16 bits
+(same-width bitcasts), decoded in VMEM.
 """
 
 from __future__ import annotations
@@ -65,7 +69,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
