@@ -189,3 +189,19 @@ def test_backward_op_packed(op, per_channel, delta):
             assert a is None
             continue
         assert_close(a, b, dtype=F32, gradient=True, name=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op,per_channel", [(gated_recurrence_backward_op, False), (kda_recurrence_backward_op, True)],
+                         ids=["gdn", "kda"])
+def test_backward_op_dense_chunks_of_128(op, per_channel):
+    """The backward ops' heuristic takes chunks of 128 on a dense batch whose
+    padded length allows it (half the stored states)."""
+    args = _backward_args(per_channel, nt=4, packed=False)
+    call = op.check(*args)
+    assert op.implementations["mosaic_tpu"].default_config(call).chunk == 128
+    with stellax.interpret_mode():
+        got = op(*args, implementation="mosaic_tpu")
+    want = op.reference(*args)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert_close(a, b, dtype=F32, gradient=True, name=name)

@@ -45,8 +45,8 @@ from .layout import Stream, flat, kernel_stream, per_chunk
 from .pipeline import gdn_states, kda_factors
 from .reference import delta_rule_recurrence
 from .mosaic_tpu_backward import recurrence_backward
-from .tpu_configs import (TpuLinearAttentionConfig, lanes, linear_attention_tpu_backward_space,
-                          linear_attention_tpu_heuristic, linear_attention_tpu_requirements)
+from .tpu_configs import (TpuLinearAttentionConfig, lanes, linear_attention_tpu_backward_heuristic,
+                          linear_attention_tpu_backward_space, linear_attention_tpu_requirements)
 from .triton_backward import gdn_intra_backward
 from .triton_kda_backward import kda_intra_backward
 from .triton_scan import gdn_state_backward, kda_state_backward
@@ -286,7 +286,7 @@ def recurrence_backward_op(name: str, triton_backward, *, per_channel: bool) -> 
         reference=recurrence_backward_reference,
         implementations=[
             Implementation("mosaic_tpu", tpu_backward(per_channel), backend="mosaic_tpu",
-                           config_type=TpuLinearAttentionConfig, heuristic=linear_attention_tpu_heuristic,
+                           config_type=TpuLinearAttentionConfig, heuristic=linear_attention_tpu_backward_heuristic,
                            space=linear_attention_tpu_backward_space, requirements=linear_attention_tpu_requirements),
             Implementation("triton", triton_backward, backend="triton", config_type=LinearAttentionConfig,
                            heuristic=linear_attention_heuristic, space=linear_attention_space,

@@ -129,7 +129,8 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
         out, new = channel_chunk(q[...], k[...], v[...], g[...], beta[...], s, chunk=chunk)
     else:
         out, new = scalar_chunk(q[...], k[...], v[...], g[...], g_row[...], _load(beta), s, chunk=chunk)
-    o[...] = out.astype(o.dtype)
+    if o is not None:
+        o[...] = out.astype(o.dtype)
     state[...] = new
 
     @pl.when(last[c] != 0)
@@ -206,8 +207,9 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
       h0: ``[N·HV, Kp, Vp]`` initial states; meta: ``None`` (dense) or int32
         ``(first, seq, last) [NT]`` of a packed row (``BH = HV``).
       heads: ``HV``.
-      with_states: also return each chunk's initial state ``[BH, NT, Kp, Vp]``.
-    Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])`` (and the states); the
+      with_states: return each chunk's initial state ``[BH, NT, Kp, Vp]`` instead
+        of ``o`` (what the backward needs; ``o`` would take HBM for nothing).
+    Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])`` (``(states, final)``); the
     final state of a packed sequence with no chunk is left unwritten (the
     caller passes ``h0``).
     """
@@ -227,7 +229,8 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
         functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel),
         grid=(bh, vp // bv, nt),
         inputs=inputs,
-        outputs={"o": output((bh, tp, vp), F32, specs.cols), "final": output(h0.shape, F32, specs.state),
+        outputs={"o": None if with_states else output((bh, tp, vp), F32, specs.cols),
+                 "final": output(h0.shape, F32, specs.state),
                  "states": output((bh, nt, kp, vp), F32, specs.per_chunk) if with_states else None},
         scratch={"state": pltpu.VMEM((kp, bv), F32)},
         scalar_prefetch={"first": first, "seq": seq, "last": last},
@@ -235,4 +238,4 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
         vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel),
         name="linear_attention_channel_forward" if per_channel else "linear_attention_scalar_forward",
     )
-    return (outs.o, outs.final, outs.states) if with_states else (outs.o, outs.final)
+    return (outs.states, outs.final) if with_states else (outs.o, outs.final)

@@ -91,7 +91,7 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
     chunk, bv = config.chunk, min(config.block_v, vp)
     check_layout(k, v, chunk, bv)
     nt, nv = tp // chunk, vp // bv
-    _, _, states = recurrence_forward(q, k, v, g, beta, h0, meta, heads=heads, per_channel=per_channel,
+    states, _ = recurrence_forward(q, k, v, g, beta, h0, meta, heads=heads, per_channel=per_channel,
                                       config=config, with_states=True)
     first, seq, last = dense_meta(nt) if meta is None else meta
     dfinal = jnp.zeros(h0.shape, F32) if dfinal is None else dfinal.astype(F32)
@@ -121,7 +121,7 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
         vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel, backward=True),
         name="linear_attention_channel_backward" if per_channel else "linear_attention_scalar_backward",
     )
-    total = lambda x: jnp.sum(x, axis=0)
+    total = lambda x: x[0] if nv == 1 else jnp.sum(x, axis=0)
     dg = total(outs.dg)
     if not per_channel:
         dg = dg[..., 0] + total(outs.dg_row).reshape(bh, tp)

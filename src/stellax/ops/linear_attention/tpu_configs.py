@@ -60,7 +60,7 @@ def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool, backward: bo
     """VMEM bytes of one grid step (module docstring), float32. The backward
     kernel (``backward``) adds ``do``, the stored state, ``dfinal``/``dh0``, the
     gradient blocks, and keeps the chunk's forward temporaries for its
-    transpose (counted three times)."""
+    transpose (counted three times; per channel ``3·C/16`` times)."""
     g_width = kp if per_channel else 128
     tokens = 2 * chunk * (2 * kp + g_width + 128 + 2 * bv)  # q k g β v o, double-buffered
     states = 2 * 2 * kp * bv + kp * bv                      # h0, final, scratch
@@ -68,7 +68,10 @@ def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool, backward: bo
     if backward:
         tokens += 2 * chunk * (2 * kp + g_width + 128 + bv)  # dq dk dg dβ dv
         states += 2 * kp * bv
-        temporaries *= 3
+        # The transpose keeps the forward's temporaries; per channel, those of every
+        # step of the unrolled diagonal loop of `scores.channel_scores` (16 steps of
+        # [C, K] tiles, each step's count growing with the chunk's sub-blocks).
+        temporaries *= 3 * chunk // 16 if per_channel else 3
     return 4 * (tokens + states + temporaries)
 
 
@@ -93,15 +96,32 @@ def linear_attention_tpu_space(call: Call) -> list[TpuLinearAttentionConfig]:
             if c.block_v <= vp and vp % c.block_v == 0 and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel) <= budget]
 
 
+def _backward_chunks(call: Call) -> tuple[int, ...]:
+    """Chunks a backward-op call can take: 64 (its layout's, `configs.TRITON_CHUNK`),
+    and 128 for a dense batch whose padded length is a multiple of 128."""
+    dense = call.arrays.get("first") is None
+    return (64, 128) if dense and call.v.shape[2] % 128 == 0 else (64,)
+
+
 def linear_attention_tpu_backward_space(call: Call) -> list[TpuLinearAttentionConfig]:
-    """The backward ops' space: chunks of 64 (their layout's, `configs.TRITON_CHUNK`)
+    """The backward ops' space: the chunks the call can take (`_backward_chunks`)
     and ``block_v`` 128 or 256 whose backward VMEM estimate fits half the physical VMEM."""
     kdim, vdim, per_channel = _dims(call)
     kp, vp = lanes(kdim), lanes(vdim)
     budget = target_generation().vmem_bytes // 2
-    configs = product_space(TpuLinearAttentionConfig, chunk=(64,), block_v=TPU_BLOCK_V)
+    configs = product_space(TpuLinearAttentionConfig, chunk=_backward_chunks(call), block_v=TPU_BLOCK_V)
     return [c for c in configs if c.block_v <= vp and vp % c.block_v == 0
             and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel, backward=True) <= budget]
+
+
+def linear_attention_tpu_backward_heuristic(call: Call) -> TpuLinearAttentionConfig:
+    """The backward ops' default: the whole padded V per program (≤ 256) and the
+    largest chunk of the space (chunks of 128 halve the stored chunk states,
+    ``NT·K·V`` per head in HBM)."""
+    _, vdim, _ = _dims(call)
+    space = linear_attention_tpu_backward_space(call)
+    whole = [c for c in space if c.block_v == min(lanes(vdim), 256)] or space
+    return max(whole, key=lambda c: c.chunk) if whole else TpuLinearAttentionConfig(64, min(lanes(vdim), 256))
 
 
 def linear_attention_tpu_heuristic(call: Call) -> TpuLinearAttentionConfig:
