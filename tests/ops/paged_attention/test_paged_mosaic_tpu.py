@@ -57,10 +57,11 @@ def _interpreted(fn, *args, **kw):
 def test_ragged_mixed_batch_gqa_softcap_window_sinks():
     """Decodes, a prefill and chunked prefills in one call (+ a dead padding
     sequence and padding tokens), 4 query heads per kv head, pages shuffled,
-    two programs per long sequence (block_q 8), blocks of 2 pages."""
-    q, k, v, kv_lens, t, cu, n = ragged_inputs(1, **MIXED, page_size=8, kv_heads=2, q_heads=8, head_dim=32,
+    two programs per long sequence (block_q 8), blocks of 2 pages (several kv
+    heads: the slow tier and the registry examples)."""
+    q, k, v, kv_lens, t, cu, n = ragged_inputs(1, **MIXED, page_size=8, kv_heads=1, q_heads=4, head_dim=32,
                                                dtype=jnp.float32, padding_seqs=1, padding_tokens=3)
-    kw = dict(local_window_size=12, logits_soft_cap=5.0, sinks=jnp.linspace(-1, 1, 8))
+    kw = dict(local_window_size=12, logits_soft_cap=5.0, sinks=jnp.linspace(-1, 1, 4))
     out = _interpreted(ragged_paged_attention, q, k, v, kv_lens, t, cu, n,
                        config=TpuRaggedConfig(pages_per_block=2, block_q=8), **kw)
     assert_close(out, _golden(ragged_paged_attention_op, q, k, v, kv_lens, t, cu, n, **kw))
