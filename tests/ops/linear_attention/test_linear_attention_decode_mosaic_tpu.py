@@ -2,12 +2,17 @@
 `fused_recurrent_kda` and `ssd_step`, interpreted on the CPU, against the
 naive float32 recurrences of `reference.py`, forward and gradients.
 
-Default tier: small heads (K = 16, V = 32), token counts that span several
-8-token chunks, strong decays (``−20·softplus(N(0, 1))`` per step), grouped
-value heads, packed sequences with an empty one, initial and final states,
-l2-normalized q/k, KDA's fused gate and β sigmoid, ``ssd_step`` in both shape
-conventions, bfloat16. ``slow``: longer sequences, K = V = 256 with value tiles,
-and the packed layout compiled with libtpu at real head sizes.
+Small heads (K = 16, V = 32), token counts that span several 8-token chunks,
+strong decays (``−20·softplus(N(0, 1))`` per step), grouped value heads, packed
+sequences with an empty one, initial and final states, l2-normalized q/k,
+KDA's fused gate and β sigmoid, ``ssd_step`` in both shape conventions,
+bfloat16, value and row tiles. Interpreted kernels with gradients cost
+20–90 s each on the shared CPU, so the default tier keeps one case per
+feature not already covered by the registry tiers (`tests/test_registry_tiers.py`
+runs the ops' first two examples, dense GQA and packed, with gradients): KDA
+dense with −20 decays over two chunks, GDN packed, KDA's fused gate,
+``ssd_step`` tied, and the configs; the rest (and longer sequences, K = V = 256,
+the packed layout compiled with libtpu at real head sizes) run under ``slow``.
 """
 
 from __future__ import annotations
@@ -64,14 +69,14 @@ def _check_recurrent(per_channel, *, B, T, H, HV, K, V, cu=None, config=None, dt
 
 
 # -- fused recurrence: forward and gradients ---------------------------------------------
-@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("per_channel", [pytest.param(False, marks=pytest.mark.slow), True], ids=["gdn", "kda"])
 def test_dense_batch_several_chunks_strong_decay(per_channel):
     """T = 11 over two 8-token chunks, GQA (HV = 2H), decays ~ −20 per step, l2-normalized q/k."""
     _check_recurrent(per_channel, B=2, T=11, H=1, HV=2, K=16, V=32, config=FusedRecurrentTpuConfig(128, 8),
                      use_qk_l2norm=True)
 
 
-@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("per_channel", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["gdn", "kda"])
 def test_packed_sequences_with_empty_one(per_channel):
     """Packed sequences of 5, 0, 9 and 1 tokens (one spans two chunks), each with its
     own initial and final state."""
@@ -79,6 +84,7 @@ def test_packed_sequences_with_empty_one(per_channel):
                      config=FusedRecurrentTpuConfig(128, 8), decay=3.0)
 
 
+@pytest.mark.slow
 def test_decode_one_token_per_sequence():
     """The serving step: one token per sequence (heuristic config: 8-token chunks)."""
     _check_recurrent(False, B=3, T=1, H=1, HV=2, K=32, V=16, decay=1.0)
@@ -91,16 +97,19 @@ def test_kda_fused_gate_and_beta_sigmoid():
                      use_beta_sigmoid_in_kernel=True, fused_gate=True)
 
 
+@pytest.mark.slow
 def test_value_tiles():
     """V = 256 in two value tiles of 128 (the state columns are independent)."""
     _check_recurrent(True, B=1, T=3, H=1, HV=1, K=16, V=256, config=FusedRecurrentTpuConfig(128, 8), decay=2.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_bfloat16_inputs(per_channel):
     _check_recurrent(per_channel, B=1, T=10, H=1, HV=2, K=16, V=32, cu=(0, 4, 10), dtype=jnp.bfloat16, decay=2.0)
 
 
+@pytest.mark.slow
 def test_without_final_state_or_initial_state():
     """``output_final_state=False`` returns None; no initial state means zeros."""
     q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(2), 1, 5, 1, 1, 16, 32)
@@ -158,12 +167,13 @@ def _check_ssd_step(tied, *, config=None, dtype=jnp.float32):
         check_against_golden(run, golden, diff, dtype=dtype)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["per_head", "tied"])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True], ids=["per_head", "tied"])
 def test_ssd_step(tied):
     """Both shape conventions, D, z, dt_bias, softplus, dt_limit; forward and gradients."""
     _check_ssd_step(tied)
 
 
+@pytest.mark.slow
 def test_ssd_step_row_tiles_and_bfloat16_state():
     """P = 16 rows in a 64-row tile (a partial block) with a bfloat16 state and inputs."""
     _check_ssd_step(False, config=SsdStepTpuConfig(64), dtype=jnp.bfloat16)

@@ -18,7 +18,7 @@ from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32
 from . import checks as la_checks
 from . import mosaic_tpu_decode
-from .decode_examples import recurrent_benchmarks
+from .decode_examples import recurrent_benchmarks, recurrent_examples
 from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements
 from .costs import delta_rule_bytes, delta_rule_flops, recurrent_flops
 from .examples import delta_rule_benchmarks, delta_rule_examples, naive_scan
@@ -195,7 +195,7 @@ def _recurrent_op(name: str, per_channel: bool) -> Op:
         implementations=[tpu, Implementation("xla", _recurrent_xla)],
         flops=recurrent_flops,
         bytes_accessed=delta_rule_bytes,
-        examples=delta_rule_examples(per_channel),
+        examples=recurrent_examples(per_channel),
         benchmarks=recurrent_benchmarks(per_channel),
         differentiable=_DIFFERENTIABLE,
     ))

@@ -80,12 +80,12 @@ def fused_recurrent_tpu_vmem(call: Call, c: FusedRecurrentTpuConfig) -> int:
 
 def fused_recurrent_tpu_space(call: Call) -> list[FusedRecurrentTpuConfig]:
     """Value tiles 128/256 (one when ``V ≤ 128``: ``V`` is taken whole) × tokens
-    per step 8/32/128 (those not above the sequences' mean length rounded up
-    to 8, at least 8), within the generation's scoped VMEM."""
+    per step 8/32/128 (those below the sequences' mean length and the smallest
+    that holds it: the heuristic's), within the generation's scoped VMEM."""
     K, V, per_seq, _ = _recurrent_dims(call)
     budget = target_generation().scoped_vmem_bytes
     tiles = BLOCK_V if V > BLOCK_V[0] else BLOCK_V[:1]
-    steps = [t for t in BLOCK_T if t == BLOCK_T[0] or t <= -(-per_seq // 8) * 8]
+    steps = [t for t in BLOCK_T if t < per_seq] + [t for t in BLOCK_T if t >= per_seq][:1]
     configs = product_space(FusedRecurrentTpuConfig, block_v=tuple(tiles), block_t=tuple(steps))
     kept = [c for c in configs if fused_recurrent_tpu_vmem(call, c) <= budget]
     return kept or [FusedRecurrentTpuConfig()]
