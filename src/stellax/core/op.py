@@ -118,6 +118,10 @@ class Implementation:
         support = backend_support(self.backend, platform)
         if not support:
             return support
+        if self.backend == "triton":
+            reason = _triton_fp8_reason(call, platform)
+            if reason:
+                return Support(False, reason)
         if self.requirements is not None:
             reason = self.requirements(call)
             if reason:
@@ -133,6 +137,28 @@ class Implementation:
     @property
     def is_kernel(self) -> bool:
         return self.backend in KERNEL_BACKENDS
+
+
+_FLOAT8 = frozenset(("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz",
+                     "float8_e8m0fnu"))
+
+
+def _triton_fp8_reason(call: Call, platform: Platform) -> str | None:
+    """Why a Triton kernel cannot take ``call`` on this GPU: float8 operands
+    (codes, block scales, cache pages) on an NVIDIA GPU below sm_89, where
+    Triton has no float8 conversions (its compile aborts the process:
+    "Conversion from/to f8e4m3nv is only supported on compute capability >= 89")."""
+    cc = platform.compute_capability
+    if not platform.is_nvidia or cc is None or tuple(cc) >= (8, 9):
+        return None
+    import jax
+
+    names = sorted({name for name, value in call.arrays.items()
+                    for leaf in jax.tree_util.tree_leaves(value) if str(getattr(leaf, "dtype", "")) in _FLOAT8})
+    if not names:
+        return None
+    return (f"float8 operands ({', '.join(names)}) need sm_89 or newer in Triton kernels (no float8 conversions "
+            f"below); this GPU is {platform.describe()}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -359,8 +359,12 @@ def analyze(source: TritonSource, arch: str = "9.0", *, use_ptxas: bool = True) 
            use_ptxas and ptxas_path() is not None)
     if key in _ANALYSES:
         return dataclasses.replace(_ANALYSES[key], name=source.name)
-    ptx, smem = _compile(source.ir, arch, source.num_warps, source.num_stages)
     text = ir_text(source)
+    if float(arch) < 8.9 and re.search(r"f8E(?:4M3FN|5M2)", text):
+        # Triton's LLVM aborts the whole process on float8 conversions below sm_89.
+        raise ValueError(f"float8 values in the kernel: Triton cannot compile them for sm_{arch.replace('.', '')} "
+                         f"(sm_89 or newer); the implementation's requirements must refuse such calls there")
+    ptx, smem = _compile(source.ir, arch, source.num_warps, source.num_stages)
     wgmma, mma = tensor_core_instructions(ptx)
     report, ptxas_error = None, None
     if use_ptxas and ptxas_path() is not None:

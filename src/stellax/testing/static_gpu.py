@@ -196,6 +196,17 @@ def units(op: Op, implementation: str) -> list[Unit]:
     return found
 
 
+_ARCH_TARGETS = {"9.0": "h100", "8.0": "a100"}
+
+
+def _supported_at(unit: Unit, arch: str) -> bool:
+    """Whether dispatch would run ``unit``'s implementation on a GPU of ``arch``."""
+    from ..core.platform import LOWERING_TARGETS
+
+    call = unit.op.check(*unit.args, **unit.kwargs)
+    return bool(unit.op.implementations[unit.implementation].supported(call, LOWERING_TARGETS[_ARCH_TARGETS[arch]]))
+
+
 def analyze_unit(unit: Unit, archs: Iterable[str] = ARCHS, *, use_ptxas: bool = True) -> list[StaticConfig]:
     """Lower ``unit`` for cuda and analyze its Triton kernels at each arch."""
     base = dict(op=unit.op.name, implementation=unit.implementation, family=unit.op.family, label=unit.label,
@@ -208,6 +219,8 @@ def analyze_unit(unit: Unit, archs: Iterable[str] = ARCHS, *, use_ptxas: bool = 
         return [StaticConfig(**base, arch=a, error=f"lowering failed: {type(e).__name__}: {e}"[:300]) for a in archs]
     results = []
     for arch in archs:
+        if not _supported_at(unit, arch):
+            continue  # refused there (e.g. float8 below sm_89): dispatch never compiles it
         try:
             kernels = tuple(analyze(s, arch, use_ptxas=use_ptxas) for s in sources)
             results.append(StaticConfig(**base, arch=arch, kernels=kernels))
