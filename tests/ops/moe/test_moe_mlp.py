@@ -158,16 +158,6 @@ def test_expert_parallel_on_tpu_uses_ragged_all_to_all_and_the_tpu_kernels():
     assert "stellax_ragged_dot_tpu" in text and "stellax_ragged_dot_tgmm_tpu" in text
 
 
-@pytest.mark.slow  # interpreted TPU kernels on 8 simulated devices
-def test_expert_parallel_with_the_tpu_kernels_matches_single_device():
-    mesh = _mesh()
-    args = _args(12, experts=16, tokens=64)
-    with stellax.interpret_mode():
-        out = jax.jit(lambda *a: moe_mlp_expert_parallel(*a, mesh=mesh, axis_name="ep", top_k=2,
-                                                         implementation="mosaic_tpu"))(*args)
-    assert_close(out, jax.jit(lambda *a: moe_mlp(*a, top_k=2))(*args), rel_l2_tolerance=1e-5)
-
-
 def test_expert_parallel_bad_inputs():
     mesh = _mesh()
     args = _args(10, experts=12, tokens=64)
