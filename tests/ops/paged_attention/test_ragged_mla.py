@@ -162,3 +162,18 @@ def test_ragged_sweep_triton(block_q, page_size):
     kw = dict(local_window_size=40, logits_soft_cap=30.0)
     assert_close(run_ragged("triton", q, k, v, kv_lens, t, cu, n, config=cfg, **kw),
                  ragged_golden(q, k, v, kv_lens, t, cu, n, **kw), dtype=jnp.bfloat16)
+
+
+def test_mla_heuristic_fits_sm80_shared_memory_at_r512():
+    """At R = 512 with 64-token pages, two pipeline stages need 176 KB of shared
+    memory (static GPU tier), over an A100's 163 KB: one stage there, two on sm_90."""
+    op = stellax.registered_ops()["mla_decode"]
+    args = mla_inputs(0, lengths=[128, 64], page_size=64, heads=16, latent_dim=512, rope_dim=64, dtype=jnp.bfloat16)
+    call = op.check(*args, scale=0.1)
+    impl = op.implementations["triton"]
+    with stellax.lowering_target("a100"):
+        assert impl.default_config(call).num_stages == 1
+        assert {c.num_stages for c in impl.config_space(call)} == {1, 2}
+    with stellax.lowering_target("h100"):
+        assert impl.default_config(call).num_stages == 2
+        assert {c.num_stages for c in impl.config_space(call)} == {2}

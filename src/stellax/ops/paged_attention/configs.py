@@ -182,12 +182,25 @@ def ragged_heuristic(call: Call) -> RaggedConfig:
                         num_warps=_warps(geo, ppb, rows), num_stages=2)
 
 
+def _below_sm90() -> bool:
+    platform = current_platform()
+    cc = platform.compute_capability
+    return bool(platform.is_nvidia and cc is not None and tuple(cc) < (9, 0))
+
+
+def _mla_stages(geo: Geometry, ppb: int) -> int:
+    """Two pipeline stages double the latent tile's shared memory: 176 KB for 64
+    tokens × R = 512 on sm_80 (static GPU tier), over its 163 KB; one stage takes
+    104 KB. sm_90 (227 KB) keeps two."""
+    return 1 if _below_sm90() and ppb * geo.page_size * max(geo.dims) >= 64 * 512 else 2
+
+
 def mla_heuristic(call: Call) -> MlaConfig:
     geo = geometry(call, "mla")
     ppb = _pages_per_block(geo, 32)
     rows = _block_rows(geo, cap=32)
     return MlaConfig(pages_per_block=ppb, num_splits=_splits(geo, ppb, rows), block_rows=rows,
-                     num_warps=8, num_stages=2)
+                     num_warps=8, num_stages=_mla_stages(geo, ppb))
 
 
 # -- autotuning spaces -------------------------------------------------------------------------------
@@ -227,4 +240,4 @@ def mla_space(call: Call) -> list[MlaConfig]:
     geo = geometry(call, "mla")
     return product_space(MlaConfig, pages_per_block=_ppb_choices(geo, (16, 32, 64)),
                          num_splits=(1, 4, 16), block_rows=_row_choices(geo, 32),
-                         num_warps=(4, 8), num_stages=(2,))
+                         num_warps=(4, 8), num_stages=(1, 2) if _below_sm90() else (2,))
