@@ -130,6 +130,23 @@ def dot_tn(a, b, *, precision=HIGHEST, out_dtype=F32):
     return _dot_general(a, b, _TN, precision, out_dtype)
 
 
+def online_softmax_step(s, m_ref, l_ref):
+    """One online-softmax step over logits ``s [R, C]`` (float32, ``-inf`` where
+    masked) with the running max ``m_ref`` and sum ``l_ref`` (``[R, W]`` refs,
+    every column equal): updates both and returns ``(p [R, C], alpha [R, W])``,
+    the block's probabilities against the new max and the factor that rescales
+    the previous accumulator (``acc ← alpha · acc + p · V``). A row with no
+    visible logit yet keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 1``."""
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe[:, :1])
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    return p, alpha
+
+
 def iota(n: int, dtype=jnp.int32) -> jax.Array:
     """``[0, 1, ..., n-1]`` inside a kernel."""
     return jax.lax.broadcasted_iota(dtype, (int(n),), 0)

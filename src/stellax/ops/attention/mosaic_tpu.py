@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import cdiv, dot, dot_nt, operand, output, pad_axis, tpu_kernel_call
+from ...core.pallas import cdiv, dot, dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call
 from ...core.tpu import target_generation
 from .configs import splash_vmem_bytes
 from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn
@@ -345,14 +345,8 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
             ok = math_.visible(step.block(table, b, i, j), q_pos[...], kv_pos[...], qs, ks)
             if ok is not None:
                 s = jnp.where(ok, s, -jnp.inf)
-        m_prev = m_scr[...]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe[:, :1])
-        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+        p, alpha = online_softmax_step(s, m_scr, l_scr)
         acc_scr[...] = acc_scr[...] * alpha[:, :1] + math_.dot(p.astype(v.dtype), v[...])
-        m_scr[...] = m_next
         if count_scr is not None:
             count_scr[0] += 1
             count_scr[1] += 0 if masked else 1

@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import cdiv, dot, dot_nt, operand, output, pad_axis, tpu_kernel_call
+from ...core.pallas import cdiv, dot, dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call
 from . import plan as plan_mod
 from .cache import Source
 from .plan import Problem, key_range, visible, window_partial
@@ -333,13 +333,7 @@ class Softmax:
         """One online-softmax step; values at positions ``>= kv_len`` are zeroed
         first (free slots may hold NaN, and ``0 · NaN = NaN``)."""
         pos = block * self.tokens + jax.lax.broadcasted_iota(jnp.int32, (self.tokens, 1), 0)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe[:, :1])
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_new
+        p, alpha = online_softmax_step(s, m_ref, l_ref)
         pd = p.astype(self.dtype)
         for i, v in enumerate(v_parts):
             v = jnp.where(pos < kv_len, v, jnp.zeros((), v.dtype))
