@@ -63,13 +63,19 @@ def _useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
             and c.block_n <= _round_up(n_out, 128))
 
 
+def _fitting_tiles(call: Call, useful, vmem) -> list[TpuGroupedMatmulConfig]:
+    """The ``TILES³`` configs that ``useful(call, c)`` keeps and whose ``vmem(call, c)``
+    fits the target generation's scoped VMEM (128³ when none does)."""
+    budget = target_generation().scoped_vmem_bytes
+    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
+    kept = [c for c in configs if useful(call, c) and vmem(call, c) <= budget]
+    return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
+
+
 def gmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
     """Tiles of 128–512 that the call's dimensions can use and that fit the
     scoped VMEM of the generation the configs are for."""
-    budget = target_generation().scoped_vmem_bytes
-    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
-    kept = [c for c in configs if _useful(call, c) and gmm_tpu_vmem(call, c) <= budget]
-    return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
+    return _fitting_tiles(call, _useful, gmm_tpu_vmem)
 
 
 def gmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
@@ -109,10 +115,7 @@ def _tgmm_useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
 def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
     """Tiles of 128–512 that the `ragged_dot_tgmm` call can use and that fit the
     scoped VMEM of the generation the configs are for."""
-    budget = target_generation().scoped_vmem_bytes
-    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
-    kept = [c for c in configs if _tgmm_useful(call, c) and tgmm_tpu_vmem(call, c) <= budget]
-    return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
+    return _fitting_tiles(call, _tgmm_useful, tgmm_tpu_vmem)
 
 
 def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
