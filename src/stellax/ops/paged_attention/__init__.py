@@ -15,7 +15,7 @@ from .quant_cache import (
     unpack_codes, unrotate,
 )
 from .ragged import ragged_paged_attention, ragged_paged_attention_op
-from .rotation import KVRotation, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation
+from .rotation import KVClip, KVRotation, calibrate_kv_clip, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation
 from .validation import validate
 
 __all__ = [
@@ -23,5 +23,5 @@ __all__ = [
     "init_kv_cache", "mla_decode", "mla_decode_op", "pack_codes", "paged_attention", "paged_attention_op",
     "quantize_pages", "ragged_paged_attention", "ragged_paged_attention_op", "rotate", "rotation_signs",
     "unpack_codes", "unrotate", "update_kv_cache", "validate",
-    "KVRotation", "calibrate_kv_rotation", "load_kv_rotation", "save_kv_rotation",
+    "KVClip", "KVRotation", "calibrate_kv_clip", "calibrate_kv_rotation", "load_kv_rotation", "save_kv_rotation",
 ]

@@ -33,6 +33,13 @@ builds, per (layer, KV head), from the target ``C`` (``C_Q`` for keys,
 quantization group (``KVQuant.group_size``; ``H`` for per-token-per-head
 scales or token-axis groups, where step 3 is a full Hadamard transform).
 
+OSCAR also calibrates clip thresholds: `calibrate_kv_clip` (or
+``calibrate_kv_rotation(..., clip_spec=)``) fits, per layer and for keys and
+values separately, the range ratio `KVQuant.clip` that minimizes the
+calibration attention's output error when that tensor is quantized (each
+head-axis group's range shrunk about its midpoint; the saturated extremes
+cost less than the coarser step of the full range at 2 bits).
+
 Rotations are plain float32 arrays ``[L, K, H, H]`` (or ``[K, H, H]`` for one
 layer), passed to `init_kv_cache` (``key_rotation=``, ``value_rotation=``) or
 `quantize_pages` (``rotation=``), saved with `save_kv_rotation` (``.npz``,
@@ -41,6 +48,7 @@ no pickle, with a checksum) and read back with `load_kv_rotation`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import zipfile
@@ -61,10 +69,29 @@ class KVRotation(NamedTuple):
       keys: float32 ``[L, K, H, H]`` (or ``[K, H, H]``): ``R_K[l, k]``, the
         key rotation of layer ``l``, KV head ``k`` (``y = R x``).
       values: float32, same shape: the value rotations ``R_V``.
+      key_clip, value_clip: ``None``, or float32 ``[L]`` (``[]`` for one
+        layer): the clip thresholds fitted with the rotations for one cache
+        format (`KVQuant.clip` of layer ``l``'s key / value pool; see
+        `calibrate_kv_clip`).
     """
 
     keys: np.ndarray
     values: np.ndarray
+    key_clip: np.ndarray | None = None
+    value_clip: np.ndarray | None = None
+
+
+class KVClip(NamedTuple):
+    """Fitted clip thresholds: float32 ``[L]`` (``[]`` for one layer), the
+    `KVQuant.clip` of each layer's key pool (``keys``) and value pool
+    (``values``)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+
+
+#: The range ratios `calibrate_kv_clip` tries (1.0 is the plain min/max range).
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 
 
 # -- the building blocks ----------------------------------------------------------
@@ -168,12 +195,12 @@ def _as_calibration(name, x, rank):
 
 
 # -- calibration --------------------------------------------------------------------
-def _output_moment(q, k, v, scale: float, causal: bool, block: int = 256):
-    """``Σ_rows o oᵀ`` per KV head of one sequence: ``q [T, K, G, H]``, ``k, v
-    [T, K, H]``, ``o = softmax(scale · q kᵀ) v`` (causal or not), query rows in
-    blocks of ``block`` (memory ``K·G·block·T``) → float64 ``[K, H, H]``."""
+def _attention_blocks(q, k, v, scale: float, causal: bool, block: int = 256):
+    """The attention outputs of one sequence, ``q [T, K, G, H]``, ``k, v [T,
+    K, H]``: ``o = softmax(scale · q kᵀ) v`` (causal or not), yielded per
+    block of ``block`` query rows as float64 ``[K, G, rows, H]`` (memory
+    ``K·G·block·T``)."""
     t = q.shape[0]
-    out = np.zeros((k.shape[1], k.shape[2], k.shape[2]))
     for lo in range(0, t, block):
         qb = q[lo:lo + block]
         logits = scale * np.einsum("qkgh,tkh->kgqt", qb, k)
@@ -181,41 +208,27 @@ def _output_moment(q, k, v, scale: float, causal: bool, block: int = 256):
             rows = np.arange(lo, lo + qb.shape[0])
             logits = np.where(np.arange(t)[None, :] <= rows[:, None], logits, -np.inf)
         p = np.exp(logits - logits.max(-1, keepdims=True))                  # row max is finite: key 0 is visible
-        o = np.einsum("kgqt,tkh->kgqh", p / p.sum(-1, keepdims=True), v)
+        yield np.einsum("kgqt,tkh->kgqh", p / p.sum(-1, keepdims=True), v)
+
+
+def _output_moment(q, k, v, scale: float, causal: bool):
+    """``Σ_rows o oᵀ`` per KV head of one sequence (`_attention_blocks`) →
+    float64 ``[K, H, H]``."""
+    out = np.zeros((k.shape[1], k.shape[2], k.shape[2]))
+    for o in _attention_blocks(q, k, v, scale, causal):
         out += np.einsum("kgqi,kgqj->kij", o, o)
     return out
 
 
-def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool = True, scale: float | None = None,
-                          group_size: int | None = None) -> KVRotation:
-    """Calibrated key and value rotations per (layer, KV head) from captured
-    activations (OSCAR class; the math is in the module doc).
+def _output_error(q, k, v, k_hat, v_hat, scale: float, causal: bool) -> float:
+    """``Σ ‖o(q, k̂, v̂) - o(q, k, v)‖²`` over the query rows of one sequence."""
+    pairs = zip(_attention_blocks(q, k, v, scale, causal), _attention_blocks(q, k_hat, v_hat, scale, causal))
+    return float(sum(np.sum((a - b) ** 2) for a, b in pairs))
 
-    Args:
-      queries: ``[L, S, T, N, H]`` (or ``[S, T, N, H]`` for one layer): the
-        attention queries of ``S`` calibration sequences of ``T`` tokens
-        (after any positional rotation, as the kernel sees them), ``N = K·G``
-        query heads (GQA: query head ``n`` reads KV head ``n // G``).
-      keys, values: ``[L, S, T, K, H]`` (or ``[S, T, K, H]``).
-      lengths: ``[S]`` int, the valid tokens of each sequence (the rest is
-        padding and ignored); default ``T``.
-      causal: whether the calibration attention (which weighs the value
-        target) is causal (decoders) or bidirectional (encoders).
-      scale: softmax scale of the logits (default ``1/√H``).
-      group_size: the cache's head-axis quantization group ``g`` (a power of
-        two dividing ``H``; default ``H``).
 
-    Returns:
-      `KVRotation` of float32 orthogonal matrices ``[L, K, H, H]`` (``[K, H,
-      H]`` for rank-4 inputs): keys from the query second moment ``Σ q qᵀ``
-      (all query heads of the KV group, all valid tokens), values from the
-      attention-output second moment ``Σ o oᵀ``, ``o = softmax(scale·q kᵀ)
-      v`` per query head. Computed on the host in float64.
-
-    Raises ValueError naming the argument for mismatched shapes, a head dim
-    that is not a power of two, or fewer valid tokens than ``H`` (the second
-    moments would be rank-deficient and their eigenbases arbitrary).
-    """
+def _calibration_inputs(queries, keys, values, lengths, scale):
+    """Validated calibration data: ``(q [L, S, T, N, H], k, v [L, S, T, K, H]``
+    float64, ``lengths [S]``, softmax scale, whether the inputs were one layer)``."""
     single = hasattr(queries, "ndim") and queries.ndim == 4
     q = _as_calibration("queries", queries, None)
     rank = 4 if single else 5
@@ -241,12 +254,58 @@ def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool =
     if tokens < h:
         raise ValueError(f"queries: calibration needs at least head_dim = {h} valid tokens (the second moments "
                          f"are [{h}, {h}]; fewer tokens leave them rank-deficient), got {tokens}")
-    if h & (h - 1):
-        raise ValueError(f"queries: the calibrated rotation needs a power-of-two head_dim, got {h}")
+    sc = 1.0 / np.sqrt(h) if scale is None else float(scale)
+    return q, k, v, lens, sc, single
+
+
+def _check_group_size(group_size, h):
     g = h if group_size is None else group_size
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1 or g & (g - 1) or h % g:
         raise ValueError(f"group_size: expected a power of two dividing head_dim {h}, got {group_size!r}")
-    sc = 1.0 / np.sqrt(h) if scale is None else float(scale)
+    return int(g)
+
+
+def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool = True, scale: float | None = None,
+                          group_size: int | None = None, clip_spec=None) -> KVRotation:
+    """Calibrated key and value rotations per (layer, KV head) from captured
+    activations (OSCAR class; the math is in the module doc).
+
+    Args:
+      queries: ``[L, S, T, N, H]`` (or ``[S, T, N, H]`` for one layer): the
+        attention queries of ``S`` calibration sequences of ``T`` tokens
+        (after any positional rotation, as the kernel sees them), ``N = K·G``
+        query heads (GQA: query head ``n`` reads KV head ``n // G``).
+      keys, values: ``[L, S, T, K, H]`` (or ``[S, T, K, H]``).
+      lengths: ``[S]`` int, the valid tokens of each sequence (the rest is
+        padding and ignored); default ``T``.
+      causal: whether the calibration attention (which weighs the value
+        target) is causal (decoders) or bidirectional (encoders).
+      scale: softmax scale of the logits (default ``1/√H``).
+      group_size: the cache's head-axis quantization group ``g`` (a power of
+        two dividing ``H``; default ``H``).
+      clip_spec: ``None``, or the cache format (a `KVQuant` with head-axis
+        groups of ``g``, or a format name such as ``"int2"``) to also fit
+        clip thresholds for, with these rotations (`calibrate_kv_clip`).
+
+    Returns:
+      `KVRotation` of float32 orthogonal matrices ``[L, K, H, H]`` (``[K, H,
+      H]`` for rank-4 inputs): keys from the query second moment ``Σ q qᵀ``
+      (all query heads of the KV group, all valid tokens), values from the
+      attention-output second moment ``Σ o oᵀ``, ``o = softmax(scale·q kᵀ)
+      v`` per query head. Computed on the host in float64. With
+      ``clip_spec``, ``key_clip`` / ``value_clip`` hold the fitted
+      thresholds (float32 ``[L]``).
+
+    Raises ValueError naming the argument for mismatched shapes, a head dim
+    that is not a power of two, or fewer valid tokens than ``H`` (the second
+    moments would be rank-deficient and their eigenbases arbitrary).
+    """
+    q, k, v, lens, sc, single = _calibration_inputs(queries, keys, values, lengths, scale)
+    nl, s, t, n, h = q.shape
+    if h & (h - 1):
+        raise ValueError(f"queries: the calibrated rotation needs a power-of-two head_dim, got {h}")
+    g = _check_group_size(group_size, h)
+    kh = k.shape[3]
     grp = n // kh
     valid = np.arange(t)[None, :] < lens[:, None]                                   # [S, T]
     cq = np.zeros((nl, kh, h, h))
@@ -259,13 +318,97 @@ def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool =
             co[layer] += _output_moment(ql[b, :lens[b]], k[layer, b, :lens[b]], v[layer, b, :lens[b]], sc, causal)
     out = KVRotation(rotation_from_covariance(cq, g).astype(np.float32),
                      rotation_from_covariance(co, g).astype(np.float32))
-    return KVRotation(out.keys[0], out.values[0]) if single else out
+    if clip_spec is not None:
+        spec = _clip_spec(clip_spec, h, g)
+        clip = calibrate_kv_clip(q, k, v, spec, key_rotation=out.keys, value_rotation=out.values, lengths=lens,
+                                 causal=causal, scale=sc)
+        out = out._replace(key_clip=clip.keys, value_clip=clip.values)
+    if single:
+        return KVRotation(out.keys[0], out.values[0], *(None if c is None else c[0] for c in out[2:]))
+    return out
+
+
+def _clip_spec(spec, head_dim: int, group_size: int | None):
+    from .quant_cache import KVQuant
+
+    if isinstance(spec, str):
+        spec = KVQuant(spec, group_size=group_size)
+    if not isinstance(spec, KVQuant):
+        raise TypeError(f"clip_spec: expected a KVQuant or a format name, got {type(spec).__name__}")
+    if spec.group_axis != "head_dim":
+        raise ValueError(f"clip_spec: clip thresholds are for head-axis groups, got group_axis={spec.group_axis!r}")
+    if group_size is not None and spec.group(head_dim) != group_size:
+        raise ValueError(f"clip_spec: its head-axis group {spec.group(head_dim)} must be the rotations' "
+                         f"group_size {group_size}")
+    return dataclasses.replace(spec, sink_tokens=0, recent_tokens=0, clip=1.0)
+
+
+def calibrate_kv_clip(queries, keys, values, spec, *, key_rotation=None, value_rotation=None, lengths=None,
+                      causal: bool = True, scale: float | None = None, grid=CLIP_GRID) -> KVClip:
+    """Fit `KVQuant.clip` per layer for keys and for values (OSCAR's clip
+    thresholds): for each ratio ``τ`` of ``grid``, the calibration tokens'
+    keys (then values) are quantized exactly as a pool of ``spec`` with
+    ``clip=τ`` stores them (rotation included) and dequantized, and the
+    attention of the calibration queries over them, the other tensor exact,
+    is compared with the exact attention; the ``τ`` with the smallest
+    ``Σ ‖Δo‖²`` wins (the earlier grid entry on a tie).
+
+    Args:
+      queries, keys, values, lengths, causal, scale: as `calibrate_kv_rotation`.
+      spec: the cache format, a `KVQuant` with head-axis groups (or a format
+        name, per-token-per-head groups). Its rotation is applied: the
+        Hadamard one (``rotation=True``), or ``key_rotation`` /
+        ``value_rotation`` (``[L, K, H, H]``, ``[K, H, H]`` for one layer) when
+        given. Windows are ignored (their tokens are not quantized).
+      grid: the ratios to try, each in ``(0, 1]``.
+
+    Returns:
+      `KVClip` of float32 ``[L]`` (``[]`` for rank-4 inputs).
+    """
+    from .quant_cache import dequantize_pages, quantize_pages
+
+    q, k, v, lens, sc, single = _calibration_inputs(queries, keys, values, lengths, scale)
+    nl, s, t, n, h = q.shape
+    spec = _clip_spec(spec, h, None)
+    grid = tuple(float(c) for c in grid)
+    if not grid or not all(0 < c <= 1 for c in grid):
+        raise ValueError(f"grid: expected range ratios in (0, 1], got {grid}")
+    kh = k.shape[3]
+    rotations = []
+    for name, r in (("key_rotation", key_rotation), ("value_rotation", value_rotation)):
+        if r is not None:
+            r = np.asarray(jax.device_get(r), np.float32)
+            want = (kh, h, h) if single else (nl, kh, h, h)
+            if r.shape != want:
+                raise ValueError(f"{name}: expected shape {want} (layers, KV heads, head dim of keys), got {r.shape}")
+            r = r[None] if single else r
+        rotations.append(r)
+    valid = np.arange(t)[None, :] < lens[:, None]
+    best = np.ones((2, nl), np.float32)
+    for layer in range(nl):
+        ql = q[layer].reshape(s, t, kh, n // kh, h)
+        exact = (k[layer], v[layer])
+        for which in (0, 1):
+            rot = None if rotations[which] is None else rotations[which][layer]
+            tokens = exact[which][valid][:, None]                                    # pages of one token
+            errors = []
+            for ratio in grid:
+                pool = quantize_pages(tokens, dataclasses.replace(spec, clip=ratio), rotation=rot)
+                approx = np.zeros_like(exact[which])
+                approx[valid] = np.asarray(dequantize_pages(pool), np.float64)[:, 0]
+                kv = [exact[0], exact[1]]
+                kv[which] = approx
+                errors.append(sum(_output_error(ql[b, :lens[b]], k[layer, b, :lens[b]], v[layer, b, :lens[b]],
+                                                kv[0][b, :lens[b]], kv[1][b, :lens[b]], sc, causal)
+                                  for b in range(s)))
+            best[which, layer] = grid[int(np.argmin(errors))]
+    return KVClip(best[0, 0], best[1, 0]) if single else KVClip(best[0], best[1])
 
 
 # -- saving and loading -------------------------------------------------------------
-def _digest(keys: np.ndarray, values: np.ndarray) -> str:
+def _digest(*arrays: np.ndarray) -> str:
     h = hashlib.sha256()
-    for a in (keys, values):
+    for a in arrays:
         h.update(json.dumps([a.dtype.str, list(a.shape)]).encode())
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
@@ -273,8 +416,9 @@ def _digest(keys: np.ndarray, values: np.ndarray) -> str:
 
 def save_kv_rotation(path, rotation: KVRotation) -> None:
     """Write rotations to ``path`` (an ``.npz`` of plain arrays, no pickled
-    objects): float32 ``keys``/``values``, a format tag and the SHA-256 of
-    the arrays, which `load_kv_rotation` verifies."""
+    objects): float32 ``keys``/``values`` (and ``key_clip``/``value_clip``
+    when the rotation carries clip thresholds), a format tag and the SHA-256
+    of the arrays, which `load_kv_rotation` verifies."""
     keys = np.asarray(jax.device_get(rotation.keys), np.float32)
     values = np.asarray(jax.device_get(rotation.values), np.float32)
     if keys.shape != values.shape or keys.ndim not in (3, 4) or keys.shape[-1] != keys.shape[-2]:
@@ -284,13 +428,28 @@ def save_kv_rotation(path, rotation: KVRotation) -> None:
         err = orthogonality_error(a)
         if not err <= ORTHOGONALITY_TOLERANCE:
             raise ValueError(f"{name}: expected orthogonal matrices, got max |R Rᵀ - I| = {err:.3g}")
+    arrays = {"keys": keys, "values": values}
+    if (rotation.key_clip is None) != (rotation.value_clip is None):
+        raise ValueError("rotation: key_clip and value_clip must be given together")
+    if rotation.key_clip is not None:
+        for name in ("key_clip", "value_clip"):
+            arrays[name] = _check_clip(f"rotation.{name}", np.asarray(getattr(rotation, name), np.float32),
+                                       keys.shape[:-3])
     with open(path, "wb") as f:
-        np.savez(f, keys=keys, values=values, format=np.array(_FORMAT), sha256=np.array(_digest(keys, values)))
+        np.savez(f, **arrays, format=np.array(_FORMAT), sha256=np.array(_digest(*arrays.values())))
+
+
+def _check_clip(name: str, clip: np.ndarray, layers: tuple) -> np.ndarray:
+    if clip.shape != layers or not np.all((clip > 0) & (clip <= 1)):
+        raise ValueError(f"{name}: expected ratios in (0, 1] of shape {layers} (one per layer), got "
+                         f"{clip.dtype} {clip.shape} {clip.tolist()}")
+    return clip
 
 
 def load_kv_rotation(path, *, num_layers: int | None = None, num_kv_heads: int | None = None,
                      head_dim: int | None = None) -> KVRotation:
-    """Read rotations written by `save_kv_rotation` (``allow_pickle=False``).
+    """Read rotations (and clip thresholds, when saved) written by
+    `save_kv_rotation` (``allow_pickle=False``).
 
     Refuses (ValueError naming the file) a file with other or missing
     entries, another format tag, non-float32 or mismatched arrays, a checksum
@@ -298,7 +457,8 @@ def load_kv_rotation(path, *, num_layers: int | None = None, num_kv_heads: int |
     other than the expected ``num_layers`` / ``num_kv_heads`` / ``head_dim``
     (each checked when given).
     """
-    expected = {"keys", "values", "format", "sha256"}
+    base = {"keys", "values", "format", "sha256"}
+    with_clip = base | {"key_clip", "value_clip"}
     try:
         z = np.load(path, allow_pickle=False)
     except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:   # pickled content is a ValueError
@@ -307,10 +467,11 @@ def load_kv_rotation(path, *, num_layers: int | None = None, num_kv_heads: int |
         raise ValueError(f"{path}: expected an .npz archive of rotations, got a single {type(z).__name__}")
     with z:
         names = set(z.files)
-        if names != expected:
-            raise ValueError(f"{path}: expected the entries {sorted(expected)}, got {sorted(names)}")
+        if names not in (base, with_clip):
+            raise ValueError(f"{path}: expected the entries {sorted(base)} (and optionally key_clip, value_clip), "
+                             f"got {sorted(names)}")
         try:
-            entries = {name: z[name] for name in expected}
+            entries = {name: z[name] for name in names}
         except ValueError as e:                                          # an object (pickled) entry
             raise ValueError(f"{path}: refused an entry with pickled objects ({e})") from e
     fmt, digest = entries["format"], entries["sha256"]
@@ -322,7 +483,8 @@ def load_kv_rotation(path, *, num_layers: int | None = None, num_kv_heads: int |
             raise ValueError(f"{path}: {name} must be float32 [L, K, H, H] or [K, H, H], got {a.dtype} {a.shape}")
     if keys.shape != values.shape:
         raise ValueError(f"{path}: keys {keys.shape} and values {values.shape} differ in shape")
-    if digest.shape != () or str(digest) != _digest(keys, values):
+    clips = [entries[name] for name in ("key_clip", "value_clip") if name in entries]
+    if digest.shape != () or str(digest) != _digest(keys, values, *clips):
         raise ValueError(f"{path}: the checksum does not match the arrays (the file was modified or corrupted)")
     for name, a in (("keys", keys), ("values", values)):
         err = orthogonality_error(a)
@@ -333,4 +495,8 @@ def load_kv_rotation(path, *, num_layers: int | None = None, num_kv_heads: int |
     for name, want in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if want is not None and got[name] != want:
             raise ValueError(f"{path}: {name}: expected {want}, the file holds {got[name]} (shape {keys.shape})")
-    return KVRotation(keys, values)
+    for name, clip in zip(("key_clip", "value_clip"), clips):
+        if clip.dtype != np.float32:
+            raise ValueError(f"{path}: {name} must be float32, got {clip.dtype}")
+        _check_clip(f"{path}: {name}", clip, keys.shape[:-3])
+    return KVRotation(keys, values, *clips)
