@@ -17,8 +17,8 @@ which would lose every digit of a short span next to a long one (decays of
 
 Two forms of the same sums: batched over leading axes for the XLA path
 (`pair_sums`, `tail_sums`, `masked_exp`), and on one ``[C]`` / ``[C, K]``
-tile inside the Triton kernels (`tile_spans`, `span_sum`, `masked_decay`:
-0/1-mask matmuls, exact products).
+tile inside the Triton kernels (`tile_spans`: a cumulative sum; `span_sum`:
+a 0/1-mask matmul; `masked_decay`).
 """
 
 from __future__ import annotations
@@ -65,24 +65,25 @@ def expand_gate(g, like):
 
 
 # -- one tile (inside the Triton kernels) -----------------------------------------------
-def tile_spans(g, chunk: int, *, precision=HIGHEST):
+def tile_spans(g, chunk: int):
     """The span sums of one chunk's scalar log decays ``g [C]`` (float32):
     ``(D [C, C], G [C], tail [C], total)`` with ``D[i, j] = Σ_{j<t≤i} g_t`` (a
-    matmul with a 0/1 matrix at ``precision``: exact products at `HIGHEST`; at
-    `TF32X3` each ``g_t`` carries a relative error below 2⁻²⁰, so ``exp(D)``
-    one below ``|D|·2⁻²⁰``), ``G_i = Σ_{t≤i} g_t``, ``tail_j = Σ_{t>j} g_t``
-    and ``total = Σ_t g_t``."""
+    cumulative sum down the rows of ``[t, j] ↦ g_t (t > j)``: same-sign terms,
+    no matmul, so no tensor-core rounding and no FMA dot), ``G_i = Σ_{t≤i} g_t``,
+    ``tail_j = Σ_{t>j} g_t`` and ``total = Σ_t g_t``."""
     rows, cols = square_iota(chunk)
     later = jnp.where(rows > cols, g[:, None], 0.0)  # [t, j]: g_t for t > j
-    spans = dot((rows >= cols).astype(F32), later, precision=precision)
+    spans = jnp.cumsum(later, axis=0)
     prefix = jnp.sum(jnp.where(rows >= cols, g[None, :], 0.0), axis=1)
     return spans, prefix, jnp.sum(later, axis=0), jnp.sum(g)
 
 
-def span_sum(mask, g):
+def span_sum(mask, g, *, precision=HIGHEST):
     """``Σ_t mask[i, t] g_t`` for a 0/1 ``mask [C, C]`` and per-channel ``g [C, K]``:
-    a direct sum over each row's span (exact products, same-sign terms), ``[C, K]``."""
-    return dot(mask.astype(F32), g)
+    a direct sum over each row's span (same-sign terms), ``[C, K]``: exact products
+    at `HIGHEST`; at `TF32X3` (tensor cores; the mask is exact in TF32) each ``g_t``
+    carries a relative error below 2⁻²⁰."""
+    return dot(mask.astype(F32), g, precision=precision)
 
 
 def masked_decay(spans, mask):

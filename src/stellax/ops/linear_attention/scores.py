@@ -93,7 +93,7 @@ def _channel_decayed_scores(x, y, g):
     return out.reshape(*lead, r, c, c)
 
 
-def channel_scores(q, k, g, chunk: int, unrolled: bool = False):
+def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIGHEST):
     """``(P_q, P_k)``, each ``[C, C]`` float32, on one tile inside a Triton kernel:
     ``P_x[i, j] = Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i`` and 0 above,
     for ``x = q`` and ``x = k`` (``q, k, g [C, K]`` float32).
@@ -104,32 +104,34 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False):
     diagonal block, for each offset ``d`` the column ``j = a·s + d`` of every
     block at once, elementwise (``s`` steps of a ``[C, K]`` exp and row sum).
     Every exponent is a direct span sum ≤ 0 (−inf outside its span).
-    ``unrolled`` runs the diagonal offsets as a Python loop instead of a ``fori_loop``.
+    ``unrolled`` runs the diagonal offsets as a Python loop instead of a ``fori_loop``;
+    ``precision`` of every matmul (the Triton kernels: `TF32X3`, on tensor cores).
     """
     s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
     rows, cols = square_iota(chunk)
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
     start = row & -s  # [C, 1]: the first row of row i's block (s a power of two; no vector division)
     # Σ_{start(i) ≤ t ≤ i} g_t: the row factor of the off-diagonal blocks.
-    inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g))
+    inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g, precision=precision))
     qi, ki = q * inner, k * inner
     pq = jnp.zeros((chunk, chunk), F32)
     pk = jnp.zeros((chunk, chunk), F32)
     for a in range(1, chunk // s):
         # Column factor exp(Σ_{j<t<a·s} g_t) for the columns j < a·s of earlier blocks.
-        before = jnp.exp(jnp.where(row < a * s, span_sum((cols > rows) & (cols < a * s), g), -jnp.inf))
+        span = span_sum((cols > rows) & (cols < a * s), g, precision=precision)
+        before = jnp.exp(jnp.where(row < a * s, span, -jnp.inf))
         y = k * before
         in_block = start == a * s
-        pq = pq + jnp.where(in_block, dot_nt(qi, y), 0.0)
-        pk = pk + jnp.where(in_block, dot_nt(ki, y), 0.0)
+        pq = pq + jnp.where(in_block, dot_nt(qi, y, precision=precision), 0.0)
+        pk = pk + jnp.where(in_block, dot_nt(ki, y, precision=precision), 0.0)
 
     def diagonal(d, carry):
         pq, pk = carry
         col = start + d  # [C, 1]: column j = start(i) + d of row i's diagonal block
         pick = cols == col
-        kd = dot(pick.astype(F32), k)  # row i holds k_j (an exact gather)
+        kd = dot(pick.astype(F32), k, precision=precision)  # row i holds k_j (a gather)
         valid = col <= row
-        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g), -jnp.inf))
+        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g, precision=precision), -jnp.inf))
         ke = kd * e
         sq = jnp.sum(q * ke, axis=1, keepdims=True)
         sk = jnp.sum(k * ke, axis=1, keepdims=True)

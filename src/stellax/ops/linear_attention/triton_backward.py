@@ -40,7 +40,7 @@ one matmul with a 0/1 matrix.
 Every term is linear in the value block's cotangents, so the kernel writes
 per-value-block partials of ``dq, dk, dg, dβ`` (``[NV, ...]``, summed in XLA:
 no two programs write one element, no atomics, deterministic) and ``dv``
-directly. All float32 at ``Precision.HIGHEST``; every exponent is ≤ 0.
+directly. All float32, the matmuls as `TF32X3`; every exponent is ≤ 0.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call
+from ...core import pallas
+from ...core.pallas import F32, TF32X3, operand, output, square_iota, triton_kernel_call
 from .configs import LinearAttentionConfig
 from .decay import masked_decay, tile_spans
 from .solve import unit_lower_inverse
@@ -63,6 +64,13 @@ BLOCK_K = 64
 #: block_v = 32 / 64 / 128 with 1 stage and 136 / 176 KiB at 32 / 64 with 2;
 #: capped, every config of the shared space fits sm_80's 163 KiB.
 MAX_BLOCK_V = 64
+
+#: Every matmul of this module runs as `TF32X3` (three TF32 tensor-core passes,
+#: about float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU). The 0/1
+#: masks and gathers are exact in TF32; their other operand carries < 2⁻²⁰ relative error.
+dot = functools.partial(pallas.dot, precision=TF32X3)
+dot_nt = functools.partial(pallas.dot_nt, precision=TF32X3)
+dot_tn = functools.partial(pallas.dot_tn, precision=TF32X3)
 
 
 # The [C, K] operands are read in [C, block_k] column blocks (loops over K), so
@@ -107,7 +115,7 @@ def _through_solve(*, k, v, beta, states, dd, kk, spans, gate, chunk: int, block
     b = beta[...].astype(F32)
     vc = v[...].astype(F32)
     strict = masked_decay(spans, rows > cols)
-    t = unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk)
+    t = unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk, precision=TF32X3)
     bg = b * gate
     u = dot(t, vc * b[:, None])  # U = T(β⊙V)          [C, BV]
     drv = dot_tn(t, dd)  # dR_v = Tᵀ dΔ           [C, BV]

@@ -18,9 +18,10 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
   ``K̃ = K⊙exp(Σ_{t>j} g_t)`` and ``Γ_C = exp(Σ_t g_t)``.
 
 The chunk matmuls (``K Kᵀ``, the inverse's products, ``T(β⊙V)``, ``T(β⊙Γ⊙K)``)
-run as `TF32X3` (three TF32 tensor-core passes, about float32 accuracy: an
-IEEE float32 dot is scalar FMA on a GPU); KDA's channel scores, gathers and
-decay sums stay IEEE float32 (exactness matters there). Every exponent is ≤ 0.
+and KDA's channel scores, gathers and per-channel decay sums (0/1-mask
+matmuls) run as `TF32X3` (three TF32 tensor-core passes, about float32
+accuracy: an IEEE float32 dot is scalar FMA on a GPU); GDN's pair spans are a
+cumulative sum (`decay.tile_spans`). Every exponent is ≤ 0.
 """
 
 from __future__ import annotations
@@ -51,16 +52,37 @@ def _chunk_vec(chunk: int):
 
 # -- GDN: the WY representation ------------------------------------------------------
 def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk):
-    """One chunk: ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)``, ``T = (I + strict_lower(β exp(D) K Kᵀ))⁻¹``."""
-    kc = k[...].astype(F32)
-    vc = v[...].astype(F32)
+    """One chunk: ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)``, ``T = (I + strict_lower(β exp(D) K Kᵀ))⁻¹``;
+    the ``[C, K]`` / ``[C, V]`` operands in blocks of `KDA_BLOCK_K` columns (loops:
+    no dot holds a whole ``[C, 128]`` tile)."""
+    kdim, vdim = k.shape[-1], v.shape[-1]
+    bk, bv = min(kdim, KDA_BLOCK_K), min(vdim, KDA_BLOCK_K)
     b = beta[...]
     rows, cols = square_iota(chunk)
-    spans, prefix, _, _ = tile_spans(g[...], chunk, precision=TF32X3)
-    a = dot_nt(kc, kc, precision=TF32X3) * masked_decay(spans, rows > cols) * b[:, None]
-    inv = unit_lower_inverse(a, rows, cols, chunk, precision=TF32X3)
-    u[...] = dot(inv, vc * b[:, None], precision=TF32X3).astype(u.dtype)
-    w[...] = dot(inv, kc * (b * jnp.exp(prefix))[:, None], precision=TF32X3).astype(w.dtype)
+
+    def scores(i, kk):
+        kb = k[:, pl.ds(i * bk, bk)].astype(F32)
+        return kk + dot_nt(kb, kb, precision=TF32X3)
+
+    kk = jax.lax.fori_loop(0, kdim // bk, scores, jnp.zeros((chunk, chunk), F32))
+    spans, prefix, _, _ = tile_spans(g[...], chunk)
+    inv = unit_lower_inverse(kk * masked_decay(spans, rows > cols) * b[:, None], rows, cols, chunk,
+                             precision=TF32X3)
+
+    def u_block(i, _):
+        vs = pl.ds(i * bv, bv)
+        u[:, vs] = dot(inv, v[:, vs].astype(F32) * b[:, None], precision=TF32X3).astype(u.dtype)
+        return 0
+
+    scale = (b * jnp.exp(prefix))[:, None]
+
+    def w_block(i, _):
+        cs = pl.ds(i * bk, bk)
+        w[:, cs] = dot(inv, k[:, cs].astype(F32) * scale, precision=TF32X3).astype(w.dtype)
+        return 0
+
+    jax.lax.fori_loop(0, vdim // bv, u_block, 0)
+    jax.lax.fori_loop(0, kdim // bk, w_block, 0)
 
 
 def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
@@ -96,9 +118,9 @@ def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk)
 
     def channels(i, carry):  # the scores are sums over channels: one block of channels at a time
         cs, qb, kb, gb = load(i)
-        pq, pk = channel_scores(qb, kb, gb, chunk)
-        qg[:, cs] = qb * jnp.exp(span_sum(cols <= rows, gb))  # Q⊙Γ, Γ_i = exp(Σ_{t≤i} g_t)
-        kg[:, cs] = kb * jnp.exp(span_sum(cols > rows, gb))  # K̃_j = k_j exp(Σ_{t>j} g_t)
+        pq, pk = channel_scores(qb, kb, gb, chunk, precision=TF32X3)
+        qg[:, cs] = qb * jnp.exp(span_sum(cols <= rows, gb, precision=TF32X3))  # Q⊙Γ, Γ_i = exp(Σ_{t≤i} g_t)
+        kg[:, cs] = kb * jnp.exp(span_sum(cols > rows, gb, precision=TF32X3))  # K̃_j = k_j exp(Σ_{t>j} g_t)
         gamma[cs] = jnp.exp(jnp.sum(gb, axis=0))
         return carry[0] + pq, carry[1] + pk
 
@@ -110,7 +132,7 @@ def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk)
 
     def w_block(i, _):
         cs, _, kb, gb = load(i)
-        w[:, cs] = dot(inv, kb * jnp.exp(span_sum(cols <= rows, gb)) * b[:, None], precision=TF32X3)
+        w[:, cs] = dot(inv, kb * jnp.exp(span_sum(cols <= rows, gb, precision=TF32X3)) * b[:, None], precision=TF32X3)
         return 0
 
     def u_block(i, _):

@@ -40,11 +40,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call
+from ...core import pallas
+from ...core.pallas import F32, TF32X3, operand, output, square_iota, triton_kernel_call
 from .configs import KDA_BLOCK_K, LinearAttentionConfig
 from .decay import span_sum
 from .layout import check_flat_layout
 from .scores import CHANNEL_SUB_BLOCK
+
+#: Every matmul of this module runs as `TF32X3` (three TF32 tensor-core passes,
+#: about float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU). The 0/1
+#: masks and gathers are exact in TF32; their other operand carries < 2⁻²⁰ relative error.
+dot = functools.partial(pallas.dot, precision=TF32X3)
+dot_nt = functools.partial(pallas.dot_nt, precision=TF32X3)
+dot_tn = functools.partial(pallas.dot_tn, precision=TF32X3)
 
 
 def _scores_backward(q, k, g, dp, dsk, chunk):
@@ -101,7 +109,7 @@ def _scores_backward(q, k, g, dp, dsk, chunk):
         pick = cols == col
         kd = dot(pick.astype(F32), k)
         valid = col <= row
-        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g), -jnp.inf))
+        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g, precision=TF32X3), -jnp.inf))
         dpd = jnp.sum(jnp.where(pick, dp, 0.0), axis=1, keepdims=True)
         dskd = jnp.sum(jnp.where(pick, dsk, 0.0), axis=1, keepdims=True)
         ke = kd * e

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -25,6 +26,9 @@ from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iot
 from .configs import LinearAttentionConfig
 from .decay import masked_decay, tile_spans
 from .layout import check_flat_layout
+
+#: Key columns per step of the output kernels' loops over K.
+BLOCK_K = 32
 
 
 def _specs(chunk: int, kdim: int, bv: int):
@@ -34,15 +38,24 @@ def _specs(chunk: int, kdim: int, bv: int):
             pl.BlockSpec((None, None, kdim, bv), lambda c, h, j: (h, c, 0, j)))
 
 
-def _gdn_output_kernel(*, q, k, g, delta, states, o, chunk):
-    """``O = (Q ⊙ Γ) S_c + ((Q Kᵀ) ⊙ exp(D))_{j≤i} Δ``."""
-    qc = q[...].astype(F32)
-    kc = k[...].astype(F32)
+def _gdn_output_kernel(*, q, k, g, delta, states, o, chunk, block_k):
+    """``O = (Q ⊙ Γ) S_c + ((Q Kᵀ) ⊙ exp(D))_{j≤i} Δ``, the K contractions in
+    blocks of ``block_k`` columns (no dot holds more than a ``[C, block_k]`` tile)."""
     rows, cols = square_iota(chunk)
-    spans, prefix, _, _ = tile_spans(g[...], chunk, precision=TF32X3)
-    p = dot_nt(qc, kc, precision=TF32X3) * masked_decay(spans, rows >= cols)
-    out = dot(qc * jnp.exp(prefix)[:, None], states[...], precision=TF32X3) + dot(p, delta[...], precision=TF32X3)
-    o[...] = out.astype(o.dtype)
+    gate = jnp.exp(jnp.sum(jnp.where(rows >= cols, g[...][None, :], 0.0), axis=1))  # Γ_i
+
+    def keys(i, acc):
+        qk, out = acc
+        cs = pl.ds(i * block_k, block_k)
+        qb = q[:, cs].astype(F32)
+        qk = qk + dot_nt(qb, k[:, cs].astype(F32), precision=TF32X3)
+        return qk, out + dot(qb * gate[:, None], states[cs, :], precision=TF32X3)
+
+    zeros = (jnp.zeros((chunk, chunk), F32), jnp.zeros(o.shape, F32))
+    qk, out = jax.lax.fori_loop(0, q.shape[-1] // block_k, keys, zeros)
+    spans, _, _, _ = tile_spans(g[...], chunk)
+    p = qk * masked_decay(spans, rows >= cols)
+    o[...] = (out + dot(p, delta[...], precision=TF32X3)).astype(o.dtype)
 
 
 def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAttentionConfig):
@@ -54,7 +67,7 @@ def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAtte
     bv = min(config.block_v, vdim)
     rows, block, state = _specs(chunk, kdim, bv)
     outs = triton_kernel_call(
-        functools.partial(_gdn_output_kernel, chunk=chunk), grid=(tp // chunk, bh, vdim // bv),
+        functools.partial(_gdn_output_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim)), grid=(tp // chunk, bh, vdim // bv),
         inputs=dict(q=operand(q, rows), k=operand(k, rows),
                     g=operand(g, pl.BlockSpec((None, chunk), lambda c, h, j: (h, c))),
                     delta=operand(delta, block), states=operand(states, state)),
@@ -64,9 +77,14 @@ def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAtte
     return outs.o
 
 
-def _kda_output_kernel(*, qg, p, delta, states, o):
-    """``O = (Q⊙Γ) S_c + P Δ``."""
-    o[...] = dot(qg[...], states[...], precision=TF32X3) + dot(p[...], delta[...], precision=TF32X3)
+def _kda_output_kernel(*, qg, p, delta, states, o, block_k):
+    """``O = (Q⊙Γ) S_c + P Δ``, the K contraction in blocks of ``block_k`` columns."""
+    def keys(i, out):
+        cs = pl.ds(i * block_k, block_k)
+        return out + dot(qg[:, cs], states[cs, :], precision=TF32X3)
+
+    out = jax.lax.fori_loop(0, qg.shape[-1] // block_k, keys, jnp.zeros(o.shape, F32))
+    o[...] = out + dot(p[...], delta[...], precision=TF32X3)
 
 
 def kda_output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttentionConfig):
@@ -80,7 +98,7 @@ def kda_output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttent
     bv = min(config.block_v, vdim)
     rows, block, state = _specs(chunk, kdim, bv)
     outs = triton_kernel_call(
-        _kda_output_kernel, grid=(tp // chunk, bh, vdim // bv),
+        functools.partial(_kda_output_kernel, block_k=min(BLOCK_K, kdim)), grid=(tp // chunk, bh, vdim // bv),
         inputs=dict(qg=operand(qg, rows), p=operand(p, pl.BlockSpec((None, chunk, chunk), lambda c, h, j: (h, c, 0))),
                     delta=operand(delta, block), states=operand(states, state)),
         outputs=dict(o=output(delta.shape, F32, block)),

@@ -23,8 +23,10 @@ storing it per chunk, with ``dΔ`` and the initial states' gradients:
   ``dS ← exp(G_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ`` (``P`` recomputed per chunk);
 * `kda_state_backward`: the same from the stored ``P``, ``Q⊙Γ``, ``K̃``, ``W``, ``Γ_C``.
 
-The forward scans' matmuls run as `TF32X3` (three TF32 tensor-core passes, about
-float32 accuracy); the backward's at ``Precision.HIGHEST``. Exponents are ≤ 0.
+The scans' matmuls run as `TF32X3` (three TF32 tensor-core passes, about
+float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU), on ``[C, 64]``
+column blocks of the ``[C, K]`` operands against the state's ``[64, BV]`` row
+blocks (`BLOCK_K`). Exponents are ≤ 0.
 """
 
 from __future__ import annotations
@@ -42,10 +44,23 @@ from .decay import masked_decay, tile_spans
 from .layout import check_flat_layout
 
 
+#: Key rows per block of the carried state: the scans hold ``S [K, BV]`` as
+#: ``K / BLOCK_K`` separate ``[BLOCK_K, BV]`` blocks, so no dot takes more than a
+#: ``[C, BLOCK_K]`` tile of ``W``/``K``/``Q`` (whole-``K`` operands spilled at K = 128).
+BLOCK_K = 64
+
+
+def key_blocks(kdim: int) -> list:
+    """The ``pl.ds`` key-row slices of the state blocks (`BLOCK_K` rows each)."""
+    bk = min(BLOCK_K, kdim)
+    return [pl.ds(b * bk, bk) for b in range(kdim // bk)]
+
+
 def scan_loop(step, *, chunks: int, heads: int, first, seq, last, start, store, end, reverse: bool = False):
     """The sequential loop of a state-scan kernel over one head's chunks,
-    carrying a float32 ``[K, BV]`` state: ``store[c]`` receives the state
-    entering chunk ``c``, then ``state = step(c, state)``.
+    carrying a float32 ``[K, BV]`` state as a tuple of `key_blocks` row blocks:
+    ``store[c]`` receives the state entering chunk ``c``, then ``state =
+    step(c, state)`` (``state`` the tuple of blocks).
 
     Dense batches (``first = seq = last = None``) start from ``start`` and
     write the last state to ``end``. Packed batches (int32 refs ``first, seq,
@@ -55,24 +70,32 @@ def scan_loop(step, *, chunks: int, heads: int, first, seq, last, start, store, 
     varlen = first is not None
     head = pl.program_id(0) % heads
     begins, finishes = (last, first) if reverse else (first, last)
+    blocks = key_blocks(store.shape[1])
 
     def body(i, state):
         c = chunks - 1 - i if reverse else i
         if varlen:
             idx = seq[c] * heads + head
-            state = jnp.where(begins[c] != 0, start[idx].astype(F32), state)
-        store[c] = state
-        state = step(c, state)
+            state = tuple(jnp.where(begins[c] != 0, start[idx, ks, :].astype(F32), s)
+                          for ks, s in zip(blocks, state))
+        for ks, s in zip(blocks, state):
+            store[c, ks, :] = s
+        state = tuple(step(c, state))
         if varlen:
             @pl.when(finishes[c] != 0)
             def _():
-                end[idx] = state
+                for ks, s in zip(blocks, state):
+                    end[idx, ks, :] = s
         return state
 
-    init = jnp.zeros(store.shape[1:], F32) if varlen else start[...].astype(F32)
+    if varlen:
+        init = tuple(jnp.zeros((ks.size, store.shape[2]), F32) for ks in blocks)
+    else:
+        init = tuple(start[ks, :].astype(F32) for ks in blocks)
     state = jax.lax.fori_loop(0, chunks, body, init)
     if not varlen:
-        end[...] = state
+        for ks, s in zip(blocks, state):
+            end[ks, :] = s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +173,9 @@ class ScanLayout:
 
 # -- forward --------------------------------------------------------------------------
 def _gdn_state_kernel(*, w, u, k, g, h0, first, seq, last, states, delta, final, chunks, chunk, heads):
-    """``Δ = U − W S``, ``S ← exp(G_C) S + (K ⊙ exp(tail))ᵀ Δ`` chunk by chunk."""
+    """``Δ = U − W S``, ``S ← exp(G_C) S + (K ⊙ exp(tail))ᵀ Δ`` chunk by chunk (``S`` in key blocks)."""
     rows_i, cols_i = square_iota(chunk)
+    blocks = key_blocks(k.shape[-1])
 
     def step(c, state):
         rows = pl.ds(c * chunk, chunk)
@@ -160,10 +184,12 @@ def _gdn_state_kernel(*, w, u, k, g, h0, first, seq, last, states, delta, final,
         tail, total = jnp.sum(later, axis=0), jnp.sum(gc)
         d = u[rows, :].astype(F32)
         if w is not None:
-            d = d - dot(w[rows, :].astype(F32), state, precision=TF32X3)
+            for ks, s in zip(blocks, state):
+                d = d - dot(w[rows, ks].astype(F32), s, precision=TF32X3)
         delta[rows, :] = d
-        kt = k[rows, :].astype(F32) * jnp.exp(tail)[:, None]
-        return jnp.exp(total) * state + dot_tn(kt, d, precision=TF32X3)
+        keep = jnp.exp(tail)[:, None]
+        return [jnp.exp(total) * s + dot_tn(k[rows, ks].astype(F32) * keep, d, precision=TF32X3)
+                for ks, s in zip(blocks, state)]
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=h0, store=states, end=final)
 
@@ -184,12 +210,17 @@ def gdn_state_forward(w, u, k, g, h0, meta, *, chunk: int, heads: int, config: L
 
 
 def _kda_state_kernel(*, w, u, kg, gamma, h0, first, seq, last, states, delta, final, chunks, chunk, heads):
-    """``Δ = U − W S``, ``S ← diag(Γ_C) S + K̃ᵀ Δ`` chunk by chunk."""
+    """``Δ = U − W S``, ``S ← diag(Γ_C) S + K̃ᵀ Δ`` chunk by chunk (``S`` in key blocks)."""
+    blocks = key_blocks(kg.shape[-1])
+
     def step(c, state):
         rows = pl.ds(c * chunk, chunk)
-        d = u[rows, :] - dot(w[rows, :], state, precision=TF32X3)
+        d = u[rows, :]
+        for ks, s in zip(blocks, state):
+            d = d - dot(w[rows, ks], s, precision=TF32X3)
         delta[rows, :] = d
-        return gamma[c][:, None] * state + dot_tn(kg[rows, :], d, precision=TF32X3)
+        return [gamma[c, ks][:, None] * s + dot_tn(kg[rows, ks], d, precision=TF32X3)
+                for ks, s in zip(blocks, state)]
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=h0, store=states, end=final)
 
@@ -214,22 +245,33 @@ def kda_state_forward(w, u, kg, gamma, h0, meta, *, chunk: int, heads: int, conf
 
 # -- reverse --------------------------------------------------------------------------
 def _gdn_state_backward_kernel(*, q, k, g, w, do, dht, first, seq, last, ds, dd, dh0, chunks, chunk, heads):
-    """``dΔ = Pᵀ dO + K̃ dS``, ``dS ← exp(G_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``, chunks in reverse."""
+    """``dΔ = Pᵀ dO + K̃ dS``, ``dS ← exp(G_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``, chunks in reverse
+    (``dS`` in key blocks)."""
     rows_i, cols_i = square_iota(chunk)
+    blocks = key_blocks(k.shape[-1])
 
     def step(c, d_state):
         rows = pl.ds(c * chunk, chunk)
-        qc = q[rows, :].astype(F32)
-        kc = k[rows, :].astype(F32)
         spans, prefix, tail, total = tile_spans(g[rows], chunk)
         doc = do[rows, :].astype(F32)
-        p = dot_nt(qc, kc) * masked_decay(spans, rows_i >= cols_i)
-        d_delta = dot_tn(p, doc) + dot(kc * jnp.exp(tail)[:, None], d_state)
+        keep = jnp.exp(tail)[:, None]
+        qk = jnp.zeros((chunk, chunk), F32)
+        d_delta = jnp.zeros(doc.shape, F32)
+        for ks, s in zip(blocks, d_state):
+            kb = k[rows, ks].astype(F32)
+            qk = qk + dot_nt(q[rows, ks].astype(F32), kb, precision=TF32X3)
+            d_delta = d_delta + dot(kb * keep, s, precision=TF32X3)
+        p = qk * masked_decay(spans, rows_i >= cols_i)
+        d_delta = d_delta + dot_tn(p, doc, precision=TF32X3)
         dd[rows, :] = d_delta
-        d_state = jnp.exp(total) * d_state + dot_tn(qc * jnp.exp(prefix)[:, None], doc)
-        if w is not None:
-            d_state = d_state - dot_tn(w[rows, :].astype(F32), d_delta)
-        return d_state
+        gate = jnp.exp(prefix)[:, None]
+        out = []
+        for ks, s in zip(blocks, d_state):
+            s = jnp.exp(total) * s + dot_tn(q[rows, ks].astype(F32) * gate, doc, precision=TF32X3)
+            if w is not None:
+                s = s - dot_tn(w[rows, ks].astype(F32), d_delta, precision=TF32X3)
+            out.append(s)
+        return out
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=dht, store=ds, end=dh0,
               reverse=True)
@@ -253,13 +295,19 @@ def gdn_state_backward(q, k, g, w, do, dht, meta, *, chunk: int, heads: int, con
 
 def _kda_state_backward_kernel(*, p, qg, kg, w, gamma, do, dht, first, seq, last, ds, dd, dh0, chunks, chunk,
                                heads):
-    """``dΔ = Pᵀ dO + K̃ dS``, ``dS ← diag(Γ_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``, chunks in reverse."""
+    """``dΔ = Pᵀ dO + K̃ dS``, ``dS ← diag(Γ_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``, chunks in reverse
+    (``dS`` in key blocks)."""
+    blocks = key_blocks(kg.shape[-1])
+
     def step(c, d_state):
         rows = pl.ds(c * chunk, chunk)
         doc = do[rows, :]
-        d_delta = dot_tn(p[rows, :], doc) + dot(kg[rows, :], d_state)
+        d_delta = dot_tn(p[rows, :], doc, precision=TF32X3)
+        for ks, s in zip(blocks, d_state):
+            d_delta = d_delta + dot(kg[rows, ks], s, precision=TF32X3)
         dd[rows, :] = d_delta
-        return gamma[c][:, None] * d_state + dot_tn(qg[rows, :], doc) - dot_tn(w[rows, :], d_delta)
+        return [gamma[c, ks][:, None] * s + dot_tn(qg[rows, ks], doc, precision=TF32X3)
+                - dot_tn(w[rows, ks], d_delta, precision=TF32X3) for ks, s in zip(blocks, d_state)]
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=dht, store=ds, end=dh0,
               reverse=True)
