@@ -92,7 +92,7 @@ def test_backward_op_packed_strong_decay_matches_golden(delta):
 @pytest.mark.parametrize("delta, packed", [(True, False), (True, True), (False, True)])
 def test_backward_op_head_sizes_match_golden(kdim, vdim, delta, packed):
     """Head sizes up to 256 (four key blocks, one to eight value blocks), the
-    heuristic config (block_v = 64) and a mixed-decay strength."""
+    heuristic config (block_v = 32 at K ≥ 128, else min(64, V)) and a mixed-decay strength."""
     args = list(_core_inputs(jax.random.PRNGKey(kdim + vdim), bs=1, hv=1, nt=4, kdim=kdim, vdim=vdim, delta=delta,
                              packed=packed, dtype=F32))
     args[3] = 4.0 * args[3]

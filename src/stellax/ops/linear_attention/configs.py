@@ -51,20 +51,32 @@ def fits_shared_memory(kdim: int, config: LinearAttentionConfig) -> bool:
     return tile <= 256 * 64
 
 
+#: Largest ``K × block_v`` state tile of the autotuning space: the scans carry
+#: the ``[K, block_v]`` state in registers (as `triton_scan.BLOCK_K`-row
+#: blocks), and the static tier measured register spills above ``128 × 64``.
+MAX_STATE_TILE = 128 * 64
+
+
 def linear_attention_heuristic(call: Call) -> LinearAttentionConfig:
-    """The default config: ``block_v = min(64, V)``, 4 warps up to a ``128 × 64``
-    state tile (8 above), one stage (head sizes padded as the kernels pad them)."""
+    """The default config, from the static tier's ptxas readings (sm_90 and
+    sm_80, TF32X3 dots): at ``K ≥ 128`` 32 value columns and one stage (64
+    columns, or a second stage, spill the state scan's registers at K = V = 128);
+    below, ``block_v = min(64, V)`` and two stages (cp.async prefetch of the next
+    chunk in the scans). Four warps (head sizes padded as the kernels pad them)."""
     kdim, vdim = (padded_dim(d) for d in _dims(call))
-    block_v = min(64, vdim)
-    return LinearAttentionConfig(block_v=block_v, num_warps=4 if kdim * block_v <= 128 * 64 else 8, num_stages=1)
+    if kdim >= 128:
+        return LinearAttentionConfig(block_v=min(32, vdim), num_warps=4, num_stages=1)
+    return LinearAttentionConfig(block_v=min(64, vdim), num_warps=4, num_stages=2)
 
 
 def linear_attention_space(call: Call) -> list[LinearAttentionConfig]:
-    """The autotuning space: ``block_v ∈ {32, 64, 128}`` (≤ V), 4 or 8 warps, 1 or 2
-    stages, keeping the configs that fit sm_80's shared memory (`fits_shared_memory`)."""
+    """The autotuning space: ``block_v ∈ {16, 32, 64}`` (≤ V, ``K × block_v`` at
+    most `MAX_STATE_TILE`), 4 or 8 warps, 1 or 2 stages, keeping the configs that
+    fit sm_80's shared memory (`fits_shared_memory`)."""
     kdim, vdim = (padded_dim(d) for d in _dims(call))
-    configs = product_space(LinearAttentionConfig, block_v=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2))
-    return [c for c in configs if c.block_v <= vdim and fits_shared_memory(kdim, c)]
+    configs = product_space(LinearAttentionConfig, block_v=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2))
+    return [c for c in configs if c.block_v <= vdim and kdim * c.block_v <= MAX_STATE_TILE
+            and fits_shared_memory(kdim, c)]
 
 
 def linear_attention_requirements(call: Call, *, per_channel: bool = False) -> str | None:
