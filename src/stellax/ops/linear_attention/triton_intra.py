@@ -155,6 +155,9 @@ def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionCo
     K̃ [BH, Tp, K], Γ_C [BH, NT, K])`` (``P`` row ``i`` of chunk ``c`` holds
     ``P_ij`` of that chunk's columns ``j``); ``with_solve`` adds ``T [BH, Tp, C]``
     and the strictly lower k scores ``A/β [BH, Tp, C]`` (for the backward).
+    One stage whatever ``config.num_stages``: the kernel's loops run over the
+    ``K/64`` channel blocks of one chunk (one or two trips at K ≤ 128), and a
+    second stage found no load Triton pipelines (no cp.async; static tier).
     """
     bh, tp, kdim = k.shape
     check_flat_layout(chunk, k=(k, (None, None, None)), q=(q, k.shape), g=(g, k.shape), v=(v, (bh, tp, None)),
@@ -171,7 +174,7 @@ def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionCo
                      qg=output((bh, tp, kdim), F32, kspec), kg=output((bh, tp, kdim), F32, kspec),
                      gamma=output((bh, nt, kdim), F32, pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0))),
                      t=square if with_solve else None, sk=square if with_solve else None),
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_kda_intra",
+        num_warps=config.num_warps, num_stages=1, name="stellax_kda_intra",
     )
     factors = (outs.u, outs.w, outs.p, outs.qg, outs.kg, outs.gamma)
     return factors + ((outs.t, outs.sk) if with_solve else ())

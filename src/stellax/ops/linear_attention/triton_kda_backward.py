@@ -184,7 +184,9 @@ def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config
     `triton_intra.kda_intra_forward`); its ``t``, ``sk [BH, Tp, C]`` (``with_solve``),
     ``u [BH, Tp, V]``, ``w [BH, Tp, K]``; ``cot`` the cotangents of its outputs:
     ``qg, kg, W [BH, Tp, K]``, ``gamma [BH, NT, K]``, ``P [BH, Tp, C]`` (lower),
-    ``U [BH, Tp, V]``.
+    ``U [BH, Tp, V]``. One stage whatever ``config.num_stages`` (loops over the
+    ``K/64`` channel blocks of one chunk; a second stage adds shared memory to
+    a kernel at 177 KiB and found nothing to pipeline).
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
@@ -207,6 +209,6 @@ def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config
         outputs=dict(dq=output((bh, tp, kdim), F32, kspec), dk=output((bh, tp, kdim), F32, kspec),
                      dv=output((bh, tp, vdim), F32, vspec), dg=output((bh, tp, kdim), F32, kspec),
                      dbeta=output((bh, tp), F32, vec)),
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_kda_intra_bwd",
+        num_warps=config.num_warps, num_stages=1, name="stellax_kda_intra_bwd",
     )
     return outs.dq, outs.dk, outs.dv, outs.dg, outs.dbeta
