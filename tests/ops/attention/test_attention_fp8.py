@@ -173,3 +173,19 @@ def test_bad_inputs():
         stellax.dot_product_attention(q, kq, v.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="scales: expected 'tensor', 'head' or 'token'"):
         quantize_for_attention(q, scales="block")
+
+
+def test_builtin_examples_check_at_the_output_dtypes_tolerance_and_take_abstract_operands():
+    """`stellax check` runs the op's examples: the bfloat16 output is held to
+    bfloat16's tolerance (not float32's, which its bf16 tensor-core math cannot
+    meet), and the check accepts abstract operands (the static GPU tier's)."""
+    from stellax.testing.static_gpu import abstract_examples
+    from stellax.testing.validation import check_example
+
+    example = attention_fp8_op.examples(jnp.float32)[0]
+    result = check_example(attention_fp8_op, "xla_chunked", example, jnp.float32)
+    assert result.passed and result.worst.tolerance == 1e-2, result
+    abstract = abstract_examples(lambda: attention_fp8_op.examples(jnp.bfloat16))[0]
+    call = attention_fp8_op.check(*abstract.args, **abstract.kwargs)
+    assert isinstance(call.arrays["k_scales"], jax.ShapeDtypeStruct)
+    assert call.arrays["k_scales"].shape == (2, 128, 2)

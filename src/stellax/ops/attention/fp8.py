@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, checks, register
+from ...core import Call, Example, Op, checks, register
 from ..quant import QArray, quantize_op
 from .backward import attention_backward_op
 from .base import check_attention, forward_bytes, forward_flops, forward_implementations, reference
@@ -71,6 +71,8 @@ def _check_operand(name: str, x):
                 f"{tuple(x.scales.shape)}); fp8 attention takes one scale per head-dim row and, on every other "
                 f"dimension, either one scale per index or one shared scale (per tensor, per head, per token "
                 f"and head) — dim {d} has blocks of {b}")
+    if isinstance(x.scales, jax.ShapeDtypeStruct):   # abstract operands (the static GPU tier lowers those)
+        return x.values, jax.ShapeDtypeStruct(tuple(x.scales.shape[:-1]), jnp.float32)
     scales = x.scales.astype(jnp.float32)
     return x.values, scales.reshape(scales.shape[:-1])
 
@@ -121,11 +123,39 @@ def check_fp8_attention(query, key, value, bias=None, mask=None, *, preferred_el
     return Call(arrays, {**checked.options, "preferred_element_type": dtype.name})
 
 
+# -- built-in calls -----------------------------------------------------------------------
+def _fp8_qkv(seed, b, t, n, k, h, dtype, scales):
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q, key, v = (jax.random.normal(r, (b, t, heads, h), jnp.float32).astype(dtype)
+                 for r, heads in ((kq, n), (kk, k), (kv, k)))
+    return tuple(quantize_for_attention(x, "fp8_e4m3", scales=scales) for x in (q, key, v))
+
+
+def fp8_examples(dtype):
+    """Small calls for `stellax check`: e4m3 operands quantized from ``dtype``
+    normals, per-token scales with GQA (causal), per-head scales (full)."""
+    return [Example("e4m3 token scales B=2 T=S=128 N=4 K=2 H=64 causal",
+                    _fp8_qkv(0, 2, 128, 4, 2, 64, dtype, "token"), {"is_causal": True}),
+            Example("e4m3 head scales B=1 T=S=96 N=2 K=2 H=32", _fp8_qkv(1, 1, 96, 2, 2, 32, dtype, "head"), {})]
+
+
+def fp8_benchmarks(platform):
+    """Benchmark calls on a GPU: e4m3 with per-token scales at head dim 128, T = 16k (the bf16
+    headline's shape, non-causal first) and 8k; none on a CPU."""
+    if platform.backend == "cpu":
+        return []
+    return [Example(f"e4m3 B=1 T=S={t} N=16 H=128 {'causal' if causal else 'full'}",
+                    _fp8_qkv(0, 1, t, 16, 16, 128, jnp.bfloat16, "token"), {"is_causal": causal})
+            for t, causal in ((16384, False), (16384, True), (8192, False))]
+
+
 attention_fp8_op = register(Op(
     "attention_fp8",
     family="attention",
     check=check_fp8_attention,
     reference=reference,
+    examples=fp8_examples,
+    benchmarks=fp8_benchmarks,
     implementations=forward_implementations(attention_backward_op, mosaic_tpu_kernels=False),
     flops=forward_flops,
     bytes_accessed=forward_bytes,
