@@ -87,13 +87,15 @@ def test_rank_space_orders_by_predicted_time_and_keeps_ties():
     assert ranked[:len(kept)] == kept  # flagged configs (if any are in this space) come last
     times = [cm.estimate(op, "triton", call, c).time_s() for c in kept]
     assert times == sorted(times)
-    # Ops without a model keep the space's order.
+    # Ops without a model keep the space's order, the static tier's flagged configs last.
     norm = OPS["layer_norm"]
     x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     with lowering_target("h200"):
         ncall = norm.check(x, jax.ShapeDtypeStruct((4096,), jnp.bfloat16), None)
     nspace = norm.implementations["triton"].config_space(ncall)
-    assert cm.rank_space(norm, "triton", ncall, nspace) == nspace
+    nflagged = cm.flagged_configs("layer_norm", "triton")
+    assert cm.rank_space(norm, "triton", ncall, nspace) == (
+        [c for c in nspace if config_id(c) not in nflagged] + [c for c in nspace if config_id(c) in nflagged])
 
 
 def test_flagged_configs_rank_last(monkeypatch):
@@ -106,6 +108,19 @@ def test_flagged_configs_rank_last(monkeypatch):
     table = {("attention", "triton", config_id(best)): {"failures": ["k: register spills"], "blocks_per_sm": 1}}
     monkeypatch.setattr(cm, "_static_table", lambda: table)
     assert cm.rank_space(op, "triton", call, space)[-1] == best
+
+
+def test_flagged_configs_rank_last_without_a_model(monkeypatch):
+    from stellax.testing.registry import config_id
+
+    norm = OPS["layer_norm"]
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    with lowering_target("h200"):
+        call = norm.check(x, jax.ShapeDtypeStruct((4096,), jnp.bfloat16), None)
+    space = norm.implementations["triton"].config_space(call)
+    table = {("layer_norm", "triton", config_id(space[0])): {"failures": ["k: register spills"], "blocks_per_sm": 1}}
+    monkeypatch.setattr(cm, "_static_table", lambda: table)
+    assert cm.rank_space(norm, "triton", call, space) == space[1:] + space[:1]
 
 
 def test_heuristic_check_flags_a_bad_heuristic():

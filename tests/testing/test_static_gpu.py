@@ -11,11 +11,14 @@ Triton compiler; ptxas from ``nvidia-cuda-nvcc`` for registers and spills):
 * the flash attention forward kernel, known ground: wgmma bf16 on sm_90,
   mma.sync on sm_80, cp.async with num_stages > 1, a ptxas register count.
 
-The default tier checks the CLI's refusal when the compiler is missing and
-the table format on results written down here.
+The default tier checks the CLI's refusal when the compiler is missing, the
+table format on results written down here, and that each arch's units are
+what that arch's dispatch picks (no compile).
 """
 
 from __future__ import annotations
+
+import json
 
 import jax.numpy as jnp
 import pytest
@@ -41,7 +44,7 @@ def test_heuristic_configs_pass_the_static_tier(op, implementation):
     _require_compiler()
     units = [u for u in static_gpu.units(op, implementation) if u.heuristic]
     assert units, f"{op.name}/{implementation}: no call reaches the heuristic"
-    results = [r for u in units for r in static_gpu.analyze_unit(u, ("9.0",))]
+    results = [r for u in units for r in static_gpu.analyze_unit(u)]
     failing = {f"{r.label} ({r.config})": r.failures for r in results if not r.ok}
     assert not failing, f"{op.name}/{implementation}: heuristic configs fail the static tier: {failing}"
 
@@ -89,6 +92,19 @@ def test_summary_rows_and_choosable_failures():
     assert static_gpu.format_findings(results[1])[0].endswith("flagged")
 
 
+def test_json_readings_round_trip_and_merge(tmp_path):
+    a = _result("a", "fam", False, ptxas=Ptxas(255, 8, 8, 8, False))
+    b = _result("b", "fam", True, occupancy=None, ptxas=None, ptxas_error="ptxas timed out after 900 s")
+    static_gpu.write_json([a, b], tmp_path / "run.json")
+    assert static_gpu.read_json([tmp_path / "run.json"]) == [a, b]
+    # JSON lines, as a run's progress appends them: a later reading of the same config replaces the first
+    a_fixed = _result("a", "fam", False)
+    lines = tmp_path / "a@9.0.jsonl"
+    lines.write_text("".join(json.dumps(r.to_json()) + "\n" for r in (a, a_fixed)))
+    merged = static_gpu.read_json([tmp_path / "run.json", lines])
+    assert merged == [a_fixed, b] and merged[0].ok and not a.ok
+
+
 def test_cli_exits_2_without_the_compiler(monkeypatch, capsys):
     from stellax import cli
     from stellax.testing import lowering
@@ -96,6 +112,68 @@ def test_cli_exits_2_without_the_compiler(monkeypatch, capsys):
     monkeypatch.setattr(lowering, "triton_compiler_available", lambda: (False, "no CUDA Triton compiler: install"))
     assert cli.main(["check", "--static-gpu", "norm"]) == 2
     assert "no CUDA Triton compiler" in capsys.readouterr().out
+
+
+def test_units_are_generated_at_each_archs_dispatch_target():
+    # mla_decode at R = 512: two pipeline stages on sm_90, one below (two need 176 KB of shared
+    # memory, over an A100's 163 KB): the sm_80 units must be what an A100's dispatch picks.
+    op = stellax.registered_ops()["mla_decode"]
+    sm90, sm80 = static_gpu.units(op, "triton", "9.0"), static_gpu.units(op, "triton", "8.0")
+    assert {u.arch for u in sm90} == {"9.0"} and {u.arch for u in sm80} == {"8.0"}
+    r512 = lambda us: [u for u in us if u.heuristic and "R=512" in u.label]  # noqa: E731
+    assert r512(sm90) and r512(sm80)
+    assert {u.config.num_stages for u in r512(sm90)} == {2}
+    assert {u.config.num_stages for u in r512(sm80)} == {1}
+    # the sm_80 space adds 1-stage configs; the sm_90 space has none
+    assert {u.config.num_stages for u in sm80 if u.config_index is not None} == {1, 2}
+    assert {u.config.num_stages for u in sm90 if u.config_index is not None} == {2}
+    with pytest.raises(ValueError, match="arch: expected one of"):
+        static_gpu.units(op, "triton", "7.5")
+
+
+def _heuristic_configs(name, arch):
+    op = stellax.registered_ops()[name]
+    return {u.label: u.config for u in static_gpu.units(op, "triton", arch) if u.heuristic}
+
+
+def test_sm80_heuristics_avoid_the_configs_the_tier_found_spilling():
+    # Readings of the static tier (ptxas, sm_80, bf16): the sm_90 choices spill there.
+    fwd80, fwd90 = _heuristic_configs("attention", "8.0"), _heuristic_configs("attention", "9.0")
+    assert (fwd80["ex0"].block_q, fwd80["ex0"].num_warps) == (64, 4)  # 128x64 on 4 warps: 40 B spilled
+    assert (fwd90["ex0"].block_q, fwd90["ex0"].num_warps) == (128, 4)
+    bwd80 = _heuristic_configs("attention_backward", "8.0")["ex0"]
+    assert (bwd80.block_q, bwd80.block_k) == (32, 64)  # dk/dv at 64x64: 36 B spilled
+    ragged80 = _heuristic_configs("ragged_paged_attention", "8.0")
+    ragged90 = _heuristic_configs("ragged_paged_attention", "9.0")
+    mixed = next(label for label in ragged80 if "mixed" in label)
+    assert ragged80[mixed].block_rows == 64 and ragged80[mixed].num_warps == 8  # 4 warps: 52 B spilled
+    assert ragged90[mixed].num_warps == 4
+    with stellax.lowering_target("a100"):
+        op = stellax.registered_ops()["attention"]
+        example = op.examples(jnp.bfloat16)[0]
+        space = op.implementations["triton"].config_space(op.check(*example.args, **example.kwargs))
+    assert space and not [c for c in space if c.block_q == 128 and c.num_warps == 4]
+
+
+def test_the_cost_model_ranks_the_spilling_configs_of_the_stored_space_run_last():
+    # The complete space run (sm_90) flagged ragged_dot's 4-warp 128x256 tiles: 2.0-2.5 KB of spills
+    # a thread. They were the model's fastest configs at the headline shape; stored, they rank last.
+    import jax
+
+    from stellax.bench import cost_model
+    from stellax.testing.registry import config_id
+
+    op = stellax.registered_ops()["ragged_dot"]
+    flagged = cost_model.flagged_configs("ragged_dot", "triton")
+    assert {"w4,s3,bm128,bn256,bk32", "w4,s3,bm128,bn256,bk64"} <= set(flagged)
+    lhs = jax.ShapeDtypeStruct((16384, 7168), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((64, 7168, 2048), jnp.bfloat16)
+    with stellax.lowering_target("h200"):
+        call = op.check(lhs, rhs, jnp.full((64,), 256, jnp.int32))
+        space = op.implementations["triton"].config_space(call)
+    ranked = [config_id(c) for c in cost_model.rank_space(op, "triton", call, space)]
+    marks = [cid in flagged for cid in ranked]
+    assert any(marks) and marks == sorted(marks)  # every flagged config after every other one
 
 
 def test_abstract_examples_keep_integer_operands_concrete():

@@ -29,7 +29,7 @@ with one wave (`generic`), which ranks every config alike.
 `rank_space` orders an autotuning space by predicted time (stable: ties keep
 the space's order) and puts configs the static tier flagged (spills, FMA
 dots: `flagged_configs`, read from ``static_gpu_sm90.json`` beside this module)
-last; the autotuner uses it to pick which configs to try when ``max_configs``
+last, for kernels without a model too; the autotuner uses it to pick which configs to try when ``max_configs``
 cuts the space. `heuristic_check` says how far the heuristic's config is from
 the model's best.
 """
@@ -314,15 +314,18 @@ def estimate(op, implementation: str, call, config, machine: Machine = H200) -> 
 
 def rank_space(op, implementation: str, call, space: list, machine: Machine = H200) -> list:
     """``space`` fastest first by the model (ties keep their order), configs the static tier flagged
-    last; the space unchanged when no model covers the kernel or a config cannot be estimated."""
-    if not has_model(op.name, implementation) or not space:
-        return list(space)
+    last; in the space's order (flagged configs still last) when no model covers the kernel or a
+    config cannot be estimated."""
     flagged = flagged_configs(op.name, implementation)
+    in_order = ([c for c in space if _config_id(c) not in flagged]
+                + [c for c in space if _config_id(c) in flagged])
+    if not has_model(op.name, implementation) or not space:
+        return in_order
     try:
         keyed = [(_config_id(c) in flagged, estimate(op, implementation, call, c, machine).time_s(), i, c)
                  for i, c in enumerate(space)]
-    except Exception:  # noqa: BLE001 - a call the model cannot read: keep the space's order
-        return list(space)
+    except Exception:  # noqa: BLE001 - a call the model cannot read: the space's order
+        return in_order
     return [c for *_, c in sorted(keyed, key=lambda x: x[:3])]
 
 

@@ -15,6 +15,11 @@ is lowered for cuda and each of its Triton kernels compiled and read by
 with the operand dtypes of the IR's dots), register spills, asynchronous
 copies when ``num_stages > 1``, registers and occupancy (with ptxas).
 
+Units are generated per arch: heuristics, spaces and dispatch's refusals run
+under `lowering_target` of that arch's GPU (`ARCH_TARGETS`: an H200 for
+sm_90, an A100 for sm_80), so the sm_80 pass reads what dispatch would run on
+an A100 (the call shapes stay the H200 benchmark shapes).
+
 `run_static_tier` returns one `StaticConfig` per (unit, arch); a failing
 config the heuristic can choose is what `stellax check --static-gpu` exits 1
 for. `format_findings` prints one line per kernel and config, `summary_rows`
@@ -32,12 +37,21 @@ import jax.numpy as jnp
 
 from ..core import LOWERING_TARGETS, Example, Op, lowering_target
 from .lowering import lower_config
-from .ptx_analysis import KernelStatic, analyze, triton_sources
+from .ptx_analysis import Dot, KernelStatic, Occupancy, Ptxas, analyze, triton_sources
 from .registry import config_id
 
-#: The dispatch target heuristic configs are resolved for (the lent GPU).
+#: The GPU whose benchmark shapes the calls take (the lent GPU).
 TARGET = "h200"
 ARCHS = ("9.0", "8.0")
+#: The dispatch target (`stellax.core.LOWERING_TARGETS`) of each arch: what its units' heuristics,
+#: spaces and refusals see as the device.
+ARCH_TARGETS = {"9.0": "h200", "8.0": "a100"}
+
+
+def _arch_target(arch: str) -> str:
+    if arch not in ARCH_TARGETS:
+        raise ValueError(f"arch: expected one of {sorted(ARCH_TARGETS)}, got {arch!r}")
+    return ARCH_TARGETS[arch]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +66,7 @@ class Unit:
     config: Any
     config_index: int | None  # position in the autotuning space (None: not in it)
     heuristic: bool  # the heuristic chooses this config for some example or benchmark
+    arch: str = "9.0"  # the arch whose dispatch target generated it (`ARCH_TARGETS`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +110,43 @@ def _kernel_json(k: KernelStatic) -> dict:
             "smem_bytes": k.smem_bytes, "dots": [dataclasses.asdict(d) for d in k.dots], "wgmma": k.wgmma,
             "mma_sync": k.mma_sync, "cp_async": k.cp_async, "tma": k.tma, "has_loop": k.has_loop,
             "local_ptx": k.local_ptx, "ptxas": None if k.ptxas is None else dataclasses.asdict(k.ptxas),
-            "occupancy": None if k.occupancy is None else dataclasses.asdict(k.occupancy)}
+            "occupancy": None if k.occupancy is None else dataclasses.asdict(k.occupancy),
+            "ptxas_error": k.ptxas_error}
+
+
+def _kernel_from_json(k: dict, arch: str) -> KernelStatic:
+    return KernelStatic(name=k["name"], arch=arch, num_warps=k["num_warps"], num_stages=k["num_stages"],
+                        grid=tuple(k["grid"]), smem_bytes=k["smem_bytes"], dots=tuple(Dot(**d) for d in k["dots"]),
+                        wgmma=dict(k["wgmma"]), mma_sync=dict(k["mma_sync"]), cp_async=k["cp_async"], tma=k["tma"],
+                        has_loop=k["has_loop"], local_ptx=k["local_ptx"],
+                        ptxas=None if k["ptxas"] is None else Ptxas(**k["ptxas"]),
+                        occupancy=None if k["occupancy"] is None else Occupancy(**k["occupancy"]),
+                        ptxas_error=k.get("ptxas_error"))
+
+
+def from_json(row: Mapping) -> StaticConfig:
+    """The `StaticConfig` of one row of `StaticConfig.to_json` (failures and warnings are recomputed
+    from the kernels' readings)."""
+    return StaticConfig(op=row["op"], implementation=row["implementation"], family=row["family"], label=row["call"],
+                        config=row["config"], config_index=row["config_index"], heuristic=row["heuristic"],
+                        arch=row["arch"], kernels=tuple(_kernel_from_json(k, row["arch"]) for k in row["kernels"]),
+                        error=row["error"])
+
+
+def read_json(paths: Iterable) -> list[StaticConfig]:
+    """The readings of `write_json` files (a JSON list) or JSON-lines files (one `to_json` row a line,
+    as a run's ``progress`` can append them), merged in order: a later reading of the same (op,
+    implementation, call, config, arch) replaces the earlier one, so per-op runs merge into one."""
+    from pathlib import Path
+
+    merged: dict = {}
+    for path in paths:
+        text = Path(path).read_text()
+        stripped = text.lstrip()
+        rows = json.loads(text) if stripped.startswith("[") else [json.loads(l) for l in text.splitlines() if l.strip()]
+        for row in rows:
+            merged[(row["op"], row["implementation"], row["call"], row["config"], row["arch"])] = from_json(row)
+    return list(merged.values())
 
 
 def triton_implementations(ops: Mapping[str, Op]) -> list[tuple[Op, str]]:
@@ -147,11 +198,12 @@ def _calls(op: Op) -> list[tuple[str, Example]]:
 _CALLS: dict = {}
 
 
-def _heuristic_calls(op: Op, implementation: str) -> list[tuple[str, tuple, dict, Any]]:
-    """(label, args, kwargs, heuristic config) for each bf16 example and H200 benchmark the implementation takes."""
+def _heuristic_calls(op: Op, implementation: str, arch: str = "9.0") -> list[tuple[str, tuple, dict, Any]]:
+    """(label, args, kwargs, heuristic config) for each bf16 example and H200 benchmark shape the
+    implementation takes on a GPU of ``arch``."""
     impl = op.implementations[implementation]
     found = []
-    with lowering_target(TARGET):
+    with lowering_target(_arch_target(arch)):
         for label, example in _calls(op):
             try:
                 call = op.check(*example.args, **example.kwargs)
@@ -163,17 +215,18 @@ def _heuristic_calls(op: Op, implementation: str) -> list[tuple[str, tuple, dict
     return found
 
 
-def units(op: Op, implementation: str) -> list[Unit]:
-    """The space's configs and the heuristic's choices of one implementation (see the module
-    docstring). A config counts as the heuristic's where the heuristic picks it for that very
-    call (spills depend on the shape): a space config when picked at the space's call, and each
-    other heuristic choice once, at the first call that picks it."""
+def units(op: Op, implementation: str, arch: str = "9.0") -> list[Unit]:
+    """The space's configs and the heuristic's choices of one implementation on a GPU of ``arch``
+    (its `ARCH_TARGETS` dispatch target: heuristic, space and refusals as an A100 sees them for
+    ``"8.0"``; see the module docstring). A config counts as the heuristic's where the heuristic
+    picks it for that very call (spills depend on the shape): a space config when picked at the
+    space's call, and each other heuristic choice once, at the first call that picks it."""
     impl = op.implementations[implementation]
-    heuristic = _heuristic_calls(op, implementation)
+    heuristic = _heuristic_calls(op, implementation, arch)
     calls = _calls(op)  # the space at the first benchmark shape that has one (else the first example's)
     ordered = [c for c in calls if c[0].startswith("bench")] + [c for c in calls if c[0].startswith("ex")]
     found, space_label = [], None
-    with lowering_target(TARGET):
+    with lowering_target(_arch_target(arch)):
         for label, example in ordered:
             try:
                 call = op.check(*example.args, **example.kwargs)
@@ -183,7 +236,7 @@ def units(op: Op, implementation: str) -> list[Unit]:
             if space:
                 chosen = repr(impl.default_config(call))
                 found = [Unit(op, implementation, label, example.args, example.kwargs, config, k,
-                              repr(config) == chosen) for k, config in enumerate(space)]
+                              repr(config) == chosen, arch) for k, config in enumerate(space)]
                 space_label = label
                 break
     seen = {repr(u.config) for u in found if u.heuristic}
@@ -192,28 +245,28 @@ def units(op: Op, implementation: str) -> list[Unit]:
             continue
         seen.add(repr(config))
         index = next((u.config_index for u in found if repr(u.config) == repr(config)), None)
-        found.append(Unit(op, implementation, label, args, kwargs, config, index, True))
+        found.append(Unit(op, implementation, label, args, kwargs, config, index, True, arch))
     return found
-
-
-_ARCH_TARGETS = {"9.0": "h100", "8.0": "a100"}
 
 
 def _supported_at(unit: Unit, arch: str) -> bool:
     """Whether dispatch would run ``unit``'s implementation on a GPU of ``arch``."""
-    from ..core.platform import LOWERING_TARGETS
+    target = LOWERING_TARGETS[_arch_target(arch)]
+    with lowering_target(target):
+        call = unit.op.check(*unit.args, **unit.kwargs)
+        return bool(unit.op.implementations[unit.implementation].supported(call, target))
 
-    call = unit.op.check(*unit.args, **unit.kwargs)
-    return bool(unit.op.implementations[unit.implementation].supported(call, LOWERING_TARGETS[_ARCH_TARGETS[arch]]))
 
-
-def analyze_unit(unit: Unit, archs: Iterable[str] = ARCHS, *, use_ptxas: bool = True) -> list[StaticConfig]:
-    """Lower ``unit`` for cuda and analyze its Triton kernels at each arch."""
+def analyze_unit(unit: Unit, archs: Iterable[str] | None = None, *, use_ptxas: bool = True) -> list[StaticConfig]:
+    """Lower ``unit`` for cuda (dispatch targeting its arch's GPU) and analyze its Triton kernels
+    at each arch of ``archs`` (default: the unit's own; another arch compiles the same Triton IR,
+    e.g. to compare instruction selection) where dispatch would run it."""
+    archs = (unit.arch,) if archs is None else tuple(archs)
     base = dict(op=unit.op.name, implementation=unit.implementation, family=unit.op.family, label=unit.label,
                 config=config_id(unit.config), config_index=unit.config_index, heuristic=unit.heuristic)
     try:
         (lowered,) = lower_config(unit.op, unit.implementation, unit.args, unit.kwargs, config=unit.config,
-                                  platform="cuda", target=TARGET)
+                                  platform="cuda", target=_arch_target(unit.arch))
         sources = triton_sources(lowered)
     except Exception as e:  # noqa: BLE001 - a lowering failure is a finding
         return [StaticConfig(**base, arch=a, error=f"lowering failed: {type(e).__name__}: {e}"[:300]) for a in archs]
@@ -232,20 +285,25 @@ def analyze_unit(unit: Unit, archs: Iterable[str] = ARCHS, *, use_ptxas: bool = 
 
 def run_static_tier(ops: Mapping[str, Op], archs: Iterable[str] = ARCHS, *, use_ptxas: bool = True,
                     progress: Callable[[StaticConfig], None] | None = None,
-                    heuristic_only: bool = False) -> list[StaticConfig]:
-    """`analyze_unit` over every unit of every Triton implementation of ``ops``
-    (only the heuristic's choices with ``heuristic_only``: the configs that
-    decide the exit code, a few per kernel instead of the whole space)."""
+                    heuristic_only: bool = False,
+                    done: Callable[[list[StaticConfig]], None] | None = None) -> list[StaticConfig]:
+    """`analyze_unit` over every unit of every Triton implementation of ``ops`` at each arch (its
+    own units there; only the heuristic's choices with ``heuristic_only``: the configs that decide
+    the exit code, a few per kernel instead of the whole space). ``progress`` sees each reading,
+    ``done`` the readings so far after each implementation and arch (to save partial runs)."""
     archs = tuple(archs)
     results = []
     for op, name in triton_implementations(ops):
-        for unit in units(op, name):
-            if heuristic_only and not unit.heuristic:
-                continue
-            for r in analyze_unit(unit, archs, use_ptxas=use_ptxas):
-                results.append(r)
-                if progress is not None:
-                    progress(r)
+        for arch in archs:
+            for unit in units(op, name, arch):
+                if heuristic_only and not unit.heuristic:
+                    continue
+                for r in analyze_unit(unit, use_ptxas=use_ptxas):
+                    results.append(r)
+                    if progress is not None:
+                        progress(r)
+            if done is not None:
+                done(results)
     return results
 
 
@@ -368,8 +426,9 @@ def run_cli(names: list[str], archs: Iterable[str] = ARCHS, *, json_path: str | 
         return 2
     if use_ptxas and ptxas_path() is None:
         print_fn(f"note: {PTXAS_MISSING}")
+    save = (lambda rs: write_json(rs, json_path)) if json_path and json_path != "-" else None
     results = run_static_tier(ops, archs, use_ptxas=use_ptxas, heuristic_only=heuristic_only,
-                              progress=lambda r: print_fn("\n".join(format_findings(r))))
+                              progress=lambda r: print_fn("\n".join(format_findings(r))), done=save)
     if json_path:
         write_json(results, json_path)
     for arch in archs:

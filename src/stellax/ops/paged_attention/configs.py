@@ -161,7 +161,10 @@ def _splits(geo: Geometry, ppb: int, block_rows: int) -> int:
 
 def _warps(geo: Geometry, ppb: int, block_rows: int) -> int:
     tile = ppb * geo.page_size * max(geo.dims)
-    return 8 if tile >= 16384 or block_rows * max(geo.dims) >= 16384 else 4
+    # Static GPU tier, sm_80: 64 query rows x 128 dims on 4 warps take 255 registers and spill 52 B
+    # (ragged, mixed batch); 8 warps take 176, no spills. sm_90 holds them on 4 warps (241 registers).
+    rows_tile = 8192 if _below_sm90() else 16384
+    return 8 if tile >= 16384 or block_rows * max(geo.dims) >= rows_tile else 4
 
 
 def paged_heuristic(call: Call) -> PagedConfig:
