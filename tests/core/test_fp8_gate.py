@@ -40,3 +40,16 @@ def test_static_tier_refuses_to_compile_float8_kernels_for_sm80(monkeypatch):
     monkeypatch.setattr(pa, "ir_text", lambda s: "%0 = tt.fp_to_fp %x : tensor<16xf8E4M3FN> -> tensor<16xbf16>")
     with pytest.raises(ValueError, match="sm_89"):
         pa.analyze(source, "8.0", use_ptxas=False)
+
+
+def test_triton_quantize_to_float8_is_refused_below_sm89_only():
+    """Float operands, float8 output: the quantize kernel declares it writes float8."""
+    op = stellax.registered_ops()["quantize"]
+    triton = op.implementations["triton"]
+    x = jnp.ones((8, 128), jnp.float32)
+    to_fp8 = op.check(x, format="fp8_e4m3", axis=-1, block_shape=(1, 32))
+    to_int8 = op.check(x, format="int8", axis=-1, block_shape=(1, 32))
+    refused = triton.supported(to_fp8, LOWERING_TARGETS["a100"])
+    assert not refused and "float8 outputs" in refused.reason and "A100" in refused.reason, refused
+    assert triton.supported(to_fp8, LOWERING_TARGETS["h100"])
+    assert triton.supported(to_int8, LOWERING_TARGETS["a100"])

@@ -98,6 +98,9 @@ class Implementation:
         call's shapes/options cannot run here, or ``None``.
       native: when False, ``implementation=None`` never picks it (it is used
         only on request), e.g. an XLA path that is slower by design.
+      writes_float8: ``writes_float8(call) -> bool`` for a Triton kernel whose
+        *outputs* may be float8 though its operands are not (quantizing to
+        fp8): such calls are refused below sm_89 like float8 operands.
     """
 
     name: str
@@ -108,6 +111,7 @@ class Implementation:
     space: Callable[[Call], list[Any]] | None = None
     requirements: Callable[[Call], str | None] | None = None
     native: bool = True
+    writes_float8: Callable[[Call], bool] | None = None
 
     def __post_init__(self):
         if self.config_type is not None and (self.heuristic is None or self.space is None):
@@ -119,7 +123,8 @@ class Implementation:
         if not support:
             return support
         if self.backend == "triton":
-            reason = _triton_fp8_reason(call, platform)
+            reason = _triton_fp8_reason(call, platform,
+                                        writes=self.writes_float8 is not None and self.writes_float8(call))
             if reason:
                 return Support(False, reason)
         if self.requirements is not None:
@@ -143,11 +148,12 @@ _FLOAT8 = frozenset(("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_
                      "float8_e8m0fnu"))
 
 
-def _triton_fp8_reason(call: Call, platform: Platform) -> str | None:
+def _triton_fp8_reason(call: Call, platform: Platform, writes: bool = False) -> str | None:
     """Why a Triton kernel cannot take ``call`` on this GPU: float8 operands
-    (codes, block scales, cache pages) on an NVIDIA GPU below sm_89, where
-    Triton has no float8 conversions (its compile aborts the process:
-    "Conversion from/to f8e4m3nv is only supported on compute capability >= 89")."""
+    (codes, block scales, cache pages), or float8 outputs (``writes``), on an
+    NVIDIA GPU below sm_89, where Triton has no float8 conversions (its compile
+    aborts the process: "Conversion from/to f8e4m3nv is only supported on
+    compute capability >= 89")."""
     cc = platform.compute_capability
     if not platform.is_nvidia or cc is None or tuple(cc) >= (8, 9):
         return None
@@ -155,10 +161,13 @@ def _triton_fp8_reason(call: Call, platform: Platform) -> str | None:
 
     names = sorted({name for name, value in call.arrays.items()
                     for leaf in jax.tree_util.tree_leaves(value) if str(getattr(leaf, "dtype", "")) in _FLOAT8})
-    if not names:
-        return None
-    return (f"float8 operands ({', '.join(names)}) need sm_89 or newer in Triton kernels (no float8 conversions "
-            f"below); this GPU is {platform.describe()}")
+    if names:
+        return (f"float8 operands ({', '.join(names)}) need sm_89 or newer in Triton kernels (no float8 "
+                f"conversions below); this GPU is {platform.describe()}")
+    if writes:
+        return (f"float8 outputs need sm_89 or newer in Triton kernels (no float8 conversions below); this GPU is "
+                f"{platform.describe()}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

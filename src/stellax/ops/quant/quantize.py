@@ -97,6 +97,11 @@ def _triton_requirements(call: Call):
     return None
 
 
+def _writes_float8(call: Call) -> bool:
+    """Whether the Triton quantize kernel writes float8 codes for ``call`` (fp8 and MXFP8 formats)."""
+    return np.dtype(F.get_format(call.format).storage_dtype).name.startswith("float8")
+
+
 def _triton(call: Call, config: QuantizeConfig) -> QArray:
     """Rows of the last axis through `triton.block_quantize` (int/fp8, float32
     scales) or `triton.mx_quantize` (MX, E8M0 scales)."""
@@ -132,7 +137,8 @@ quantize_op = register(Op(
                        heuristic=quantize_tpu_heuristic, space=quantize_tpu_space,
                        requirements=tpu_kernels.quantize_requirements),
         Implementation("triton", _triton, backend="triton", config_type=QuantizeConfig,
-                       heuristic=quantize_heuristic, space=quantize_space, requirements=_triton_requirements),
+                       heuristic=quantize_heuristic, space=quantize_space, requirements=_triton_requirements,
+                       writes_float8=_writes_float8),
         Implementation("xla", _xla)],
     flops=_flops,
     bytes_accessed=_bytes,
