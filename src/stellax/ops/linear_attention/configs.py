@@ -57,13 +57,27 @@ def fits_shared_memory(kdim: int, config: LinearAttentionConfig) -> bool:
 MAX_STATE_TILE = 128 * 64
 
 
+def below_sm90() -> bool:
+    """Whether dispatch targets an NVIDIA GPU below sm_90 (`current_platform`: the device, or a
+    `lowering_target` such as the static GPU tier's A100): mma.sync holds both dot operands in
+    registers there, where sm_90's wgmma reads them from shared memory."""
+    platform = current_platform()
+    cc = platform.compute_capability
+    return bool(platform.is_nvidia and cc is not None and tuple(cc) < (9, 0))
+
+
 def linear_attention_heuristic(call: Call) -> LinearAttentionConfig:
     """The default config, from the static tier's ptxas readings (sm_90 and
     sm_80, TF32X3 dots): at ``K ≥ 128`` 32 value columns and one stage (64
-    columns, or a second stage, spill the state scan's registers at K = V = 128);
-    below, ``block_v = min(64, V)`` and two stages (cp.async prefetch of the next
-    chunk in the scans). Four warps (head sizes padded as the kernels pad them)."""
+    columns, or a second stage, spill the state scan's registers at K = V = 128),
+    below sm_90 16 columns on 8 warps (at 32 columns on 4 warps sm_80's scans
+    spilled 196 B (GDN) and 344 B (SSD state), the GDN output 8 B; 16 columns on
+    4 warps still 32 B in the GDN scan; 16 on 8 warps none);
+    below K = 128, ``block_v = min(64, V)`` and two stages (cp.async prefetch of the next
+    chunk in the scans), four warps (head sizes padded as the kernels pad them)."""
     kdim, vdim = (padded_dim(d) for d in _dims(call))
+    if kdim >= 128 and below_sm90():
+        return LinearAttentionConfig(block_v=min(16, vdim), num_warps=8, num_stages=1)
     if kdim >= 128:
         return LinearAttentionConfig(block_v=min(32, vdim), num_warps=4, num_stages=1)
     return LinearAttentionConfig(block_v=min(64, vdim), num_warps=4, num_stages=2)

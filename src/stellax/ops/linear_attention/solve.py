@@ -62,15 +62,23 @@ def solve_unit_lower(A, R):
     return jnp.concatenate(xs, axis=-2)
 
 
-def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST):
+def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, serial: bool = False):
     """``T = (I + A)⁻¹ [C, C]`` of a strictly lower ``A [C, C]`` on one tile
     (``rows, cols`` its `square_iota`): ``(I − A)(I + A²)(I + A⁴)…`` — exact,
-    as ``A^C = 0``. ``precision`` of its ``2·log2(C/2)`` matmuls."""
+    as ``A^C = 0``. ``precision`` of its ``2·log2(C/2)`` matmuls.
+
+    ``serial`` makes each squaring wait for the previous product's update (an
+    added ``0·T``, exact for finite ``T``): the two matmuls of a step are
+    otherwise independent and, on sm_90 (wgmma), ptxas overlaps them — at C = 64
+    on 4 warps the GDN WY kernel spilled 44–84 B there, none serialized. Below
+    sm_90 (mma.sync, operands in registers) the serialized chain spilled more.
+    """
     inv = (rows == cols).astype(F32) - a
     power = a
     span = 2
     while span < chunk:
-        power = dot(power, power, precision=precision)
+        lhs = power + 0.0 * inv if serial and span > 2 else power
+        power = dot(lhs, power, precision=precision)
         inv = inv + dot(inv, power, precision=precision)
         span *= 2
     return inv

@@ -19,7 +19,7 @@ chunk-initial state. The forward of a chunk is
 
     dQ̃ = dO Sᵀ,  dK̃ = Δ dS'ᵀ,  dγ = Σ S ⊙ dS',  dP = lower(dO Δᵀ)
     dQ = dQ̃ ⊙ Γ + (dP ⊙ E) K,   dK = dK̃ ⊙ exp(tail) + (dP ⊙ E)ᵀ Q
-    delta rule:  dR_v = Tᵀ dΔ,  dR_w = −Tᵀ dΔ Sᵀ,  dA = −strict_lower(dR_v Uᵀ + dR_w Wᵀ)
+    delta rule:  dR_v = Tᵀ dΔ,  dR_w = −Tᵀ dΔ Sᵀ = −dR_v Sᵀ,  dA = −strict_lower(dR_v Uᵀ + dR_w Wᵀ)
                  dV = β ⊙ dR_v,  dK += β Γ ⊙ dR_w + dA_k K + dA_kᵀ K  (dA_k = β ⊙ dA ⊙ E)
                  dβ = Σ_v dR_v ⊙ V + Σ_k dR_w ⊙ Γ K + Σ_j dA ⊙ (K Kᵀ) ⊙ E
     SSD:         dV = dΔ
@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 
 from ...core import pallas
 from ...core.pallas import F32, TF32X3, operand, output, square_iota, triton_kernel_call
-from .configs import LinearAttentionConfig
+from .configs import LinearAttentionConfig, below_sm90
 from .decay import masked_decay, tile_spans
 from .solve import unit_lower_inverse
 
@@ -101,21 +101,22 @@ def _score_sums(q, k, states, d_states, *, chunk: int, block_k: int, with_kk: bo
     return jax.lax.fori_loop(0, q.shape[-1] // block_k, scores, (zero_cc, zero_cc, jnp.zeros((), F32)))
 
 
-def _d_rw(t, dd, states, i, block_k: int):
-    """``dR_w = Tᵀ dW`` with ``dW = −dΔ Sᵀ``, the columns of key block ``i``."""
-    return -dot_tn(t, dot_nt(dd, _rows(states, i, block_k)))
+def _d_rw(drv, states, i, block_k: int):
+    """``dR_w = Tᵀ dW`` with ``dW = −dΔ Sᵀ``, the columns of key block ``i``, as
+    ``−(Tᵀ dΔ) Sᵀ = −dR_v Sᵀ``: ``T`` is not needed (nor held) for it."""
+    return -dot_nt(drv, _rows(states, i, block_k))
 
 
-def _through_solve(*, k, v, beta, states, dd, kk, spans, gate, chunk: int, block_k: int, dv, dbeta):
+def _through_solve(*, k, v, beta, states, dd, kk, spans, gate, chunk: int, block_k: int, serial: bool, dv, dbeta):
     """The delta rule's part: recompute ``T``, ``U``, ``W``; write ``dv = β ⊙ Tᵀ dΔ``
-    and ``dβ``. Returns ``(T, βΓ, dA_k, dG)``: the solve, the row scale of
+    and ``dβ``. Returns ``(dR_v, βΓ, dA_k, dG)``: ``Tᵀ dΔ``, the row scale of
     ``W``'s right-hand side, the gradient of ``(K Kᵀ ⊙ E)`` and the row sums
     through ``Γ``."""
     rows, cols = square_iota(chunk)
     b = beta[...].astype(F32)
     vc = v[...].astype(F32)
     strict = masked_decay(spans, rows > cols)
-    t = unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk, precision=TF32X3)
+    t = unit_lower_inverse(kk * strict * b[:, None], rows, cols, chunk, precision=TF32X3, serial=serial)
     bg = b * gate
     u = dot(t, vc * b[:, None])  # U = T(β⊙V)          [C, BV]
     drv = dot_tn(t, dd)  # dR_v = Tᵀ dΔ           [C, BV]
@@ -124,7 +125,7 @@ def _through_solve(*, k, v, beta, states, dd, kk, spans, gate, chunk: int, block
     def through_w(i, acc):
         rw_w, rw_k = acc
         kb = _cols(k, i, block_k)
-        drw = _d_rw(t, dd, states, i, block_k)
+        drw = _d_rw(drv, states, i, block_k)
         w = dot(t, kb * bg[:, None])  # W = T(β⊙Γ⊙K)
         return rw_w + dot_nt(drw, w), rw_k + jnp.sum(drw * kb, axis=1)
 
@@ -133,7 +134,7 @@ def _through_solve(*, k, v, beta, states, dd, kk, spans, gate, chunk: int, block
     da = -jnp.where(rows > cols, dot_nt(drv, u) + rw_w, 0.0)
     dak = da * strict  # gradient of (K Kᵀ ⊙ E) before the β row scale
     dbeta[...] = (jnp.sum(drv * vc, axis=1) + rw_k * gate + jnp.sum(dak * kk, axis=1)).astype(dbeta.dtype)
-    return t, bg, dak * b[:, None], rw_k * bg
+    return drv, bg, dak * b[:, None], rw_k * bg
 
 
 def _qk_grads(*, q, k, states, d_states, delta, do, dpe, gate, keep, solve, d_prefix, block_k: int, dq, dk):
@@ -147,8 +148,8 @@ def _qk_grads(*, q, k, states, d_states, delta, do, dpe, gate, keep, solve, d_pr
         dqb = dqg * gate[:, None] + dot(dpe, kb)
         dkb = dkg * keep[:, None] + dot_tn(dpe, qb)
         if solve is not None:
-            t, dd, bg, dak = solve
-            dkb = dkb + _d_rw(t, dd, states, i, block_k) * bg[:, None] + dot(dak, kb) + dot_tn(dak, kb)
+            drv, bg, dak = solve
+            dkb = dkb + _d_rw(drv, states, i, block_k) * bg[:, None] + dot(dak, kb)
         dq[:, pl.ds(i * block_k, block_k)] = dqb.astype(dq.dtype)
         dk[:, pl.ds(i * block_k, block_k)] = dkb.astype(dk.dtype)
         return d_prefix + jnp.sum(dqg * qb, axis=1) * gate, d_tail + jnp.sum(dkg * kb, axis=1) * keep
@@ -168,7 +169,7 @@ def _decay_grads(m, d_prefix, d_tail, total, dgamma, chunk: int):
 
 
 def _gdn_intra_backward_kernel(*, q, k, v, g, beta, states, delta, d_states, d_delta, do, dq, dk, dv, dg, dbeta,
-                               chunk, block_k):
+                               chunk, block_k, serial):
     """One chunk and value block: the partial ``dq, dk, dg, dβ`` and ``dv`` (module docstring)."""
     do_c = do[...]
     dd = d_delta[...]
@@ -182,10 +183,11 @@ def _gdn_intra_backward_kernel(*, q, k, v, g, beta, states, delta, d_states, d_d
     m = dpe * qk  # dP ⊙ P
     solve = None
     if beta is not None:
-        t, bg, dak, d_prefix = _through_solve(k=k, v=v, beta=beta, states=states, dd=dd, kk=kk, spans=spans,
-                                              gate=gate, chunk=chunk, block_k=block_k, dv=dv, dbeta=dbeta)
+        drv, bg, dak, d_prefix = _through_solve(k=k, v=v, beta=beta, states=states, dd=dd, kk=kk, spans=spans,
+                                              gate=gate, chunk=chunk, block_k=block_k, serial=serial, dv=dv,
+                                              dbeta=dbeta)
         m = m + dak * kk  # dA ⊙ A
-        solve = (t, dd, bg, dak)
+        solve = (drv, bg, dak + dak.T)  # dA_k K + dA_kᵀ K in one matmul
     else:
         dv[...] = dd.astype(dv.dtype)
         d_prefix = jnp.zeros((chunk,), F32)
@@ -231,7 +233,8 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
     part_k = output((nv, bh, tp, kdim), F32, pl.BlockSpec((None, None, chunk, kdim), lambda c, h, j: (j, h, c, 0)))
     part_vec = output((nv, bh, tp), F32, pl.BlockSpec((None, None, chunk), lambda c, h, j: (j, h, c)))
     outs = triton_kernel_call(
-        functools.partial(_gdn_intra_backward_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim)), grid=(nt, bh, nv),
+        functools.partial(_gdn_intra_backward_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim),
+                          serial=not below_sm90()), grid=(nt, bh, nv),
         inputs=dict(q=operand(q, qk), k=operand(k, qk), v=operand(v, vb), g=operand(g, vec),
                     beta=operand(beta, vec), states=operand(states, state), delta=operand(delta, vb),
                     d_states=operand(d_states, state), d_delta=operand(d_delta, vb), do=operand(do, vb)),

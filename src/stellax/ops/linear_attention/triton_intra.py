@@ -7,7 +7,8 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
 
 * `gdn_wy_forward` (GDN's scalar decays ``g [BH, Tp]``, delta rule only): per
   chunk ``A = strict_lower(β_i exp(D_ij) k_i·k_j)``, ``T = (I + A)⁻¹`` by the
-  nilpotent product ``(I − A)(I + A²)…(I + A³²)``, then ``U = T(β⊙V)`` and
+  nilpotent product ``(I − A)(I + A²)…(I + A³²)`` (its steps serialized on sm_90:
+  `solve.unit_lower_inverse`), then ``U = T(β⊙V)`` and
   ``W = T(β⊙Γ⊙K)``. SSD (no delta rule) skips this stage (``U = V``).
 * `kda_intra_forward` (KDA's per-channel decays ``g [BH, Tp, K]``; padded
   channels and tokens have ``g = 0``, an identity step): the scores of q and
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
-from .configs import KDA_BLOCK_K, LinearAttentionConfig
+from .configs import KDA_BLOCK_K, LinearAttentionConfig, below_sm90
 from .decay import masked_decay, span_sum, tile_spans
 from .layout import check_flat_layout
 from .scores import channel_scores
@@ -51,7 +52,7 @@ def _chunk_vec(chunk: int):
 
 
 # -- GDN: the WY representation ------------------------------------------------------
-def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk):
+def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk, serial):
     """One chunk: ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)``, ``T = (I + strict_lower(β exp(D) K Kᵀ))⁻¹``;
     the ``[C, K]`` / ``[C, V]`` operands in blocks of `KDA_BLOCK_K` columns (loops:
     no dot holds a whole ``[C, 128]`` tile)."""
@@ -67,7 +68,7 @@ def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk):
     kk = jax.lax.fori_loop(0, kdim // bk, scores, jnp.zeros((chunk, chunk), F32))
     spans, prefix, _, _ = tile_spans(g[...], chunk)
     inv = unit_lower_inverse(kk * masked_decay(spans, rows > cols) * b[:, None], rows, cols, chunk,
-                             precision=TF32X3)
+                             precision=TF32X3, serial=serial)
 
     def u_block(i, _):
         vs = pl.ds(i * bv, bv)
@@ -95,7 +96,7 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
     vdim = v.shape[-1]
     kspec, vspec, vec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_vec(chunk)
     outs = triton_kernel_call(
-        functools.partial(_gdn_wy_kernel, chunk=chunk), grid=(tp // chunk, bh),
+        functools.partial(_gdn_wy_kernel, chunk=chunk, serial=not below_sm90()), grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, vec), beta=operand(beta, vec)),
         outputs=dict(u=output(v.shape, F32, vspec), w=output(k.shape, F32, kspec)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_gdn_wy",
@@ -104,7 +105,7 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
 
 
 # -- KDA: scores, WY representation, decay factors -----------------------------------
-def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk):
+def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk, serial):
     """One chunk: the per-channel scores, ``T``, ``U``, ``W`` and the decay factors
     (``T`` and the strictly lower k scores too when ``t``/``sk`` are given)."""
     kdim, vdim = k.shape[-1], v.shape[-1]
@@ -119,20 +120,25 @@ def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk)
     def channels(i, carry):  # the scores are sums over channels: one block of channels at a time
         cs, qb, kb, gb = load(i)
         pq, pk = channel_scores(qb, kb, gb, chunk, precision=TF32X3)
-        qg[:, cs] = qb * jnp.exp(span_sum(cols <= rows, gb, precision=TF32X3))  # Q⊙Γ, Γ_i = exp(Σ_{t≤i} g_t)
-        kg[:, cs] = kb * jnp.exp(span_sum(cols > rows, gb, precision=TF32X3))  # K̃_j = k_j exp(Σ_{t>j} g_t)
-        gamma[cs] = jnp.exp(jnp.sum(gb, axis=0))
         return carry[0] + pq, carry[1] + pk
 
     zeros = jnp.zeros((chunk, chunk), F32)
     pq, pk = jax.lax.fori_loop(0, kdim // bk, channels, (zeros, zeros))
     p[...] = pq
+    if sk is not None:  # for the backward: the strictly lower k scores (A/β), written now so pk dies here
+        sk[...] = jnp.where(rows > cols, pk, 0.0)
     a = jnp.where(rows > cols, pk, 0.0) * b[:, None]
-    inv = unit_lower_inverse(a, rows, cols, chunk, precision=TF32X3)
+    inv = unit_lower_inverse(a, rows, cols, chunk, precision=TF32X3, serial=serial)
+    if t is not None:  # and T
+        t[...] = inv
 
-    def w_block(i, _):
-        cs, _, kb, gb = load(i)
-        w[:, cs] = dot(inv, kb * jnp.exp(span_sum(cols <= rows, gb, precision=TF32X3)) * b[:, None], precision=TF32X3)
+    def w_block(i, _):  # W and the decay factors, after the scores (fewer tiles live in their loop)
+        cs, qb, kb, gb = load(i)
+        gate = jnp.exp(span_sum(cols <= rows, gb, precision=TF32X3))  # Γ_i = exp(Σ_{t≤i} g_t)
+        w[:, cs] = dot(inv, kb * gate * b[:, None], precision=TF32X3)
+        qg[:, cs] = qb * gate  # Q⊙Γ
+        kg[:, cs] = kb * jnp.exp(span_sum(cols > rows, gb, precision=TF32X3))  # K̃_j = k_j exp(Σ_{t>j} g_t)
+        gamma[cs] = jnp.exp(jnp.sum(gb, axis=0))
         return 0
 
     def u_block(i, _):
@@ -142,9 +148,6 @@ def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk)
 
     jax.lax.fori_loop(0, kdim // bk, w_block, 0)
     jax.lax.fori_loop(0, vdim // bv, u_block, 0)
-    if t is not None:  # for the backward: T and the undecayed-by-β k scores
-        t[...] = inv
-        sk[...] = jnp.where(rows > cols, pk, 0.0)
 
 
 def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig, with_solve: bool = False):
@@ -167,7 +170,7 @@ def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionCo
     kspec, vspec, cspec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_spec(chunk, chunk)
     square = output((bh, tp, chunk), F32, cspec)
     outs = triton_kernel_call(
-        functools.partial(_kda_intra_kernel, chunk=chunk), grid=(nt, bh),
+        functools.partial(_kda_intra_kernel, chunk=chunk, serial=not below_sm90()), grid=(nt, bh),
         inputs=dict(q=operand(q, kspec), k=operand(k, kspec), v=operand(v, vspec), g=operand(g, kspec),
                     beta=operand(beta, _chunk_vec(chunk))),
         outputs=dict(u=output((bh, tp, vdim), F32, vspec), w=output((bh, tp, kdim), F32, kspec), p=square,
