@@ -65,7 +65,7 @@ def backend_support(backend: str, platform: Platform) -> Support:
     if backend == "triton":
         if platform.backend != "gpu":
             return Support(False, f"the Triton backend needs a GPU, this device is {platform.describe()}{hint}")
-        if platform.is_nvidia and platform.compute_capability and platform.compute_capability < (8, 0):
+        if platform.nvidia_below((8, 0)):
             return Support(False, f"the Triton kernels need SM80 or newer, this GPU is {platform.describe()}")
         return SUPPORTED
     if backend == "mosaic_gpu":
@@ -154,8 +154,7 @@ def _triton_fp8_reason(call: Call, platform: Platform, writes: bool = False) -> 
     NVIDIA GPU below sm_89, where Triton has no float8 conversions (its compile
     aborts the process: "Conversion from/to f8e4m3nv is only supported on
     compute capability >= 89")."""
-    cc = platform.compute_capability
-    if not platform.is_nvidia or cc is None or tuple(cc) >= (8, 9):
+    if not platform.nvidia_below((8, 9)):
         return None
     import jax
 

@@ -53,6 +53,13 @@ class Platform:
     def is_nvidia(self) -> bool:
         return self.backend == "gpu" and self.vendor == "nvidia"
 
+    def nvidia_below(self, capability: tuple[int, int]) -> bool:
+        """Whether this is an NVIDIA GPU with a compute capability below ``capability``
+        (``(9, 0)``: below Hopper, where ptxas gives mma.sync tiles more registers per
+        thread than sm_90's wgmma tiles; ``(8, 9)``: no float8 in Triton)."""
+        cc = self.compute_capability
+        return bool(self.is_nvidia and cc is not None and tuple(cc) < tuple(capability))
+
     @property
     def tpu(self) -> TpuGeneration | None:
         """The TPU generation (VMEM, MXU, dtypes), or ``None`` off a known TPU."""

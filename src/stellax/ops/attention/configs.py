@@ -104,21 +104,12 @@ def _itemsize(call: Call) -> int:
     return 4 if call.query.dtype == jnp.float32 else 2
 
 
-def _below_sm90() -> bool:
-    """True when dispatch targets an NVIDIA GPU below sm_90 (`current_platform`: the device, or a
-    `lowering_target` such as the static GPU tier's A100). ptxas gives the same tiles more registers
-    per thread there (mma.sync instead of wgmma): the tier's sm_80 readings spill where sm_90's do not."""
-    platform = current_platform()
-    cc = platform.compute_capability
-    return bool(platform.is_nvidia and cc is not None and tuple(cc) < (9, 0))
-
-
 def flash_heuristic(call: Call) -> FlashConfig:
     h, hv = head_dims(call)
     d = max(_padded(h), _padded(hv))
     if _itemsize(call) == 4 and d > 64:
         return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
-    if d <= 64 and _below_sm90():
+    if d <= 64 and current_platform().nvidia_below((9, 0)):
         # Static GPU tier, sm_80, bf16 H=64: 128x64 on 4 warps takes 255 registers and spills 40 B
         # (24 B with 2 stages, 8 B on 8 warps); 64x64 takes 168, no spills, 12 warps per SM.
         return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)
@@ -136,7 +127,7 @@ def flash_space(call: Call) -> list[FlashConfig]:
     # The static GPU tier (ptxas, sm_90, bf16 H=128): 128-row query tiles on 4 warps hit 255
     # registers and spill (24-696 B); 8 warps hold them in 134 registers. Below sm_90 they spill at
     # H=64 too (24-40 B).
-    spills_on_4_warps = _below_sm90() or max(_padded(h), _padded(hv)) >= 128
+    spills_on_4_warps = current_platform().nvidia_below((9, 0)) or max(_padded(h), _padded(hv)) >= 128
     return [c for c in space if _fits(c.block_q, c.block_k, h, hv, c.num_stages, _itemsize(call))
             and not (spills_on_4_warps and c.num_warps == 4 and c.block_q == 128)]
 
@@ -146,7 +137,7 @@ def flash_backward_heuristic(call: Call) -> FlashBackwardConfig:
     d = max(_padded(h), _padded(hv))
     if _itemsize(call) == 4 and d > 64:
         return FlashBackwardConfig(block_q=32, block_k=32, num_warps=4, num_stages=1)
-    if d <= 64 and _below_sm90():
+    if d <= 64 and current_platform().nvidia_below((9, 0)):
         # Static GPU tier, sm_80, bf16 H=64: the dk/dv kernel at 64x64 takes 255 registers and spills
         # 36 B (48 B on 8 warps, 20 B at block_k 32, 16 B with one stage); block_q 32 takes 252, none.
         return FlashBackwardConfig(block_q=32, block_k=64, num_warps=4, num_stages=2)

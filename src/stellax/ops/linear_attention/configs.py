@@ -57,15 +57,6 @@ def fits_shared_memory(kdim: int, config: LinearAttentionConfig) -> bool:
 MAX_STATE_TILE = 128 * 64
 
 
-def below_sm90() -> bool:
-    """Whether dispatch targets an NVIDIA GPU below sm_90 (`current_platform`: the device, or a
-    `lowering_target` such as the static GPU tier's A100): mma.sync holds both dot operands in
-    registers there, where sm_90's wgmma reads them from shared memory."""
-    platform = current_platform()
-    cc = platform.compute_capability
-    return bool(platform.is_nvidia and cc is not None and tuple(cc) < (9, 0))
-
-
 def linear_attention_heuristic(call: Call) -> LinearAttentionConfig:
     """The default config, from the static tier's ptxas readings (sm_90 and
     sm_80, TF32X3 dots): at ``K ≥ 128`` 32 value columns and one stage (64
@@ -76,7 +67,7 @@ def linear_attention_heuristic(call: Call) -> LinearAttentionConfig:
     below K = 128, ``block_v = min(64, V)`` and two stages (cp.async prefetch of the next
     chunk in the scans), four warps (head sizes padded as the kernels pad them)."""
     kdim, vdim = (padded_dim(d) for d in _dims(call))
-    if kdim >= 128 and below_sm90():
+    if kdim >= 128 and current_platform().nvidia_below((9, 0)):
         return LinearAttentionConfig(block_v=min(16, vdim), num_warps=8, num_stages=1)
     if kdim >= 128:
         return LinearAttentionConfig(block_v=min(32, vdim), num_warps=4, num_stages=1)
@@ -101,8 +92,7 @@ def linear_attention_requirements(call: Call, *, per_channel: bool = False) -> s
         return f"the Triton kernels hold [K, V] states in registers: K={kdim}, V={vdim}, the limit is {MAX_HEAD_DIM}"
     if per_channel:  # KDA's kernels (triton_intra.kda_intra_forward, triton_kda_backward)
         platform = current_platform()
-        cc = platform.compute_capability
-        if platform.is_nvidia and cc is not None and cc < KDA_MIN_CAPABILITY:
+        if platform.nvidia_below(KDA_MIN_CAPABILITY):
             return (f"KDA's Triton kernels need sm_90's shared memory (the intra-chunk backward kernel takes "
                     f"177 KiB, over sm_80's 163 KiB); this GPU is {platform.describe()}")
     return None

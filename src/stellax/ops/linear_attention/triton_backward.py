@@ -51,9 +51,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core import pallas
+from ...core import current_platform, pallas
 from ...core.pallas import F32, TF32X3, operand, output, square_iota, triton_kernel_call
-from .configs import LinearAttentionConfig, below_sm90
+from .configs import LinearAttentionConfig
 from .decay import masked_decay, tile_spans
 from .solve import unit_lower_inverse
 
@@ -234,7 +234,7 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
     part_vec = output((nv, bh, tp), F32, pl.BlockSpec((None, None, chunk), lambda c, h, j: (j, h, c)))
     outs = triton_kernel_call(
         functools.partial(_gdn_intra_backward_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim),
-                          serial=not below_sm90()), grid=(nt, bh, nv),
+                          serial=not current_platform().nvidia_below((9, 0))), grid=(nt, bh, nv),
         inputs=dict(q=operand(q, qk), k=operand(k, qk), v=operand(v, vb), g=operand(g, vec),
                     beta=operand(beta, vec), states=operand(states, state), delta=operand(delta, vb),
                     d_states=operand(d_states, state), d_delta=operand(d_delta, vb), do=operand(do, vb)),

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from ...core import current_platform
 from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
-from .configs import KDA_BLOCK_K, LinearAttentionConfig, below_sm90
+from .configs import KDA_BLOCK_K, LinearAttentionConfig
 from .decay import masked_decay, span_sum, tile_spans
 from .layout import check_flat_layout
 from .scores import channel_scores
@@ -96,7 +97,7 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
     vdim = v.shape[-1]
     kspec, vspec, vec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_vec(chunk)
     outs = triton_kernel_call(
-        functools.partial(_gdn_wy_kernel, chunk=chunk, serial=not below_sm90()), grid=(tp // chunk, bh),
+        functools.partial(_gdn_wy_kernel, chunk=chunk, serial=not current_platform().nvidia_below((9, 0))), grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, vec), beta=operand(beta, vec)),
         outputs=dict(u=output(v.shape, F32, vspec), w=output(k.shape, F32, kspec)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_gdn_wy",
@@ -170,7 +171,7 @@ def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionCo
     kspec, vspec, cspec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_spec(chunk, chunk)
     square = output((bh, tp, chunk), F32, cspec)
     outs = triton_kernel_call(
-        functools.partial(_kda_intra_kernel, chunk=chunk, serial=not below_sm90()), grid=(nt, bh),
+        functools.partial(_kda_intra_kernel, chunk=chunk, serial=not current_platform().nvidia_below((9, 0))), grid=(nt, bh),
         inputs=dict(q=operand(q, kspec), k=operand(k, kspec), v=operand(v, vspec), g=operand(g, kspec),
                     beta=operand(beta, _chunk_vec(chunk))),
         outputs=dict(u=output((bh, tp, vdim), F32, vspec), w=output((bh, tp, kdim), F32, kspec), p=square,

@@ -118,8 +118,7 @@ def _requirements(geo: Geometry) -> str | None:
             return "token-axis groups must split a page into a power-of-two number of groups"
         if spec.format == "fp8":
             platform = current_platform()
-            cc = platform.compute_capability
-            if platform.is_nvidia and cc is not None and cc < (8, 9):
+            if platform.nvidia_below((8, 9)):
                 return f"fp8 caches need SM89 or newer for the Triton kernels, this GPU is {platform.describe()}"
     return None
 
@@ -163,7 +162,7 @@ def _warps(geo: Geometry, ppb: int, block_rows: int) -> int:
     tile = ppb * geo.page_size * max(geo.dims)
     # Static GPU tier, sm_80: 64 query rows x 128 dims on 4 warps take 255 registers and spill 52 B
     # (ragged, mixed batch); 8 warps take 176, no spills. sm_90 holds them on 4 warps (241 registers).
-    rows_tile = 8192 if _below_sm90() else 16384
+    rows_tile = 8192 if current_platform().nvidia_below((9, 0)) else 16384
     return 8 if tile >= 16384 or block_rows * max(geo.dims) >= rows_tile else 4
 
 
@@ -185,17 +184,11 @@ def ragged_heuristic(call: Call) -> RaggedConfig:
                         num_warps=_warps(geo, ppb, rows), num_stages=2)
 
 
-def _below_sm90() -> bool:
-    platform = current_platform()
-    cc = platform.compute_capability
-    return bool(platform.is_nvidia and cc is not None and tuple(cc) < (9, 0))
-
-
 def _mla_stages(geo: Geometry, ppb: int) -> int:
     """Two pipeline stages double the latent tile's shared memory: 176 KB for 64
     tokens × R = 512 on sm_80 (static GPU tier), over its 163 KB; one stage takes
     104 KB. sm_90 (227 KB) keeps two."""
-    return 1 if _below_sm90() and ppb * geo.page_size * max(geo.dims) >= 64 * 512 else 2
+    return 1 if current_platform().nvidia_below((9, 0)) and ppb * geo.page_size * max(geo.dims) >= 64 * 512 else 2
 
 
 def mla_heuristic(call: Call) -> MlaConfig:
@@ -243,4 +236,4 @@ def mla_space(call: Call) -> list[MlaConfig]:
     geo = geometry(call, "mla")
     return product_space(MlaConfig, pages_per_block=_ppb_choices(geo, (16, 32, 64)),
                          num_splits=(1, 4, 16), block_rows=_row_choices(geo, 32),
-                         num_warps=(4, 8), num_stages=(1, 2) if _below_sm90() else (2,))
+                         num_warps=(4, 8), num_stages=(1, 2) if current_platform().nvidia_below((9, 0)) else (2,))
