@@ -32,8 +32,10 @@ Scenarios (each on each model):
   seconds`` is the tokens/s in docs/integrations.md.
 
 Output JSON: ``{"vllm": version, "backend": name, "runs": {"<model>/<scenario>":
-{"token_ids": [[...], ...], "logprobs": [[...], ...], "seconds": s, "cpu_seconds": s,
-"generated_tokens": n}}}`` (``logprobs``: the logprob of each generated token; ``cpu_seconds``: the
+{"token_ids": [[...], ...], "logprobs": [[...], ...], "runner_up_ids": [[...], ...],
+"runner_up_logprobs": [[...], ...], "seconds": s, "cpu_seconds": s, "generated_tokens": n}}}``
+(``logprobs``: the logprob of each generated token; ``runner_up_*``: the most likely other token at
+each step and its logprob, so a comparison can tell a near-tie from a real difference; ``cpu_seconds``: the
 process's CPU time over the same span, all threads: less sensitive than wall time to other load on
 a shared machine).
 """
@@ -116,7 +118,7 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
     llm = LLM(**kwargs)
     if kv_scales is not None:
         _set_kv_scales(llm, *kv_scales)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True, detokenize=False)
     batch = prompts("prefix" if scenario == "prefix" else "plain")
     if num_prompts is not None:
         batch = (batch * (num_prompts // len(batch) + 1))[:num_prompts]
@@ -124,7 +126,7 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
     requests = [TokensPrompt(prompt_token_ids=p) for p in batch]
     if num_prompts is not None:  # throughput: a warm-up pass first (stellax compiles its padded shapes once)
         llm.generate(requests, params, use_tqdm=False)
-    token_ids, logprobs = [], []
+    token_ids, logprobs, runner_up_ids, runner_up_logprobs = [], [], [], []
     start, cpu_start = time.perf_counter(), time.process_time()
     generated = 0
     for _ in range(passes):
@@ -133,12 +135,17 @@ def run_scenario(model_path: Path, backend: str, scenario: str, *, max_tokens: i
             c = out.outputs[0]
             token_ids.append(list(c.token_ids))
             logprobs.append([float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)])
+            others = [max((lp for lp in step.items() if lp[0] != t), key=lambda lp: lp[1].logprob)
+                      for t, step in zip(c.token_ids, c.logprobs)]
+            runner_up_ids.append([int(o) for o, _ in others])
+            runner_up_logprobs.append([float(lp.logprob) for _, lp in others])
             generated += len(c.token_ids)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     backend_used = _backend_class(llm)
     del llm
     gc.collect()
-    return {"token_ids": token_ids, "logprobs": logprobs, "seconds": seconds, "cpu_seconds": cpu_seconds,
+    return {"token_ids": token_ids, "logprobs": logprobs, "runner_up_ids": runner_up_ids,
+            "runner_up_logprobs": runner_up_logprobs, "seconds": seconds, "cpu_seconds": cpu_seconds,
             "generated_tokens": generated,
             "backend_class": backend_used}
 

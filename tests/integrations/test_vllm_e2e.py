@@ -8,7 +8,11 @@ GPT-OSS-style model with attention sinks and alternating windowed layers;
 prefix caching off, on (a second pass over cached pages) and chunked prefill
 mixed with decodes) once with ``attention_backend="STELLAX"`` and once with
 vLLM's own ``CPU_ATTN``; greedy token ids must be identical and the logprobs
-within 1e-3. The same for vLLM's fp8 KV caches (``kv_cache_dtype="fp8"`` and
+within 1e-3, except that a sequence may part ways at a near-tie: a step where
+both backends rank the two tokens within 2e-3 of each other and each picks the
+other's runner-up (two correct float32 attentions can order such a pair either
+way; the rest of that sequence then continues from different tokens and is not
+compared). The same for vLLM's fp8 KV caches (``kv_cache_dtype="fp8"`` and
 ``"fp8_e5m2"``, with unit and with calibrated-style per-tensor scales), which
 vLLM's CPU backend runs too: both backends write the same codes (checked
 byte for byte against vLLM's own cache-write op) and read them with the
@@ -37,6 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "benchmarks" / "vllm_offline.py"
 RUNS = [f"{m}/{s}" for m in ("llama", "mistral", "gptoss") for s in ("plain", "prefix", "chunked")]
 LOGPROB_TOL = 1e-3
+#: the widest top-1/top-2 logprob gap that two backends within LOGPROB_TOL of each other can order differently.
+TIE_GAP = 2 * LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,38 @@ def _env():
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("PYTHONPATH", None)
     return env
+
+
+def _worst_logprob_gap(ours, theirs, name):
+    """The largest logprob difference over the steps where both backends generated the same tokens.
+
+    Token ids must agree step by step; the one allowed parting is a near-tie
+    (see the module docstring), checked on both sides: the two tokens swap
+    places between the backends and each backend ranks them within TIE_GAP.
+    A sequence is compared up to and including that step.
+    """
+    worst, partings = 0.0, []
+    for seq, (a_ids, b_ids) in enumerate(zip(ours["token_ids"], theirs["token_ids"], strict=True)):
+        assert len(a_ids) == len(b_ids), f"{name} sequence {seq}: {len(a_ids)} tokens vs {len(b_ids)}"
+        for step, (a, b) in enumerate(zip(a_ids, b_ids)):
+            if a != b:
+                a_gap = ours["logprobs"][seq][step] - ours["runner_up_logprobs"][seq][step]
+                b_gap = theirs["logprobs"][seq][step] - theirs["runner_up_logprobs"][seq][step]
+                assert ours["runner_up_ids"][seq][step] == b and theirs["runner_up_ids"][seq][step] == a, (
+                    f"{name} sequence {seq} step {step}: stellax picked {a} (runner-up "
+                    f"{ours['runner_up_ids'][seq][step]}), CPU_ATTN picked {b} (runner-up "
+                    f"{theirs['runner_up_ids'][seq][step]}): not a swap of the top two")
+                assert max(a_gap, b_gap) <= TIE_GAP, (
+                    f"{name} sequence {seq} step {step}: stellax picked {a}, CPU_ATTN picked {b}, but the "
+                    f"top-two gaps are {a_gap:.2e} / {b_gap:.2e} (> {TIE_GAP:.0e}): not a near-tie")
+                worst = max(worst, abs(ours["logprobs"][seq][step] - theirs["runner_up_logprobs"][seq][step]),
+                            abs(ours["runner_up_logprobs"][seq][step] - theirs["logprobs"][seq][step]))
+                partings.append(f"sequence {seq} step {step} (gaps {a_gap:.1e} / {b_gap:.1e})")
+                break
+            worst = max(worst, abs(ours["logprobs"][seq][step] - theirs["logprobs"][seq][step]))
+    if partings:
+        print(f"{name}: parted at near-ties: {', '.join(partings)}")
+    return worst
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +115,7 @@ def test_the_selected_backends_ran(results):
 def test_same_tokens_and_logprobs_as_vllm_cpu_attention(results, name):
     ours, theirs = results["STELLAX"]["runs"][name], results["CPU_ATTN"]["runs"][name]
     assert ours["generated_tokens"] == theirs["generated_tokens"] > 0
-    assert ours["token_ids"] == theirs["token_ids"]
-    worst = max(abs(a - b) for x, y in zip(ours["logprobs"], theirs["logprobs"]) for a, b in zip(x, y, strict=True))
+    worst = _worst_logprob_gap(ours, theirs, name)
     assert worst <= LOGPROB_TOL, f"{name}: logprobs differ by up to {worst:.2e}"
 
 
@@ -121,8 +158,6 @@ def fp8_results(vllm_python, tmp_path_factory):
     return out
 
 
-def _worst_logprob_gap(ours, theirs):
-    return max(abs(a - b) for x, y in zip(ours["logprobs"], theirs["logprobs"]) for a, b in zip(x, y, strict=True))
 
 
 @pytest.mark.parametrize("config, name", FP8_RUNS, ids=[f"{c}-{n}" for c, n in FP8_RUNS])
@@ -130,8 +165,7 @@ def test_fp8_cache_same_tokens_and_logprobs_as_vllm_cpu_attention(fp8_results, c
     ours, theirs = fp8_results[config]["STELLAX"]["runs"][name], fp8_results[config]["CPU_ATTN"]["runs"][name]
     assert ours["backend_class"] == "StellaxAttentionBackend" and theirs["backend_class"] == "CPUAttentionBackend"
     assert ours["generated_tokens"] == theirs["generated_tokens"] > 0
-    assert ours["token_ids"] == theirs["token_ids"]
-    worst = _worst_logprob_gap(ours, theirs)
+    worst = _worst_logprob_gap(ours, theirs, f"{config} {name}")
     print(f"{config} {name}: logprobs differ by up to {worst:.2e}")
     assert worst <= LOGPROB_TOL, f"{config} {name}: logprobs differ by up to {worst:.2e}"
 
@@ -142,7 +176,8 @@ def test_fp8_formats_are_honoured(fp8_results):
     for backend in ("STELLAX", "CPU_ATTN"):
         e4m3 = fp8_results["fp8"][backend]["runs"]["llama/plain"]
         e5m2 = fp8_results["fp8_e5m2"][backend]["runs"]["llama/plain"]
-        assert _worst_logprob_gap(e4m3, e5m2) > 10 * LOGPROB_TOL, backend
+        gap = max(abs(a - b) for x, y in zip(e4m3["logprobs"], e5m2["logprobs"]) for a, b in zip(x, y, strict=True))
+        assert gap > 10 * LOGPROB_TOL, backend
 
 
 CODES = """
