@@ -78,6 +78,21 @@ def tile_spans(g, chunk: int):
     return spans, prefix, jnp.sum(later, axis=0), jnp.sum(g)
 
 
+def block_pair_spans(blocks, a: int, c: int):
+    """``D_ij = Σ_{j<t≤i} g_t`` ``[s, s]`` for the rows ``i`` of block ``a`` and the columns
+    ``j`` of block ``c ≤ a`` of a chunk cut into blocks of ``s`` rows, from each block's
+    `tile_spans` ``blocks[b] = (D, G, tail, total)`` (all within block ``b``): the
+    block's own ``D`` on the diagonal (0 on and above it; mask it), else the span split
+    at the start of block ``a``, ``Σ_{a·s≤t≤i} g + (tail_j + Σ_{c<b<a} total_b)`` — a
+    sum of same-sign direct span sums, every one ≤ 0."""
+    if a == c:
+        return blocks[a][0]
+    between = blocks[c][2]
+    for b in range(c + 1, a):
+        between = between + blocks[b][3]
+    return blocks[a][1][:, None] + between[None, :]
+
+
 def span_sum(mask, g, *, precision=HIGHEST):
     """``Σ_t mask[i, t] g_t`` for a 0/1 ``mask [C, C]`` and per-channel ``g [C, K]``:
     a direct sum over each row's span (same-sign terms), ``[C, K]``: exact products

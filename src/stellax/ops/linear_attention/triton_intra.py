@@ -36,10 +36,17 @@ from jax.experimental import pallas as pl
 from ...core import current_platform
 from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
 from .configs import KDA_BLOCK_K, LinearAttentionConfig
-from .decay import masked_decay, span_sum, tile_spans
+from .decay import block_pair_spans, masked_decay, span_sum, tile_spans
 from .layout import check_flat_layout
 from .scores import channel_scores
-from .solve import unit_lower_inverse
+from .solve import block_unit_lower_inverse, unit_lower_inverse
+
+#: Rows per block of the GDN WY kernel below sm_90 (`_gdn_wy_blocked_kernel`). sm_80,
+#: spill stores per thread at the heuristic's configs (K=V=128 / K=32, V=16 / K=16, V=32):
+#: whole-chunk kernel 2592 / 2640 / 1916 B; blocks of 16 rows 608 / 12 / 296 B; of 32 rows 0 / 12 / 12 B.
+WY_BLOCK = 32
+#: Key columns per step of the blocked kernel's score loop (64 at K = 128: 40 B of spills; 32: none).
+WY_SCORE_BLOCK_K = 32
 
 
 def _chunk_spec(chunk: int, d: int):
@@ -87,6 +94,56 @@ def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk, serial):
     jax.lax.fori_loop(0, kdim // bk, w_block, 0)
 
 
+def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk):
+    """`_gdn_wy_kernel` in blocks of `WY_BLOCK` rows (the kernel below sm_90):
+    per block pair ``(a, c ≤ a)`` the scores ``A_ac = β_a exp(D_ac) k_a k_cᵀ``
+    (`decay.block_pair_spans`; ``K`` in steps of `WY_SCORE_BLOCK_K` columns),
+    the blocks of ``T`` by forward substitution (`solve.block_unit_lower_inverse`),
+    then ``U_a = Σ_{c≤a} T_ac (β⊙V)_c`` and ``W_a = Σ_{c≤a} T_ac (β⊙Γ⊙K)_c``
+    (one loop per block row ``a``: only ``T``'s row ``a`` is live in it). Every
+    matmul has a ``[32, ≤64]`` left and a ``[≤64, ≤64]`` right operand, so
+    mma.sync's register operands stay small."""
+    kdim, vdim = k.shape[-1], v.shape[-1]
+    s, step_k = WY_BLOCK, min(kdim, WY_SCORE_BLOCK_K)
+    nb = chunk // s
+    rows = [pl.ds(a * s, s) for a in range(nb)]
+    betas = [beta[r] for r in rows]
+    blocks = [tile_spans(g[r], s) for r in rows]  # (D, G, tail, total) within each block
+    prefix, start = [], 0.0  # G_i = Σ_{t≤i} g_t: the totals of the earlier blocks + the block's own prefix
+    for a in range(nb):
+        prefix.append(start + blocks[a][1])
+        start = start + blocks[a][3]
+    inner_rows, inner_cols = square_iota(s)
+
+    def scores(a, c):
+        def step(i, acc):
+            cs = pl.ds(i * step_k, step_k)
+            return acc + dot_nt(k[rows[a], cs].astype(F32), k[rows[c], cs].astype(F32), precision=TF32X3)
+
+        kk = jax.lax.fori_loop(0, kdim // step_k, step, jnp.zeros((s, s), F32))
+        mask = inner_rows > inner_cols if a == c else inner_rows >= 0
+        return kk * masked_decay(block_pair_spans(blocks, a, c), mask) * betas[a][:, None]
+
+    t = block_unit_lower_inverse([[scores(a, c) for c in range(a + 1)] for a in range(nb)], precision=TF32X3,
+                                 serial=True)
+
+    def apply(out, src, scales):  # out[rows a] = Σ_{c≤a} T_ac (scale_c ⊙ src_c), by column blocks
+        width = min(src.shape[-1], KDA_BLOCK_K)
+        for a in range(nb):
+            def block(i, _, a=a):
+                cs = pl.ds(i * width, width)
+                acc = jnp.zeros((s, width), F32)
+                for c in range(a + 1):
+                    acc = acc + dot(t[a][c], src[rows[c], cs].astype(F32) * scales[c][:, None], precision=TF32X3)
+                out[rows[a], cs] = acc.astype(out.dtype)
+                return 0
+
+            jax.lax.fori_loop(0, src.shape[-1] // width, block, 0)
+
+    apply(u, v, betas)
+    apply(w, k, [b * jnp.exp(p) for b, p in zip(betas, prefix)])
+
+
 def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
     """The delta rule's ``(U [BH, Tp, V], W [BH, Tp, K])`` float32 per chunk.
 
@@ -96,8 +153,12 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
     kspec, vspec, vec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_vec(chunk)
+    if current_platform().nvidia_below((9, 0)):  # mma.sync: small register operands (see the kernel)
+        kernel = functools.partial(_gdn_wy_blocked_kernel, chunk=chunk)
+    else:  # wgmma: whole-chunk matmuls, the inverse's steps serialized
+        kernel = functools.partial(_gdn_wy_kernel, chunk=chunk, serial=True)
     outs = triton_kernel_call(
-        functools.partial(_gdn_wy_kernel, chunk=chunk, serial=not current_platform().nvidia_below((9, 0))), grid=(tp // chunk, bh),
+        kernel, grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, vec), beta=operand(beta, vec)),
         outputs=dict(u=output(v.shape, F32, vspec), w=output(k.shape, F32, kspec)),
         num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_gdn_wy",
