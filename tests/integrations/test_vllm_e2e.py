@@ -158,8 +158,6 @@ def fp8_results(vllm_python, tmp_path_factory):
     return out
 
 
-
-
 @pytest.mark.parametrize("config, name", FP8_RUNS, ids=[f"{c}-{n}" for c, n in FP8_RUNS])
 def test_fp8_cache_same_tokens_and_logprobs_as_vllm_cpu_attention(fp8_results, config, name):
     ours, theirs = fp8_results[config]["STELLAX"]["runs"][name], fp8_results[config]["CPU_ATTN"]["runs"][name]

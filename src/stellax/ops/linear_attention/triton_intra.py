@@ -7,8 +7,9 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
 
 * `gdn_wy_forward` (GDN's scalar decays ``g [BH, Tp]``, delta rule only): per
   chunk ``A = strict_lower(β_i exp(D_ij) k_i·k_j)``, ``T = (I + A)⁻¹`` by the
-  nilpotent product ``(I − A)(I + A²)…(I + A³²)`` (its steps serialized on sm_90:
-  `solve.unit_lower_inverse`), then ``U = T(β⊙V)`` and
+  nilpotent product ``(I − A)(I + A²)…(I + A³²)`` (its steps serialized:
+  `solve.unit_lower_inverse`; below sm_90 in blocks of 32 rows,
+  `solve.block_unit_lower_inverse`), then ``U = T(β⊙V)`` and
   ``W = T(β⊙Γ⊙K)``. SSD (no delta rule) skips this stage (``U = V``).
 * `kda_intra_forward` (KDA's per-channel decays ``g [BH, Tp, K]``; padded
   channels and tokens have ``g = 0``, an identity step): the scores of q and
@@ -60,7 +61,7 @@ def _chunk_vec(chunk: int):
 
 
 # -- GDN: the WY representation ------------------------------------------------------
-def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk, serial):
+def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk):
     """One chunk: ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)``, ``T = (I + strict_lower(β exp(D) K Kᵀ))⁻¹``;
     the ``[C, K]`` / ``[C, V]`` operands in blocks of `KDA_BLOCK_K` columns (loops:
     no dot holds a whole ``[C, 128]`` tile)."""
@@ -76,7 +77,7 @@ def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk, serial):
     kk = jax.lax.fori_loop(0, kdim // bk, scores, jnp.zeros((chunk, chunk), F32))
     spans, prefix, _, _ = tile_spans(g[...], chunk)
     inv = unit_lower_inverse(kk * masked_decay(spans, rows > cols) * b[:, None], rows, cols, chunk,
-                             precision=TF32X3, serial=serial)
+                             precision=TF32X3, serial=True)
 
     def u_block(i, _):
         vs = pl.ds(i * bv, bv)
@@ -156,7 +157,7 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
     if current_platform().nvidia_below((9, 0)):  # mma.sync: small register operands (see the kernel)
         kernel = functools.partial(_gdn_wy_blocked_kernel, chunk=chunk)
     else:  # wgmma: whole-chunk matmuls, the inverse's steps serialized
-        kernel = functools.partial(_gdn_wy_kernel, chunk=chunk, serial=True)
+        kernel = functools.partial(_gdn_wy_kernel, chunk=chunk)
     outs = triton_kernel_call(
         kernel, grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, vec), beta=operand(beta, vec)),
