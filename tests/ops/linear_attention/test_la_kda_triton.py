@@ -117,6 +117,35 @@ def test_kda_intra_kernel_channel_blocks():
     assert all(np.isfinite(np.asarray(x)).all() for x in (u, w, p, qg, kg, gamma))
 
 
+def test_kda_intra_kernel_solve_outputs():
+    """``with_solve``: the strictly lower k scores and ``T`` equal float64's
+    ``S_k`` and ``(I + β⊙S_k)⁻¹`` per chunk (two chunks, K = 16, strong decays on
+    some channels), and the other factors equal those without it."""
+    rng = np.random.default_rng(1)
+    c, nt, kdim = 64, 2, 16
+    q, k = rng.normal(size=(2, 1, nt * c, kdim)) / np.sqrt(kdim)
+    g = -rng.uniform(0.0, 1.0, size=(1, nt * c, kdim))
+    g[..., :2] = -20.0
+    v = rng.normal(size=(1, nt * c, 32))
+    beta = rng.uniform(size=(1, nt * c))
+    args = [jnp.asarray(x, F32) for x in (q, k, v, g, beta)]
+    with stellax.interpret_mode():
+        plain = kda_intra_forward(*args, chunk=c, config=SMALL)
+        *factors, t, sk = kda_intra_forward(*args, chunk=c, config=SMALL, with_solve=True)
+    for want, got in zip(plain, factors):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for n in range(nt):
+        rows = slice(n * c, (n + 1) * c)
+        kc, gc = k[0, rows], g[0, rows]
+        ref = np.zeros((c, c))
+        for i in range(c):
+            for j in range(i):
+                ref[i, j] = np.sum(kc[i] * kc[j] * np.exp(gc[j + 1:i + 1].sum(0)))
+        np.testing.assert_allclose(np.asarray(sk[0, rows]), ref, rtol=1e-5, atol=1e-6)
+        inv = np.linalg.inv(np.eye(c) + beta[0, rows, None] * ref)
+        np.testing.assert_allclose(np.asarray(t[0, rows]), inv, rtol=1e-5, atol=1e-6)
+
+
 def test_kda_kernels_name_bad_arguments():
     x = jnp.zeros((1, 64, 32))
     beta = jnp.zeros((1, 64))
@@ -184,7 +213,7 @@ def test_kda_cuda_lowering_head_sizes(kdim, vdim):
 
 
 # -- PTX tier ---------------------------------------------------------------------
-KDA_KERNELS = {"stellax_kda_intra", "stellax_kda_state", "stellax_kda_output"}
+KDA_KERNELS = {"stellax_kda_scores", "stellax_kda_intra", "stellax_kda_state", "stellax_kda_output"}
 
 
 @pytest.mark.ptx

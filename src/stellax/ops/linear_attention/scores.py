@@ -16,17 +16,21 @@ across blocks the decay splits at a reference row ``r`` between ``j`` and
 block); inside a diagonal block it is formed elementwise. Every exponent is
 a direct span sum ≤ 0.
 
-Two forms: `decayed_scores` (XLA, batched, both decay kinds; sub-blocks of
-`DECAY_BLOCK` rows) and `channel_scores` (one ``[C, K]`` tile inside the
-Triton kernels; sub-blocks of `CHANNEL_SUB_BLOCK` rows).
+Three forms: `decayed_scores` (XLA, batched, both decay kinds; sub-blocks of
+`DECAY_BLOCK` rows), `channel_scores` (one ``[C, K]`` tile inside a kernel,
+the Mosaic TPU kernels; sub-blocks of `CHANNEL_SUB_BLOCK` rows) and the
+pieces of the Triton forward's sub-block form (`sub_block_spans`,
+`diagonal_block_scores`; ``[16, bk]`` and ``[16, 16]`` tiles only, which
+`triton_intra` combines block pair by block pair).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, HIGHEST, dot, dot_nt, square_iota
+from ...core.pallas import F32, HIGHEST, TF32X3, dot, dot_nt, square_iota
 from .decay import masked_exp, pair_sums, span_sum, tail_sums
 from .solve import sub_block
 
@@ -94,7 +98,7 @@ def _channel_decayed_scores(x, y, g):
 
 
 def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIGHEST):
-    """``(P_q, P_k)``, each ``[C, C]`` float32, on one tile inside a Triton kernel:
+    """``(P_q, P_k)``, each ``[C, C]`` float32, on one tile inside a kernel:
     ``P_x[i, j] = Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i`` and 0 above,
     for ``x = q`` and ``x = k`` (``q, k, g [C, K]`` float32).
 
@@ -105,7 +109,7 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIG
     block at once, elementwise (``s`` steps of a ``[C, K]`` exp and row sum).
     Every exponent is a direct span sum ≤ 0 (−inf outside its span).
     ``unrolled`` runs the diagonal offsets as a Python loop instead of a ``fori_loop``;
-    ``precision`` of every matmul (the Triton kernels: `TF32X3`, on tensor cores).
+    ``precision`` of every matmul.
     """
     s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
     rows, cols = square_iota(chunk)
@@ -144,3 +148,38 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIG
             carry = diagonal(d, carry)
         return carry
     return jax.lax.fori_loop(0, s, diagonal, (pq, pk))
+
+
+# -- sub-blocks (inside the Triton forward kernel) ---------------------------------------
+def sub_block_spans(g):
+    """The span sums of one sub-block's per-channel log decays ``g [s, bk]`` (rows
+    ``i``, ``j`` of the sub-block), float32: ``(Σ_{t≤i} g_t [s, bk], Σ_{t>j} g_t
+    [s, bk], Σ_t g_t [bk])`` — a cumulative sum, a `TF32X3` 0/1-mask matmul (Triton
+    has no reverse cumulative sum) and a column sum, each a direct sum ≤ 0."""
+    rows, cols = square_iota(g.shape[0])
+    return jnp.cumsum(g, axis=0), span_sum(cols > rows, g, precision=TF32X3), jnp.sum(g, axis=0)
+
+
+def diagonal_block_scores(xs, k, g, first, channels, acc):
+    """Add one diagonal sub-block's decayed scores ``[s, s]`` of each row set of ``xs``
+    (``[s, bk]`` float32, the chunk's rows ``first + i``) to ``acc`` (a tuple like ``xs``):
+    ``Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i`` (0 above), elementwise, one
+    column ``j`` at a time from the last: the exponent of column ``j`` is that of
+    ``j + 1`` plus ``g_{j+1}`` on the rows ``i > j`` — a direct sum of same-sign
+    terms, no matmul. ``k``, ``g``: refs inside a Triton kernel, read at the rows
+    ``first + j`` and the columns ``channels``."""
+    s = xs[0].shape[0]
+    rows, cols = square_iota(s)
+    row = jax.lax.broadcasted_iota(jnp.int32, (s, 1), 0)
+
+    def column(step, carry):
+        j = s - 1 - step
+        span, acc = carry  # span[i] = Σ_{j<t≤i} g_t on the rows i ≥ j
+        kj = k[pl.ds(first + j, 1), channels].astype(F32)
+        ke = kj * jnp.exp(jnp.where(row >= j, span, -jnp.inf))
+        hit = (cols == j) & (rows >= j)
+        acc = tuple(a + jnp.where(hit, jnp.sum(x * ke, axis=1, keepdims=True), 0.0) for a, x in zip(acc, xs))
+        span = span + jnp.where(row >= j, g[pl.ds(first + j, 1), channels].astype(F32), 0.0)
+        return span, acc
+
+    return jax.lax.fori_loop(0, s, column, (jnp.zeros(xs[0].shape, F32), acc))[1]

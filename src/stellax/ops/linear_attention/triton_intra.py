@@ -12,18 +12,21 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
   `solve.block_unit_lower_inverse`), then ``U = T(β⊙V)`` and
   ``W = T(β⊙Γ⊙K)``. SSD (no delta rule) skips this stage (``U = V``).
 * `kda_intra_forward` (KDA's per-channel decays ``g [BH, Tp, K]``; padded
-  channels and tokens have ``g = 0``, an identity step): the scores of q and
-  k (`scores.channel_scores`, in blocks of 64 channels — the scores are sums
-  over channels), ``A``, ``T``, ``U``, ``W`` (64 value columns at a time) and
-  the factors the other stages need, which per channel cannot be recomputed
-  cheaply: ``P`` (the causal decayed ``q·k`` scores), ``Q⊙Γ``,
-  ``K̃ = K⊙exp(Σ_{t>j} g_t)`` and ``Γ_C = exp(Σ_t g_t)``.
+  channels and tokens have ``g = 0``, an identity step), two kernels with the
+  k scores in HBM between them (fla's split): `stellax_kda_scores` forms the
+  scores of q and k on sub-blocks of 16 rows and 16 channels at a time
+  (`scores.sub_block_spans`, `scores.diagonal_block_scores`) — ``P`` (the
+  causal decayed ``q·k`` scores) and ``S_k`` (the strictly lower ``k·k``
+  ones, ``A = β⊙S_k``) — and the factors the other stages need, which per
+  channel cannot be recomputed cheaply: ``Q⊙Γ``, ``K̃ = K⊙exp(Σ_{t>j} g_t)``
+  and ``Γ_C = exp(Σ_t g_t)``; `stellax_kda_intra` then forms ``T = (I + A)⁻¹``,
+  ``U`` and ``W``. Both run on 4 warps whatever the config (`KDA_INTRA_WARPS`).
 
-The chunk matmuls (``K Kᵀ``, the inverse's products, ``T(β⊙V)``, ``T(β⊙Γ⊙K)``)
-and KDA's channel scores, gathers and per-channel decay sums (0/1-mask
-matmuls) run as `TF32X3` (three TF32 tensor-core passes, about float32
-accuracy: an IEEE float32 dot is scalar FMA on a GPU); GDN's pair spans are a
-cumulative sum (`decay.tile_spans`). Every exponent is ≤ 0.
+The chunk matmuls (``K Kᵀ``, the inverse's products, ``T(β⊙V)``, ``T(β⊙Γ⊙K)``),
+KDA's sub-block scores and in-block tails (0/1-mask matmuls) run as `TF32X3`
+(three TF32 tensor-core passes, about float32 accuracy: an IEEE float32 dot is
+scalar FMA on a GPU); GDN's pair spans and KDA's prefixes are cumulative sums
+(`decay.tile_spans`). Every exponent is ≤ 0.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ from jax.experimental import pallas as pl
 from ...core import current_platform
 from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
 from .configs import KDA_BLOCK_K, LinearAttentionConfig
-from .decay import block_pair_spans, masked_decay, span_sum, tile_spans
+from .decay import block_pair_spans, masked_decay, tile_spans
 from .layout import check_flat_layout
-from .scores import channel_scores
-from .solve import block_unit_lower_inverse, unit_lower_inverse
+from .scores import CHANNEL_SUB_BLOCK, diagonal_block_scores, sub_block_spans
+from .solve import block_unit_lower_inverse, sub_block, unit_lower_inverse
 
 #: Rows per block of the GDN WY kernel below sm_90 (`_gdn_wy_blocked_kernel`). sm_80,
 #: spill stores per thread at the heuristic's configs (K=V=128 / K=32, V=16 / K=16, V=32):
@@ -167,41 +170,100 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
     return outs.u, outs.w
 
 
-# -- KDA: scores, WY representation, decay factors -----------------------------------
-def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk, serial):
-    """One chunk: the per-channel scores, ``T``, ``U``, ``W`` and the decay factors
-    (``T`` and the strictly lower k scores too when ``t``/``sk`` are given)."""
+# -- KDA: scores and decay factors, then the WY representation ----------------------
+#: Channels per step of KDA's score kernel (`_kda_scores_kernel`); sm_90 at K = 128:
+#: 32 channels spilled 76 B, 16 none (218 registers).
+KDA_SCORE_BLOCK_K = 16
+#: Channels / value columns per step of KDA's WY kernel (`_kda_wy_kernel`); sm_90 with
+#: ``T`` stored: 64 took 253–255 registers and spilled 128 B at K = V = 64, 32 at most 247, none.
+KDA_WY_BLOCK = 32
+#: Warps of both KDA forward kernels. sm_90, K = V = 64 with ``T`` stored: on 8 warps
+#: the WY kernel spilled 176 B (wgmma splits the ``[64, 64]`` tiles' columns, so each
+#: warpgroup holds all of the inverse's register operand); on 4 none.
+KDA_INTRA_WARPS = 4
+
+
+def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
+    """One chunk's per-channel decayed scores and decay factors, on sub-blocks of
+    ``s = 16`` rows and `KDA_SCORE_BLOCK_K` channels at a time (so every tile is
+    ``[s, bk]`` or ``[s, s]``):
+
+        P_ij   = Σ_c q_ic k_jc exp(Σ_{j<t≤i} g_tc)   (j ≤ i)       → p   [C, C]
+        S_k,ij = Σ_c k_ic k_jc exp(Σ_{j<t≤i} g_tc)   (j < i)       → sk  [C, C]  (A = β⊙S_k)
+        Q⊙Γ,  K̃_j = k_j exp(Σ_{t>j} g_t),  Γ_C = exp(Σ_t g_t)      → qg, kg [C, K], gamma [K]
+
+    Sub-block ``a`` of rows against an earlier one ``c`` splits the decay at the
+    start of ``a``: ``exp(Σ_{a·s≤t≤i} g)·exp(Σ_{j<t<(c+1)·s} g + Σ_{c<b<a} Σ_{t∈b} g)``
+    (one ``[s, bk]·[bk, s]`` matmul per pair); the diagonal sub-blocks go
+    elementwise (`scores.diagonal_block_scores`). One loop over the channels per
+    block row ``a`` (only its ``a + 1`` pairs of ``[s, s]`` sums live); every matmul
+    is ``[16, 16]`` (mma.sync). Every exponent is a sum of direct span sums ≤ 0.
+    """
+    kdim = k.shape[-1]
+    bk = min(kdim, KDA_SCORE_BLOCK_K)
+    s = sub_block(chunk, CHANNEL_SUB_BLOCK)
+    nb = chunk // s
+    blocks = [pl.ds(a * s, s) for a in range(nb)]
+    zero = jnp.zeros((bk,), F32)
+
+    def factors(i, _):
+        cs = pl.ds(i * bk, bk)
+        prefix, tail, total = zip(*(sub_block_spans(g[r, cs].astype(F32)) for r in blocks))
+        before = zero  # Σ_{t<a·s} g_t
+        for a in range(nb):
+            after = functools.reduce(jnp.add, total[a + 1:], zero)
+            qg[blocks[a], cs] = q[blocks[a], cs].astype(F32) * jnp.exp(prefix[a] + before[None, :])
+            kg[blocks[a], cs] = k[blocks[a], cs].astype(F32) * jnp.exp(tail[a] + after[None, :])
+            before = before + total[a]
+        gamma[cs] = jnp.exp(before)
+        return 0
+
+    def block_row(a):
+        def channels(i, acc):
+            cs = pl.ds(i * bk, bk)
+            prefix, tail, total = zip(*(sub_block_spans(g[r, cs].astype(F32)) for r in blocks[:a + 1]))
+            qa, ka = q[blocks[a], cs].astype(F32), k[blocks[a], cs].astype(F32)
+            inner = jnp.exp(prefix[a])
+            xs = (qa * inner, ka * inner)
+            acc = list(acc)
+            between = zero  # Σ_{c<b<a} Σ_{t∈b} g_t
+            for c in reversed(range(a)):
+                y = k[blocks[c], cs].astype(F32) * jnp.exp(tail[c] + between[None, :])
+                acc[c] = tuple(o + dot_nt(x, y, precision=TF32X3) for o, x in zip(acc[c], xs))
+                between = between + total[c]
+            acc[a] = diagonal_block_scores((qa, ka), k, g, a * s, cs, acc[a])
+            return tuple(acc)
+
+        zeros = jnp.zeros((s, s), F32)
+        acc = jax.lax.fori_loop(0, kdim // bk, channels, tuple((zeros, zeros) for _ in range(a + 1)))
+        rows, cols = square_iota(s)
+        for c in range(nb):
+            pq, pk = acc[c] if c <= a else (zeros, zeros)
+            p[blocks[a], blocks[c]] = pq
+            sk[blocks[a], blocks[c]] = jnp.where(rows > cols, pk, 0.0) if c == a else pk
+
+    jax.lax.fori_loop(0, kdim // bk, factors, 0)
+    for a in range(nb):
+        block_row(a)
+
+
+def _kda_wy_kernel(*, k, v, g, beta, sk, u, w, t, chunk):
+    """One chunk's WY representation: ``T = (I + β⊙S_k)⁻¹`` (`solve.unit_lower_inverse`,
+    serialized), ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)`` (``Γ_i = exp(Σ_{t≤i} g_t)``, a
+    cumulative sum), in blocks of `KDA_WY_BLOCK` channels / value columns; ``T`` is
+    written when ``t`` is given."""
     kdim, vdim = k.shape[-1], v.shape[-1]
-    bk, bv = min(kdim, KDA_BLOCK_K), min(vdim, KDA_BLOCK_K)
+    bk, bv = min(kdim, KDA_WY_BLOCK), min(vdim, KDA_WY_BLOCK)
     b = beta[...].astype(F32)
     rows, cols = square_iota(chunk)
-
-    def load(i):
-        cs = pl.ds(i * bk, bk)
-        return cs, q[:, cs].astype(F32), k[:, cs].astype(F32), g[:, cs].astype(F32)
-
-    def channels(i, carry):  # the scores are sums over channels: one block of channels at a time
-        cs, qb, kb, gb = load(i)
-        pq, pk = channel_scores(qb, kb, gb, chunk, precision=TF32X3)
-        return carry[0] + pq, carry[1] + pk
-
-    zeros = jnp.zeros((chunk, chunk), F32)
-    pq, pk = jax.lax.fori_loop(0, kdim // bk, channels, (zeros, zeros))
-    p[...] = pq
-    if sk is not None:  # for the backward: the strictly lower k scores (A/β), written now so pk dies here
-        sk[...] = jnp.where(rows > cols, pk, 0.0)
-    a = jnp.where(rows > cols, pk, 0.0) * b[:, None]
-    inv = unit_lower_inverse(a, rows, cols, chunk, precision=TF32X3, serial=serial)
-    if t is not None:  # and T
+    inv = unit_lower_inverse(sk[...] * b[:, None], rows, cols, chunk, precision=TF32X3, serial=True)
+    if t is not None:
         t[...] = inv
 
-    def w_block(i, _):  # W and the decay factors, after the scores (fewer tiles live in their loop)
-        cs, qb, kb, gb = load(i)
-        gate = jnp.exp(span_sum(cols <= rows, gb, precision=TF32X3))  # Γ_i = exp(Σ_{t≤i} g_t)
-        w[:, cs] = dot(inv, kb * gate * b[:, None], precision=TF32X3)
-        qg[:, cs] = qb * gate  # Q⊙Γ
-        kg[:, cs] = kb * jnp.exp(span_sum(cols > rows, gb, precision=TF32X3))  # K̃_j = k_j exp(Σ_{t>j} g_t)
-        gamma[cs] = jnp.exp(jnp.sum(gb, axis=0))
+    def w_block(i, _):
+        cs = pl.ds(i * bk, bk)
+        gate = jnp.exp(jnp.cumsum(g[:, cs].astype(F32), axis=0))
+        w[:, cs] = dot(inv, k[:, cs].astype(F32) * gate * b[:, None], precision=TF32X3)
         return 0
 
     def u_block(i, _):
@@ -214,16 +276,18 @@ def _kda_intra_kernel(*, q, k, v, g, beta, u, w, p, qg, kg, gamma, t, sk, chunk,
 
 
 def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig, with_solve: bool = False):
-    """The per-chunk factors, all float32.
+    """The per-chunk factors, all float32, by two kernels over the grid ``(NT, BH)``:
+    `_kda_scores_kernel` (``P``, the strictly lower k scores ``S_k`` and the decay
+    factors) then `_kda_wy_kernel` (``T``, ``U``, ``W`` from ``S_k`` in HBM).
 
     Args: ``q, k, g [BH, Tp, K]`` (q scaled), ``v [BH, Tp, V]``, ``beta [BH, Tp]``.
     Returns ``(U [BH, Tp, V], W [BH, Tp, K], P [BH, Tp, C], Q⊙Γ [BH, Tp, K],
     K̃ [BH, Tp, K], Γ_C [BH, NT, K])`` (``P`` row ``i`` of chunk ``c`` holds
     ``P_ij`` of that chunk's columns ``j``); ``with_solve`` adds ``T [BH, Tp, C]``
-    and the strictly lower k scores ``A/β [BH, Tp, C]`` (for the backward).
-    One stage whatever ``config.num_stages``: the kernel's loops run over the
-    ``K/64`` channel blocks of one chunk (one or two trips at K ≤ 128), and a
-    second stage found no load Triton pipelines (no cp.async; static tier).
+    and the strictly lower k scores ``A/β = S_k [BH, Tp, C]`` (for the backward).
+    ``config`` is not used: one stage (the kernels' loops run over a few channel
+    blocks of one chunk, and a second stage found no load Triton pipelines: no
+    cp.async; static tier) and `KDA_INTRA_WARPS`.
     """
     bh, tp, kdim = k.shape
     check_flat_layout(chunk, k=(k, (None, None, None)), q=(q, k.shape), g=(g, k.shape), v=(v, (bh, tp, None)),
@@ -232,15 +296,20 @@ def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionCo
     nt = tp // chunk
     kspec, vspec, cspec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_spec(chunk, chunk)
     square = output((bh, tp, chunk), F32, cspec)
-    outs = triton_kernel_call(
-        functools.partial(_kda_intra_kernel, chunk=chunk, serial=not current_platform().nvidia_below((9, 0))), grid=(nt, bh),
-        inputs=dict(q=operand(q, kspec), k=operand(k, kspec), v=operand(v, vspec), g=operand(g, kspec),
-                    beta=operand(beta, _chunk_vec(chunk))),
-        outputs=dict(u=output((bh, tp, vdim), F32, vspec), w=output((bh, tp, kdim), F32, kspec), p=square,
-                     qg=output((bh, tp, kdim), F32, kspec), kg=output((bh, tp, kdim), F32, kspec),
-                     gamma=output((bh, nt, kdim), F32, pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0))),
-                     t=square if with_solve else None, sk=square if with_solve else None),
-        num_warps=config.num_warps, num_stages=1, name="stellax_kda_intra",
+    per_channel = output((bh, tp, kdim), F32, kspec)
+    scores = triton_kernel_call(
+        functools.partial(_kda_scores_kernel, chunk=chunk), grid=(nt, bh),
+        inputs=dict(q=operand(q, kspec), k=operand(k, kspec), g=operand(g, kspec)),
+        outputs=dict(p=square, sk=square, qg=per_channel, kg=per_channel,
+                     gamma=output((bh, nt, kdim), F32, pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0)))),
+        num_warps=KDA_INTRA_WARPS, num_stages=1, name="stellax_kda_scores",
     )
-    factors = (outs.u, outs.w, outs.p, outs.qg, outs.kg, outs.gamma)
-    return factors + ((outs.t, outs.sk) if with_solve else ())
+    wy = triton_kernel_call(
+        functools.partial(_kda_wy_kernel, chunk=chunk), grid=(nt, bh),
+        inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, kspec),
+                    beta=operand(beta, _chunk_vec(chunk)), sk=operand(scores.sk, cspec)),
+        outputs=dict(u=output((bh, tp, vdim), F32, vspec), w=per_channel, t=square if with_solve else None),
+        num_warps=KDA_INTRA_WARPS, num_stages=1, name="stellax_kda_intra",
+    )
+    out = (wy.u, wy.w, scores.p, scores.qg, scores.kg, scores.gamma)
+    return out + ((wy.t, scores.sk) if with_solve else ())
