@@ -171,9 +171,13 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
 
 
 # -- KDA: scores and decay factors, then the WY representation ----------------------
-#: Channels per step of KDA's score kernel (`_kda_scores_kernel`); sm_90 at K = 128:
-#: 32 channels spilled 76 B, 16 none (218 registers).
+#: Channels per step of KDA's score kernel over the off-diagonal sub-block pairs
+#: (`_kda_scores_kernel`); sm_90 at K = 128: 32 spilled 8 B, 16 none (231 registers).
 KDA_SCORE_BLOCK_K = 16
+#: Channels per step of its diagonal sub-blocks: elementwise, a serial loop over the
+#: sub-block's 16 columns per step, so wide (at K = 128 64 steps instead of 512 at 16
+#: channels; 231 registers, 219 at 64 channels).
+KDA_DIAGONAL_BLOCK_K = 128
 #: Channels / value columns per step of KDA's WY kernel (`_kda_wy_kernel`); sm_90 with
 #: ``T`` stored: 64 took 253–255 registers and spilled 128 B at K = V = 64, 32 at most 247, none.
 KDA_WY_BLOCK = 32
@@ -184,9 +188,8 @@ KDA_INTRA_WARPS = 4
 
 
 def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
-    """One chunk's per-channel decayed scores and decay factors, on sub-blocks of
-    ``s = 16`` rows and `KDA_SCORE_BLOCK_K` channels at a time (so every tile is
-    ``[s, bk]`` or ``[s, s]``):
+    """One chunk's per-channel decayed scores and decay factors on sub-blocks of
+    ``s = 16`` rows (every tile ``[s, s]`` or ``[s, channels]``):
 
         P_ij   = Σ_c q_ic k_jc exp(Σ_{j<t≤i} g_tc)   (j ≤ i)       → p   [C, C]
         S_k,ij = Σ_c k_ic k_jc exp(Σ_{j<t≤i} g_tc)   (j < i)       → sk  [C, C]  (A = β⊙S_k)
@@ -194,13 +197,14 @@ def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
 
     Sub-block ``a`` of rows against an earlier one ``c`` splits the decay at the
     start of ``a``: ``exp(Σ_{a·s≤t≤i} g)·exp(Σ_{j<t<(c+1)·s} g + Σ_{c<b<a} Σ_{t∈b} g)``
-    (one ``[s, bk]·[bk, s]`` matmul per pair); the diagonal sub-blocks go
-    elementwise (`scores.diagonal_block_scores`). One loop over the channels per
-    block row ``a`` (only its ``a + 1`` pairs of ``[s, s]`` sums live); every matmul
-    is ``[16, 16]`` (mma.sync). Every exponent is a sum of direct span sums ≤ 0.
+    (one ``[s, bk]·[bk, s]`` matmul per pair, `KDA_SCORE_BLOCK_K` channels a step:
+    only the ``[s, s]`` sums of block row ``a`` live); the diagonal sub-blocks go
+    elementwise (`scores.diagonal_block_scores`, `KDA_DIAGONAL_BLOCK_K` channels a
+    step). Every matmul is ``[16, 16]`` (mma.sync, as fla's sub-chunk kernels);
+    every exponent is a sum of direct span sums ≤ 0.
     """
     kdim = k.shape[-1]
-    bk = min(kdim, KDA_SCORE_BLOCK_K)
+    bk, bd = min(kdim, KDA_SCORE_BLOCK_K), min(kdim, KDA_DIAGONAL_BLOCK_K)
     s = sub_block(chunk, CHANNEL_SUB_BLOCK)
     nb = chunk // s
     blocks = [pl.ds(a * s, s) for a in range(nb)]
@@ -219,23 +223,27 @@ def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
         return 0
 
     def block_row(a):
-        def channels(i, acc):
+        def earlier(i, acc):  # the pairs (a, c < a)
             cs = pl.ds(i * bk, bk)
             prefix, tail, total = zip(*(sub_block_spans(g[r, cs].astype(F32)) for r in blocks[:a + 1]))
-            qa, ka = q[blocks[a], cs].astype(F32), k[blocks[a], cs].astype(F32)
             inner = jnp.exp(prefix[a])
-            xs = (qa * inner, ka * inner)
+            xs = (q[blocks[a], cs].astype(F32) * inner, k[blocks[a], cs].astype(F32) * inner)
             acc = list(acc)
             between = zero  # Σ_{c<b<a} Σ_{t∈b} g_t
             for c in reversed(range(a)):
                 y = k[blocks[c], cs].astype(F32) * jnp.exp(tail[c] + between[None, :])
                 acc[c] = tuple(o + dot_nt(x, y, precision=TF32X3) for o, x in zip(acc[c], xs))
                 between = between + total[c]
-            acc[a] = diagonal_block_scores((qa, ka), k, g, a * s, cs, acc[a])
             return tuple(acc)
 
+        def diagonal(i, acc):
+            cs = pl.ds(i * bd, bd)
+            xs = (q[blocks[a], cs].astype(F32), k[blocks[a], cs].astype(F32))
+            return diagonal_block_scores(xs, k, g, a * s, cs, acc)
+
         zeros = jnp.zeros((s, s), F32)
-        acc = jax.lax.fori_loop(0, kdim // bk, channels, tuple((zeros, zeros) for _ in range(a + 1)))
+        acc = jax.lax.fori_loop(0, kdim // bk, earlier, tuple((zeros, zeros) for _ in range(a))) if a else ()
+        acc = acc + (jax.lax.fori_loop(0, kdim // bd, diagonal, (zeros, zeros)),)
         rows, cols = square_iota(s)
         for c in range(nb):
             pq, pk = acc[c] if c <= a else (zeros, zeros)
