@@ -14,13 +14,14 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
 * `kda_intra_forward` (KDA's per-channel decays ``g [BH, Tp, K]``; padded
   channels and tokens have ``g = 0``, an identity step), two kernels with the
   k scores in HBM between them (fla's split): `stellax_kda_scores` forms the
-  scores of q and k on sub-blocks of 16 rows and 16 channels at a time
-  (`scores.sub_block_spans`, `scores.diagonal_block_scores`) — ``P`` (the
-  causal decayed ``q·k`` scores) and ``S_k`` (the strictly lower ``k·k``
-  ones, ``A = β⊙S_k``) — and the factors the other stages need, which per
-  channel cannot be recomputed cheaply: ``Q⊙Γ``, ``K̃ = K⊙exp(Σ_{t>j} g_t)``
-  and ``Γ_C = exp(Σ_t g_t)``; `stellax_kda_intra` then forms ``T = (I + A)⁻¹``,
-  ``U`` and ``W``. Both run on 4 warps whatever the config (`KDA_INTRA_WARPS`).
+  scores of q and k on sub-blocks of 16 rows (tiles ``[16, 16]`` and
+  ``[16, channels]`` only: `scores.sub_block_spans`,
+  `scores.diagonal_block_scores`) — ``P`` (the causal decayed ``q·k`` scores)
+  and ``S_k`` (the strictly lower ``k·k`` ones, ``A = β⊙S_k``) — and the
+  factors the other stages need, which per channel cannot be recomputed
+  cheaply: ``Q⊙Γ``, ``K̃ = K⊙exp(Σ_{t>j} g_t)`` and ``Γ_C = exp(Σ_t g_t)``;
+  `stellax_kda_intra` then forms ``T = (I + A)⁻¹``, ``U`` and ``W``. Both run
+  on 4 warps whatever the config (`KDA_INTRA_WARPS`).
 
 The chunk matmuls (``K Kᵀ``, the inverse's products, ``T(β⊙V)``, ``T(β⊙Γ⊙K)``),
 KDA's sub-block scores and in-block tails (0/1-mask matmuls) run as `TF32X3`
@@ -174,9 +175,9 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
 #: Channels per step of KDA's score kernel over the off-diagonal sub-block pairs
 #: (`_kda_scores_kernel`); sm_90 at K = 128: 32 spilled 8 B, 16 none (231 registers).
 KDA_SCORE_BLOCK_K = 16
-#: Channels per step of its diagonal sub-blocks: elementwise, a serial loop over the
-#: sub-block's 16 columns per step, so wide (at K = 128 64 steps instead of 512 at 16
-#: channels; 231 registers, 219 at 64 channels).
+#: Channels per step of its diagonal sub-blocks. Each step is a serial elementwise loop
+#: over the sub-block's 16 columns, so the steps are wide: at K = 128, 4·16 serial
+#: iterations per chunk instead of 4·8·16 at 16 channels (231 registers; 219 at 64).
 KDA_DIAGONAL_BLOCK_K = 128
 #: Channels / value columns per step of KDA's WY kernel (`_kda_wy_kernel`); sm_90 with
 #: ``T`` stored: 64 took 253–255 registers and spilled 128 B at K = V = 64, 32 at most 247, none.
