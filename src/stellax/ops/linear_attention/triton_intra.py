@@ -152,19 +152,25 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
 
     Args: ``k [BH, Tp, K]``, ``v [BH, Tp, V]`` (any float dtype), float32 log
     decays ``g [BH, Tp]`` and ``beta [BH, Tp]``.
+    Below sm_90 one stage whatever ``config.num_stages`` when the kernel's loops over
+    columns run once (``K ≤ WY_SCORE_BLOCK_K``, ``V ≤ KDA_BLOCK_K``): the loop left,
+    the diagonal blocks' substitution, loads nothing a second stage could prefetch
+    (no cp.async; static tier).
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
     kspec, vspec, vec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_vec(chunk)
+    stages = config.num_stages
     if current_platform().nvidia_below((9, 0)):  # mma.sync: small register operands (see the kernel)
         kernel = functools.partial(_gdn_wy_blocked_kernel, chunk=chunk)
+        stages = stages if kdim > WY_SCORE_BLOCK_K or vdim > KDA_BLOCK_K else 1
     else:  # wgmma: whole-chunk matmuls, the inverse's steps serialized
         kernel = functools.partial(_gdn_wy_kernel, chunk=chunk)
     outs = triton_kernel_call(
         kernel, grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, vec), beta=operand(beta, vec)),
         outputs=dict(u=output(v.shape, F32, vspec), w=output(k.shape, F32, kspec)),
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_gdn_wy",
+        num_warps=config.num_warps, num_stages=stages, name="stellax_gdn_wy",
     )
     return outs.u, outs.w
 
