@@ -1,5 +1,6 @@
 """The GDN WY kernel below sm_90 (`triton_intra._gdn_wy_blocked_kernel`, blocks of 32 rows):
-numerics in interpret mode against the XLA stage (`wy.chunk_intra`) and the sm_90 kernel."""
+numerics in interpret mode against the XLA stage (`wy.chunk_intra`) and the sm_90 kernel, and
+its block inverses against a float64 inverse."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import stellax
 from stellax.core import current_platform
 from stellax.ops.linear_attention import LinearAttentionConfig
 from stellax.ops.linear_attention import triton_intra
-from stellax.ops.linear_attention.solve import block_unit_lower_inverse
+from stellax.ops.linear_attention.solve import block_unit_lower_inverse, lazy_block_inverse
 from stellax.ops.linear_attention.wy import chunk_intra
 
 C = 64
@@ -68,3 +69,25 @@ def test_block_unit_lower_inverse_is_the_inverse():
             full[i * s:(i + 1) * s, j * s:(j + 1) * s] = np.asarray(blk)
     ref = np.linalg.inv(np.eye(C) + a)
     assert np.linalg.norm(full - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_lazy_block_inverse_is_the_inverse():
+    """The kernel's form (diagonal blocks by row-by-row substitution, ``A``'s blocks on demand,
+    each formed once), on plain arrays against a float64 inverse, 2 and 4 block rows."""
+    rng = np.random.default_rng(1)
+    a = np.tril(rng.normal(size=(C, C)) * 0.3, -1)
+    ref = np.linalg.inv(np.eye(C) + a)
+    for s in (32, 16):
+        calls = []
+
+        def block(i, j):
+            calls.append((i, j))
+            return jnp.asarray(a[i * s:(i + 1) * s, j * s:(j + 1) * s], jnp.float32)
+
+        t = lazy_block_inverse(block, C // s, s)
+        assert sorted(calls) == sorted(set(calls)) and len(calls) == (C // s) * (C // s + 1) // 2
+        full = np.zeros((C, C))
+        for i, row in enumerate(t):
+            for j, blk in enumerate(row):
+                full[i * s:(i + 1) * s, j * s:(j + 1) * s] = np.asarray(blk)
+        assert np.linalg.norm(full - ref) / np.linalg.norm(ref) < 1e-5

@@ -10,9 +10,11 @@ sides (stage 4). ``A`` is nilpotent (``A^C = 0``), so
 Three forms: `solve_unit_lower` (XLA) is a blocked forward substitution over
 sub-blocks of 16 rows, each diagonal block inverted by the product above;
 `unit_lower_inverse` (inside the Triton kernels) forms the whole ``[C, C]``
-inverse by the product; `block_unit_lower_inverse` (inside the Triton kernels
-below sm_90) forms the inverse's blocks of 32 rows by the same forward
-substitution, so that no matmul takes a ``[C, C]`` operand.
+inverse by the product; `block_unit_lower_inverse` and `lazy_block_inverse`
+(inside the Triton kernels below sm_90) form the inverse's blocks of 32 rows
+by the same forward substitution, so that no matmul takes a ``[C, C]``
+operand — the latter with the diagonal blocks inverted row by row without
+matmuls (`substitution_inverse`) and ``A``'s blocks formed on demand.
 """
 
 from __future__ import annotations
@@ -115,4 +117,58 @@ def block_unit_lower_inverse(a_blocks, *, precision=HIGHEST, serial: bool = Fals
                 acc = acc + dot(row[b], t[b][c], precision=precision)
             below.append(-dot(diag, acc, precision=precision))
         t.append(below + [diag])
+    return t
+
+
+def substitution_inverse(a, rows, cols):
+    """``T = (I + A)⁻¹ [s, s]`` of a strictly lower ``A [s, s]`` on one tile (``rows, cols``
+    its `square_iota`) by forward substitution, one row per step and no matmul:
+
+        T_0 = e_0,   T_i = e_i − Σ_{j<i} A_ij T_j        (i = 1 … s − 1)
+
+    each step picks row ``i`` of ``A`` by a masked sum and adds ``s²`` products: ``s − 1``
+    dependent steps of elementwise work and two reductions (fla's ``solve_tril`` inverts its
+    16×16 diagonal blocks so). Below sm_90 it takes far fewer registers than the nilpotent
+    product's TF32X3 matmuls, whose mma.sync operands (hi and lo halves) live in registers.
+    Works inside a Triton kernel and on plain arrays."""
+    eye = (rows == cols).astype(F32)
+
+    def step(i, t):
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # row i of A, indexed by j
+        return jnp.where(rows == i, eye - jnp.sum(a_i[:, None] * t, axis=0)[None, :], t)
+
+    return jax.lax.fori_loop(1, a.shape[0], step, eye)
+
+
+def lazy_block_inverse(a_block, nb: int, size: int, *, precision=HIGHEST):
+    """The blocks of ``T = (I + A)⁻¹`` for a strictly lower ``A`` cut into ``nb × nb``
+    blocks of ``size`` rows, inside a Triton kernel below sm_90, with ``A``'s float32
+    blocks formed on demand: ``a_block(a, c)`` returns block ``(a, c)``, ``c ≤ a`` (the
+    diagonal ones strictly lower) and is called once per block. Returns ``t[a][c]``
+    (``T`` is lower triangular), by forward substitution down the block rows:
+
+        T_aa = (I + A_aa)⁻¹                       (`substitution_inverse`, every a first)
+        T_ac = −T_aa Σ_{c≤b<a} A_ab T_bc          (c < a; ``precision`` matmuls)
+
+    Inverting every diagonal block before the first off-diagonal block of ``A`` exists keeps
+    those out of registers during the substitution. The GDN WY kernel on sm_80 at 4 warps,
+    K = 32, spill stores per thread: `block_unit_lower_inverse` on blocks formed up front 52 B,
+    the substitution on blocks formed up front 16 B, the nilpotent product on blocks formed on
+    demand 396 B, this form none.
+    """
+    rows, cols = square_iota(size)
+    t = [[None] * a + [substitution_inverse(a_block(a, a), rows, cols)] for a in range(nb)]
+    formed = {}
+
+    def block(a, b):
+        if (a, b) not in formed:
+            formed[a, b] = a_block(a, b)
+        return formed[a, b]
+
+    for a in range(1, nb):
+        for c in range(a):
+            acc = dot(block(a, c), t[c][c], precision=precision)
+            for b in range(c + 1, a):
+                acc = acc + dot(block(a, b), t[b][c], precision=precision)
+            t[a][c] = -dot(t[a][a], acc, precision=precision)
     return t

@@ -9,7 +9,8 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
   chunk ``A = strict_lower(β_i exp(D_ij) k_i·k_j)``, ``T = (I + A)⁻¹`` by the
   nilpotent product ``(I − A)(I + A²)…(I + A³²)`` (its steps serialized:
   `solve.unit_lower_inverse`; below sm_90 in blocks of 32 rows,
-  `solve.block_unit_lower_inverse`), then ``U = T(β⊙V)`` and
+  `solve.lazy_block_inverse`: the diagonal blocks by row-by-row forward
+  substitution, the others by matmuls), then ``U = T(β⊙V)`` and
   ``W = T(β⊙Γ⊙K)``. SSD (no delta rule) skips this stage (``U = V``).
 * `kda_intra_forward` (KDA's per-channel decays ``g [BH, Tp, K]``; padded
   channels and tokens have ``g = 0``, an identity step), two kernels with the
@@ -44,11 +45,12 @@ from .configs import KDA_BLOCK_K, LinearAttentionConfig
 from .decay import block_pair_spans, masked_decay, tile_spans
 from .layout import check_flat_layout
 from .scores import CHANNEL_SUB_BLOCK, diagonal_block_scores, sub_block_spans
-from .solve import block_unit_lower_inverse, sub_block, unit_lower_inverse
+from .solve import lazy_block_inverse, sub_block, unit_lower_inverse
 
 #: Rows per block of the GDN WY kernel below sm_90 (`_gdn_wy_blocked_kernel`). sm_80,
 #: spill stores per thread at the heuristic's configs (K=V=128 / K=32, V=16 / K=16, V=32):
-#: whole-chunk kernel 2592 / 2640 / 1916 B; blocks of 16 rows 608 / 12 / 296 B; of 32 rows 0 / 12 / 12 B.
+#: whole-chunk kernel 2592 / 2640 / 1916 B; blocks of 16 rows 608 / 12 / 296 B; of 32 rows 0 / 12 / 12 B
+#: with the nilpotent product on the diagonal blocks, 0 / 0 / 0 B by row-by-row substitution.
 WY_BLOCK = 32
 #: Key columns per step of the blocked kernel's score loop (64 at K = 128: 40 B of spills; 32: none).
 WY_SCORE_BLOCK_K = 32
@@ -103,11 +105,12 @@ def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk):
     """`_gdn_wy_kernel` in blocks of `WY_BLOCK` rows (the kernel below sm_90):
     per block pair ``(a, c ≤ a)`` the scores ``A_ac = β_a exp(D_ac) k_a k_cᵀ``
     (`decay.block_pair_spans`; ``K`` in steps of `WY_SCORE_BLOCK_K` columns),
-    the blocks of ``T`` by forward substitution (`solve.block_unit_lower_inverse`),
-    then ``U_a = Σ_{c≤a} T_ac (β⊙V)_c`` and ``W_a = Σ_{c≤a} T_ac (β⊙Γ⊙K)_c``
-    (one loop per block row ``a``: only ``T``'s row ``a`` is live in it). Every
-    matmul has a ``[32, ≤64]`` left and a ``[≤64, ≤64]`` right operand, so
-    mma.sync's register operands stay small."""
+    the blocks of ``T`` by forward substitution (`solve.lazy_block_inverse`: the
+    diagonal blocks row by row without matmuls, each off-diagonal block of ``A``
+    formed only after them), then ``U_a = Σ_{c≤a} T_ac (β⊙V)_c`` and
+    ``W_a = Σ_{c≤a} T_ac (β⊙Γ⊙K)_c`` (one loop per block row ``a``: only ``T``'s
+    row ``a`` is live in it). Every matmul has a ``[32, ≤64]`` left and a
+    ``[≤64, ≤64]`` right operand, so mma.sync's register operands stay small."""
     kdim, vdim = k.shape[-1], v.shape[-1]
     s, step_k = WY_BLOCK, min(kdim, WY_SCORE_BLOCK_K)
     nb = chunk // s
@@ -129,8 +132,7 @@ def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk):
         mask = inner_rows > inner_cols if a == c else inner_rows >= 0
         return kk * masked_decay(block_pair_spans(blocks, a, c), mask) * betas[a][:, None]
 
-    t = block_unit_lower_inverse([[scores(a, c) for c in range(a + 1)] for a in range(nb)], precision=TF32X3,
-                                 serial=True)
+    t = lazy_block_inverse(scores, nb, s, precision=TF32X3)
 
     def apply(out, src, scales):  # out[rows a] = Σ_{c≤a} T_ac (scale_c ⊙ src_c), by column blocks
         width = min(src.shape[-1], KDA_BLOCK_K)
@@ -154,19 +156,25 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
 
     Args: ``k [BH, Tp, K]``, ``v [BH, Tp, V]`` (any float dtype), float32 log
     decays ``g [BH, Tp]`` and ``beta [BH, Tp]``.
+    Below sm_90 one stage whatever ``config.num_stages`` when the kernel's loops over
+    columns run once (``K ≤ WY_SCORE_BLOCK_K``, ``V ≤ KDA_BLOCK_K``): the loop left,
+    the diagonal blocks' substitution, loads nothing a second stage could prefetch
+    (no cp.async; static tier).
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
     kspec, vspec, vec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_vec(chunk)
+    stages = config.num_stages
     if current_platform().nvidia_below((9, 0)):  # mma.sync: small register operands (see the kernel)
         kernel = functools.partial(_gdn_wy_blocked_kernel, chunk=chunk)
+        stages = stages if kdim > WY_SCORE_BLOCK_K or vdim > KDA_BLOCK_K else 1
     else:  # wgmma: whole-chunk matmuls, the inverse's steps serialized
         kernel = functools.partial(_gdn_wy_kernel, chunk=chunk)
     outs = triton_kernel_call(
         kernel, grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, vec), beta=operand(beta, vec)),
         outputs=dict(u=output(v.shape, F32, vspec), w=output(k.shape, F32, kspec)),
-        num_warps=config.num_warps, num_stages=config.num_stages, name="stellax_gdn_wy",
+        num_warps=config.num_warps, num_stages=stages, name="stellax_gdn_wy",
     )
     return outs.u, outs.w
 
