@@ -11,7 +11,7 @@ import stellax
 from stellax.core import current_platform
 from stellax.ops.linear_attention import LinearAttentionConfig
 from stellax.ops.linear_attention import triton_intra
-from stellax.ops.linear_attention.solve import block_unit_lower_inverse, lazy_block_inverse
+from stellax.ops.linear_attention.solve import lazy_block_inverse
 from stellax.ops.linear_attention.wy import chunk_intra
 
 C = 64
@@ -53,22 +53,6 @@ def test_blocked_wy_matches_xla_and_sm90_kernel(kdim, vdim, decay):
     assert not (jnp.isnan(u).any() or jnp.isnan(w).any())
     assert _rel(u, u_ref) <= 1e-5 and _rel(w, w_ref) <= 1e-5, (_rel(u, u_ref), _rel(w, w_ref))
     assert _rel(u, outs["h100"][0]) <= 1e-5 and _rel(w, outs["h100"][1]) <= 1e-5
-
-
-def test_block_unit_lower_inverse_is_the_inverse():
-    """On plain arrays (outside a kernel): the blocks of ``(I + A)⁻¹``, float64 reference."""
-    rng = np.random.default_rng(0)
-    a = np.tril(rng.normal(size=(C, C)) * 0.3, -1)
-    s = 32
-    blocks = [[jnp.asarray(a[i * s:(i + 1) * s, j * s:(j + 1) * s], jnp.float32) for j in range(i + 1)]
-              for i in range(C // s)]
-    t = block_unit_lower_inverse(blocks)
-    full = np.zeros((C, C))
-    for i, row in enumerate(t):
-        for j, blk in enumerate(row):
-            full[i * s:(i + 1) * s, j * s:(j + 1) * s] = np.asarray(blk)
-    ref = np.linalg.inv(np.eye(C) + a)
-    assert np.linalg.norm(full - ref) / np.linalg.norm(ref) < 1e-5
 
 
 def test_lazy_block_inverse_is_the_inverse():

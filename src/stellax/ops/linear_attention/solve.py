@@ -10,11 +10,11 @@ sides (stage 4). ``A`` is nilpotent (``A^C = 0``), so
 Three forms: `solve_unit_lower` (XLA) is a blocked forward substitution over
 sub-blocks of 16 rows, each diagonal block inverted by the product above;
 `unit_lower_inverse` (inside the Triton kernels) forms the whole ``[C, C]``
-inverse by the product; `block_unit_lower_inverse` and `lazy_block_inverse`
-(inside the Triton kernels below sm_90) form the inverse's blocks of 32 rows
-by the same forward substitution, so that no matmul takes a ``[C, C]``
-operand — the latter with the diagonal blocks inverted row by row without
-matmuls (`substitution_inverse`) and ``A``'s blocks formed on demand.
+inverse by the product; `lazy_block_inverse` (inside the Triton kernels below
+sm_90) forms the inverse's blocks of 32 rows by the same forward substitution,
+so that no matmul takes a ``[C, C]`` operand, with the diagonal blocks
+inverted row by row without matmuls (`substitution_inverse`) and ``A``'s
+blocks formed on demand.
 """
 
 from __future__ import annotations
@@ -88,38 +88,6 @@ def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, serial: 
     return inv
 
 
-def block_unit_lower_inverse(a_blocks, *, precision=HIGHEST, serial: bool = False):
-    """The blocks of ``T = (I + A)⁻¹`` from those of a strictly lower ``A`` cut into
-    ``nb × nb`` blocks of ``s`` rows (``s`` a power of two ≥ 16, inside a Triton kernel).
-
-    ``a_blocks[a][c]`` is ``A``'s ``[s, s]`` float32 block ``(a, c)`` for ``c ≤ a`` (the
-    diagonal ones strictly lower); returns ``t[a][c]`` likewise (``T`` is lower triangular).
-    Forward substitution down the block rows of ``(I + A) T = I``:
-
-        T_aa = (I + A_aa)⁻¹                       (`unit_lower_inverse` on ``[s, s]``)
-        T_ac = −T_aa Σ_{c≤b<a} A_ab T_bc          (c < a)
-
-    — ``nb·2·log2(s/2)`` matmuls for the diagonal blocks and ``Σ_{c<a} (a − c + 1)``
-    for the others, each ``[s, s]·[s, s]``; ``serial`` as in `unit_lower_inverse`, for the
-    diagonal blocks. Below sm_90 (mma.sync) every warp holds its share of a matmul's
-    operands in registers, and the ``[64, 64]`` operands of `unit_lower_inverse` (hi and
-    lo halves under `TF32X3`) spill; ``[32, 32]`` tiles do not.
-    """
-    s = a_blocks[0][0].shape[0]
-    rows, cols = square_iota(s)
-    t = []
-    for a, row in enumerate(a_blocks):
-        diag = unit_lower_inverse(row[a], rows, cols, s, precision=precision, serial=serial)
-        below = []
-        for c in range(a):
-            acc = dot(row[c], t[c][c], precision=precision)
-            for b in range(c + 1, a):
-                acc = acc + dot(row[b], t[b][c], precision=precision)
-            below.append(-dot(diag, acc, precision=precision))
-        t.append(below + [diag])
-    return t
-
-
 def substitution_inverse(a, rows, cols):
     """``T = (I + A)⁻¹ [s, s]`` of a strictly lower ``A [s, s]`` on one tile (``rows, cols``
     its `square_iota`) by forward substitution, one row per step and no matmul:
@@ -152,7 +120,8 @@ def lazy_block_inverse(a_block, nb: int, size: int, *, precision=HIGHEST):
 
     Inverting every diagonal block before the first off-diagonal block of ``A`` exists keeps
     those out of registers during the substitution. The GDN WY kernel on sm_80 at 4 warps,
-    K = 32, spill stores per thread: `block_unit_lower_inverse` on blocks formed up front 52 B,
+    K = 32, spill stores per thread: the diagonal blocks by the nilpotent product and every
+block formed up front (the kernel's earlier form) 52 B,
     the substitution on blocks formed up front 16 B, the nilpotent product on blocks formed on
     demand 396 B, this form none.
     """
