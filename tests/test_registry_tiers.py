@@ -101,7 +101,7 @@ TRITON_CONFIGS = [c for c in TIER2_CONFIGS if c.op.implementations[c.implementat
 def _assert_numerics(case, *, gradients: bool):
     """Run the case interpreted and compare with the golden."""
     with interpret_mode(True):
-        result = check_example(case.op, case.implementation, case.example, jnp.dtype(case.dtype),
+        result = check_example(case.op, case.implementation, case.concrete_example(), jnp.dtype(case.dtype),
                                gradients=gradients, config=case.config)
     assert not result.skipped, f"{case.id}: generated for a call the implementation rejects: {result.skipped}"
     assert result.passed, f"{case.id} ({case.example.label}): {result.detail} worst {result.worst}"

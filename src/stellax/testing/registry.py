@@ -14,7 +14,10 @@ collection time); the GPU suite and the lab can walk the same list.
   `corner_configs` with ``corners``). An implementation without configs gets
   one case with ``config=None``.
 
-Examples are built in float32 unless told otherwise; which examples and
+Cases carry abstract examples (`abstract_examples_of`: collecting every
+op's cases compiles no random-number program); a numerics check builds its
+example's arrays (`KernelCase.concrete_example`). Examples are float32 unless
+told otherwise; which examples and
 configs exist is decided where they run: in interpret mode for tier 1
 (``platform=None``), as on the lowering target for tier 2/3
 (``platform="cuda"`` or ``"tpu"``).
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 
 from ..core import Example, Op, interpret_mode, lowering_target
 from .lowering import DEFAULT_TARGET
-from .validation import examples_of
+from .validation import abstract_examples_of, examples_of
 
 #: Short names for config fields in case ids.
 _FIELD_ABBREVIATIONS = {"num_warps": "w", "num_stages": "s"}
@@ -51,6 +54,10 @@ class KernelCase:
     config: Any = None
     config_index: int | None = None
     platform: str | None = None
+
+    def concrete_example(self) -> Example:
+        """The example with its arrays (built once per op and dtype in a process)."""
+        return examples_of(self.op, self.dtype)[self.example_index]
 
     @property
     def id(self) -> str:
@@ -102,7 +109,7 @@ def _supported_examples(op: Op, implementation: str, dtype, platform: str | None
     impl = op.implementations[implementation]
     found = []
     with _where(platform):
-        for index, example in enumerate(examples_of(op, jnp.dtype(dtype).name)):
+        for index, example in enumerate(abstract_examples_of(op, jnp.dtype(dtype).name)):
             call = op.check(*example.args, **example.kwargs)
             if impl.supported(call):
                 found.append((index, example, call))

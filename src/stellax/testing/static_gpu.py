@@ -32,13 +32,13 @@ import dataclasses
 import json
 from typing import Any, Callable, Iterable, Mapping
 
-import jax
 import jax.numpy as jnp
 
 from ..core import LOWERING_TARGETS, Example, Op, lowering_target
 from .lowering import lower_config
 from .ptx_analysis import Dot, KernelStatic, Occupancy, Ptxas, analyze, triton_sources
 from .registry import config_id
+from .validation import abstract_examples
 
 #: The GPU whose benchmark shapes the calls take (the lent GPU).
 TARGET = "h200"
@@ -152,35 +152,6 @@ def read_json(paths: Iterable) -> list[StaticConfig]:
 def triton_implementations(ops: Mapping[str, Op]) -> list[tuple[Op, str]]:
     return [(op, name) for _, op in sorted(ops.items())
             for name, impl in op.implementations.items() if impl.backend == "triton"]
-
-
-def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
-    """``make()``'s examples with their float arrays as `jax.ShapeDtypeStruct`s
-    (integer operands such as group sizes or ``cu_seqlens`` stay concrete: checks
-    read them). Built under `jax.eval_shape` when that keeps the integer operands
-    concrete (no random numbers drawn, no 16k-token arrays filled), else for real."""
-    box: list[Example] = []
-
-    def build():
-        box.extend(make())
-        return 0
-
-    try:
-        jax.eval_shape(build)
-        leaves = jax.tree_util.tree_leaves([(e.args, e.kwargs) for e in box])
-        if any(isinstance(x, jax.core.Tracer) and not _is_float(x) for x in leaves):
-            raise TypeError("integer operands were traced")
-    except Exception:  # noqa: BLE001 - a builder that needs concrete values: build it for real
-        box = list(make())
-    return [Example(e.label, _abstract_floats(e.args), _abstract_floats(e.kwargs)) for e in box]
-
-
-def _is_float(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _abstract_floats(tree):
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_float(x) else x, tree)
 
 
 def _calls(op: Op) -> list[tuple[str, Example]]:

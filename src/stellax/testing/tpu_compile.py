@@ -324,10 +324,10 @@ def compile_cases(op: Op, implementation: str, generation: str, *, every_config:
     autotuning space, forward only."""
     every_example = every_config if every_example is None else every_example
     from ..core import lowering_target
-    from .validation import examples_of
+    from .validation import abstract_examples_of
 
     impl = op.implementations[implementation]
-    examples = [(f"ex{i}", e) for i, e in enumerate(examples_of(op, "float32"))]
+    examples = [(f"ex{i}", e) for i, e in enumerate(abstract_examples_of(op, "float32"))]
     if benchmarks is None or benchmarks > 0:
         examples += [(f"bench{i}", e) for i, e in enumerate(abstract_benchmarks(op, generation)[:benchmarks])]
     cases, examples_taken = [], 0

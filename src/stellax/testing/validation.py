@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,43 @@ def examples_of(op: Op, dtype_name: str) -> tuple[Example, ...]:
     """``op.examples(dtype)``, built once per op and dtype name in a process
     (building them compiles the random-number programs of their shapes)."""
     return tuple(op.examples(jnp.dtype(dtype_name)))
+
+
+def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
+    """``make()``'s examples with their float arrays as `jax.ShapeDtypeStruct`s
+    (integer operands such as group sizes or ``cu_seqlens`` stay concrete: checks
+    read them). Built under `jax.eval_shape` when that keeps the integer operands
+    concrete (no random numbers drawn, no 16k-token arrays filled), else for real."""
+    box: list[Example] = []
+
+    def build():
+        box.extend(make())
+        return 0
+
+    try:
+        jax.eval_shape(build)
+        leaves = jax.tree_util.tree_leaves([(e.args, e.kwargs) for e in box])
+        if any(isinstance(x, jax.core.Tracer) and not _is_float(x) for x in leaves):
+            raise TypeError("integer operands were traced")
+    except Exception:  # noqa: BLE001 - a builder that needs concrete values: build it for real
+        box = list(make())
+    return [Example(e.label, _abstract_floats(e.args), _abstract_floats(e.kwargs)) for e in box]
+
+
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _abstract_floats(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_float(x) else x, tree)
+
+
+@functools.lru_cache(maxsize=None)
+def abstract_examples_of(op: Op, dtype_name: str) -> tuple[Example, ...]:
+    """`examples_of` with float arrays as `jax.ShapeDtypeStruct`s (`abstract_examples`):
+    what deciding which cases exist needs (checks, support, configs, lowering), built
+    without compiling a random-number program (test collection builds every op's)."""
+    return tuple(abstract_examples(lambda: op.examples(jnp.dtype(dtype_name))))
 
 
 def _is_float_tree(a) -> bool:
