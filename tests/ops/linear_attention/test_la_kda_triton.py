@@ -250,5 +250,5 @@ def test_kda_ptx_compiles_and_fits_shared_memory(kdim):
         return jnp.sum(stellax.chunk_kda(q, k, v, g, beta, implementation="triton")[0])
 
     kernels = compile_triton_to_ptx(lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), q, k, v, g, beta))
-    assert {"stellax_kda_state_bwd", "stellax_kda_intra_bwd"} <= {k_.name for k_ in kernels}
+    assert {"stellax_kda_state_bwd", "stellax_kda_wy_bwd", "stellax_kda_intra_bwd"} <= {k_.name for k_ in kernels}
     assert_fits_smem(kernels, "9.0")
