@@ -1,35 +1,49 @@
-"""Pallas Triton kernel for KDA's per-chunk gradients (per-channel decays), chunk 64:
+"""Pallas Triton kernels for KDA's per-chunk gradients (per-channel decays), chunk 64:
 stages 4 → 1 backwards, after the reverse state scan.
 
-`kda_intra_backward` — grid ``(NT, BH)`` — backpropagates, for one chunk, the
-cotangents of the per-chunk factors (`triton_intra.kda_intra_forward`'s outputs)
-that the scans give (`backward.factor_cotangents`):
-``d(Q⊙Γ)``, ``dK̃``, ``dΓ_C``, ``dP``, ``dU``, ``dW``, to ``dq, dk, dv, dg, dβ``.
+`kda_intra_backward` backpropagates, per chunk, the cotangents of the per-chunk
+factors (`triton_intra.kda_intra_forward`'s outputs) that the scans give
+(`backward.factor_cotangents`): ``d(Q⊙Γ)``, ``dK̃``, ``dΓ_C``, ``dP``, ``dU``,
+``dW``, to ``dq, dk, dv, dg, dβ``. Two kernels, the second reading the
+first's ``dS_k`` and ``dR_W`` from HBM:
 
-The WY solve ``X = T R`` (``X = [U, W]``, ``R = [β⊙V, β⊙Γ⊙K]``, ``T = (I + A)⁻¹``):
-``dR = Tᵀ dX``, ``dA = −strict_lower(dR Xᵀ)``, so ``dv = β⊙dR_V``,
-``dβ_i = Σ dR_V⊙v + Σ dR_W⊙Γ⊙k + Σ_j dA_ij (A/β)_ij`` and the k scores get
-``dS_k = β_i dA_ij``.
+* `_wy_backward_kernel` — grid ``(NT, BH)`` — the WY solve ``X = T R``
+  (``X = [U, W]``, ``R = [β⊙V, β⊙Γ⊙K]``, ``T = (I + A)⁻¹``) backwards:
+  ``dR = Tᵀ dX``, ``dA = −strict_lower(dR Xᵀ)``, so ``dv = β⊙dR_V``,
+  ``dβ_i = Σ dR_V⊙v + Σ dR_W⊙Γ⊙k + Σ_j dA_ij (A/β)_ij`` and the k scores
+  get ``dS_k = β_i dA_ij``. Value columns and channels `WY_BLOCK` at a time.
+  ``R_W``'s per-channel terms (``dk``'s ``β⊙dR_W⊙Γ``, its ``dβ`` term and
+  its cotangent of ``Γ``) are left to the scores kernel, which forms ``Γ``
+  anyway, so this one reads neither ``k`` nor ``g``.
+* `_scores_backward_kernel` — grid ``(K/bk, NT, BH)``, `SCORES_BLOCK_K`
+  channels per program (the rest is separable by channel once ``dS_k`` is
+  known) — the decayed scores ``S_x[i,j] = Σ_c x_ic k_jc E_ijc``,
+  ``E_ijc = exp(Σ_{j<t≤i} g_tc)`` (``P = S_q`` with ``dP``, ``S_k`` with
+  ``dS_k``) and the decay factors backwards: ``dx_i = Σ_j dS_ij k_j E_ij``,
+  ``dk_j = Σ_i dS_ij x_i E_ij``, and each pair's ``M_ij = dS_ij x_i k_j E_ij``
+  goes to ``dg_t`` for every ``t`` of its span ``j < t ≤ i``.
 
-The decayed scores ``S_x[i,j] = Σ_c x_ic k_jc E_ijc``, ``E_ijc = exp(Σ_{j<t≤i} g_tc)``,
-backpropagate with the sub-blocks of the forward (`scores.channel_scores`):
-``dx_i = Σ_j dS_ij k_j E_ij``, ``dk_j = Σ_i dS_ij x_i E_ij`` and, per pair, its
-contribution ``M_ij = dS_ij x_i k_j E_ij`` goes to ``dg_t`` for every ``t`` of its
-span ``j < t ≤ i``. That sum is formed directly: for rows of block ``a``
-against earlier columns, the row sums of ``M`` over those columns go to the
-block's ``t ≤ i`` and the column sums to the ``t < a·s`` after ``j`` (each a
-0/1-mask matmul); for the diagonal blocks, per column offset, ``M_i`` goes to
-the ``t`` of its block after the column and up to ``i``. No gradient is a
-difference of prefix sums, so decays of −20 per step lose no digits.
+The scores kernel works on sub-blocks of ``s`` = 16 rows (as the forward's
+`scores.channel_scores`), every tile ``[s, bk]`` or ``[s, s]`` (its matmuls
+are ``[16, 16]`` blocks of ``dP``, ``dS_k`` and 0/1 masks: mma.sync, no
+``[C, C]`` operand in registers). For rows of block ``a`` against columns of
+an earlier block ``b`` the decay splits at the start of block ``a``:
+``E_ij = exp(Σ_{a·s≤t≤i} g) · exp(Σ_{j<t<a·s} g)``, one matmul each way. The
+span of such a pair covers the ``t ≤ i`` of block ``a`` (the row sums of ``M``
+over earlier columns), the ``t > j`` of block ``b`` (the column sums over
+later rows) and every ``t`` of the blocks in between (the pair's total).
+Within a diagonal block, one column ``j`` at a time, ``E_ij`` is elementwise;
+a running sum over the columns gives ``t`` its ``Σ_{i≥t} Σ_{j<t} M_ij``. The
+decay factors: ``Q⊙Γ`` and ``R_W``'s ``Γ`` send their cotangents to every ``g_t``
+with ``t ≤ i`` (added to the row sums), ``K̃``'s tail to ``t > j`` (to the
+column sums) and ``Γ_C`` to every ``t``. Every exponent and every sum that
+reaches ``dg`` is a direct sum over its span (same-sign terms, never a
+difference of prefix sums), so decays of −20 per step lose no digits.
 
-The decay factors: ``Q⊙Γ`` and ``W``'s ``Γ`` send their cotangents to every
-``g_t`` with ``t ≤ i``, ``K̃``'s tail to ``t > j`` and ``Γ_C`` to every ``t``.
-Channels are handled 64 at a time (the ``[C, K]`` work is separable by
-channel once ``dA`` is known), value columns 64 at a time. Each distinct
-``[C, C]`` matmul operand (the 0/1 span masks, ``T``, ``dP``, ``dS_k``) stays in
-shared memory across those loops, so the kernel reuses few of them (masks
-transposed rather than rebuilt): 177 KiB at K = V = 128 and 256 (sm_90: 227 KiB;
-it does not fit sm_80's 163 KiB).
+Shared memory (sm_90, K = V = 128): 48 KiB and 4 KiB (the fused kernel these
+replace took 224 KiB and spilled 7–11 KB per thread). The scores kernel runs
+its blocks, pairs and columns as loops, the later rows before the earlier
+columns (fewer values live across each loop): unrolled, it spilled.
 """
 
 from __future__ import annotations
@@ -42,97 +56,40 @@ from jax.experimental import pallas as pl
 
 from ...core import pallas
 from ...core.pallas import F32, TF32X3, operand, output, square_iota, triton_kernel_call
-from .configs import KDA_BLOCK_K, LinearAttentionConfig
-from .decay import span_sum
+from .configs import LinearAttentionConfig
 from .layout import check_flat_layout
 from .scores import CHANNEL_SUB_BLOCK
 
 #: Every matmul of this module runs as `TF32X3` (three TF32 tensor-core passes,
 #: about float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU). The 0/1
-#: masks and gathers are exact in TF32; their other operand carries < 2⁻²⁰ relative error.
+#: masks are exact in TF32; their other operand carries < 2⁻²⁰ relative error.
 dot = functools.partial(pallas.dot, precision=TF32X3)
 dot_nt = functools.partial(pallas.dot_nt, precision=TF32X3)
 dot_tn = functools.partial(pallas.dot_tn, precision=TF32X3)
 
+#: Value columns and channels per step of the WY backward's loops (static tier, sm_90,
+#: K = V = 128, 4 warps: 64 spilled 28 B; 32 none, ptxas needs at most 214 registers).
+WY_BLOCK = 32
+#: Channels per program of the scores backward (K = V = 128: 64 spilled 16 B; 32 none,
+#: at most 214 registers needed at any head size of the examples).
+SCORES_BLOCK_K = 32
 
-def _scores_backward(q, k, g, dp, dsk, chunk):
-    """``(dq, dk, dg)`` ``[C, K]`` of ``Σ dP⊙P_q + Σ dS_k⊙S_k`` for one block of
-    channels (``P_q``/``S_k`` the decayed scores of q/k against k; ``dp``
-    lower, ``dsk`` strictly lower ``[C, C]``).
 
-    Few distinct ``[C, C]`` operands (each costs shared memory): the column
-    factors ``exp(Σ_{j<t<a·s} g)`` are the in-block tail of ``j`` plus the
-    totals of the blocks in between (same-sign sums), and the ``dg`` of the
-    off-diagonal blocks is summed over all blocks before its two mask matmuls.
+def _wy_backward_kernel(*, v, beta, t, sk, u, w, du, dw, dv, dbeta, dsk, drw, chunk):
+    """One chunk, the WY solve backwards: ``dv [C, V]``, ``dS_k [C, C]``,
+    ``dR_W [C, K]`` and the part of ``dβ [C]`` that is not per channel.
+
+    ``dR = Tᵀ dX`` (``X = [U, W]``), ``dA = −strict_lower(dR_V Uᵀ + dR_W Wᵀ)``;
+    ``dv = β⊙dR_V``, ``dβ_i = Σ dR_V⊙v + Σ_j dA_ij (A/β)_ij`` (the scores
+    kernel adds ``Σ dR_W⊙Γ⊙k``) and ``dS_k = β_i dA_ij`` (the k scores'
+    cotangent). Value columns and channels `WY_BLOCK` at a time; ``T`` is the
+    one ``[C, C]`` matmul operand.
     """
-    s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
-    nb = chunk // s
-    rows, cols = square_iota(chunk)
-    row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    start = (row // s) * s
-    same = (cols // s) * s == start
-    lower = (same & (cols <= rows)).astype(F32)  # [i, t]: t ≤ i in i's block
-    later = (same & (cols > rows)).astype(F32)  # [j, t]: t > j in j's block
-    inner = jnp.exp(dot(lower, g))  # exp(Σ_{start(i)≤t≤i} g)
-    qi, ki = q * inner, k * inner
-    in_tail = dot(later, g)  # Σ_{j<t<end(j)} g
-    totals = [jnp.sum(jnp.where(start == b * s, g, 0.0), axis=0, keepdims=True) for b in range(nb)]
-    zeros = jnp.zeros(q.shape, F32)
-    dq, dk, dg, r_all, col_all = zeros, zeros, zeros, zeros, zeros
-    for a in range(1, nb):
-        span = in_tail
-        for b in range(1, a):  # whole blocks between j's block and block a
-            span = span + jnp.where(start < b * s, totals[b], 0.0)
-        before = jnp.exp(jnp.where(row < a * s, span, -jnp.inf))  # exp(Σ_{j<t<a·s} g), 0 for j ≥ a·s
-        y = k * before
-        in_a = start == a * s
-        ry_q = jnp.where(in_a, dot(dp, y), 0.0)
-        ry_k = jnp.where(in_a, dot(dsk, y), 0.0)
-        dq = dq + inner * ry_q
-        dk = dk + inner * ry_k
-        r_all = r_all + qi * ry_q + ki * ry_k  # Σ_{j<a·s} M_ij, rows i of block a
-        cx = jnp.where(row < a * s, dot_tn(dp, jnp.where(in_a, qi, 0.0)) + dot_tn(dsk, jnp.where(in_a, ki, 0.0)),
-                       0.0)
-        dk = dk + before * cx
-        col_m = y * cx  # Σ_{i in block a} M_ij per column j < a·s
-        col_all = col_all + col_m
-        for b in range(1, a):  # t in a whole block b between: Σ_{j<b·s} col_m_j
-            dg = dg + jnp.where(start == b * s, jnp.sum(jnp.where(row < b * s, col_m, 0.0), axis=0, keepdims=True),
-                                0.0)
-    # The same masks transposed (fewer distinct [C, C] operands):
-    dg = dg + dot_tn(lower, r_all)  # t ≤ i in i's block
-    dg = dg + dot_tn(later, col_all)  # j < t in j's block
-
-    def diagonal(d, carry):
-        dq, dk, dg = carry
-        col = start + d
-        pick = cols == col
-        kd = dot(pick.astype(F32), k)
-        valid = col <= row
-        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g, precision=TF32X3), -jnp.inf))
-        dpd = jnp.sum(jnp.where(pick, dp, 0.0), axis=1, keepdims=True)
-        dskd = jnp.sum(jnp.where(pick, dsk, 0.0), axis=1, keepdims=True)
-        ke = kd * e
-        dq = dq + dpd * ke
-        cz = (dpd * q + dskd * k) * e
-        dk = dk + dskd * ke + dot_tn(pick.astype(F32), cz)
-        # M_i goes to the t of its block with col_i < t ≤ i.
-        dg = dg + dot((same & (cols >= rows) & (row > col)).astype(F32), kd * cz)
-        return dq, dk, dg
-
-    return jax.lax.fori_loop(0, s, diagonal, (dq, dk, dg))
-
-
-def _kda_intra_backward_kernel(*, q, k, v, g, beta, t, sk, u, w, dqg, dkg, dgamma, dp, du, dw, dq, dk, dv, dg,
-                               dbeta, chunk):
-    """One chunk: ``dq, dk, dv, dg, dβ`` from the cotangents of its factors (module docstring)."""
-    kdim, vdim = k.shape[-1], v.shape[-1]
-    bk, bv = min(kdim, KDA_BLOCK_K), min(vdim, KDA_BLOCK_K)
+    kdim, vdim = w.shape[-1], v.shape[-1]
+    bk, bv = min(kdim, WY_BLOCK), min(vdim, WY_BLOCK)
     b = beta[...].astype(F32)
     tc = t[...]
     rows, cols = square_iota(chunk)
-    upto = (cols <= rows).astype(F32)  # [i, t]: t ≤ i
-    after = (cols > rows).astype(F32)  # [j, t]: t > j
 
     def v_block(i, carry):
         da, db = carry
@@ -141,40 +98,141 @@ def _kda_intra_backward_kernel(*, q, k, v, g, beta, t, sk, u, w, dqg, dkg, dgamm
         dv[:, vs] = dr * b[:, None]
         return da + dot_nt(dr, u[:, vs]), db + jnp.sum(dr * v[:, vs].astype(F32), axis=1)
 
-    def w_block(i, carry):
-        da, db = carry
+    def w_block(i, da):
         cs = pl.ds(i * bk, bk)
         dr = dot_tn(tc, dw[:, cs])
-        gk = k[:, cs].astype(F32) * jnp.exp(dot(upto, g[:, cs].astype(F32)))
-        return da + dot_nt(dr, w[:, cs]), db + jnp.sum(dr * gk, axis=1)
+        drw[:, cs] = dr
+        return da + dot_nt(dr, w[:, cs])
 
     zeros = (jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk,), F32))
-    carry = jax.lax.fori_loop(0, vdim // bv, v_block, zeros)
-    da, db = jax.lax.fori_loop(0, kdim // bk, w_block, carry)
+    da, db = jax.lax.fori_loop(0, vdim // bv, v_block, zeros)
+    da = jax.lax.fori_loop(0, kdim // bk, w_block, da)
     da = -jnp.where(rows > cols, da, 0.0)
     dbeta[...] = db + jnp.sum(da * sk[...], axis=1)
-    dsk = da * b[:, None]
-    dpc = dp[...]
+    dsk[...] = da * b[:, None]
 
-    def channels(i, _):
-        cs = pl.ds(i * bk, bk)
-        qb = q[:, cs].astype(F32)
-        kb = k[:, cs].astype(F32)
-        gb = g[:, cs].astype(F32)
-        gate = jnp.exp(dot(upto, gb))  # Γ_i
-        tail = jnp.exp(dot(after, gb))  # exp(Σ_{t>j} g_t)
-        dqg_b, dkg_b = dqg[:, cs], dkg[:, cs]
-        dr_w = dot_tn(tc, dw[:, cs]) * b[:, None]  # β ⊙ dR_W
-        dq_b, dk_b, dg_b = _scores_backward(qb, kb, gb, dpc, dsk, chunk)
-        dq[:, cs] = dq_b + dqg_b * gate
-        dk[:, cs] = dk_b + dkg_b * tail + dr_w * gate
-        prefix = (dqg_b * qb + dr_w * kb) * gate  # cotangent of G_i = Σ_{t≤i} g_t
-        suffix = dkg_b * kb * tail  # cotangent of Σ_{t>j} g_t
-        total = dgamma[cs] * jnp.exp(jnp.sum(gb, axis=0))  # cotangent of Σ_t g_t
-        dg[:, cs] = dg_b + dot_tn(upto, prefix) + dot_tn(after, suffix) + total[None, :]
-        return 0
 
-    jax.lax.fori_loop(0, kdim // bk, channels, 0)
+def _row(x, d, row):
+    """Row ``d`` of a tile (``row`` its ``[R, 1]`` row iota), ``[1, bk]``."""
+    return jnp.sum(jnp.where(row == d, x, 0.0), axis=0, keepdims=True)
+
+
+def _diagonal_block(qa, ka, ga, dp_aa, dsk_aa, k, start, col_sums, init):
+    """The pairs ``j ≤ i`` of one diagonal block of ``s`` rows (from ``start``),
+    one column ``j = start + d`` at a time, ``E_ij = exp(Σ_{j<t≤i} g)``
+    elementwise, added to ``init = (dq, dk, dg, row_sums)`` (``[s, bk]`` each;
+    ``row_sums`` those of ``M`` over the columns before the block, ``col_sums``
+    those over the rows after it); returns ``(dq, dk, dg)``. ``t = j`` gets
+    ``Σ_{i≥t} Σ_{j'<t} M_ij'`` from the running row sums and ``Σ_{j'<t}`` of ``col_sums``."""
+    s = qa.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (s, 1), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, s), 1)
+
+    def column(d, c):
+        dq_a, dk_a, dg_a, row_sums, run = c
+        kd = k[pl.ds(start + d, 1), :].astype(F32)
+        e = jnp.exp(jnp.where(row >= d, jnp.cumsum(jnp.where(row > d, ga, 0.0), axis=0), -jnp.inf))
+        dpd = jnp.sum(jnp.where(col == d, dp_aa, 0.0), axis=1, keepdims=True)
+        dskd = jnp.sum(jnp.where(col == d, dsk_aa, 0.0), axis=1, keepdims=True)
+        ke = kd * e
+        cz = (dpd * qa + dskd * ka) * e
+        dk_a = dk_a + dskd * ke + jnp.where(row == d, jnp.sum(cz, axis=0, keepdims=True), 0.0)
+        hit = jnp.sum(jnp.where(row >= d, row_sums, 0.0), axis=0, keepdims=True) + run  # to t = j
+        dg_a = dg_a + jnp.where(row == d, hit, 0.0)
+        return dq_a + dpd * ke, dk_a, dg_a, row_sums + cz * kd, run + _row(col_sums, d, row)
+
+    dq_a, dk_a, dg_a, _, _ = jax.lax.fori_loop(0, s, column, init + (jnp.zeros((1, qa.shape[1]), F32),))
+    return dq_a, dk_a, dg_a
+
+
+def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq, dk, dg, dbeta, chunk):
+    """One chunk, ``bk`` channels: ``dq, dk, dg [C, bk]`` of ``Σ dP⊙P + Σ dS_k⊙S_k``
+    and of the decay factors ``Q⊙Γ`` (cotangent ``dqg``), ``K̃`` (``dkg``),
+    ``Γ_C`` (``dgamma [bk]``) and ``R_W = β⊙Γ⊙K`` (``dR_W``: ``dk`` gets
+    ``β⊙dR_W⊙Γ``, ``dβ [C]`` these channels' ``Σ dR_W⊙Γ⊙k``), in sub-blocks of
+    ``s`` rows (module docstring); ``dp`` lower, ``dsk`` strictly lower ``[C, C]``.
+
+    The blocks run last to first, each written once: the pair totals of the rows
+    of block ``a`` go to the blocks before it (``between``), and the prefix
+    cotangents of the blocks after ``a`` to every ``t`` of it (``prefix_later``).
+    Loops rather than unrolled blocks, so no block's operands are live in another's.
+    """
+    s = CHANNEL_SUB_BLOCK
+    nb = chunk // s
+    bk = k.shape[-1]
+    rows, cols = square_iota(s)
+    blocks = jax.lax.broadcasted_iota(jnp.int32, (nb, 1), 0)
+    later = (cols > rows).astype(F32)  # [j, t]: t > j, both in one block
+    rows_of = lambda ref, a: ref[pl.ds(a * s, s), :].astype(F32)
+    square = lambda ref, a, b: ref[pl.ds(a * s, s), pl.ds(b * s, s)]
+    totals = jnp.sum(g[...].astype(F32).reshape(nb, s, bk), axis=1)  # [nb, bk]: Σ_{t in block} g
+
+    def whole(lo, hi):  # Σ g over the whole blocks lo..hi-1, [1, bk] (same-sign terms)
+        return jnp.sum(jnp.where((blocks >= lo) & (blocks < hi), totals, 0.0), axis=0, keepdims=True)
+
+    def tail(a):  # Σ_{j<t<(a+1)·s} g for the rows j of block a
+        return dot(later, rows_of(g, a))
+
+    def suffix_sum(m, sums):  # Σ over block m of K̃'s cotangent of Σ_{t>j} g
+        decay = jnp.exp(tail(m) + whole(m + 1, nb))
+        part = jnp.sum(dkg[pl.ds(m * s, s), :] * rows_of(k, m) * decay, axis=0, keepdims=True)
+        return sums + jnp.where(blocks == m, part, 0.0)
+
+    zeros = jnp.zeros((nb, bk), F32)
+    suffix_sums = jax.lax.fori_loop(0, nb, suffix_sum, zeros)
+    dg_total = dgamma[...][None, :] * jnp.exp(whole(0, nb))  # Γ_C's cotangent, to every t
+
+    def block(i, carry):
+        between, prefix_later = carry
+        a = nb - 1 - i
+        ka = rows_of(k, a)
+        tail_a = tail(a)
+        dk_tail = dkg[pl.ds(a * s, s), :] * jnp.exp(tail_a + whole(a + 1, nb))  # from K̃_j = k_j exp(Σ_{t>j} g)
+
+        def later_rows(c_, c):  # the columns of block a against the rows of block c_ > a
+            dk_a, col_sums = c
+            inner_c = jnp.exp(jnp.cumsum(rows_of(g, c_), axis=0))
+            cx = (dot_tn(square(dp, c_, a), rows_of(q, c_) * inner_c)
+                  + dot_tn(square(dsk, c_, a), rows_of(k, c_) * inner_c))
+            kx = jnp.exp(tail_a + whole(a + 1, c_)) * cx  # Σ_{i in c_} M_ij / k_j
+            return dk_a + kx, col_sums + ka * kx
+
+        dk_a, col_sums = jax.lax.fori_loop(a + 1, nb, later_rows, (dk_tail, dk_tail * ka))
+        qa, ga = rows_of(q, a), rows_of(g, a)
+        head = jnp.cumsum(ga, axis=0)  # Σ_{a·s≤t≤i} g
+        inner = jnp.exp(head)
+        gate = jnp.exp(head + whole(0, a))  # Γ_i
+        drw_gate = drw[pl.ds(a * s, s), :] * gate
+        dbeta[pl.ds(a * s, s)] = jnp.sum(drw_gate * ka, axis=1)
+        dkw_a = beta[pl.ds(a * s, s)].astype(F32)[:, None] * drw_gate  # W's share of dk
+        dqg_a = dqg[pl.ds(a * s, s), :]
+        prefix = dqg_a * qa * gate + dkw_a * ka  # cotangent of G_i = Σ_{t≤i} g
+        xq, xk = qa * inner, ka * inner
+
+        def earlier_columns(b, c):  # the rows of block a against the columns of block b < a
+            dq_a, dk_a, row_sums, between = c
+            y = rows_of(k, b) * jnp.exp(tail(b) + whole(b + 1, a))  # k_j exp(Σ_{j<t<a·s} g)
+            ry_q, ry_k = dot(square(dp, a, b), y), dot(square(dsk, a, b), y)
+            m = xq * ry_q + xk * ry_k  # Σ_{j in b} M_ij
+            pair = jnp.sum(m, axis=0, keepdims=True)
+            between = between + jnp.where((blocks > b) & (blocks < a), pair, 0.0)
+            return dq_a + inner * ry_q, dk_a + inner * ry_k, row_sums + m, between
+
+        prefix_later_next = prefix_later + jnp.sum(prefix, axis=0, keepdims=True)
+        dq_a, dk_a, row_sums, between = jax.lax.fori_loop(
+            0, a, earlier_columns, (dqg_a * gate, dk_a + dkw_a, prefix, between))
+        base = (_row(between, a, blocks) + prefix_later + dg_total
+                + jnp.sum(jnp.where(blocks < a, suffix_sums, 0.0), axis=0, keepdims=True))
+        # Block a's operands reloaded: only what the loops carry is live across them.
+        dq_a, dk_a, dg_a = _diagonal_block(rows_of(q, a), rows_of(k, a), rows_of(g, a), square(dp, a, a),
+                                           square(dsk, a, a), k, a * s, col_sums,
+                                           (dq_a, dk_a, jnp.zeros_like(dq_a) + base, row_sums))
+        dq[pl.ds(a * s, s), :] = dq_a
+        dk[pl.ds(a * s, s), :] = dk_a
+        dg[pl.ds(a * s, s), :] = dg_a
+        return between, prefix_later_next
+
+    jax.lax.fori_loop(0, nb, block, (zeros, jnp.zeros((1, bk), F32)))
 
 
 def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config: LinearAttentionConfig):
@@ -184,9 +242,11 @@ def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config
     `triton_intra.kda_intra_forward`); its ``t``, ``sk [BH, Tp, C]`` (``with_solve``),
     ``u [BH, Tp, V]``, ``w [BH, Tp, K]``; ``cot`` the cotangents of its outputs:
     ``qg, kg, W [BH, Tp, K]``, ``gamma [BH, NT, K]``, ``P [BH, Tp, C]`` (lower),
-    ``U [BH, Tp, V]``. One stage whatever ``config.num_stages`` (loops over the
-    ``K/64`` channel blocks of one chunk; a second stage adds shared memory to
-    a kernel at 177 KiB and found nothing to pipeline).
+    ``U [BH, Tp, V]``. Two kernels (module docstring) with ``dS_k [BH, Tp, C]``
+    and ``dR_W [BH, Tp, K]`` (float32) between them in HBM, and ``dβ`` the sum of
+    the WY kernel's part and one part per block of channels. One stage each
+    whatever ``config.num_stages`` (their loops run over one chunk's blocks and
+    found nothing to pipeline).
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
@@ -199,16 +259,30 @@ def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config
     spec = lambda d: pl.BlockSpec((None, chunk, d), lambda c, h: (h, c, 0))
     kspec, vspec, cspec = spec(kdim), spec(vdim), spec(chunk)
     vec = pl.BlockSpec((None, chunk), lambda c, h: (h, c))
-    outs = triton_kernel_call(
-        functools.partial(_kda_intra_backward_kernel, chunk=chunk), grid=(nt, bh),
-        inputs=dict(q=operand(q, kspec), k=operand(k, kspec), v=operand(v, vspec), g=operand(g, kspec),
-                    beta=operand(beta, vec), t=operand(t, cspec), sk=operand(sk, cspec), u=operand(u, vspec),
-                    w=operand(w, kspec), dqg=operand(cot["qg"], kspec), dkg=operand(cot["kg"], kspec),
-                    dgamma=operand(cot["gamma"], pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0))),
-                    dp=operand(cot["P"], cspec), du=operand(cot["U"], vspec), dw=operand(cot["W"], kspec)),
-        outputs=dict(dq=output((bh, tp, kdim), F32, kspec), dk=output((bh, tp, kdim), F32, kspec),
-                     dv=output((bh, tp, vdim), F32, vspec), dg=output((bh, tp, kdim), F32, kspec),
-                     dbeta=output((bh, tp), F32, vec)),
+    wy = triton_kernel_call(
+        functools.partial(_wy_backward_kernel, chunk=chunk), grid=(nt, bh),
+        inputs=dict(v=operand(v, vspec), beta=operand(beta, vec), t=operand(t, cspec), sk=operand(sk, cspec),
+                    u=operand(u, vspec), w=operand(w, kspec), du=operand(cot["U"], vspec),
+                    dw=operand(cot["W"], kspec)),
+        outputs=dict(dv=output((bh, tp, vdim), F32, vspec), dbeta=output((bh, tp), F32, vec),
+                     dsk=output((bh, tp, chunk), F32, cspec), drw=output((bh, tp, kdim), F32, kspec)),
+        num_warps=config.num_warps, num_stages=1, name="stellax_kda_wy_bwd",
+    )
+    # Channel blocks first: the programs of one chunk run together and share its dP, dS_k in L2.
+    bk = min(kdim, SCORES_BLOCK_K)
+    nk = kdim // bk
+    channels = pl.BlockSpec((None, chunk, bk), lambda j, c, h: (h, c, j))
+    square = pl.BlockSpec((None, chunk, chunk), lambda j, c, h: (h, c, 0))
+    grads = triton_kernel_call(
+        functools.partial(_scores_backward_kernel, chunk=chunk), grid=(nk, nt, bh),
+        inputs=dict(q=operand(q, channels), k=operand(k, channels), g=operand(g, channels),
+                    beta=operand(beta, pl.BlockSpec((None, chunk), lambda j, c, h: (h, c))),
+                    dp=operand(cot["P"], square), dsk=operand(wy.dsk, square), dqg=operand(cot["qg"], channels),
+                    dkg=operand(cot["kg"], channels), drw=operand(wy.drw, channels),
+                    dgamma=operand(cot["gamma"], pl.BlockSpec((None, None, bk), lambda j, c, h: (h, c, j)))),
+        outputs=dict(dq=output((bh, tp, kdim), F32, channels), dk=output((bh, tp, kdim), F32, channels),
+                     dg=output((bh, tp, kdim), F32, channels),
+                     dbeta=output((nk, bh, tp), F32, pl.BlockSpec((None, None, chunk), lambda j, c, h: (j, h, c)))),
         num_warps=config.num_warps, num_stages=1, name="stellax_kda_intra_bwd",
     )
-    return outs.dq, outs.dk, outs.dv, outs.dg, outs.dbeta
+    return grads.dq, grads.dk, wy.dv, grads.dg, wy.dbeta + jnp.sum(grads.dbeta, axis=0)
