@@ -1,7 +1,7 @@
-"""The Triton intra-chunk backward kernel (`triton_backward.gdn_intra_backward`):
+"""The Triton intra-chunk backward kernels (`triton_backward.gdn_intra_backward`):
 gradients of every input in interpret mode against the golden (the backward op
-directly and end to end through GDN and SSD), cuda lowering of every config of
-the backward op, and the PTX tier."""
+directly, also with the kernels' blocking below sm_90, and end to end through
+GDN and SSD), cuda lowering of every config of the backward op, and the PTX tier."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from stellax.ops.linear_attention import (LinearAttentionConfig, chunk_gated_del
 from stellax.ops.linear_attention.examples import make_inputs
 from stellax.ops.linear_attention.configs import TRITON_CHUNK
 from stellax.ops.linear_attention.examples import make_ssd_inputs
-from stellax.ops.linear_attention.triton_backward import MAX_BLOCK_V, gdn_intra_backward
+from stellax.ops.linear_attention.triton_backward import MAX_BLOCK_V, column_block, gdn_intra_backward
 from stellax.testing import (assert_close, assert_custom_call, assert_fits_smem, check_op_lowering,
                              compile_triton_to_ptx, lower_for_gpu, triton_compiler_available)
 
@@ -25,6 +25,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 SPLIT = LinearAttentionConfig(block_v=32, num_warps=4, num_stages=1)
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 INTRA = "stellax_linear_attention_intra_bwd"
+#: The intra-chunk launches, in order (the delta rule's first two only with it).
+INTRA_KERNELS = tuple(f"{INTRA}_{name}" for name in ("inverse", "values", "pairs", "states", "keys"))
 
 
 def _core_inputs(key, *, bs, hv, nt, kdim, vdim, delta, packed, dtype, g_step=None, g_scale=1.0):
@@ -102,6 +104,20 @@ def test_backward_op_head_sizes_match_golden(kdim, vdim, delta, packed):
     for name, o, r in zip(NAMES, out, ref):
         if r is not None:
             assert_close(o, r, dtype=F32, gradient=True, name=name)
+
+
+@pytest.mark.parametrize("delta, packed, kdim, vdim, g_step", [(True, False, 64, 64, None), (True, True, 16, 32, -20.0),
+                                                             (False, True, 32, 16, -20.0)],
+                         ids=["gdn-2x2-blocks", "gdn-varlen-strong", "ssd-varlen-strong"])
+def test_backward_op_below_sm90_matches_golden(delta, packed, kdim, vdim, g_step):
+    """The kernels as an A100 runs them (16-column blocks of the [C, C] gradients,
+    T in blocks of 32 rows, its diagonal inverses not serialized): two key and two
+    value blocks with weak decays; packed sequences with g = −20 per step."""
+    args = _core_inputs(jax.random.PRNGKey(kdim + vdim), bs=1, hv=1, nt=4 if packed else 3, kdim=kdim, vdim=vdim,
+                        delta=delta, packed=packed, dtype=F32, g_step=g_step, g_scale=0.05)
+    with stellax.lowering_target("a100"):
+        assert column_block(TRITON_CHUNK) == 16
+        _check_backward_op(args, F32)
 
 
 def test_intra_backward_rejects_bad_shapes():
@@ -190,10 +206,13 @@ def test_backward_op_cuda_lowering_of_every_config(delta, packed, kdim, vdim, dt
     assert len(configs) >= 4
     assert check_op_lowering(gated_recurrence_backward_op, "triton", args, configs=configs) == len(configs)
     # The launches: the forward recomputation (WY with the delta rule, state
-    # scan), the reverse scan and the intra-chunk kernel.
-    lowered = lower_for_gpu(lambda *a: gated_recurrence_backward_op(*a, implementation="triton"), *args)
-    assert assert_custom_call(lowered) == (4 if delta else 3)
-    assert INTRA in lowered.as_text()
+    # scan), the reverse scan and the intra-chunk kernels (T and dR_v with the delta rule).
+    intra = INTRA_KERNELS if delta else INTRA_KERNELS[2:]
+    for target in ("h100", "a100"):
+        lowered = lower_for_gpu(lambda *a: gated_recurrence_backward_op(*a, implementation="triton"), *args,
+                                target=target)
+        assert assert_custom_call(lowered) == (3 if delta else 2) + len(intra)
+        assert all(name in lowered.as_text() for name in intra)
 
 
 # -- PTX tier -------------------------------------------------------------------------
@@ -201,11 +220,11 @@ def test_backward_op_cuda_lowering_of_every_config(delta, packed, kdim, vdim, dt
 @pytest.mark.parametrize("delta", [True, False], ids=["gdn", "ssd"])
 @pytest.mark.parametrize("dim", [128, 256])
 def test_ptx_intra_backward_fits_shared_memory(dim, delta):
-    """The intra-chunk kernel compiles for sm_90 in every config of the backward
-    op's space at K = V = ``dim``, within 227 KiB of shared memory, and within
-    sm_80's 163 KiB like the forward kernels of the shared space (the other
-    backward launches are the forward's and the reverse scan's kernels, which
-    test_la_triton.py compiles)."""
+    """The intra-chunk kernels compile for sm_90 (and, as an A100 lowers them,
+    for sm_80) in every config of the backward op's space at K = V = ``dim``,
+    within 227 KiB of shared memory, and within sm_80's 163 KiB like the forward
+    kernels of the shared space (the other backward launches are the forward's
+    and the reverse scan's kernels, which test_la_triton.py compiles)."""
     ok, reason = triton_compiler_available()
     if not ok:
         pytest.skip(reason)
@@ -219,14 +238,16 @@ def test_ptx_intra_backward_fits_shared_memory(dim, delta):
     configs = gated_recurrence_backward_op.implementations["triton"].config_space(
         gated_recurrence_backward_op.check(*core))
     assert configs
-    # The kernel caps block_v at MAX_BLOCK_V and runs one stage: compile each
+    # The kernels cap block_v at MAX_BLOCK_V and run one stage: compile each
     # distinct effective config once.
     effective = {(min(c.block_v, MAX_BLOCK_V), c.num_warps): c for c in configs}
     assert len(effective) >= 2
     for config in effective.values():
-        lowered = lower_for_gpu(lambda *a: gdn_intra_backward(*a, chunk=TRITON_CHUNK, config=config), *args)
-        kernels = compile_triton_to_ptx(lowered, "9.0")
-        assert [k_.name for k_ in kernels] == [INTRA], config
-        print(f"K=V={dim} delta={delta} {config}: {kernels[0].smem_bytes} B shared memory")
-        assert_fits_smem(kernels, "9.0")
-        assert_fits_smem(kernels, "8.0")  # as the forward kernels of the shared space
+        for target, arch in (("h100", "9.0"), ("a100", "8.0")):
+            lowered = lower_for_gpu(lambda *a: gdn_intra_backward(*a, chunk=TRITON_CHUNK, config=config), *args,
+                                    target=target)
+            kernels = compile_triton_to_ptx(lowered, arch)
+            assert tuple(k_.name for k_ in kernels) == (INTRA_KERNELS if delta else INTRA_KERNELS[2:]), config
+            print(f"K=V={dim} delta={delta} {config} sm_{arch}: {max(k_.smem_bytes for k_ in kernels)} B shared memory")
+            assert_fits_smem(kernels, arch)
+            assert_fits_smem(kernels, "8.0")  # as the forward kernels of the shared space

@@ -13,8 +13,9 @@ The pipeline backwards, mirroring the forward's stages:
   the reverse state scan (`triton_scan.gdn_state_backward` /
   `kda_state_backward`) carries ``dS`` back over the chunks, storing the
   gradient of each chunk's final state, ``dΔ`` and ``dh0``;
-* stages 6 → 1 per chunk, in parallel: GDN/SSD recompute ``P``, ``A``, ``T``,
-  ``U``, ``W`` in one kernel (`triton_backward.gdn_intra_backward`); KDA
+* stages 6 → 1 per chunk, in parallel: GDN/SSD recompute ``T`` and pass
+  ``dR_v = Tᵀ dΔ`` and the ``[C, C]`` gradients through HBM between five
+  kernels (`triton_backward.gdn_intra_backward`); KDA
   first forms the cotangents of its stored factors from the scans
   (`factor_cotangents`, batched matmuls in XLA) and backpropagates them
   through W/U, the solve, the scores and the decay sums
@@ -78,7 +79,7 @@ def _pass_empty_sequences(call: Call, dh0, dfinal):
 def gdn_triton_backward(call: Call, config: LinearAttentionConfig):
     """The Triton backward of scalar decays: the reverse state scan (``dS`` per
     chunk, ``dΔ``, ``dh0``) and then the per-chunk gradients of q, k, v, g and β
-    (recomputing ``P``, ``T``, ``U``, ``W`` per chunk). The forward's W, S_c and
+    (recomputing ``T`` per chunk). The forward's W, S_c and
     Δ are recomputed, not stored."""
     q, k, v, g, beta, h0 = (call.arrays[n] for n in ("q", "k", "v", "g", "beta", "h0"))
     meta = _meta(call)
