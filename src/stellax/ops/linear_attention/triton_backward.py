@@ -148,8 +148,8 @@ class _Columns:
 def _inverse_kernel(*, k, g, beta, t, chunk, block, block_k, serial):
     """One chunk: ``T = (I + A)⁻¹``, ``A = strict_lower(β exp(D) K Kᵀ)``, in blocks of
     ``block`` rows (one block: the whole chunk's nilpotent product), the scores'
-    ``K`` in steps of ``block_k`` columns. The forward substitution of
-    `solve.block_unit_lower_inverse` down the block rows ``a``,
+    ``K`` in steps of ``block_k`` columns. Forward substitution down the block
+    rows ``a`` (as `solve.lazy_block_inverse`, with the diagonal blocks by the nilpotent product),
 
         T_aa = (I + A_aa)⁻¹,   T_ac = −T_aa Σ_{c≤b<a} A_ab T_bc   (c < a),
 
