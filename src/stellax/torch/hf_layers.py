@@ -71,7 +71,8 @@ def _group_gated_rms_norm_forward(self, hidden_states, gate=None):
 
 
 #: gated norms (forward(x, gate)) -> their stellax forward
-_GATED_NORMS = {"Qwen3NextRMSNormGated": _gated_rms_norm_forward, "MambaRMSNormGated": _group_gated_rms_norm_forward}
+_GATED_NORMS = {"Qwen3NextRMSNormGated": _gated_rms_norm_forward, "MambaRMSNormGated": _group_gated_rms_norm_forward,
+                "Mamba2RMSNormGated": _group_gated_rms_norm_forward}  # transformers >= 5.25 names Mamba2's its own
 
 
 def patch_rms_norm(module: nn.Module) -> str | None:
@@ -83,7 +84,7 @@ def patch_rms_norm(module: nn.Module) -> str | None:
     if not isinstance(weight, torch.Tensor) or weight.ndim != 1:
         return f"{name}: expected a 1-D weight"
     if name in _GATED_NORMS and isinstance(getattr(module, "variance_epsilon", None), float):
-        if name == "MambaRMSNormGated" and weight.shape[0] % module.group_size:
+        if _GATED_NORMS[name] is _group_gated_rms_norm_forward and weight.shape[0] % module.group_size:
             return f"{name}: width {weight.shape[0]} is not a multiple of group_size {module.group_size}"
         _bind(module, _GATED_NORMS[name], "rms_norm (gated)")
         return None

@@ -26,34 +26,82 @@ from . import linear_attention as _la
 __all__ = ["MIXERS", "patch_mixer", "rebind_globals"]
 
 
-def rebind_globals(func, replacements: dict):
+def rebind_globals(func, replacements: dict, depth: int = 1):
     """A copy of ``func`` whose global names in ``replacements`` resolve to the
-    given objects. Decorated functions (a ``functools.wraps`` chain) are
-    rebuilt level by level, so the decorators keep working around the copy."""
+    given objects. A name ``func`` does not call itself is looked for, up to
+    ``depth`` calls down, in the module-level functions of ``func``'s own module
+    that it calls (transformers >= 5.25 moved Mamba2's kernel hooks from the
+    mixer's ``forward`` into ``mamba2_scan_forward``); those functions are
+    rebound copies too. Decorated functions (a ``functools.wraps`` chain) are
+    rebuilt level by level, so the decorators keep working around the copy.
+    Raises ``LookupError`` naming the hooks found nowhere."""
     inner = getattr(func, "__wrapped__", None)
-    if inner is None:
-        missing = sorted(set(replacements) - set(func.__code__.co_names))
-        if missing:
-            raise LookupError(f"{func.__qualname__} does not call {missing}")
-        scope = dict(func.__globals__)
-        scope.update(replacements)
-        new = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
-    else:
-        new_inner = rebind_globals(inner, replacements)
-        cells, found = [], False
-        for cell in func.__closure__ or ():
-            try:
-                held = cell.cell_contents
-            except ValueError:  # an empty cell
-                cells.append(cell)
+    if inner is not None:
+        return _rebuild_decorated(func, rebind_globals(inner, replacements, depth))
+    code = func.__code__
+    direct = {name: obj for name, obj in replacements.items() if name in code.co_names}
+    rest = {name: obj for name, obj in replacements.items() if name not in direct}
+    found = set(direct)
+    if rest and depth > 0:
+        for callee_name in code.co_names:
+            callee = _plain_function(func.__globals__.get(callee_name), callee_name, func.__module__)
+            if callee is None:
                 continue
-            found = found or held is inner
-            cells.append(types.CellType(new_inner) if held is inner else cell)
-        if not found:
-            raise LookupError(f"{func.__qualname__}: cannot find the wrapped function in its closure")
-        new = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells))
-        new.__dict__.update(func.__dict__)
-        new.__wrapped__ = new_inner
+            callee_code = _innermost(callee).__code__
+            wanted = {n: o for n, o in rest.items() if callee_code is not None and n in callee_code.co_names}
+            if wanted:
+                direct[callee_name] = rebind_globals(callee, wanted, depth - 1)
+                found |= set(wanted)
+    missing = sorted(set(replacements) - found)
+    if missing:
+        raise LookupError(f"{func.__qualname__} does not call {missing}")
+    scope = dict(func.__globals__)
+    scope.update(direct)
+    new = types.FunctionType(code, scope, func.__name__, func.__defaults__, func.__closure__)
+    new.__kwdefaults__ = func.__kwdefaults__
+    new.__qualname__, new.__doc__ = func.__qualname__, func.__doc__
+    return new
+
+
+def _plain_function(obj, name: str, module: str):
+    """The Python function behind the global ``name`` of ``module``, or ``None``.
+    With the ``kernels`` package installed, transformers' ``use_kernel_forward_from_hub``
+    turns a decorated function into an ``nn.Module`` instance whose class's
+    ``forward`` calls the original function from its closure; that function is
+    returned (the copy then calls it directly, with no hub dispatch: its hooks
+    are stellax's)."""
+    if isinstance(obj, types.FunctionType):
+        return obj if obj.__module__ == module else None
+    if isinstance(obj, nn.Module):
+        for cell in getattr(type(obj).forward, "__closure__", None) or ():
+            held = cell.cell_contents
+            if isinstance(held, types.FunctionType) and held.__name__ == name and held.__module__ == module:
+                return held
+    return None
+
+
+def _innermost(func):
+    while getattr(func, "__wrapped__", None) is not None:
+        func = func.__wrapped__
+    return func
+
+
+def _rebuild_decorated(func, new_inner):
+    """``func`` (a wrapper whose closure holds ``func.__wrapped__``) around ``new_inner`` instead."""
+    inner, cells, found = func.__wrapped__, [], False
+    for cell in func.__closure__ or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            cells.append(cell)
+            continue
+        found = found or held is inner
+        cells.append(types.CellType(new_inner) if held is inner else cell)
+    if not found:
+        raise LookupError(f"{func.__qualname__}: cannot find the wrapped function in its closure")
+    new = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells))
+    new.__dict__.update(func.__dict__)
+    new.__wrapped__ = new_inner
     new.__kwdefaults__ = func.__kwdefaults__
     new.__qualname__, new.__doc__ = func.__qualname__, func.__doc__
     return new

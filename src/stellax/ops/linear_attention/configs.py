@@ -14,7 +14,8 @@ from ...core.pallas import padded_dim
 TRITON_CHUNK = 64
 #: Largest key / value head size the kernels hold in registers.
 MAX_HEAD_DIM = 256
-#: KDA's intra-chunk backward kernel needs more shared memory than sm_80 has (PTX tier).
+#: KDA's WY solve kernel (stellax_kda_intra, the whole chunk's inverse) spills registers below sm_90
+#: (static tier: 3.2-3.6 KB spill stores at sm_80; every KDA kernel fits 64 KiB of shared memory).
 KDA_MIN_CAPABILITY = (9, 0)
 #: Channels (and value columns) KDA's intra-chunk kernels handle at a time: their
 #: ``[C, K]`` tiles at K = 256 took 320 KiB of shared memory (sm_90 has 227).
@@ -93,8 +94,9 @@ def linear_attention_requirements(call: Call, *, per_channel: bool = False) -> s
     if per_channel:  # KDA's kernels (triton_intra.kda_intra_forward, triton_kda_backward)
         platform = current_platform()
         if platform.nvidia_below(KDA_MIN_CAPABILITY):
-            return (f"KDA's Triton kernels need sm_90's shared memory (the intra-chunk backward kernel takes "
-                    f"177 KiB, over sm_80's 163 KiB); this GPU is {platform.describe()}")
+            return (f"KDA's Triton kernels need sm_90: at sm_80 the WY solve kernel (stellax_kda_intra) spills "
+                    f"3.2-3.6 KB of registers per thread (static tier), at sm_90 none; this GPU is "
+                    f"{platform.describe()}")
     return None
 
 
