@@ -220,7 +220,7 @@ def units(op: Op, implementation: str, arch: str = "9.0") -> list[Unit]:
     return found
 
 
-def _supported_at(unit: Unit, arch: str) -> bool:
+def supported_at(unit: Unit, arch: str) -> bool:
     """Whether dispatch would run ``unit``'s implementation on a GPU of ``arch``."""
     target = LOWERING_TARGETS[_arch_target(arch)]
     with lowering_target(target):
@@ -243,7 +243,7 @@ def analyze_unit(unit: Unit, archs: Iterable[str] | None = None, *, use_ptxas: b
         return [StaticConfig(**base, arch=a, error=f"lowering failed: {type(e).__name__}: {e}"[:300]) for a in archs]
     results = []
     for arch in archs:
-        if not _supported_at(unit, arch):
+        if not supported_at(unit, arch):
             continue  # refused there (e.g. float8 below sm_89): dispatch never compiles it
         try:
             kernels = tuple(analyze(s, arch, use_ptxas=use_ptxas) for s in sources)
