@@ -59,3 +59,30 @@ def isolated_cache(request, monkeypatch):
     sources.set_policy(None)
     yield root
     sources.set_policy(None)
+
+
+# -- the extended tier (tests/extended_tier.txt) --------------------------------------------------
+_EXTENDED_LIST = os.path.join(os.path.dirname(__file__), "extended_tier.txt")
+_OTHER_TIERS = ("slow", "ptx", "tpu", "vllm")
+
+
+def _extended_tests() -> set[str]:
+    with open(_EXTENDED_LIST) as f:
+        return {line.split("#", 1)[0].strip() for line in f} - {""}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    """Mark the test functions of `tests/extended_tier.txt` ``extended``."""
+    listed = _extended_tests()
+    found, collected_files = set(), set()
+    for item in items:
+        function = item.nodeid.split("[", 1)[0]
+        collected_files.add(function.split("::", 1)[0])
+        if function in listed:
+            found.add(function)
+            if not any(item.get_closest_marker(m) for m in _OTHER_TIERS):
+                item.add_marker(pytest.mark.extended)
+    stale = sorted(f for f in listed - found if f.split("::", 1)[0] in collected_files)
+    if stale:
+        raise pytest.UsageError(f"tests/extended_tier.txt names tests that do not exist (renamed?): {stale}")

@@ -35,24 +35,59 @@ def examples_of(op: Op, dtype_name: str) -> tuple[Example, ...]:
 
 
 def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
-    """``make()``'s examples with their float arrays as `jax.ShapeDtypeStruct`s
-    (integer operands such as group sizes or ``cu_seqlens`` stay concrete: checks
-    read them). Built under `jax.eval_shape` when that keeps the integer operands
-    concrete (no random numbers drawn, no 16k-token arrays filled), else for real."""
+    """``make()``'s examples with their float arrays, and their 1-byte integer
+    arrays (quantized payloads: int8 values, packed fp4 / fp8 codes), as
+    `jax.ShapeDtypeStruct`s; the other integer and boolean operands (group sizes,
+    ``cu_seqlens``, block tables, masks: what checks read) concrete.
+
+    ``make`` is traced once (`jax.make_jaxpr`); the trace is cut down to what
+    those concrete operands depend on (dead-code elimination drops the random
+    numbers of the float arrays, and any kernel that quantizes them) and that
+    part is compiled and run. So a 16k-token benchmark call costs a small
+    compile, not gigabytes of random numbers computed in the background (which
+    also stalled every later computation of the process). A builder that needs
+    concrete values (``np.asarray`` of an array it made) is built for real."""
     box: list[Example] = []
 
     def build():
-        box.extend(make())
-        return 0
+        box[:] = make()
+        return [x for x in _leaves(box) if isinstance(x, jax.core.Tracer) and _is_metadata(x)]
 
     try:
-        jax.eval_shape(build)
-        leaves = jax.tree_util.tree_leaves([(e.args, e.kwargs) for e in box])
-        if any(isinstance(x, jax.core.Tracer) and not _is_float(x) for x in leaves):
-            raise TypeError("integer operands were traced")
+        metadata = iter(_evaluate_only(jax.make_jaxpr(build)()))
     except Exception:  # noqa: BLE001 - a builder that needs concrete values: build it for real
         box = list(make())
-    return [Example(e.label, _abstract_floats(e.args), _abstract_floats(e.kwargs)) for e in box]
+        return [Example(e.label, _abstract_floats(e.args), _abstract_floats(e.kwargs)) for e in box]
+
+    def settle(x):
+        traced = isinstance(x, jax.core.Tracer)
+        if traced and _is_metadata(x):
+            return next(metadata)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype) if traced or _is_float(x) else x
+
+    return [Example(e.label, *jax.tree_util.tree_map(settle, (e.args, e.kwargs))) for e in box]
+
+
+def _evaluate_only(closed) -> list:
+    """The outputs of a traced program (`jax.make_jaxpr`), computing only the
+    equations they depend on."""
+    from jax._src.interpreters import partial_eval as pe  # dead-code elimination of a jaxpr
+
+    if not closed.jaxpr.outvars:
+        return []
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)  # constants become leading inputs
+    needed, used_inputs = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    consts = [c for c, used in zip(closed.consts, used_inputs) if used]
+    return jax.jit(jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(needed, ())))(*consts)
+
+
+def _leaves(examples) -> list:
+    return jax.tree_util.tree_leaves([(e.args, e.kwargs) for e in examples])
+
+
+def _is_metadata(x) -> bool:
+    """An integer or boolean array that is not a 1-byte quantized payload."""
+    return not _is_float(x) and (x.dtype == jnp.bool_ or jnp.dtype(x.dtype).itemsize > 1)
 
 
 def _is_float(x) -> bool:
