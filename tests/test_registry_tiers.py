@@ -28,6 +28,11 @@ mosaic_tpu) × its examples and its whole autotuning space.
   benchmark size (the transformer-sized call, where VMEM limits bite); ``tpu``: every config of each generation's space for v5e,
   v5p, v6e and TPU7x on every example and benchmark call.
 
+Since 2026-12-03 the numerics, lowering and TPU compile tests of this module
+are in the extended tier (`tests/extended_tier.txt`: CI runs it right after
+the default tier; `pytest -m extended`), which keeps the default tier under
+15 minutes.
+
 Family test files keep only what is specific to an op (edge cases, options,
 layouts, oracles); what is generic lives here.
 
