@@ -2,6 +2,7 @@
 heuristic check and the autotuner's use of the ranking (abstract calls only:
 nothing runs)."""
 
+import dataclasses
 import itertools
 import math
 
@@ -148,3 +149,46 @@ def test_group_sizes_default_to_balanced_when_abstract():
     class FakeCall:
         arrays = {"group_sizes": jax.ShapeDtypeStruct((4,), jnp.int32)}
     assert np.array_equal(cm._group_sizes(FakeCall(), 100, 4), [25, 25, 25, 25])
+
+
+def _gdn_call(t=4096, heads=4, k=128, v=128, name="chunk_gated_delta_rule"):
+    op = OPS[name]
+    with lowering_target("h200"):
+        if name == "ssd":  # x [B,T,H,P], dt [B,T,H], A [H], B, C [B,T,G,N]
+            x = jax.ShapeDtypeStruct((1, t, heads, v), jnp.bfloat16)
+            dt = jax.ShapeDtypeStruct((1, t, heads), jnp.bfloat16)
+            a = jax.ShapeDtypeStruct((heads,), jnp.float32)
+            bc = jax.ShapeDtypeStruct((1, t, 1, k), jnp.bfloat16)
+            return op, op.check(x, dt, a, bc, bc)
+        qk = jax.ShapeDtypeStruct((1, t, heads, k), jnp.bfloat16)
+        vv = jax.ShapeDtypeStruct((1, t, heads, v), jnp.bfloat16)
+        g = jax.ShapeDtypeStruct((1, t, heads), jnp.float32)
+        return op, op.check(qk, qk, vv, g, g)
+
+
+def test_gdn_forward_pipeline_counts_its_three_kernels():
+    op, call = _gdn_call()
+    config = op.implementations["triton"].config_type(block_v=32, num_warps=4, num_stages=1)
+    e = cm.estimate(op, "triton", call, config)
+    stages = dict(e.stages)
+    assert list(stages) == ["wy", "state", "output"]
+    nt, c = 4096 // 64, 64
+    assert stages["wy"].tiles == nt * 4 and stages["state"].tiles == 4 * (128 // 32)
+    assert stages["output"].tiles == nt * 4 * (128 // 32)
+    assert stages["wy"].flops == nt * 4 * (2.0 * c * c * 3 * 128 + 20.0 * c ** 3)  # A, U, W and ten C³ products
+    assert stages["state"].flops == 4 * nt * 4.0 * c * 128 * 128  # W·S and K̃ᵀ·Δ per chunk
+    assert e.time_s() == pytest.approx(sum(s.time_s() for s in stages.values()))
+    assert e.stages[0][1].mma_efficiency == pytest.approx(cm.TF32X3_RATE)  # float32 matmuls, 64-row tiles
+    assert 0 < e.fraction < 1 and e.bound().split(":")[0] in stages
+    # A wider value block computes the output kernel's scores P = QKᵀ fewer times.
+    wide = cm.estimate(op, "triton", call, dataclasses.replace(config, block_v=64))
+    assert dict(wide.stages)["output"].flops < stages["output"].flops
+
+
+def test_ssd_pipeline_has_no_wy_stage_and_the_heuristic_is_not_flagged():
+    op, call = _gdn_call(name="ssd", k=128, v=64, heads=8)
+    assert [name for name, _ in cm.estimate(op, "triton", call, op.implementations["triton"].default_config(call)
+                                            ).stages] == ["state", "output"]
+    gdn, gdn_call = _gdn_call(t=32768, heads=64)
+    check = cm.heuristic_check(gdn, "triton", gdn_call)
+    assert not check.flagged and cm.has_model("chunk_gated_delta_rule", "triton")

@@ -23,8 +23,9 @@ roofline time (its useful FLOPs and minimum bytes at the peaks) over that
 time: the share of the roofline the config can reach at best.
 
 Models exist for the headline kernels (`MODELS`: attention forward/backward,
-ragged_dot, paged decode); other kernels get the op's own FLOP/byte counts
-with one wave (`generic`), which ranks every config alike.
+ragged_dot, paged decode, and the chunked GDN / SSD forward as a
+`PipelineEstimate` of its three kernels); other kernels get the op's own
+FLOP/byte counts with one wave (`generic`), which ranks every config alike.
 
 `rank_space` orders an autotuning space by predicted time (stable: ties keep
 the space's order) and puts configs the static tier flagged (spills, FMA
@@ -289,6 +290,100 @@ def paged_decode(op, call, config, machine: Machine = H200) -> Estimate:
                     extra_hbm_bytes=partials)
 
 
+#: TF32X3 float32 matmuls (the linear-attention kernels') run three TF32 passes at half the bf16 rate.
+TF32X3_RATE = 1 / 6
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineEstimate:
+    """Kernels that run one after another (``stages``: name → `Estimate`): the times add up;
+    ``useful_flops`` / ``min_bytes`` are the op's counts."""
+
+    stages: tuple
+    useful_flops: float
+    min_bytes: float
+    machine: Machine = H200
+
+    def time_s(self, measured: bool = True) -> float:
+        return sum(e.time_s(measured) for _, e in self.stages)
+
+    def bound(self, measured: bool = True) -> str:
+        """The longest stage and what limits it, e.g. ``"state: compute"``."""
+        name, e = max(self.stages, key=lambda s: s[1].time_s(measured))
+        return f"{name}: {e.bound(measured)}"
+
+    def ideal_time_s(self, measured: bool = True) -> float:
+        m = self.machine
+        return max(self.useful_flops / (m.measured_flops if measured else m.peak_flops),
+                   self.min_bytes / (m.measured_bytes if measured else m.peak_bytes))
+
+    @property
+    def fraction(self) -> float:
+        return self.ideal_time_s(False) / self.time_s(False)
+
+    @property
+    def tflops(self) -> float:
+        return self.useful_flops / self.time_s() / 1e12
+
+    def to_json(self) -> dict:
+        return {"stages": {name: e.to_json() for name, e in self.stages}, "bound": self.bound(),
+                "time_ms": self.time_s() * 1e3, "fraction_of_roofline": round(self.fraction, 4),
+                "predicted_tflops": round(self.tflops, 1)}
+
+
+def _scalar_decay_dims(call) -> tuple[int, int, int, int, bool]:
+    """``(batch × value heads, tokens, K, V)`` of a GDN (``k, v``) or SSD (``x``, state size
+    ``B``) call, head sizes padded as the kernels pad them, and whether it has the delta rule."""
+    from ..core.pallas import padded_dim
+
+    if "x" in call.arrays:  # SSD: K = state size N, V = head dim P, no WY stage
+        b, t, heads, v = call.x.shape
+        return b * heads, t, padded_dim(call.B.shape[-1]), padded_dim(v), False
+    b, t, heads, v = call.v.shape
+    return b * heads, t, padded_dim(call.k.shape[-1]), padded_dim(v), True
+
+
+def scalar_decay_forward(op, call, config, machine: Machine = H200) -> PipelineEstimate:
+    """The chunked GDN / SSD forward (`linear_attention.pipeline.gdn_forward`), three kernels on
+    float32 operands (TF32X3 matmuls, `TF32X3_RATE` of the bf16 peak), chunks of C = 64:
+
+    * ``wy`` (GDN only; a program per chunk and head): ``A = β K Kᵀ``, ``T = (I + A)⁻¹`` (ten
+      ``C³`` products), ``U = T β V``, ``W = T β Γ K``; reads k, v, writes U, W;
+    * ``state`` (a program per head and ``block_v`` value columns, the chunks in sequence):
+      ``Δ = U − W S`` and ``S ← γ S + K̃ᵀ Δ``; writes each chunk's state and Δ;
+    * ``output`` (a program per chunk, head and value block): ``P = (Q Kᵀ) ⊙ decays`` (again
+      per value block), ``O = Q S_c + P Δ``.
+
+    The scan's steps depend on each other, so its programs run latency-bound; the model
+    gives them the SM's full matmul rate, which makes the state stage a lower bound."""
+    bh, t, k, v = _scalar_decay_dims(call)[:4]
+    delta_rule = _scalar_decay_dims(call)[4]
+    c = 64
+    nt = math.ceil(t / c)
+    tp = nt * c
+    bv = min(config.block_v, v)
+    vb = math.ceil(v / bv)
+    f32 = 4
+    resident = resident_blocks(op.name, "triton", config, 0, machine)
+    rate = _mma_efficiency(c, config.num_warps) * TF32X3_RATE
+
+    def stage(tiles, flops, hbm, l2):
+        return Estimate(tiles, resident, flops, l2, flops, hbm, rate, machine)
+
+    stages = []
+    if delta_rule:
+        flops = nt * bh * (2.0 * c * c * (2 * k + v) + 20.0 * c ** 3)
+        hbm = f32 * bh * tp * (2 * k + 2 * v + 2)
+        stages.append(("wy", stage(nt * bh, flops, hbm, hbm)))
+    flops = bh * nt * 4.0 * c * k * v
+    hbm = f32 * bh * (tp * (2 * k + 2 * v + 1) + nt * k * v)
+    stages.append(("state", stage(bh * vb, flops, hbm, hbm + f32 * bh * (vb - 1) * tp * 2 * k)))
+    flops = bh * nt * (vb * 2.0 * c * c * k + 2.0 * c * k * v + 2.0 * c * c * v)
+    hbm = f32 * bh * (tp * (2 * k + 2 * v + 1) + nt * k * v)
+    stages.append(("output", stage(nt * bh * vb, flops, hbm, hbm + f32 * bh * (vb - 1) * tp * (2 * k + 1))))
+    return PipelineEstimate(tuple(stages), op.flops(call), op.bytes_accessed(call), machine)
+
+
 def generic(op, call, config, machine: Machine = H200) -> Estimate:
     """No kernel model: the op's FLOPs and bytes, one full wave."""
     return Estimate(machine.sms, 1, op.flops(call), op.bytes_accessed(call), op.flops(call),
@@ -300,6 +395,8 @@ MODELS: dict[tuple[str, str], Callable[..., Estimate]] = {
     ("attention_backward", "triton"): attention_backward,
     ("ragged_dot", "triton"): ragged_dot,
     ("paged_attention", "triton"): paged_decode,
+    ("chunk_gated_delta_rule", "triton"): scalar_decay_forward,
+    ("ssd", "triton"): scalar_decay_forward,
 }
 
 
@@ -307,7 +404,7 @@ def has_model(op_name: str, implementation: str) -> bool:
     return (op_name, implementation) in MODELS
 
 
-def estimate(op, implementation: str, call, config, machine: Machine = H200) -> Estimate:
+def estimate(op, implementation: str, call, config, machine: Machine = H200) -> Estimate | PipelineEstimate:
     """The model's `Estimate` of ``op``'s ``implementation`` with ``config`` on ``call``."""
     return MODELS.get((op.name, implementation), generic)(op, call, config, machine)
 
