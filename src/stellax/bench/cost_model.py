@@ -67,8 +67,28 @@ class Machine:
 H200 = Machine("NVIDIA H200", 132, 989e12, 4.8e12, 790e12, 4.3e12)
 
 
+class _Roofline:
+    """What an estimate reports against the op's own roofline (``useful_flops``, ``min_bytes``
+    and ``machine`` fields, a ``time_s`` method)."""
+
+    def ideal_time_s(self, measured: bool = True) -> float:
+        m = self.machine
+        return max(self.useful_flops / (m.measured_flops if measured else m.peak_flops),
+                   self.min_bytes / (m.measured_bytes if measured else m.peak_bytes))
+
+    @property
+    def fraction(self) -> float:
+        """The op's roofline time over this config's predicted time (datasheet peaks)."""
+        return self.ideal_time_s(False) / self.time_s(False)
+
+    @property
+    def tflops(self) -> float:
+        """Predicted useful TFLOP/s at the measured ceilings."""
+        return self.useful_flops / self.time_s() / 1e12
+
+
 @dataclasses.dataclass(frozen=True)
-class Estimate:
+class Estimate(_Roofline):
     """The model's counts for one (call, config)."""
 
     tiles: int
@@ -110,21 +130,6 @@ class Estimate:
         """What limits the config: ``compute``, ``memory`` (HBM) or ``l2``."""
         times = self._times(measured)
         return max(times, key=lambda k: times[k])
-
-    def ideal_time_s(self, measured: bool = True) -> float:
-        m = self.machine
-        return max(self.useful_flops / (m.measured_flops if measured else m.peak_flops),
-                   self.min_bytes / (m.measured_bytes if measured else m.peak_bytes))
-
-    @property
-    def fraction(self) -> float:
-        """The op's roofline time over this config's predicted time (datasheet peaks)."""
-        return self.ideal_time_s(False) / self.time_s(False)
-
-    @property
-    def tflops(self) -> float:
-        """Predicted useful TFLOP/s at the measured ceilings."""
-        return self.useful_flops / self.time_s() / 1e12
 
     def to_json(self) -> dict:
         return {"tiles": self.tiles, "resident": self.resident, "waves": self.waves,
@@ -295,7 +300,7 @@ TF32X3_RATE = 1 / 6
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineEstimate:
+class PipelineEstimate(_Roofline):
     """Kernels that run one after another (``stages``: name → `Estimate`): the times add up;
     ``useful_flops`` / ``min_bytes`` are the op's counts."""
 
@@ -311,19 +316,6 @@ class PipelineEstimate:
         """The longest stage and what limits it, e.g. ``"state: compute"``."""
         name, e = max(self.stages, key=lambda s: s[1].time_s(measured))
         return f"{name}: {e.bound(measured)}"
-
-    def ideal_time_s(self, measured: bool = True) -> float:
-        m = self.machine
-        return max(self.useful_flops / (m.measured_flops if measured else m.peak_flops),
-                   self.min_bytes / (m.measured_bytes if measured else m.peak_bytes))
-
-    @property
-    def fraction(self) -> float:
-        return self.ideal_time_s(False) / self.time_s(False)
-
-    @property
-    def tflops(self) -> float:
-        return self.useful_flops / self.time_s() / 1e12
 
     def to_json(self) -> dict:
         return {"stages": {name: e.to_json() for name, e in self.stages}, "bound": self.bound(),

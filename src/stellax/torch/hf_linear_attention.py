@@ -48,7 +48,7 @@ def rebind_globals(func, replacements: dict, depth: int = 1):
             if callee is None:
                 continue
             callee_code = _innermost(callee).__code__
-            wanted = {n: o for n, o in rest.items() if callee_code is not None and n in callee_code.co_names}
+            wanted = {n: o for n, o in rest.items() if n in callee_code.co_names}
             if wanted:
                 direct[callee_name] = rebind_globals(callee, wanted, depth - 1)
                 found |= set(wanted)
@@ -74,7 +74,10 @@ def _plain_function(obj, name: str, module: str):
         return obj if obj.__module__ == module else None
     if isinstance(obj, nn.Module):
         for cell in getattr(type(obj).forward, "__closure__", None) or ():
-            held = cell.cell_contents
+            try:
+                held = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
             if isinstance(held, types.FunctionType) and held.__name__ == name and held.__module__ == module:
                 return held
     return None
