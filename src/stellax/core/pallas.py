@@ -30,7 +30,8 @@ Launching (`kernel_call`, `triton_kernel_call`):
 Helpers: `cdiv`, `pad_axis`, `padded_dim`, `nbytes`, `dot` / `dot_nt` / `dot_tn`
 (explicit precision, float32 accumulation; `TF32X3` puts float32 dots on GPU
 tensor cores at about float32 accuracy, emulated bit for bit in interpret
-mode), `iota`, `square_iota`.
+mode), `mxu_dot` / `mxu_dot_nt` / `mxu_dot_tn` (Mosaic TPU: float32 operands at
+a resolved precision, `core.precision`), `triton_precision`, `iota`, `square_iota`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .config import next_power_of_two
 from .platform import interpret_enabled
+from .precision import mxu_dot_general
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -128,6 +130,30 @@ def dot_nt(a, b, *, precision=HIGHEST, out_dtype=F32):
 def dot_tn(a, b, *, precision=HIGHEST, out_dtype=F32):
     """``a [K, M]ᵀ · b [K, N]`` accumulated in ``out_dtype``."""
     return _dot_general(a, b, _TN, precision, out_dtype)
+
+
+def triton_precision(precision):
+    """A resolved float32 precision (`core.precision.resolve_precision`) as Triton
+    kernels run it: ``DEFAULT`` one TF32 pass; ``HIGH`` and ``HIGHEST`` three
+    (`TF32X3`, ~1e-6 relative, on tensor cores: an IEEE float32 dot would be
+    scalar FMA)."""
+    return jax.lax.Precision.DEFAULT if precision == jax.lax.Precision.DEFAULT else TF32X3
+
+
+def mxu_dot(a, b, precision, out_dtype=F32):
+    """``a [M, K] · b [K, N]`` in a Mosaic TPU kernel at a resolved ``precision``
+    (`core.precision.mxu_dot_general`)."""
+    return mxu_dot_general(a, b, _NN, precision, out_dtype)
+
+
+def mxu_dot_nt(a, b, precision, out_dtype=F32):
+    """``a [M, K] · b [N, K]ᵀ`` in a Mosaic TPU kernel (`mxu_dot`)."""
+    return mxu_dot_general(a, b, _NT, precision, out_dtype)
+
+
+def mxu_dot_tn(a, b, precision, out_dtype=F32):
+    """``a [K, M]ᵀ · b [K, N]`` in a Mosaic TPU kernel (`mxu_dot`)."""
+    return mxu_dot_general(a, b, _TN, precision, out_dtype)
 
 
 def online_softmax_step(s, m_ref, l_ref):
