@@ -1,29 +1,41 @@
 #!/usr/bin/env python3
-"""The stellax TPU suite: one command for the day a TPU machine is lent.
+"""The stellax TPU suite: check, tune and benchmark every Mosaic TPU kernel on a
+lent TPU, in commands that each fit the machine's 10-minute limit.
 
-    PYTHONPATH=src python benchmarks/tpu_suite.py --out $OUT
+    PYTHONPATH=$PYTHONPATH:src python3 benchmarks/tpu_suite.py --list            # the plan and its time
+    PYTHONPATH=$PYTHONPATH:src python3 benchmarks/tpu_suite.py --out $OUT        # run (resumes)
+    PYTHONPATH=$PYTHONPATH:src python3 benchmarks/tpu_suite.py --stages bench --ops attention,ragged_dot
 
-Run from the repository root, no install needed. For every op with a Mosaic
-TPU implementation (``mosaic_tpu``), within a time budget (default 8 min):
+Run from the repository root, no install needed. The work is planned per stage
+and op (every op with a ``mosaic_tpu`` implementation, or ``--ops``):
 
-1. **environment**: python, jax, libtpu, the devices and their generation
-   (`stellax.core.tpu`: VMEM, MXU, dtypes);
-2. **check**: numerics of the Mosaic TPU kernels natively on the TPU against
-   the golden, on the built-in examples (float32, bfloat16) and the first
-   benchmark shapes, forward and gradients;
-3. **autotune**: each kernel on its first benchmark shape (the space already
-   holds only configs that compile for this generation), exported in the
-   shipped-cache format, ready for ``src/stellax/autotune/shipped/``;
-4. **bench**: the benchmark shapes with the tuned configs, the Mosaic TPU
-   kernel against XLA (``xla`` / ``xla_chunked``) and the kernels that ship
-   inside jax: for attention the splash attention (``jax_splash``), for the
-   grouped matmuls ``jax.lax.ragged_dot`` and megablox ``gmm`` / ``tgmm``
-   (``jax_megablox_gmm``, ``jax_megablox_tgmm``), with roofline numbers;
-5. one JSON file ``stellax-tpu-suite-<date>-<device>.json`` rewritten after
-   every stage (a crash keeps what was done).
+1. **environment**: python, jax, libtpu, the device and its generation;
+2. **check**: each Mosaic TPU kernel natively against the golden on its
+   built-in examples (float32 at ``precision="highest"``, held to 1e-5; bfloat16)
+   and on its first benchmark shape, forward and gradients. A benchmark-shape
+   golden that would not fit the device's memory is replaced by the op's
+   memory-linear XLA path in float32 at ``highest`` (itself checked against the
+   golden on the examples), and the record names the golden used;
+3. **autotune**: each kernel on its first ``--tune-cases`` benchmark shapes,
+   forward and backward ops, at most ``--max-configs`` configs per call; the
+   configs go to ``autotune-<device>.json`` in the shipped-cache format (ready
+   for ``src/stellax/autotune/shipped/``);
+4. **bench**: the first ``--cases`` benchmark shapes, forward and
+   forward+backward, every stellax implementation that runs natively (with the
+   config stellax picks by itself: shipped cache, then heuristic) and the peers
+   (jax's splash attention, megablox gmm/tgmm, ragged paged attention,
+   ``jax.lax.ragged_dot``, ...). A program that would not fit the device's
+   memory is skipped before it runs, with its estimated bytes.
 
-``--dry-run`` runs the same stages on the CPU with the TPU kernels
-interpreted, on tiny shapes (the tests run it, so the script cannot rot).
+Every command reads and extends one JSON file, ``stellax-tpu-suite-<date>-<device>.json``
+under ``--out``: rows measured again replace the old ones, the rest is kept, and
+a stage's ops already done are skipped (``--redo`` runs them again, ``--fresh``
+starts a new file). A command stops taking new work when its ``--budget``
+(default 540 s) would be passed and says what is left: run it again to go on.
+The schema is documented in ``benchmarks/README.md``.
+
+``--dry-run`` runs the same stages on the CPU with the TPU kernels interpreted,
+on the ops' small examples (the tests run it, so the script cannot rot).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import sys
@@ -39,41 +52,104 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT = "stellax-tpu-suite"
+VERSION = 2
+STAGES = ("environment", "check", "autotune", "bench")
+
+#: Seconds of one unit of work on a v5e, for ``--list`` and the budget (measured
+#: 2026-12-05: a native check with gradients 1-9 s, mostly compiling; a tuned
+#: config 2-4 s; a benchmark item, compile and three timing rounds, 3-6 s).
+SECONDS = {"check": 3.0, "autotune_config": 3.0, "bench_item": 4.5, "op_setup": 2.0}
+#: On the CPU (dry run, interpreted kernels): a unit is slower.
+DRY_SECONDS = {"check": 25.0, "autotune_config": 8.0, "bench_item": 8.0, "op_setup": 2.0}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"),
                    help="output directory (default: $OUT, else benchmarks/results)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted TPU kernels, tiny shapes")
-    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 480; dry 300)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted TPU kernels, the ops' small examples")
+    p.add_argument("--list", action="store_true", help="print the plan (stages, ops, work, estimated time, what "
+                                                        "is done already) and exit")
+    p.add_argument("--budget", type=float, default=None, help="seconds for this command (default 540; dry 300)")
     p.add_argument("--ops", default="", help="comma list of op names (default: every op with a TPU kernel)")
-    p.add_argument("--skip", default="", help="comma list of stages to skip: check,autotune,bench")
-    p.add_argument("--max-configs", type=int, default=16, help="configs per tuned call")
-    return p.parse_args(argv)
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma list of stages (default: {','.join(STAGES)})")
+    p.add_argument("--skip", default="", help="comma list of stages to leave out")
+    p.add_argument("--cases", type=int, default=2, help="benchmark shapes per op in the bench stage (default 2)")
+    p.add_argument("--tune-cases", type=int, default=1, help="benchmark shapes tuned per op (default 1)")
+    p.add_argument("--max-configs", type=int, default=8, help="configs tried per tuned call (default 8)")
+    p.add_argument("--redo", action="store_true", help="run the selected stages' ops again even if done")
+    p.add_argument("--fresh", action="store_true", help="start a new results file instead of extending it")
+    args = p.parse_args(argv)
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        p.error(f"--stages: expected names from {list(STAGES)}, got {unknown}")
+    skip = set(filter(None, args.skip.split(",")))
+    args.stage_list = [s for s in STAGES if s in stages and s not in skip]
+    return args
+
+
+# -- the results document ---------------------------------------------------------------
+class Results:
+    """The suite's JSON document: loaded if it exists, extended, saved atomically."""
+
+    def __init__(self, path: Path, *, fresh: bool, dry_run: bool):
+        self.path = path
+        data = None
+        if path.exists() and not fresh:
+            data = json.loads(path.read_text())
+            if data.get("format") != FORMAT or data.get("version") != VERSION:
+                raise SystemExit(f"tpu_suite: {path} is not a {FORMAT} v{VERSION} file; use --fresh or another --out")
+        self.data = data or {"format": FORMAT, "version": VERSION, "dry_run": dry_run, "commands": [],
+                             "done": {s: [] for s in STAGES}, "environment": {},
+                             "check": {"passed": 0, "failures": 0, "skipped": 0, "records": []},
+                             "autotune": {"entries": [], "failures": []}, "rows": [], "errors": []}
+
+    def done(self, stage: str, op: str) -> bool:
+        return op in self.data["done"][stage]
+
+    def mark_done(self, stage: str, op: str) -> None:
+        if op not in self.data["done"][stage]:
+            self.data["done"][stage].append(op)
+
+    def replace(self, section: list, new: list, key) -> None:
+        """``section`` with the items of ``new`` replacing those of the same ``key``."""
+        fresh = {key(item) for item in new}
+        section[:] = [item for item in section if key(item) not in fresh] + list(new)
+
+    def recount(self) -> None:
+        check = self.data["check"]
+        records = check["records"]
+        check["passed"] = sum(r["result"] == "ok" for r in records)
+        check["failures"] = sum(r["result"] == "fail" for r in records)
+        check["skipped"] = sum(r["result"] == "skip" for r in records)
+
+    def save(self) -> None:
+        self.recount()
+        text = json.dumps(self.data, indent=1, default=repr) + "\n"
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path)
 
 
 class Suite:
-    """The run's state: options, clock, the result document and its file."""
+    """One command: options, clock, the device and the results document."""
 
-    def __init__(self, args):
+    def __init__(self, args, platform):
         self.args = args
+        self.platform = platform
         self.start = time.monotonic()
-        self.budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 480.0)
-        self.result = {"format": FORMAT, "dry_run": args.dry_run, "stages": {}, "errors": []}
-        self.path: Path | None = None
+        self.budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 540.0)
+        self.seconds = DRY_SECONDS if args.dry_run else SECONDS
+        self.device = "dry-run" if args.dry_run else platform.tpu.name
+        self.date = datetime.date.today().isoformat()
+        self.results: Results | None = None
 
     def remaining(self) -> float:
         return self.budget - (time.monotonic() - self.start)
 
     def log(self, text: str) -> None:
         print(f"[{time.monotonic() - self.start:6.1f}s] {text}", flush=True)
-
-    def save(self) -> None:
-        text = json.dumps(self.result, indent=1, default=repr) + "\n"
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, self.path)
 
     def interpreted(self):
         """Interpret mode in a dry run (the TPU kernels on the CPU), else nothing."""
@@ -82,11 +158,11 @@ class Suite:
         return interpret_mode(True) if self.args.dry_run else contextlib.nullcontext()
 
 
-def tpu_ops(suite: Suite) -> list:
-    """Ops with a ``mosaic_tpu`` implementation (optionally those named by --ops)."""
+def tpu_ops(args) -> list:
+    """Ops with a ``mosaic_tpu`` implementation (those named by --ops)."""
     import stellax
 
-    wanted = [n for n in suite.args.ops.split(",") if n]
+    wanted = [n for n in args.ops.split(",") if n]
     ops = stellax.registered_ops()
     unknown = [n for n in wanted if n not in ops]
     if unknown:
@@ -95,263 +171,349 @@ def tpu_ops(suite: Suite) -> list:
             if "mosaic_tpu" in op.implementations and (not wanted or name in wanted)]
 
 
-def calls_of(suite: Suite, op, count: int) -> list:
-    """Concrete calls to check/tune/time: the first examples in a dry run, the
-    first ``count`` benchmark shapes on a TPU."""
+def abstract_cases(suite: Suite, op, count: int) -> list:
+    """The op's first ``count`` benchmark calls as shape structs (nothing allocated); its
+    examples in a dry run."""
+    from stellax.testing.validation import abstract_examples, abstract_examples_of
+
+    if suite.args.dry_run:
+        return list(abstract_examples_of(op, "float32")[:1])
+    return abstract_examples(lambda: op.benchmarks(suite.platform)[:count])[:count] if count else []
+
+
+def concrete_cases(suite: Suite, op, count: int) -> list:
+    """The same calls with device arrays."""
     import jax.numpy as jnp
 
     from stellax.bench.inputs import materialize_example
 
     if suite.args.dry_run:
         return list(op.examples(jnp.float32)[:1])
-    return [materialize_example(e) for e in op.benchmarks()[:count]]
+    return [materialize_example(e) for e in op.benchmarks(suite.platform)[:count]]
+
+
+# -- the plan ----------------------------------------------------------------------------
+def plan(suite: Suite, ops: list) -> list[dict]:
+    """One unit per (stage, op): what it runs and its estimated seconds."""
+    import jax.numpy as jnp
+
+    from stellax.bench.suites import default_modes
+    from stellax.testing.validation import abstract_examples_of
+
+    s = suite.seconds
+    units = []
+    for stage in suite.args.stage_list:
+        if stage == "environment":
+            units.append({"stage": stage, "op": "-", "work": "versions and device", "seconds": 1.0})
+            continue
+        for op in ops:
+            if stage == "check":
+                n = sum(len(abstract_examples_of(op, d)) for d in ("float32", "bfloat16"))
+                n = 1 if suite.args.dry_run else n + 1
+                work, seconds = f"{n} checks", n * s["check"]
+            elif stage == "autotune":
+                impl = op.implementations["mosaic_tpu"]
+                configs = 0
+                for example in abstract_cases(suite, op, suite.args.tune_cases):
+                    call = op.check(*example.args, **example.kwargs)
+                    space = len(impl.config_space(call)) if impl.supported(call) else 0
+                    configs += min(space, 2 if suite.args.dry_run else suite.args.max_configs)
+                grads = 2 if op.differentiable else 1
+                work, seconds = f"{configs} configs x {grads} (forward, backward ops)", configs * grads * s["autotune_config"]
+            else:
+                items = 0
+                for example in abstract_cases(suite, op, 1 if suite.args.dry_run else suite.args.cases):
+                    contenders = len(_bench_implementations(suite, op)) + len(op.peers)
+                    modes = ["forward"] if suite.args.dry_run else default_modes(op, example)
+                    items += contenders * len(modes)
+                work, seconds = f"{items} timings", items * s["bench_item"]
+            units.append({"stage": stage, "op": op.name, "work": work, "seconds": round(seconds + s["op_setup"], 1)})
+    return units
+
+
+def list_plan(suite: Suite, units: list[dict]) -> None:
+    done = suite.results.data["done"] if suite.results else {}
+    total = left = 0.0
+    print(f"{'stage':<12} {'op':<34} {'estimated s':>11}  {'status':<8} work")
+    for u in units:
+        finished = u["op"] in done.get(u["stage"], []) and not suite.args.redo
+        total += u["seconds"]
+        left += 0 if finished else u["seconds"]
+        print(f"{u['stage']:<12} {u['op']:<34} {u['seconds']:>11.0f}  {'done' if finished else 'to do':<8} {u['work']}")
+    commands = max(1, -(-int(left) // int(max(1.0, suite.budget - 30))))
+    print(f"total {total:.0f} s estimated on {'this CPU (dry run)' if suite.args.dry_run else 'a v5e'}; "
+          f"{left:.0f} s left to do: about {commands} command(s) of --budget {suite.budget:.0f}")
 
 
 # -- stages ------------------------------------------------------------------------------
-def environment_stage(suite: Suite) -> None:
+def environment_stage(suite: Suite, ops) -> None:
     import importlib.metadata
 
     import jax
 
-    from stellax.core import current_platform
-
-    platform = current_platform()
     env = {"python": sys.version.split()[0], "jax": jax.__version__,
            "devices": [f"{d.platform}:{d.device_kind}" for d in jax.devices()],
-           "platform": platform.describe(), "generation": platform.tpu.describe() if platform.tpu else None}
+           "device_kind": suite.platform.device_kind, "platform": suite.platform.describe(),
+           "generation": suite.platform.tpu.describe() if suite.platform.tpu else None}
     try:
         env["libtpu"] = importlib.metadata.version("libtpu")
     except importlib.metadata.PackageNotFoundError:
         env["libtpu"] = None
-    suite.result["environment"] = env
+    from stellax.bench.measurement import device_memory_free
+    env["device_memory_free_bytes"] = device_memory_free()
+    suite.results.data["environment"] = env
     for key, value in env.items():
         suite.log(f"  {key}: {value}")
 
 
-def check_stage(suite: Suite) -> None:
-    """Every Mosaic TPU kernel against the golden: examples in float32 and
-    bfloat16, then the first benchmark shape; forward and gradients."""
+def _check_record(op, example_label, dtype, result, golden="reference", seconds=0.0) -> dict:
+    w = result.worst
+    outcome = "skip" if result.skipped else ("ok" if result.passed else "fail")
+    return {"op": op.name, "implementation": "mosaic_tpu", "example": example_label, "dtype": dtype,
+            "result": outcome, "golden": golden, "rel_l2": None if w is None else w.rel_l2,
+            "tolerance": None if w is None else w.tolerance, "detail": result.skipped or result.detail,
+            "seconds": round(seconds, 2)}
+
+
+def check_op(suite: Suite, op) -> list[dict]:
+    """The examples (float32 at 'highest', bfloat16; in threads: compiling dominates),
+    then the first benchmark shape."""
+    from stellax.testing import report as check_report
+    from stellax.testing.plan import plan_checks
+
+    dtypes = ["float32"] if suite.args.dry_run else ["float32", "bfloat16"]
+    jobs = plan_checks({op.name: op}, full=True, dtypes=dtypes, implementations=["mosaic_tpu"])
+    jobs = jobs[:1] if suite.args.dry_run else jobs
+    threads = 1 if suite.args.dry_run else max(1, min(8, (os.cpu_count() or 2) - 1))
+    report = check_report.run_quietly(jobs, platform=suite.platform.describe(), mode="suite", threads=threads)
+    records = [dict(row, golden="reference") for row in report.rows]
+    for r in records:
+        suite.log(f"  check {op.name} {r['example']} {r['dtype']}: {r['result']} rel_l2={r['rel_l2']} {r['detail']}")
+    if not suite.args.dry_run:
+        for example in concrete_cases(suite, op, 1):
+            t0 = time.perf_counter()
+            record = check_at_scale(op, example)
+            record["seconds"] = round(time.perf_counter() - t0, 2)
+            records.append(record)
+            suite.log(f"  check {op.name} {example.label} (benchmark shape, golden {record['golden']}): "
+                      f"{record['result']} {record['rel_l2']} {record['detail']}")
+            del example
+    return records
+
+
+def check_at_scale(op, example) -> dict:
+    """One benchmark-shape call of the Mosaic TPU kernel (its own dtype, forward)
+    against the golden — or, where the golden's program would not fit the device,
+    the op's memory-linear XLA path in float32 at 'highest'."""
+    import jax
     import jax.numpy as jnp
 
-    from stellax.testing.validation import safe_check_example
+    from stellax.bench.measurement import DeviceMemoryError, require_device_memory
+    from stellax.testing.numerics import compare, upcast
+    from stellax.testing.validation import CheckResult
 
-    records = suite.result.setdefault("check", [])
-    for op in tpu_ops(suite):
-        cases = [(e, jnp.float32) for e in op.examples(jnp.float32)]
-        if not suite.args.dry_run:
-            cases += [(e, jnp.bfloat16) for e in op.examples(jnp.bfloat16)]
-            cases += [(e, e.args[0].dtype) for e in calls_of(suite, op, 1)]
-        for example, dtype in cases[:1] if suite.args.dry_run else cases:
-            if suite.remaining() < 60:
-                records.append({"op": op.name, "example": example.label, "skipped": "time budget"})
+    dtype = next((l.dtype for l in jax.tree_util.tree_leaves(example.args) if jnp.issubdtype(l.dtype, jnp.floating)),
+                 jnp.float32)
+    label = f"{example.label} (benchmark shape)"
+    arrays = {k: v for k, v in example.kwargs.items() if hasattr(v, "dtype")}
+    static = {k: v for k, v in example.kwargs.items() if k not in arrays}
+
+    def golden_of(name):
+        if name == "reference":
+            return lambda *a, **k: op.reference(*upcast(a), **upcast(k), **static)
+        return lambda *a, **k: op(*upcast(a), **upcast(k), **static, implementation=name,
+                                  **({"precision": "highest"} if "precision" in _check_params(op) else {}))
+
+    try:
+        kernel = jax.jit(lambda *a, **k: op(*a, **k, **static, implementation="mosaic_tpu"))
+        compiled = kernel.lower(*example.args, **arrays).compile()
+        require_device_memory(compiled, what=f"{op.name} mosaic_tpu at {example.label}")
+        out = compiled(*example.args, **arrays)
+        chosen, reasons = None, []
+        for name in ["reference"] + [n for n in ("xla_chunked", "xla") if n in op.implementations]:
+            fn = jax.jit(golden_of(name))
+            with jax.default_matmul_precision("highest"):
+                golden_compiled = fn.lower(*example.args, **arrays).compile()
+            try:
+                require_device_memory(golden_compiled, what=f"the golden ({name})")
+            except DeviceMemoryError as e:
+                reasons.append(str(e))
                 continue
-            with suite.interpreted():
-                r = safe_check_example(op, "mosaic_tpu", example, jnp.dtype(dtype), gradients=True)
-            records.append({"op": op.name, "implementation": "mosaic_tpu", "example": example.label,
-                            "dtype": jnp.dtype(dtype).name, "passed": bool(r.passed), "skipped": r.skipped,
-                            "detail": r.detail, "rel_l2": None if r.worst is None else r.worst.rel_l2})
-            suite.log(f"  check {op.name} {example.label} {jnp.dtype(dtype).name}: "
-                      f"{'skip ' + r.skipped if r.skipped else 'ok' if r.passed else 'FAIL ' + r.detail}")
+            chosen = name
+            expected = golden_compiled(*example.args, **arrays)
+            break
+        if chosen is None:
+            result = CheckResult(op.name, "mosaic_tpu", jnp.dtype(dtype).name, label, True, None,
+                                 skipped="no golden fits: " + "; ".join(reasons))
+            return _check_record(op, label, jnp.dtype(dtype).name, result, golden="none")
+        summaries = [compare(o, r, dtype=dtype) for o, r in
+                     zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(expected))]
+        worst = max(summaries, key=lambda s: (not s.passed, s.rel_l2 / max(s.tolerance, 1e-30)))
+        result = CheckResult(op.name, "mosaic_tpu", jnp.dtype(dtype).name, label, all(s.passed for s in summaries),
+                             worst)
+        golden = chosen if chosen == "reference" else f"{chosen} (float32, highest)"
+        return _check_record(op, label, jnp.dtype(dtype).name, result, golden=golden)
+    except DeviceMemoryError as e:
+        result = CheckResult(op.name, "mosaic_tpu", jnp.dtype(dtype).name, label, True, None, skipped=str(e))
+        return _check_record(op, label, jnp.dtype(dtype).name, result, golden="none")
+    except Exception as e:  # noqa: BLE001 - a crash is a failed check, the suite goes on
+        result = CheckResult(op.name, "mosaic_tpu", jnp.dtype(dtype).name, label, False, None,
+                             detail=f"{type(e).__name__}: {e}"[:400])
+        return _check_record(op, label, jnp.dtype(dtype).name, result)
 
 
-def autotune_stage(suite: Suite):
-    """Tune each Mosaic TPU kernel on its first benchmark shape; export the configs."""
-    from stellax.autotune import AutotuneResult, autotune, device_slug
-    from stellax.autotune.cache import atomic_write_text, dump_cache_text
+def _check_params(op) -> set:
+    import inspect
+
+    return set(inspect.signature(op.check).parameters)
+
+
+def autotune_op(suite: Suite, op) -> None:
+    """Tune the Mosaic TPU kernel (and its backward op) on the first benchmark shapes."""
+    from stellax.autotune import autotune
     from stellax.autotune.cli import tuning_function
 
-    tuned = AutotuneResult(device=device_slug())
-    records = suite.result.setdefault("autotune", {"entries": [], "failures": []})
-    deadline = time.monotonic() + max(0.0, suite.remaining() * 0.4)
-    for op in tpu_ops(suite):
-        for example in calls_of(suite, op, 1):
-            with suite.interpreted():
-                fn = tuning_function(op, "mosaic_tpu", example.args, example.kwargs, backward=False)
-                r = autotune(fn, *example.args, max_configs=2 if suite.args.dry_run else suite.args.max_configs,
-                             force=True, cache=False, use_shipped=False, deadline=deadline, **example.kwargs)
-            tuned.entries.extend(r.entries)
-            records["failures"].extend(r.failures)
-            for e in r.entries:
-                records["entries"].append(e.to_json())
-                suite.log(f"  tuned {e.entry.op}/{e.entry.implementation}: {e.entry.config} {e.entry.time_ms:.4g} ms")
-    if tuned.entries:
-        path = suite.path.parent / f"autotune-{device_slug()}.json"
-        atomic_write_text(path, dump_cache_text({e.entry.key_string: e.entry for e in tuned.entries},
-                                                device=device_slug()))
-        records["exported_to"] = path.name
-    return tuned
+    records = suite.results.data["autotune"]
+    deadline = time.monotonic() + max(0.0, suite.remaining() - 15)
+    for example in concrete_cases(suite, op, suite.args.tune_cases):
+        with suite.interpreted():
+            fn = tuning_function(op, "mosaic_tpu", example.args, example.kwargs, backward=bool(op.differentiable))
+            r = autotune(fn, *example.args, max_configs=2 if suite.args.dry_run else suite.args.max_configs,
+                         force=True, cache=False, use_shipped=False, deadline=deadline, **example.kwargs)
+        entries = [dict(e.to_json(), case=example.label, key_string=e.entry.key_string) for e in r.entries]
+        suite.results.replace(records["entries"], entries, key=lambda e: e["key_string"])
+        records["failures"].extend(r.failures)
+        for e in r.entries:
+            suite.log(f"  tuned {e.entry.op}/{e.entry.implementation}: {e.entry.config} {e.entry.time_ms:.4g} ms")
+        del example
+    export_cache(suite)
 
 
-def splash_peer(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, **options):
-    """jax's bundled splash attention on the op's ``[B, T, H, D]`` arguments:
-    full or causal mask, as many KV heads as query heads, T = S. Anything
-    else is not its contract here: `UnsupportedError` (recorded as skipped)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+def export_cache(suite: Suite) -> None:
+    """Every tuned entry so far as one shipped-format cache file beside the results."""
+    from stellax.autotune import device_slug
+    from stellax.autotune.cache import Entry, atomic_write_text, dump_cache_text
 
-    from stellax.core import UnsupportedError, interpret_enabled
-
-    extra = sorted(k for k, v in options.items() if v not in (None, False))
-    if bias is not None or mask is not None or extra or key.shape[2] != query.shape[2] \
-            or key.shape[1] != query.shape[1]:
-        raise UnsupportedError(f"jax_splash peer: only full/causal MHA with T = S (got options {extra}, "
-                               f"{query.shape[2]} query / {key.shape[2]} KV heads)")
-    _, t, heads, d = query.shape
-    kind = masks.CausalMask if is_causal else masks.FullMask
-    kernel = splash.make_splash_mha(masks.MultiHeadMask([kind((t, t)) for _ in range(heads)]),
-                                    head_shards=1, q_seq_shards=1, interpret=interpret_enabled())
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)
-    q_scale = (1.0 / d ** 0.5) if scale is None else scale
-    out = jax.vmap(kernel)(heads_first(query) * jnp.asarray(q_scale, query.dtype), heads_first(key),
-                           heads_first(value))
-    return jnp.swapaxes(out, 1, 2)
+    entries = {}
+    for data in suite.results.data["autotune"]["entries"]:
+        entry = Entry.from_json(data)
+        entries[entry.key_string] = entry
+    if entries:
+        path = suite.results.path.parent / f"autotune-{device_slug()}.json"
+        atomic_write_text(path, dump_cache_text(entries, device=device_slug()))
+        suite.results.data["autotune"]["exported_to"] = path.name
 
 
-def _megablox():
-    import importlib
-
-    return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-
-
-def _megablox_tile(dim: int) -> int:
-    """512 when it divides ``dim`` (transformer sizes), else 128."""
-    return 512 if dim % 512 == 0 else 128
+def _bench_implementations(suite: Suite, op) -> list[str]:
+    """The stellax implementations timed: the kernels and the XLA paths that run here."""
+    return [n for n, impl in op.implementations.items()
+            if impl.backend in ("mosaic_tpu", "xla")]
 
 
-def _rows_padded(x, axis: int, tm: int):
-    """``x`` zero-padded along ``axis`` to a multiple of megablox's row tile ``tm``."""
-    import jax.numpy as jnp
+def bench_op(suite: Suite, op) -> list[dict]:
+    from stellax.bench.suites import SuiteOptions, run_suite
 
-    extra = -x.shape[axis] % tm
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
-
-
-def megablox_gmm_peer(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
-                      activation=None, transpose_rhs=False):
-    """jax's bundled megablox ``gmm`` on a `ragged_dot` call: ``lhs [M, K]``, ``rhs [G, K, N]``
-    (``[G, N, K]`` transposed), local groups from ``group_offset``. M is padded to its
-    row tile (128); rows outside the local groups are set to zeros (megablox leaves
-    them unspecified), so the result is the op's. Gated weights and fused
-    activations are not megablox's contract: `UnsupportedError`."""
-    import jax.numpy as jnp
-
-    from stellax.core import UnsupportedError, interpret_enabled
-
-    if rhs.ndim != 3 or activation is not None:
-        raise UnsupportedError(f"jax_megablox_gmm peer: plain rhs [G, K, N] without activation only (got rhs "
-                               f"{tuple(rhs.shape)}, activation {activation!r})")
-    m, k = lhs.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    out_dtype = preferred_element_type or lhs.dtype
-    offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32).reshape(())
-    out = _megablox().gmm(_rows_padded(lhs, 0, 128), rhs, group_sizes.astype(jnp.int32),
-                          preferred_element_type=out_dtype, tiling=(128, _megablox_tile(k), _megablox_tile(n)),
-                          group_offset=offset, transpose_rhs=transpose_rhs, interpret=interpret_enabled())[:m]
-    ends = jnp.cumsum(group_sizes)
-    first = 0 if offset is None else offset
-    begin = jnp.where(first > 0, ends[jnp.maximum(first - 1, 0)], 0)
-    end = ends[first + rhs.shape[0] - 1]
-    rows = jnp.arange(m)[:, None]
-    return jnp.where((rows >= begin) & (rows < end), out, jnp.zeros((), out.dtype))
-
-
-def megablox_tgmm_peer(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
-                       num_local_groups=None, transpose_lhs=False):
-    """jax's bundled megablox ``tgmm`` on a `ragged_dot_tgmm` call: ``lhs [K, M]``
-    (``[M, K]`` with ``transpose_lhs``: transposed by XLA first), ``rhs [M, N]`` →
-    ``[G_local, K, N]``. M is zero-padded to its row tile (128)."""
-    import jax.numpy as jnp
-
-    from stellax.core import interpret_enabled
-
-    a = lhs.T if transpose_lhs else lhs
-    k, n = a.shape[0], rhs.shape[1]
-    offset = None if group_offset is None else jnp.asarray(group_offset, jnp.int32).reshape(())
-    return _megablox().tgmm(_rows_padded(a, 1, 128), _rows_padded(rhs, 0, 128), group_sizes.astype(jnp.int32),
-                            preferred_element_type=preferred_element_type or lhs.dtype,
-                            tiling=(128, _megablox_tile(k), _megablox_tile(n)), group_offset=offset,
-                            num_actual_groups=num_local_groups, interpret=interpret_enabled())
-
-
-def ragged_dot_peer(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None, *,
-                    activation=None, transpose_rhs=False):
-    """``jax.lax.ragged_dot`` on a plain `ragged_dot` call (all groups local)."""
-    import jax
-    import jax.numpy as jnp
-
-    from stellax.core import UnsupportedError
-
-    if rhs.ndim != 3 or activation is not None or group_offset is not None:
-        raise UnsupportedError("jax.lax.ragged_dot peer: plain rhs [G, K, N], no activation or group offset")
-    weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return jax.lax.ragged_dot(lhs, weights, group_sizes, precision=precision,
-                              preferred_element_type=preferred_element_type)
-
-
-def ragged_paged_peer(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale=None,
-                      logits_soft_cap=None, local_window_size=None, sinks=None):
-    """jax's bundled ragged paged attention on the op's arguments: dense
-    ``k_pages`` / ``v_pages [NP, PS, K, H]`` interleaved into its combined
-    ``[NP, PS, 2K, H]`` pool (k0 v0 k1 v1 ...; the copy is part of its time),
-    soft cap and left window. Quantized pools and sinks are not its contract,
-    and it does not run interpreted on jax 0.10.2: `UnsupportedError`."""
-    import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as bundled
-
-    from stellax.core import UnsupportedError, interpret_enabled
-    from stellax.ops.paged_attention import QuantizedPages
-
-    if interpret_enabled():
-        raise UnsupportedError("jax_ragged_paged_attention peer: jax 0.10.2's kernel does not run interpreted")
-    if sinks is not None or v_pages is None or isinstance(k_pages, QuantizedPages) \
-            or isinstance(v_pages, QuantizedPages) or k_pages.shape != v_pages.shape:
-        raise UnsupportedError("jax_ragged_paged_attention peer: dense k/v pools of one shape, no sinks")
-    if isinstance(local_window_size, (tuple, list)):
-        local_window_size = local_window_size[0]
-    num_pages, page_size, kv_heads, h = k_pages.shape
-    kv = jnp.stack([k_pages, v_pages], axis=3).reshape(num_pages, page_size, 2 * kv_heads, h)
-    try:
-        return bundled.ragged_paged_attention(
-            q, kv, kv_lens, block_tables, cu_q_lens, jnp.asarray(num_seqs, jnp.int32).reshape(1),
-            sm_scale=(1.0 / h ** 0.5) if scale is None else scale, soft_cap=logits_soft_cap,
-            sliding_window=None if local_window_size is None else local_window_size + 1)
-    except (ValueError, NotImplementedError) as e:  # its static checks (head counts it cannot tile, ...)
-        raise UnsupportedError(f"jax_ragged_paged_attention peer: {e}") from e
-
-
-#: The MoE ops' peers on a TPU (op name → {peer name: function}).
-MOE_PEERS = {"ragged_dot": {"jax.lax.ragged_dot": ragged_dot_peer, "jax_megablox_gmm": megablox_gmm_peer},
-             "ragged_dot_tgmm": {"jax_megablox_tgmm": megablox_tgmm_peer}}
-
-
-def bench_stage(suite: Suite, tuned) -> None:
-    from stellax.bench import report
-    from stellax.bench.suites import SuiteOptions, run_suites
-
-    ops = tpu_ops(suite)
-    for op in ops:
-        if op.family == "attention" and op.name == "dot_product_attention":
-            op.peers.setdefault("jax_splash", splash_peer)
-        for name, fn in MOE_PEERS.get(op.name, {}).items():
-            op.peers[name] = fn
-        if op.name == "ragged_paged_attention":
-            op.peers.setdefault("jax_ragged_paged_attention", ragged_paged_peer)
     options = SuiteOptions(
-        interpret=suite.args.dry_run, max_cases=1 if suite.args.dry_run else 3,
-        budget_s=max(1.0, suite.remaining() - 20), use_examples=suite.args.dry_run,
-        modes=("forward",) if suite.args.dry_run else None, min_time=0.005 if suite.args.dry_run else None,
-        input_sets=2 if suite.args.dry_run else None,
-        implementations=("mosaic_tpu", "xla_chunked", "xla"))
-    families = sorted({op.family for op in ops})
-    with tuned if tuned is not None and len(tuned) else contextlib.nullcontext():
-        records = run_suites(families, options, progress=lambda text: suite.log("  " + text))
-    suite.result["bench"] = report.to_json(records, env=suite.result.get("environment"))
+        interpret=suite.args.dry_run, max_cases=1 if suite.args.dry_run else suite.args.cases,
+        use_examples=suite.args.dry_run, modes=("forward",) if suite.args.dry_run else None,
+        min_time=0.005 if suite.args.dry_run else None, input_sets=2 if suite.args.dry_run else None,
+        implementations=tuple(_bench_implementations(suite, op)) + tuple(op.peers))
+    records = run_suite(op.family, options, ops=[op], progress=lambda text: suite.log("  " + text))
+    defaults = default_implementations(suite, op, records)
+    return [row_of(r, defaults, suite) for r in records]
+
+
+def default_implementations(suite: Suite, op, records) -> dict[str, str]:
+    """Case label → the implementation stellax picks by itself for it here."""
+    import jax.numpy as jnp
+
+    examples = op.examples(jnp.float32)[:1] if suite.args.dry_run else []
+    out = {}
+    from stellax.testing.validation import abstract_examples
+
+    cases = examples or abstract_examples(lambda: op.benchmarks(suite.platform)[:suite.args.cases])
+    from stellax.bench.suites import _unique_labels
+
+    for example, label in zip(cases, _unique_labels(cases)):
+        try:
+            with suite.interpreted():
+                impl = op.select(op.check(*example.args, **example.kwargs))
+            out[label] = impl.name
+        except Exception:  # noqa: BLE001 - no implementation: no default row
+            pass
+    if suite.args.dry_run:  # on a CPU dispatch never picks an interpreted kernel; the dry run stands for a TPU
+        out = {label: "mosaic_tpu" for label in out}
+    return out
+
+
+def contender_of(implementation: str) -> tuple[str, bool]:
+    """A record's implementation label as the rows' ``contender`` and whether it is a peer."""
+    from stellax.bench.suites import PEER_PREFIX
+
+    if not implementation.startswith(PEER_PREFIX):
+        return f"stellax:{implementation}", False
+    name = implementation[len(PEER_PREFIX):]
+    if name.startswith("jax.lax."):
+        return f"xla:{name[len('jax.lax.'):]}", True
+    if name.startswith("jax_"):
+        return f"jax:{name[len('jax_'):]}", True
+    return name, True
+
+
+def row_of(record, defaults: dict[str, str], suite: Suite) -> dict:
+    """One row of the results schema (benchmarks/README.md) from a benchmark record."""
+    contender, peer = contender_of(record.implementation or "")
+    roof = record.roofline or {}
+    bound = roof.get("bound")
+    pct = roof.get("pct_peak_flops") if bound == "compute" else roof.get("pct_peak_bandwidth")
+    return {"op": record.op, "case": record.case, "pass": "fwd" if record.mode == "forward" else "fwd+bwd",
+            "contender": contender, "default": (not peer) and defaults.get(record.case) == record.implementation,
+            "peer": peer, "ms": record.median_ms, "tflops": roof.get("tflops"), "gbps": roof.get("gbps"),
+            "pct_peak": pct, "bound": bound, "peak_hbm_bytes": record.peak_memory_bytes,
+            "device": suite.platform.device_kind, "date": suite.date,
+            "skipped": record.skipped, "error": record.error}
+
+
+def row_key(row: dict) -> tuple:
+    return row["op"], row["case"], row["pass"], row["contender"]
+
+
+# -- the command -------------------------------------------------------------------------
+def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
+    """Run one stage over the ops not done yet; the first op the budget leaves out (or None)."""
+    import jax
+
+    results = suite.results
+    if stage == "environment":
+        environment_stage(suite, ops)
+        return None
+    for op in ops:
+        if results.done(stage, op.name) and not suite.args.redo:
+            continue
+        estimate = units[(stage, op.name)]
+        if suite.remaining() < estimate:
+            return op.name
+        suite.log(f"{stage} {op.name} (estimated {estimate:.0f} s, {suite.remaining():.0f} s left)")
+        try:
+            if stage == "check":
+                new = check_op(suite, op)
+                results.replace(results.data["check"]["records"], new,
+                                key=lambda r: (r["op"], r["implementation"], r["dtype"], r["example"]))
+            elif stage == "autotune":
+                autotune_op(suite, op)
+            else:
+                results.replace(results.data["rows"], bench_op(suite, op), key=row_key)
+            results.mark_done(stage, op.name)
+            results.data["errors"] = [e for e in results.data["errors"]
+                                      if (e.get("stage"), e.get("op")) != (stage, op.name)]
+        except Exception as e:  # noqa: BLE001 - a failed op is recorded; the others still run
+            results.data["errors"].append({"stage": stage, "op": op.name, "error": f"{type(e).__name__}: {e}"[:600],
+                                           "date": suite.date})
+            suite.log(f"  {stage} {op.name} FAILED: {type(e).__name__}: {e}"[:400])
+        results.save()
+        gc.collect()
+        jax.clear_caches()  # compiled programs of a finished op hold host memory
+    return None
 
 
 def main(argv=None) -> int:
@@ -360,40 +522,64 @@ def main(argv=None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ["STELLAX_INTERPRET"] = "1"  # every stage runs the TPU kernels interpreted
     sys.path.insert(0, str(ROOT / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     os.environ.setdefault("STELLAX_AUTOTUNE_WARN", "0")
-    suite = Suite(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     from stellax.core import current_platform
 
     platform = current_platform()
-    if not args.dry_run and platform.tpu is None:
-        print(f"tpu_suite: this device is {platform.describe()}, not a TPU (use --dry-run on a CPU)")
+    if not args.dry_run and platform.tpu is None and not args.list:
+        print(f"tpu_suite: this device is {platform.describe()}, not a TPU (use --dry-run on a CPU, or --list)")
         return 2
-    device = "dry-run" if args.dry_run else platform.tpu.name
-    suite.path = out / f"{FORMAT}-{datetime.date.today().isoformat()}-{device}.json"
-    suite.log(f"stellax TPU suite{' (dry run)' if args.dry_run else ''}: budget {suite.budget:.0f} s -> {suite.path}")
-    skip = set(filter(None, args.skip.split(",")))
-    tuned = None
-    stages = [("environment", environment_stage), ("check", check_stage),
-              ("autotune", autotune_stage), ("bench", lambda s: bench_stage(s, tuned))]
-    for name, stage in stages:
-        if name in skip:
-            continue
+    if not args.dry_run and platform.tpu is None:  # --list on a CPU plans for a v5e
+        from stellax.core.platform import Platform
+        platform = Platform("tpu", "TPU v5 lite")
+    suite = Suite(args, platform)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{FORMAT}-{suite.date}-{suite.device}.json"
+    suite.results = Results(path, fresh=args.fresh, dry_run=args.dry_run)
+    ops = tpu_ops(args)
+    import tpu_peers
+
+    tpu_peers.install(ops)
+    with contextlib.nullcontext() if not args.list or platform.backend == current_platform().backend else \
+            _planning_as(platform):
+        units = plan(suite, ops)
+    if args.list:
+        list_plan(suite, units)
+        return 0
+    estimates = {(u["stage"], u["op"]): u["seconds"] for u in units}
+    suite.log(f"stellax TPU suite{' (dry run)' if args.dry_run else ''} on {platform.describe()}: stages "
+              f"{','.join(args.stage_list)}, {len(ops)} ops, budget {suite.budget:.0f} s -> {path}")
+    command = {"argv": sys.argv[1:] if argv is None else list(argv), "date": suite.date,
+               "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    left = {}
+    for stage in args.stage_list:
         began = time.monotonic()
-        suite.log(f"stage {name}")
-        try:
-            value = stage(suite)
-            if name == "autotune":
-                tuned = value
-        except Exception as e:  # noqa: BLE001 - a failed stage is recorded; the others still run
-            suite.result["errors"].append({"stage": name, "error": f"{type(e).__name__}: {e}"[:600]})
-            suite.log(f"  stage {name} FAILED: {type(e).__name__}: {e}"[:400])
-        suite.result["stages"][name] = round(time.monotonic() - began, 2)
-        suite.save()
-    failed = [c for c in suite.result.get("check", []) if c.get("passed") is False]
-    suite.log(f"done: {len(failed)} numerics failures, {len(suite.result['errors'])} stage errors")
-    return 1 if failed or suite.result["errors"] else 0
+        suite.log(f"stage {stage}")
+        stopped_at = run_stage(suite, stage, ops, estimates)
+        if stopped_at:
+            left[stage] = stopped_at
+            suite.log(f"  budget: {stage} stops before {stopped_at}; run the same command again to go on")
+        command.setdefault("stages", {})[stage] = round(time.monotonic() - began, 2)
+    command["seconds"] = round(time.monotonic() - suite.start, 2)
+    command["left"] = left
+    suite.results.data["commands"].append(command)
+    suite.results.save()
+    check = suite.results.data["check"]
+    suite.log(f"done: check {check['passed']} passed, {check['failures']} failures, {check['skipped']} skipped; "
+              f"{len(suite.results.data['rows'])} rows; {len(suite.results.data['errors'])} errors"
+              + (f"; left for the next command: {left}" if left else ""))
+    return 1 if check["failures"] or suite.results.data["errors"] else 0
+
+
+@contextlib.contextmanager
+def _planning_as(platform):
+    """Plan benchmark shapes for ``platform`` (a TPU) from a CPU: `--list` off the device."""
+    from stellax.core import lowering_target
+
+    with lowering_target("v5e"):
+        yield
 
 
 if __name__ == "__main__":

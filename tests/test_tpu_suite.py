@@ -1,5 +1,7 @@
 """The TPU suite script runs end to end on the CPU (--dry-run: the Mosaic TPU
-kernels interpreted, tiny shapes) so it is ready the day a TPU is lent."""
+kernels interpreted, tiny shapes) so it is ready the day a TPU is lent: it
+resumes across commands, writes the rows schema, plans for a v5e (--list),
+and refuses a program that would not fit the device before running it."""
 
 import json
 import os
@@ -15,23 +17,72 @@ ROOT = Path(__file__).resolve().parents[1]
 TPU_OPS = sorted(name for name, op in stellax.registered_ops().items() if "mosaic_tpu" in op.implementations)
 
 
-@pytest.mark.skipif(not TPU_OPS, reason="no op has a mosaic_tpu implementation")
-def test_tpu_suite_dry_run(tmp_path):
-    ops = ",".join(n for n in TPU_OPS if n.startswith("layer_norm"))
+def _run_suite(tmp_path, *args):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "benchmarks/tpu_suite.py", "--dry-run", "--ops", ops, "--out",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "benchmarks/tpu_suite.py", *args, "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    return proc
+
+
+@pytest.mark.skipif(not TPU_OPS, reason="no op has a mosaic_tpu implementation")
+def test_tpu_suite_dry_run_resumes_and_writes_the_rows_schema(tmp_path):
+    ops = ",".join(n for n in TPU_OPS if n.startswith("layer_norm"))
+    proc = _run_suite(tmp_path, "--dry-run", "--ops", ops, "--stages", "environment,check,autotune")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = [p for p in tmp_path.iterdir() if p.name.startswith("stellax-tpu-suite-")]
     data = json.loads(path.read_text())
-    assert data["format"] == "stellax-tpu-suite" and data["dry_run"] and not data["errors"], data["errors"]
-    assert set(data["stages"]) == {"environment", "check", "autotune", "bench"}
-    checked = {c["op"] for c in data["check"] if c.get("passed")}
-    assert checked == set(ops.split(",")), data["check"]
+    assert data["format"] == "stellax-tpu-suite" and data["version"] == 2 and data["dry_run"]
+    assert not data["errors"], data["errors"]
+    assert data["check"]["passed"] >= 1 and data["check"]["failures"] == 0, data["check"]
+    assert {r["op"] for r in data["check"]["records"] if r["result"] == "ok"} == {"layer_norm"}
     assert {e["op"] for e in data["autotune"]["entries"]} <= set(ops.split(","))
-    timed = {(r["op"], r["implementation"]) for r in data["bench"]["records"] if r.get("median_ms")}
-    assert ("layer_norm", "mosaic_tpu") in timed and ("layer_norm", "xla") in timed, timed
+    assert (tmp_path / data["autotune"]["exported_to"]).exists()
+    assert data["done"]["bench"] == [] and data["rows"] == []
+
+    # A second command resumes: the bench stage runs, the check and autotune sections are kept.
+    proc = _run_suite(tmp_path, "--dry-run", "--ops", ops, "--stages", "bench")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert len(data["commands"]) == 2 and data["check"]["passed"] >= 1 and data["autotune"]["entries"]
+    rows = {row["contender"]: row for row in data["rows"]}
+    assert {"stellax:mosaic_tpu", "stellax:xla"} <= set(rows), rows
+    for row in rows.values():
+        assert set(row) >= {"op", "case", "pass", "contender", "default", "peer", "ms", "tflops", "gbps", "pct_peak",
+                            "peak_hbm_bytes", "device", "date"}
+        assert row["op"] == "layer_norm" and row["pass"] == "fwd" and row["ms"] > 0 and not row["peer"]
+    assert rows["stellax:mosaic_tpu"]["default"] and not rows["stellax:xla"]["default"]
+
+    # Done stages are skipped on a third command unless --redo.
+    proc = _run_suite(tmp_path, "--dry-run", "--ops", ops, "--stages", "bench")
+    assert "bench layer_norm" not in proc.stdout, proc.stdout
+
+
+def test_tpu_suite_list_plans_for_a_v5e_from_the_cpu(tmp_path):
+    proc = _run_suite(tmp_path, "--list", "--ops", "layer_norm,ragged_dot", "--stages", "check,bench")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(l.startswith("check") and "layer_norm" in l and "to do" in l for l in lines), proc.stdout
+    assert any(l.startswith("bench") and "ragged_dot" in l and "timings" in l for l in lines), proc.stdout
+    assert "estimated on a v5e" in lines[-1] and "command(s)" in lines[-1]
+
+
+def test_a_program_that_cannot_fit_the_device_is_refused_before_it_runs():
+    from stellax.bench import measurement
+
+    class Analysis:
+        argument_size_in_bytes, output_size_in_bytes, temp_size_in_bytes = 1 << 30, 8 << 30, 24 << 30
+
+    class Compiled:
+        def memory_analysis(self):
+            return Analysis()
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 16 << 30, "bytes_in_use": 1 << 30}
+
+    with pytest.raises(measurement.DeviceMemoryError, match=r"needs 32\.00 GiB.*has 15\.00 GiB free"):
+        measurement.require_device_memory(Compiled(), what="attention T=65536", device=Device())
 
 
 def test_splash_peer_matches_the_golden_in_interpret_mode():
@@ -43,9 +94,7 @@ def test_splash_peer_matches_the_golden_in_interpret_mode():
     import jax.numpy as jnp
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("tpu_suite", ROOT / "benchmarks" / "tpu_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
+    suite = _peers_module()
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (1, 256, 2, 128), jnp.float32) for key in keys)
     with stellax.interpret_mode():
@@ -56,10 +105,10 @@ def test_splash_peer_matches_the_golden_in_interpret_mode():
         suite.splash_peer(q, k[:, :, :1], v[:, :, :1])
 
 
-def _suite_module():
+def _peers_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("tpu_suite", ROOT / "benchmarks" / "tpu_suite.py")
+    spec = importlib.util.spec_from_file_location("tpu_peers", ROOT / "benchmarks" / "tpu_peers.py")
     suite = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(suite)
     return suite
@@ -73,7 +122,7 @@ def test_moe_peers_match_the_golden_in_interpret_mode():
     import jax.numpy as jnp
     import numpy as np
 
-    suite = _suite_module()
+    suite = _peers_module()
     keys = jax.random.split(jax.random.PRNGKey(1), 3)
     lhs = jax.random.normal(keys[0], (200, 128), jnp.float32)
     rhs = jax.random.normal(keys[1], (3, 128, 128), jnp.float32) / 12

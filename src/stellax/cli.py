@@ -20,6 +20,15 @@ def _info(args) -> int:
     console.print(f"stellax {stellax.__version__}  jax {jax.__version__}  jaxlib {jaxlib.__version__}")
     console.print(f"devices: {', '.join(f'{d.platform}:{d.device_kind}' for d in jax.devices())}")
     console.print(f"platform: {platform.describe()}  interpret mode: {'on' if interpret_enabled() else 'off'}")
+    from stellax.autotune.cache import shipped_cache
+    from stellax.autotune.keys import device_slug
+    from stellax.core.precision import describe_contract
+
+    console.print(describe_contract(), highlight=False)
+    shipped = shipped_cache(device_slug(platform))
+    console.print(f"shipped autotune cache for this device: {shipped.path.name} ({len(shipped)} configs)"
+                  if len(shipped) else f"shipped autotune cache for this device: none ({shipped.path.name} is not "
+                  f"shipped; kernels use their heuristics)", highlight=False)
     table = Table(title="implementations on this device")
     for column in ("op", "implementation", "backend", "runs here"):
         table.add_column(column)
@@ -73,6 +82,13 @@ def _default_workers(platform) -> int:
     import os
 
     return min(2, os.cpu_count() or 1) if platform.backend == "cpu" else 1
+
+
+def _default_threads(platform) -> int:
+    """On an accelerator (one process holds it), compile-bound checks in up to 8 threads; 1 on a CPU."""
+    import os
+
+    return 1 if platform.backend == "cpu" else max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
 def _check_tpu_compile(args, console, selected) -> int:
@@ -138,18 +154,21 @@ def _check(args) -> int:
     try:
         jobs = plan_checks(selected, full=args.all, dtypes=args.dtypes.split(",") if args.dtypes else None,
                            implementations=args.implementations.split(",") if args.implementations else None,
-                           gradients=not args.no_gradients)
+                           gradients=not args.no_gradients, precision=args.precision)
     except ValueError as e:
         console.print(f"[red]{e}")
         return 2
     platform = stellax.current_platform()
-    workers = args.workers if args.workers else _default_workers(platform)
+    threads = args.threads if args.threads else _default_threads(platform)
+    workers = args.workers if args.workers else (1 if threads > 1 else _default_workers(platform))
     mode = "all" if args.all else "quick"
     if args.json:
-        report = check_report.run_quietly(jobs, platform=platform.describe(), mode=mode, workers=workers)
+        report = check_report.run_quietly(jobs, platform=platform.describe(), mode=mode, workers=workers,
+                                          threads=threads)
         check_report.write_json(report, args.json)
     else:
-        report = check_report.run_watched(jobs, console, platform=platform.describe(), mode=mode, workers=workers)
+        report = check_report.run_watched(jobs, console, platform=platform.describe(), mode=mode, workers=workers,
+                                          threads=threads)
     return 1 if report.failures else 0
 
 
@@ -181,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                                                      "float32,bfloat16)")
     check.add_argument("--implementations", default="", help="comma-separated implementation names")
     check.add_argument("--no-gradients", action="store_true", help="forward only")
+    check.add_argument("--precision", default="highest",
+                       help="contraction precision the ops that take one run at: highest (default: float32 "
+                            "results within 1e-5 of the golden, on a TPU too), high (1e-4) or default (one "
+                            "bfloat16 pass on a TPU: bfloat16's 1e-2); see stellax.core.precision")
+    check.add_argument("--threads", type=int, default=0,
+                       help="threads running checks in this process (default: 1 on a CPU; up to 8 on an "
+                            "accelerator, where one process holds the device and compiles run in parallel)")
     check.add_argument("--workers", type=int, default=0,
                        help="processes running checks (default: one per core, at most 2, on a CPU; 1 elsewhere)")
     check.add_argument("--json", nargs="?", const="-", metavar="PATH",

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from ..core.op import UnsupportedError
 from ..core.platform import current_platform
 from ..core.selection import observe_calls
 from . import inputs as inputs_lib
@@ -261,6 +262,48 @@ def _gradient_target(call, args, kwargs, dyn_pos, dyn_kw, sets, *, mode, argnums
     return target, [(p, ct) for p, ct in zip(pullbacks, cts)]
 
 
+class DeviceMemoryError(UnsupportedError):
+    """A compiled program needs more device memory than the device has free."""
+
+
+def device_memory_free(device=None) -> int | None:
+    """Bytes of device memory not in use (``None`` where the device does not say: a CPU)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def compiled_memory_bytes(compiled) -> dict[str, int] | None:
+    """What a compiled program allocates when it runs: ``outputs``, ``temporaries`` and
+    ``code`` bytes (its arguments already exist), from XLA's memory analysis."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without memory analysis
+        return None
+    if m is None:
+        return None
+    return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+            "temporaries": int(m.temp_size_in_bytes), "code": int(getattr(m, "generated_code_size_in_bytes", 0))}
+
+
+def require_device_memory(compiled, *, what: str = "the program", device=None) -> None:
+    """Raise `DeviceMemoryError` (before anything runs) when ``compiled`` would need more
+    device memory than is free: the estimated bytes against the device's, both named."""
+    free = device_memory_free(device)
+    need = compiled_memory_bytes(compiled)
+    if free is None or need is None:
+        return
+    total = need["outputs"] + need["temporaries"] + need["code"]
+    if total > free:
+        gib = 1 << 30
+        raise DeviceMemoryError(
+            f"{what} does not fit: it needs {total / gib:.2f} GiB of device memory (outputs "
+            f"{need['outputs'] / gib:.2f}, temporaries {need['temporaries'] / gib:.2f} GiB) beyond its "
+            f"{need['arguments'] / gib:.2f} GiB of arguments; the device has {free / gib:.2f} GiB free")
+
+
 def prepare(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *,
             mode: str = "forward", argnums: Sequence[int] | int | None = None,
             grad_kwargs: Sequence[str] | None = None, input_sets: int = 3, randomize: bool = True,
@@ -304,6 +347,7 @@ def prepare(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
+    require_device_memory(compiled, what=getattr(fn, "__name__", "the benchmark"))
     try:
         flops, nbytes = recorder.cost()
     except Exception:  # noqa: BLE001 - no usable model: XLA's cost analysis is used instead

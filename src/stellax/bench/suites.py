@@ -313,7 +313,8 @@ def run_suite(family: str, options: SuiteOptions | None = None, *, ops: Iterable
     first = True
     for item in suite.pending():
         past = deadline is not None and time.monotonic() > deadline and not (first and guarantee_one)
-        first = first and not suite.run(item, past_deadline=past)
+        measured = suite.run(item, past_deadline=past)
+        first = first and not measured
     return suite.records()
 
 

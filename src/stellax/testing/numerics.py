@@ -30,6 +30,29 @@ def tolerance(dtype, *, gradient: bool = False) -> float:
     return 2 * tol if gradient else tol
 
 
+#: Relative-L2 tolerance of a float32 result computed at a reduced contraction precision
+#: (`stellax.core.precision`): ``"high"`` (three bfloat16 / TF32 passes, ~1e-5 per product) and
+#: ``"default"`` (one bfloat16 pass on a TPU, ~2e-3 per product: bfloat16's tolerance).
+REDUCED_PRECISION_TOLERANCE = {"high": 1e-4, "default": 1e-2}
+
+
+def contract_tolerance(dtype, precision=None, *, gradient: bool = False) -> float:
+    """The relative-L2 tolerance for results in ``dtype`` computed at contraction
+    ``precision`` (None / ``"highest"``: the dtype's own, `tolerance`). A reduced
+    precision loosens only float32 (narrower dtypes contract natively), never below
+    the dtype's own tolerance."""
+    own = tolerance(dtype, gradient=gradient)
+    if precision is None or np.dtype(dtype).name != "float32":
+        return own
+    from ..core.precision import resolve_precision
+
+    name = resolve_precision(precision).name.lower()
+    reduced = REDUCED_PRECISION_TOLERANCE.get(name)
+    if reduced is None:
+        return own
+    return max(own, 2 * reduced if gradient else reduced)
+
+
 def random_array(key, shape, dtype=jnp.float32, *, scale: float = 1.0, offset: float = 0.0):
     """Normal random values cast to ``dtype``; exact zeros are nudged away so
     a kernel that writes zeros can never pass by accident."""

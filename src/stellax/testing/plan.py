@@ -64,6 +64,7 @@ class CheckJob:
     dtype: str
     example: int | None
     gradients: bool
+    precision: str | None = "highest"
 
     @property
     def description(self) -> str:
@@ -81,7 +82,7 @@ class CheckJob:
         with interpret_mode(interpret):
             index = self.example if self.example is not None else self._first_supported(impl, examples)
             return safe_check_example(self.op, self.implementation, examples[index], jnp.dtype(self.dtype),
-                                      gradients=self.gradients)
+                                      gradients=self.gradients, precision=self.precision)
 
     def _first_supported(self, impl, examples) -> int:
         """The first example ``impl`` supports here (0 when none does: its row says why)."""
@@ -110,13 +111,20 @@ def _dtype_names(dtypes: Iterable[str] | None, full: bool) -> list[str]:
 
 
 def plan_checks(ops: Mapping[str, Op], *, full: bool = False, dtypes: Iterable[str] | None = None,
-                implementations: Iterable[str] | None = None, gradients: bool = True) -> list[CheckJob]:
+                implementations: Iterable[str] | None = None, gradients: bool = True,
+                precision: str | None = "highest") -> list[CheckJob]:
     """The jobs of one `stellax check` run, in order (by op name, then
     implementation, dtype and example).
 
     ``dtypes``: dtype names (default float32, plus bfloat16 with ``full``);
     ``implementations``: names to keep (an op with none of them gets no job).
+    ``precision``: the contraction precision every op that takes one is run
+    at, and its float32 tolerance (`validation.check_example`).
     Only ``full`` builds examples here (to count them)."""
+    if precision is not None:
+        from ..core.precision import check_precision
+
+        precision = check_precision(precision, "--precision").name.lower()
     dtype_names = _dtype_names(dtypes, full)
     wanted = list(implementations) if implementations else None
     jobs = []
@@ -128,5 +136,5 @@ def plan_checks(ops: Mapping[str, Op], *, full: bool = False, dtypes: Iterable[s
         for impl in chosen:
             for dtype in dtype_names:
                 indices = range(max(1, len(examples_of(op, dtype)))) if full else [None]
-                jobs += [CheckJob(op, impl, dtype, i, grads) for i in indices]
+                jobs += [CheckJob(op, impl, dtype, i, grads, precision) for i in indices]
     return jobs

@@ -43,10 +43,30 @@ class CheckReport:
     def summary(self) -> dict:
         return {"checks": len(self.rows), "passed": self.count("ok"), "failed": self.failures,
                 "skipped": self.count("skip"), "seconds": round(self.seconds, 2),
-                "cpu_seconds": round(self.cpu_seconds, 2)}
+                "cpu_seconds": round(self.cpu_seconds, 2), "host_memory": host_memory()}
 
     def to_json(self) -> dict:
         return {"platform": self.platform, "mode": self.mode, "rows": self.rows, "summary": self.summary()}
+
+
+def host_memory() -> dict:
+    """This process's host memory in bytes: ``peak_rss`` (the most it held), and now
+    ``rss`` split into ``anonymous`` (what it allocated) and ``file``/``shared``
+    mappings (an accelerator runtime maps device and library memory into the
+    process: counted in RSS, not host RAM it allocated). Linux only; empty elsewhere."""
+    out: dict = {}
+    try:
+        import resource
+
+        out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        for key, name in (("VmRSS", "rss"), ("RssAnon", "anonymous"), ("RssFile", "file"), ("RssShmem", "shared")):
+            if key in fields:
+                out[name] = int(fields[key].split()[0]) * 1024
+    except (OSError, ImportError, ValueError):
+        pass
+    return out
 
 
 def row_of(job: CheckJob, result: CheckResult, seconds: float, cpu_seconds: float = 0.0) -> dict:
@@ -75,15 +95,21 @@ def _sequential(jobs: Iterable[CheckJob]):
     yield "cpu", None, time.process_time() - cpu_start
 
 
-def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, on_start=None, on_row=None) -> CheckReport:
-    """Run ``jobs``, in ``workers`` processes when they split into several
+def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, threads: int = 1, on_start=None,
+         on_row=None) -> CheckReport:
+    """Run ``jobs``, in ``workers`` processes (or ``threads`` threads of this process,
+    for an accelerator only one process can hold) when they split into several
     (whole ops per worker: a single op runs here); rows in plan order at the end."""
     from . import workers as workers_lib
 
     start = time.perf_counter()
     order = {id(job): i for i, job in enumerate(jobs)}
-    parallel = workers > 1 and len(workers_lib.partition(jobs, workers)) > 1
-    stream = workers_lib.events(jobs, workers) if parallel else _sequential(jobs)
+    if threads > 1 and len(jobs) > 1:
+        stream = workers_lib.threaded_events(jobs, threads)
+    elif workers > 1 and len(workers_lib.partition(jobs, workers)) > 1:
+        stream = workers_lib.events(jobs, workers)
+    else:
+        stream = _sequential(jobs)
     done = []
     for kind, job, value in stream:
         if kind == "start" and on_start is not None:
@@ -99,9 +125,9 @@ def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, on_star
     return report
 
 
-def run_quietly(jobs: list[CheckJob], *, platform: str, mode: str, workers: int = 1) -> CheckReport:
+def run_quietly(jobs: list[CheckJob], *, platform: str, mode: str, workers: int = 1, threads: int = 1) -> CheckReport:
     """Run every job, printing nothing."""
-    return _run(jobs, CheckReport(platform, mode), workers=workers)
+    return _run(jobs, CheckReport(platform, mode), workers=workers, threads=threads)
 
 
 def write_json(report: CheckReport, path: str) -> None:
@@ -138,15 +164,26 @@ def format_row(row: dict) -> str:
     return line
 
 
-def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, workers: int = 1) -> CheckReport:
+def _memory_text(memory: dict) -> str:
+    if "peak_rss" not in memory:
+        return ""
+    gb = 1e9
+    return (f"peak host RSS {memory['peak_rss'] / gb:.1f} GB (now {memory.get('rss', 0) / gb:.1f} GB: "
+            f"{memory.get('anonymous', 0) / gb:.1f} allocated, {memory.get('file', 0) / gb:.1f} file-mapped, "
+            f"{memory.get('shared', 0) / gb:.1f} shared) ")
+
+
+def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, workers: int = 1,
+                threads: int = 1) -> CheckReport:
     """Run every job under a progress bar (the op, implementation and dtype
     running, elapsed time), printing each row above it as it finishes, then a
     summary line."""
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    processes = f", {workers} worker processes" if workers > 1 else ""
-    console.print(f"stellax check ({mode}) on {platform}: {len(jobs)} checks{processes}", highlight=False)
+    processes = f", {workers} worker processes" if workers > 1 else (f", {threads} threads" if threads > 1 else "")
+    precision = f", precision={jobs[0].precision}" if jobs and jobs[0].precision else ""
+    console.print(f"stellax check ({mode}{precision}) on {platform}: {len(jobs)} checks{processes}", highlight=False)
     console.print(_HEADER, highlight=False)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     running: dict[int, str] = {}
@@ -166,10 +203,12 @@ def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, work
             progress.advance(task)
             show()
 
-        report = _run(jobs, CheckReport(platform, mode), workers=workers, on_start=on_start, on_row=on_row)
+        report = _run(jobs, CheckReport(platform, mode), workers=workers, threads=threads, on_start=on_start,
+                      on_row=on_row)
     summary = report.summary()
     colour = "red" if report.failures else "green"
     console.print(f"[{colour}]{summary['failed']} failure(s)[/], {summary['passed']} passed, "
                   f"{summary['skipped']} skipped, {summary['checks']} checks in {summary['seconds']:.1f} s "
+                  f"{_memory_text(summary['host_memory'])}"
                   f"({summary['cpu_seconds']:.1f} s CPU)", highlight=False)
     return report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import Example, Op, current_platform, interpret_enabled, interpret_mode, use_configs
-from .numerics import ErrorSummary, compare, golden, random_array, upcast
+from .numerics import ErrorSummary, compare, contract_tolerance, golden, random_array, upcast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,19 +147,34 @@ def _tolerance_dtype(dtype, out):
     return dtype
 
 
+def takes_precision(op: Op) -> bool:
+    """Whether ``op`` has a ``precision`` argument (it contracts: `stellax.core.precision`)."""
+    try:
+        return "precision" in inspect.signature(op.check).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True,
-                  config: Any = None) -> CheckResult:
+                  config: Any = None, precision: str | None = "highest") -> CheckResult:
     """Run one example with one implementation and compare (forward and, for
     differentiable ops, the gradients of a random projection of the output).
+
+    ``precision`` is passed to ops that contract (`takes_precision`) and sets the
+    float32 tolerance (`stellax.testing.numerics.contract_tolerance`): the
+    default ``"highest"`` holds float32 results to 1e-5 of the golden on every
+    device, a TPU included; ``None`` leaves the op's own default and the float32
+    tolerance. The golden is always float32 at ``HIGHEST``.
 
     ``config`` pins the implementation's kernel config (default: the one
     dispatch resolves, the heuristic unless a cache or context says otherwise);
     the backward op, when there is one, resolves its own."""
     if config is not None:
         with use_configs({(op.name, implementation): config}):
-            return check_example(op, implementation, example, dtype, gradients=gradients)
+            return check_example(op, implementation, example, dtype, gradients=gradients, precision=precision)
     dtype_name = np.dtype(dtype).name
-    call = op.check(*example.args, **example.kwargs)
+    contract = {"precision": precision} if precision is not None and takes_precision(op) else {}
+    call = op.check(*example.args, **example.kwargs, **contract)
     impl = op.implementations[implementation]
     support = impl.supported(call)
     if not support:
@@ -169,20 +185,25 @@ def check_example(op: Op, implementation: str, example: Example, dtype, *, gradi
     static_kwargs = {k: v for k, v in example.kwargs.items() if k not in array_kwargs}
 
     def run(*args, **kw):
-        return op(*args, implementation=implementation, **kw, **static_kwargs)
+        return op(*args, implementation=implementation, **kw, **static_kwargs, **contract)
 
     def ref(*args, **kw):
         return op.reference(*args, **kw, **static_kwargs)
 
+    def tolerance_of(leaf_dtype, gradient=False):
+        return contract_tolerance(leaf_dtype, contract.get("precision"), gradient=gradient)
+
     out = jax.jit(run)(*example.args, **array_kwargs)
-    expected = golden(ref, *example.args, **array_kwargs)
+    expected = golden(jax.jit(ref), *example.args, **array_kwargs)
     worst = None
     out_leaves = jax.tree_util.tree_leaves(out)
     ref_leaves = jax.tree_util.tree_leaves(expected)
     if len(out_leaves) != len(ref_leaves):
         return CheckResult(op.name, implementation, dtype_name, example.label, False, None,
                            detail=f"{len(out_leaves)} outputs vs {len(ref_leaves)} in the reference")
-    summaries = [compare(o, r, dtype=_tolerance_dtype(dtype, o)) for o, r in zip(out_leaves, ref_leaves)]
+    summaries = [compare(o, r, dtype=_tolerance_dtype(dtype, o),
+                         rel_l2_tolerance=tolerance_of(_tolerance_dtype(dtype, o)))
+                 for o, r in zip(out_leaves, ref_leaves)]
     again = jax.tree_util.tree_leaves(jax.jit(run)(*example.args, **array_kwargs))
     deterministic = all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in zip(out_leaves, again))
     positions = _grad_positions(op, example) if gradients else []
@@ -193,9 +214,9 @@ def check_example(op: Op, implementation: str, example: Example, dtype, *, gradi
         grads = jax.jit(jax.grad(projected_loss(run, example.args, array_kwargs, positions, cots),
                                  argnums=tuple(range(len(positions)))))(*diff_args)
         ref_args, ref_kwargs = upcast(list(example.args)), upcast(array_kwargs)
-        ref_grads = golden(jax.grad(projected_loss(ref, ref_args, ref_kwargs, positions, cots),
-                                    argnums=tuple(range(len(positions)))), *diff_args)
-        summaries += [compare(g, r, dtype=dtype, gradient=True)
+        ref_grads = golden(jax.jit(jax.grad(projected_loss(ref, ref_args, ref_kwargs, positions, cots),
+                                            argnums=tuple(range(len(positions))))), *diff_args)
+        summaries += [compare(g, r, dtype=dtype, gradient=True, rel_l2_tolerance=tolerance_of(dtype, gradient=True))
                       for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads))]
     worst = max(summaries, key=lambda s: (not s.passed, s.rel_l2 / max(s.tolerance, 1e-30)))
     passed = all(s.passed for s in summaries) and deterministic
@@ -225,10 +246,11 @@ def iter_checks(op: Op, *, implementations: Iterable[str] | None = None,
                 yield result
 
 
-def safe_check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True) -> CheckResult:
+def safe_check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True,
+                       precision: str | None = "highest") -> CheckResult:
     """`check_example`, with a crash turned into a failed result carrying its message."""
     try:
-        return check_example(op, implementation, example, dtype, gradients=gradients)
+        return check_example(op, implementation, example, dtype, gradients=gradients, precision=precision)
     except Exception as e:  # a crash is a failure, reported with its message
         return CheckResult(op.name, implementation, np.dtype(dtype).name, example.label, False, None,
                            detail=f"{type(e).__name__}: {e}"[:300])

@@ -1,4 +1,5 @@
-"""Run `stellax check` jobs in worker processes, one per CPU core, and stream
+"""Run `stellax check` jobs in worker processes, one per CPU core (or, on an
+accelerator one process holds, in threads: `threaded_events`), and stream
 each event back as it happens.
 
 The checks are compile-bound and single-threaded, so on a 2-core CPU two
@@ -39,7 +40,7 @@ def partition(jobs: list[CheckJob], workers: int) -> list[list[int]]:
 
 
 def _spec(index: int, job: CheckJob) -> tuple:
-    return index, job.op.name, job.implementation, job.dtype, job.example, job.gradients
+    return index, job.op.name, job.implementation, job.dtype, job.example, job.gradients, job.precision
 
 
 def _worker(specs: list[tuple], events) -> None:  # pragma: no cover - runs in a child process
@@ -47,13 +48,63 @@ def _worker(specs: list[tuple], events) -> None:  # pragma: no cover - runs in a
     from . import report
 
     ops = registered_ops()
-    for index, name, implementation, dtype, example, gradients in specs:
-        job = CheckJob(ops[name], implementation, dtype, example, gradients)
+    for index, name, implementation, dtype, example, gradients, precision in specs:
+        job = CheckJob(ops[name], implementation, dtype, example, gradients, precision)
         events.put(("start", index))
         t0, c0 = time.perf_counter(), time.process_time()
         result = job.run()
         events.put(("done", index, report.row_of(job, result, time.perf_counter() - t0, time.process_time() - c0)))
     events.put(("cpu", time.process_time()))
+
+
+def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
+    """Run ``jobs`` in ``threads`` threads of this process, yielding events as they come.
+
+    For an accelerator, which one process holds: the checks are compile-bound,
+    XLA compiles outside the GIL, and the device runs what is ready, so on a
+    TPU host's many cores the wall time falls with the thread count. The
+    examples are built first, here, once per op and dtype; then the jobs are
+    dealt to the threads one by one."""
+    import concurrent.futures
+
+    from . import report
+    from .validation import examples_of
+
+    for op, dtype in dict.fromkeys((job.op, job.dtype) for job in jobs):
+        examples_of(op, dtype)
+
+    results: "queue_lib.Queue" = queue_lib.Queue()
+    cpu_start = time.process_time()
+
+    def run(indices: list[int]) -> None:
+        for index in indices:
+            results.put(("start", index, None))
+            t0 = time.perf_counter()
+            try:
+                result = jobs[index].run()
+            except BaseException as e:  # noqa: BLE001 - a crash is a failed row, the other threads go on
+                job = jobs[index]
+                result = CheckResult(job.op.name, job.implementation, job.dtype, "-", False, None,
+                                     detail=f"{type(e).__name__}: {e}"[:300])
+            results.put(("done", index, report.row_of(jobs[index], result, time.perf_counter() - t0)))
+
+    parts = [list(range(i, len(jobs), threads)) for i in range(min(threads, len(jobs)))]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="stellax-check") as pool:
+        futures = [pool.submit(run, part) for part in parts]
+        finished = 0
+        while finished < len(jobs):
+            try:
+                kind, index, row = results.get(timeout=1.0)
+            except queue_lib.Empty:
+                if all(f.done() for f in futures):
+                    break
+                continue
+            if kind == "start":
+                yield "start", jobs[index], None
+            else:
+                finished += 1
+                yield "done", jobs[index], row
+    yield "cpu", None, time.process_time() - cpu_start
 
 
 def events(jobs: list[CheckJob], workers: int) -> Iterator[Event]:
