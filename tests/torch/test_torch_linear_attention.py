@@ -82,9 +82,9 @@ def test_packed_sequences_and_decode_continuation():
 
 def test_gated_delta_rule_opcheck():
     q, k, v, g, beta, s0 = _inputs(b=1, t=6, h=1, hv=2, kd=4, vd=4)
-    torch.library.opcheck(st_la.chunk_gated_delta_rule_op.op, (q, k, v, g, beta, s0, None, None, False, 4, None))
+    torch.library.opcheck(st_la.chunk_gated_delta_rule_op.op, (q, k, v, g, beta, s0, None, None, False, 4, None, None))
     torch.library.opcheck(st_la.fused_recurrent_gated_delta_rule_op.op,
-                          (q, k, v, g, beta, None, None, 0.5, True, 64, None))
+                          (q, k, v, g, beta, None, None, 0.5, True, 64, None, "high"))
 
 
 def test_gated_delta_net_module_matches_a_torch_recurrence_mixer():
@@ -121,7 +121,7 @@ def test_kda_matches_torch_recurrence_and_opcheck():
     torch.testing.assert_close(o1.double(), ro, atol=1e-4, rtol=1e-4)
     for op in (st_la.chunk_kda_op, st_la.fused_recurrent_kda_op):
         torch.library.opcheck(op.op, (q, k, v, g, beta, s0, None, None, None, None, False, 4, None, None, False,
-                                      False))
+                                      False, None))
 
 
 def ssd_recurrence(x, dt, A, B, C, D):
@@ -155,7 +155,7 @@ def test_ssd_matches_torch_recurrence_and_opcheck():
                     torch.autograd.grad((ry * gy.double()).sum(), (x, dt, A, B))):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-4
     torch.library.opcheck(st_la.ssd_op.op, (x, dt, A, B, C, D, None, None, None, None, 4, False,
-                                            [0.0, float("inf")], None))
+                                            [0.0, float("inf")], None, None))
 
 
 def test_ssd_step_continues_the_scan():
@@ -171,4 +171,4 @@ def test_ssd_step_continues_the_scan():
     torch.testing.assert_close(y.double(), ry[:, 5], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(new_state.double(), rstate, atol=1e-4, rtol=1e-4)
     torch.library.opcheck(st_la.ssd_step_op.op, (state, x[:, 5], dt[:, 5], A, B[:, 5], C[:, 5], D, None, None, False,
-                                                 [0.0, float("inf")], None))
+                                                 [0.0, float("inf")], None, None))

@@ -36,11 +36,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..core import checks
+from ..core.precision import resolve_precision
 from ..ops.linear_attention import chunk_gated_delta_rule, chunk_kda
 from .attention import _check_axis, place
 
 F32 = jnp.float32
-_HIGHEST = lax.Precision.HIGHEST
 
 
 def _summarized_run(op, q, k, v, g, beta, op_kwargs):
@@ -56,6 +56,8 @@ def _summarized_run(op, q, k, v, g, beta, op_kwargs):
 
 
 def _body(op, axis, axis_size, op_kwargs, param_names):
+    precision = op_kwargs["precision"]  # resolved: the local op's and the shard combination's
+
     def body(q, k, v, g, beta, s0, params):
         kwargs = dict(op_kwargs)
         kwargs.update({name: p[0] for name, p in zip(param_names, params)})
@@ -65,11 +67,11 @@ def _body(op, axis, axis_size, op_kwargs, param_names):
         state = s0[0].astype(F32)
         starts = [state]
         for j in range(axis_size - 1):
-            state = jnp.einsum("bhij,bhjv->bhiv", ms[j], state, precision=_HIGHEST) + cs[j]
+            state = jnp.einsum("bhij,bhjv->bhiv", ms[j], state, precision=precision) + cs[j]
             starts.append(state)
         s_in = jnp.stack(starts)[lax.axis_index(axis)]  # this shard's incoming state
-        o = o0 + jnp.einsum("bthk,bhkv->bthv", qt, s_in, precision=_HIGHEST)
-        s_out = jnp.einsum("bhij,bhjv->bhiv", m, s_in, precision=_HIGHEST) + c
+        o = o0 + jnp.einsum("bthk,bhkv->bthv", qt, s_in, precision=precision)
+        s_out = jnp.einsum("bhij,bhjv->bhiv", m, s_in, precision=precision) + c
         return o.astype(v.dtype), s_out[None]
 
     return body
@@ -94,6 +96,7 @@ def _context_parallel(op, per_channel, q, k, v, g, beta, *, mesh, axis_name, ini
         raise ValueError("cu_seqlens: packed sequences are not supported by context parallel linear attention "
                          "(shard each sequence on its own, batch dim B)")
     op_kwargs = {key: val for key, val in op_kwargs.items() if key != "cu_seqlens"}
+    op_kwargs["precision"] = resolve_precision(op_kwargs.get("precision"))
     if initial_state is None:
         s0 = jnp.zeros((b, hv, kdim, vdim), F32)
     else:
@@ -115,7 +118,7 @@ def _context_parallel(op, per_channel, q, k, v, g, beta, *, mesh, axis_name, ini
 
 def context_parallel_gated_delta_rule(q, k, v, g, beta, *, mesh, axis_name, scale=None, initial_state=None,
                                       output_final_state=False, use_qk_l2norm=False, chunk_size=64,
-                                      implementation=None, cu_seqlens=None):
+                                      implementation=None, cu_seqlens=None, precision=None):
     """Gated DeltaNet (`stellax.chunk_gated_delta_rule`) with the sequence split over ``axis_name``.
 
     Args: as `stellax.chunk_gated_delta_rule` (``q, k [B, T, H, K]``,
@@ -123,12 +126,14 @@ def context_parallel_gated_delta_rule(q, k, v, g, beta, *, mesh, axis_name, scal
     global arrays whose sequence axis is sharded over ``axis_name`` of
     ``mesh`` (contiguous: no load balancing is needed, the work is even).
     ``T`` must be divisible by the axis size; ``cu_seqlens`` is not supported.
+    ``precision`` (`stellax.core.precision`) applies to the local op and to the
+    combination of the shards' state maps.
 
     Returns ``(o [B, T, HV, V] sharded like v, final_state [B, HV, K, V] float32 or None)``,
     differentiable in every float input.
     """
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, implementation=implementation,
-                  cu_seqlens=cu_seqlens)
+                  cu_seqlens=cu_seqlens, precision=precision)
     return _context_parallel(chunk_gated_delta_rule, False, q, k, v, g, beta, mesh=mesh, axis_name=axis_name,
                              initial_state=initial_state, output_final_state=output_final_state, params={},
                              op_kwargs=kwargs)
@@ -137,13 +142,13 @@ def context_parallel_gated_delta_rule(q, k, v, g, beta, *, mesh, axis_name, scal
 def context_parallel_kda(q, k, v, g, beta, *, mesh, axis_name, scale=None, initial_state=None,
                          output_final_state=False, use_qk_l2norm=False, chunk_size=64, A_log=None, dt_bias=None,
                          lower_bound=None, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                         implementation=None, cu_seqlens=None):
+                         implementation=None, cu_seqlens=None, precision=None):
     """Kimi Delta Attention (`stellax.chunk_kda`, per-channel decay ``g [B, T, HV, K]``)
     with the sequence split over ``axis_name``; see `context_parallel_gated_delta_rule`.
     ``A_log``/``dt_bias`` (the fused gate's parameters) are replicated and differentiable."""
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, implementation=implementation,
                   cu_seqlens=cu_seqlens, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, precision=precision)
     return _context_parallel(chunk_kda, True, q, k, v, g, beta, mesh=mesh, axis_name=axis_name,
                              initial_state=initial_state, output_final_state=output_final_state,
                              params={"A_log": A_log, "dt_bias": dt_bias}, op_kwargs=kwargs)

@@ -16,7 +16,7 @@ from torch import nn
 import stellax
 
 from . import norm as _norm
-from .options import int32, opt_float
+from .options import int32, opt_float, precision_name
 from .registry import define_op
 
 
@@ -25,10 +25,10 @@ def _gdn(fn_name):
 
     def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
             cu_seqlens: Array | None, *, scale: float | None, use_qk_l2norm: bool, chunk_size: int,
-            implementation: str | None) -> tuple[Array, Array]:
+            implementation: str | None, precision: str | None) -> tuple[Array, Array]:
         return tuple(fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                         use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                        implementation=implementation))
+                        implementation=implementation, precision=precision))
     return run
 
 
@@ -38,33 +38,34 @@ fused_recurrent_gated_delta_rule_op = define_op("fused_recurrent_gated_delta_rul
 
 
 def _call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
-          implementation):
+          implementation, precision=None):
     o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens, "cu_seqlens"), opt_float(scale), bool(use_qk_l2norm),
-                  int(chunk_size), implementation)
+                  int(chunk_size), implementation, precision_name(precision))
     return o, (state if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm=False, cu_seqlens=None, chunk_size=64, implementation=None,
-                           use_qk_l2norm_in_kernel=None):
+                           use_qk_l2norm_in_kernel=None, precision=None):
     """Gated DeltaNet, chunked (training / prefill): per value head, with state
     ``S [K, V]``: ``S ← exp(g_t)·S``, ``S ← S + k_t ⊗ β_t (v_t − Sᵀk_t)``,
     ``o_t = Sᵀ(scale·q_t)``. Returns ``(o [B, T, HV, V], final_state or None)``.
-    Differentiable in q, k, v, g, beta and initial_state."""
+    Differentiable in q, k, v, g, beta and initial_state. ``precision``: ``None``
+    or a `jax.lax.Precision` (name) of the float32 contractions (`stellax.core.precision`)."""
     if use_qk_l2norm_in_kernel is not None:
         use_qk_l2norm = use_qk_l2norm_in_kernel
     return _call(chunk_gated_delta_rule_op, q, k, v, g, beta, scale, initial_state, output_final_state,
-                 use_qk_l2norm, cu_seqlens, chunk_size, implementation)
+                 use_qk_l2norm, cu_seqlens, chunk_size, implementation, precision)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                      use_qk_l2norm=False, cu_seqlens=None, implementation=None,
-                                     use_qk_l2norm_in_kernel=None):
+                                     use_qk_l2norm_in_kernel=None, precision=None):
     """Gated DeltaNet token by token (decode); as `chunk_gated_delta_rule`."""
     if use_qk_l2norm_in_kernel is not None:
         use_qk_l2norm = use_qk_l2norm_in_kernel
     return _call(fused_recurrent_gated_delta_rule_op, q, k, v, g, beta, scale, initial_state, output_final_state,
-                 use_qk_l2norm, cu_seqlens, 64, implementation)
+                 use_qk_l2norm, cu_seqlens, 64, implementation, precision)
 
 
 # -- Kimi Delta Attention (per-channel decay) -------------------------------------------------
@@ -74,11 +75,12 @@ def _kda(fn_name):
     def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
             cu_seqlens: Array | None, A_log: Array | None, dt_bias: Array | None, *, scale: float | None,
             use_qk_l2norm: bool, chunk_size: int, implementation: str | None, lower_bound: float | None,
-            use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool) -> tuple[Array, Array]:
+            use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, precision: str | None) -> tuple[Array, Array]:
         return tuple(fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                         use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens, chunk_size=chunk_size, A_log=A_log,
                         dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, implementation=implementation))
+                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, implementation=implementation,
+                        precision=precision))
     return run
 
 
@@ -87,46 +89,50 @@ fused_recurrent_kda_op = define_op("fused_recurrent_kda", _kda("fused_recurrent_
 
 
 def _kda_call(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, chunk_size,
-              A_log, dt_bias, lower_bound, use_gate_in_kernel, use_beta_sigmoid_in_kernel, implementation):
+              A_log, dt_bias, lower_bound, use_gate_in_kernel, use_beta_sigmoid_in_kernel, implementation,
+              precision=None):
     o, state = op(q, k, v, g, beta, initial_state, int32(cu_seqlens, "cu_seqlens"), A_log, dt_bias, opt_float(scale),
                   bool(use_qk_l2norm), int(chunk_size), implementation, opt_float(lower_bound),
-                  bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel))
+                  bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), precision_name(precision))
     return o, (state if output_final_state else None)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
               cu_seqlens=None, chunk_size=64, A_log=None, dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
-              use_beta_sigmoid_in_kernel=False, implementation=None, use_qk_l2norm_in_kernel=None):
+              use_beta_sigmoid_in_kernel=False, implementation=None, use_qk_l2norm_in_kernel=None, precision=None):
     """Kimi Delta Attention, chunked: `chunk_gated_delta_rule` with a
     per-channel decay ``g [B, T, HV, K]`` (``S ← diag(exp(g_t))·S``); with
     ``use_gate_in_kernel`` the decay is computed from raw ``g`` with ``A_log``
-    / ``dt_bias`` as in Kimi Linear. Returns ``(o, final_state or None)``."""
+    / ``dt_bias`` as in Kimi Linear. Returns ``(o, final_state or None)``.
+    ``precision`` as in `chunk_gated_delta_rule`."""
     if use_qk_l2norm_in_kernel is not None:
         use_qk_l2norm = use_qk_l2norm_in_kernel
     return _kda_call(chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
                      cu_seqlens, chunk_size, A_log, dt_bias, lower_bound, use_gate_in_kernel,
-                     use_beta_sigmoid_in_kernel, implementation)
+                     use_beta_sigmoid_in_kernel, implementation, precision)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                         use_qk_l2norm=False, cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None,
                         use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, implementation=None,
-                        use_qk_l2norm_in_kernel=None):
+                        use_qk_l2norm_in_kernel=None, precision=None):
     """Kimi Delta Attention token by token (decode); as `chunk_kda`."""
     if use_qk_l2norm_in_kernel is not None:
         use_qk_l2norm = use_qk_l2norm_in_kernel
     return _kda_call(fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
                      use_qk_l2norm, cu_seqlens, 64, A_log, dt_bias, lower_bound, use_gate_in_kernel,
-                     use_beta_sigmoid_in_kernel, implementation)
+                     use_beta_sigmoid_in_kernel, implementation, precision)
 
 
 # -- Mamba2 SSD --------------------------------------------------------------------------------
 def _ssd(x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, z: Array | None,
          dt_bias: Array | None, initial_states: Array | None, cu_seqlens: Array | None, *, chunk_size: int,
-         dt_softplus: bool, dt_limit: list[float], implementation: str | None) -> tuple[Array, Array]:
+         dt_softplus: bool, dt_limit: list[float], implementation: str | None,
+         precision: str | None) -> tuple[Array, Array]:
     return tuple(stellax.ssd(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                              dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), initial_states=initial_states,
-                             cu_seqlens=cu_seqlens, return_final_states=True, implementation=implementation))
+                             cu_seqlens=cu_seqlens, return_final_states=True, implementation=implementation,
+                             precision=precision))
 
 
 ssd_op = define_op("ssd", _ssd)
@@ -134,32 +140,35 @@ ssd_op = define_op("ssd", _ssd)
 
 def ssd(x, dt, A, B, C, *, chunk_size=256, D=None, z=None, dt_bias=None, dt_softplus=False,
         dt_limit=(0.0, float("inf")), initial_states=None, cu_seqlens=None, return_final_states=False,
-        implementation=None):
+        implementation=None, precision=None):
     """Mamba2 SSD scan (``mamba_chunk_scan_combined``): ``x [B, T, H, P]``,
     ``dt [B, T, H]``, ``A [H]``, ``B``/``C [B, T, G, N]``; returns ``y`` or
-    ``(y, final_states [N_seq, H, P, N])``. Differentiable in every float input."""
+    ``(y, final_states [N_seq, H, P, N])``. Differentiable in every float input.
+    ``precision``: ``None`` or a `jax.lax.Precision` (name) of the float32
+    contractions (`stellax.core.precision`)."""
     y, state = ssd_op(x, dt, A, B, C, D, z, dt_bias, initial_states, int32(cu_seqlens, "cu_seqlens"), int(chunk_size),
-                      bool(dt_softplus), [float(dt_limit[0]), float(dt_limit[1])], implementation)
+                      bool(dt_softplus), [float(dt_limit[0]), float(dt_limit[1])], implementation,
+                      precision_name(precision))
     return (y, state) if return_final_states else y
 
 
 def _ssd_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array | None, z: Array | None,
               dt_bias: Array | None, *, dt_softplus: bool, dt_limit: list[float],
-              implementation: str | None) -> tuple[Array, Array]:
+              implementation: str | None, precision: str | None) -> tuple[Array, Array]:
     return tuple(stellax.ssd_step(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                  dt_limit=tuple(dt_limit), implementation=implementation))
+                                  dt_limit=tuple(dt_limit), implementation=implementation, precision=precision))
 
 
 ssd_step_op = define_op("ssd_step", _ssd_step)
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
-             dt_limit=(0.0, float("inf")), implementation=None):
+             dt_limit=(0.0, float("inf")), implementation=None, precision=None):
     """One Mamba2 decode step (``selective_state_update``): ``state [B, H, P, N]``,
     ``x [B, H, P]``, ``dt [B, H]``, ``B``/``C [B, G, N]``; returns
-    ``(y [B, H, P], new_state)``."""
+    ``(y [B, H, P], new_state)``; ``precision`` as in `ssd`."""
     return ssd_step_op(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus),
-                       [float(dt_limit[0]), float(dt_limit[1])], implementation)
+                       [float(dt_limit[0]), float(dt_limit[1])], implementation, precision_name(precision))
 
 
 class _ShortConv(nn.Module):

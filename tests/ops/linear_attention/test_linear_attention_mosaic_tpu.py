@@ -21,6 +21,7 @@ from stellax.ops.linear_attention.tpu_configs import (TpuLinearAttentionConfig, 
                                                       linear_attention_tpu_requirements, linear_attention_tpu_space)
 from stellax.core import Call
 from stellax.testing import assert_close
+from stellax.testing.numerics import compare, golden
 
 from la_helpers import check_against_golden
 
@@ -205,3 +206,21 @@ def test_backward_op_dense_chunks_of_128(op, per_channel):
     want = op.reference(*args)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert_close(a, b, dtype=F32, gradient=True, name=name)
+
+
+# -- the float32 contract (`stellax.core.precision`) reaches the kernel ------------------------
+def test_precision_reaches_the_kernel():
+    """float32 GDN on the Mosaic TPU kernel (interpreted): ``precision="default"``
+    runs its matmuls as one bfloat16 pass (a bfloat16-sized error against the
+    golden), ``"high"`` as three (float32-like)."""
+    q, k, v, g, beta, h0 = make_inputs(jax.random.PRNGKey(5), 1, 40, 1, 1, 16, 16)
+    args = (q, k, v, g, beta)
+    ref, ref_final = golden(chunk_gated_delta_rule_op.reference, *args, initial_state=h0, output_final_state=True)
+    errors = {}
+    with stellax.interpret_mode():
+        for precision in ("default", "high"):
+            o, final = chunk_gated_delta_rule_op(*args, initial_state=h0, output_final_state=True,
+                                                 implementation="mosaic_tpu", precision=precision)
+            errors[precision] = max(compare(o, ref).rel_l2, compare(final, ref_final).rel_l2)
+    assert 1e-4 < errors["default"] < 3e-2, errors
+    assert errors["high"] < 1e-4, errors

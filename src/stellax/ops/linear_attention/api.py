@@ -16,6 +16,7 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32
+from ...core.precision import resolve_precision
 from . import checks as la_checks
 from . import mosaic_tpu_decode
 from .decode_examples import recurrent_benchmarks, recurrent_examples
@@ -33,7 +34,7 @@ from .tpu_decode_configs import (FusedRecurrentTpuConfig, fused_recurrent_tpu_he
 # -- argument checks -----------------------------------------------------------
 def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
            cu_seqlens=None, chunk_size=None, per_channel: bool, A_log=None, dt_bias=None, lower_bound=None,
-           use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False) -> Call:
+           use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, precision=None) -> Call:
     q = checks.require_float("q", q)
     checks.require_ndim("q", q, 4)
     B, T, H, K = q.shape
@@ -64,6 +65,7 @@ def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_sta
         "output_final_state": la_checks.require_bool("output_final_state", output_final_state),
         "use_qk_l2norm": la_checks.require_bool("use_qk_l2norm", use_qk_l2norm),
         "chunk_size": la_checks.check_chunk_size(chunk_size),
+        "precision": resolve_precision(precision),
     }
     if per_channel:
         use_gate = la_checks.require_bool("use_gate_in_kernel", use_gate_in_kernel)
@@ -144,7 +146,7 @@ def _chunked_runner(backend: str, per_channel: bool):
         tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
         chunk = la_checks.xla_chunk(call.chunk_size, per_channel)
         o, final = recurrence(backend, tokens, _preparer(call), _initial(call), call.cu_seqlens,
-                              per_channel=per_channel, chunk_size=chunk, config=config)
+                              per_channel=per_channel, chunk_size=chunk, config=config, precision=call.precision)
         return o.astype(call.v.dtype), (final if call.output_final_state else None)
     return run
 
@@ -153,7 +155,7 @@ def _recurrent_xla(call: Call, config):
     del config
     q, k, g, beta = prepare_delta_inputs(call)
     o, final = delta_rule_recurrence(q, k, call.v, g, beta, scale=call.scale, initial_state=_initial(call),
-                                     cu_seqlens=call.cu_seqlens)
+                                     cu_seqlens=call.cu_seqlens, precision=call.precision)
     return o.astype(call.v.dtype), (final if call.output_final_state else None)
 
 
@@ -214,7 +216,7 @@ def _l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm=False, cu_seqlens=None, chunk_size=None, implementation=None, config=None,
-                           use_qk_l2norm_in_kernel=None):
+                           use_qk_l2norm_in_kernel=None, precision=None):
     """Gated DeltaNet, chunked (training and prefill).
 
     Per value head, with state ``S [K, V]`` (the recurrence, token by token):
@@ -238,30 +240,35 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
         The Triton kernels always use 64.
       implementation: ``None`` (best available), ``"triton"``, ``"xla"`` or a sequence.
       config: a `LinearAttentionConfig` for the Triton kernels.
+      precision: of the float32 contractions, forward and backward: ``None``
+        (``"highest"`` unless `jax.default_matmul_precision` says otherwise),
+        ``"default"``, ``"high"``, ``"highest"`` or a `jax.lax.Precision`
+        (what each means per backend: `stellax.core.precision`).
 
     Returns ``(o [B, T, HV, V] in v.dtype, final_state or None)``.
     """
     return chunk_gated_delta_rule_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, implementation=implementation, config=config)
+        chunk_size=chunk_size, implementation=implementation, config=config, precision=precision)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                      use_qk_l2norm=False, cu_seqlens=None, chunk_size=None, implementation=None,
-                                     config=None, use_qk_l2norm_in_kernel=None):
+                                     config=None, use_qk_l2norm_in_kernel=None, precision=None):
     """Gated DeltaNet token by token — the decode path (one or a few tokens per
     step, state in and out). Same arguments and results as `chunk_gated_delta_rule`
     (``chunk_size`` is ignored)."""
     return fused_recurrent_gated_delta_rule_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, implementation=implementation, config=config)
+        chunk_size=chunk_size, implementation=implementation, config=config, precision=precision)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
               cu_seqlens=None, chunk_size=None, A_log=None, dt_bias=None, lower_bound=None, use_gate_in_kernel=False,
-              use_beta_sigmoid_in_kernel=False, implementation=None, config=None, use_qk_l2norm_in_kernel=None):
+              use_beta_sigmoid_in_kernel=False, implementation=None, config=None, use_qk_l2norm_in_kernel=None,
+              precision=None):
     """Kimi Delta Attention, chunked: `chunk_gated_delta_rule` with a
     per-channel decay ``S ← diag(exp(g_t))·S``, ``g [B, T, HV, K]``.
 
@@ -278,17 +285,17 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        implementation=implementation, config=config)
+        implementation=implementation, config=config, precision=precision)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                         use_qk_l2norm=False, cu_seqlens=None, chunk_size=None, A_log=None, dt_bias=None,
                         lower_bound=None, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                        implementation=None, config=None, use_qk_l2norm_in_kernel=None):
+                        implementation=None, config=None, use_qk_l2norm_in_kernel=None, precision=None):
     """Kimi Delta Attention token by token (decode); arguments as `chunk_kda`."""
     return fused_recurrent_kda_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
         chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        implementation=implementation, config=config)
+        implementation=implementation, config=config, precision=precision)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32, HIGHEST, pad_axis
+from ...core.precision import resolve_precision
 from . import xla
 from .configs import (TRITON_CHUNK, LinearAttentionConfig, linear_attention_heuristic, linear_attention_space,
                       triton_requirements)
@@ -86,25 +87,27 @@ def gdn_triton_backward(call: Call, config: LinearAttentionConfig):
     # The kernels load q, k, v, h0 in any float dtype; the decays go into
     # float32 dots with 0/1 matrices, so g and β are float32 here.
     gf, bf = g.astype(F32), None if beta is None else beta.astype(F32)
-    w, states, delta, _ = gdn_states(k, v, gf, bf, h0, meta, config)  # recomputed, not stored
+    precision = call.precision
+    w, states, delta, _ = gdn_states(k, v, gf, bf, h0, meta, config, precision=precision)  # recomputed, not stored
     dfinal = _dfinal(call)
     do = flat(call.do.astype(F32))
     d_states, d_delta, dh0 = gdn_state_backward(flat(q), flat(k), flat(gf), w, do, flat(dfinal), meta,
-                                                chunk=TRITON_CHUNK, heads=g.shape[1], config=config)
+                                                chunk=TRITON_CHUNK, heads=g.shape[1], config=config,
+                                                precision=precision)
     grads = gdn_intra_backward(flat(q), flat(k), flat(v), flat(gf), flat(bf), states, delta, d_states, d_delta, do,
-                               chunk=TRITON_CHUNK, config=config)
+                               chunk=TRITON_CHUNK, config=config, precision=precision)
     grads = [None if d is None else d.reshape(x.shape).astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))]
     return tuple(grads) + (_pass_empty_sequences(call, dh0.reshape(h0.shape), dfinal),)
 
 
 # -- Triton: per-channel decays -------------------------------------------------------------
-def factor_cotangents(states, delta, d_delta, d_states, do):
+def factor_cotangents(states, delta, d_delta, d_states, do, precision=HIGHEST):
     """Cotangents of KDA's per-chunk factors (``gamma [.., K, 1]`` per channel)
     from the scans (all ``[..., NT, ...]``): ``O = qg S + P Δ``,
     ``Δ = U − W S``, ``S' = diag(γ) S + kgᵀ Δ`` give ``d qg = dO Sᵀ``,
     ``dP = lower(dO Δᵀ)``, ``dU = dΔ``, ``dW = −dΔ Sᵀ``, ``d kg = Δ dS'ᵀ`` and
-    ``dγ = Σ_v S ⊙ dS'``."""
-    ein = functools.partial(jnp.einsum, precision=HIGHEST)
+    ``dγ = Σ_v S ⊙ dS'`` (``precision`` of the contractions)."""
+    ein = functools.partial(jnp.einsum, precision=precision)
     c = do.shape[-2]
     lower = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
     return {
@@ -126,19 +129,20 @@ def kda_triton_backward(call: Call, config: LinearAttentionConfig):
     bs, hv, tp = beta.shape
     f32 = [x.astype(F32) for x in (q, k, v, g, beta, h0)]
     # The forward's factors and states, recomputed (not stored by the forward).
-    factors, states, delta, _ = kda_factors(*f32, meta, config, with_solve=True)
+    precision = call.precision
+    factors, states, delta, _ = kda_factors(*f32, meta, config, with_solve=True, precision=precision)
     dfinal = _dfinal(call)
     do = flat(call.do.astype(F32))
     d_states, d_delta, dh0 = kda_state_backward(factors["P"], factors["qg"], factors["kg"], factors["W"],
                                                 factors["gamma"], do, flat(dfinal), meta,
-                                                chunk=TRITON_CHUNK, heads=hv, config=config)
+                                                chunk=TRITON_CHUNK, heads=hv, config=config, precision=precision)
     nt = tp // TRITON_CHUNK
     chunked = lambda x: x.reshape((bs * hv, nt, TRITON_CHUNK) + x.shape[2:])
-    cot = factor_cotangents(states, chunked(delta), chunked(d_delta), d_states, chunked(do))
+    cot = factor_cotangents(states, chunked(delta), chunked(d_delta), d_states, chunked(do), precision)
     cot = {name: x.reshape((bs * hv, nt, -1) if name == "gamma" else (bs * hv, tp, x.shape[-1]))
            for name, x in cot.items()}
     grads = kda_intra_backward(*(flat(x) for x in f32[:5]), factors["T"], factors["Sk"], factors["U"],
-                               factors["W"], cot, chunk=TRITON_CHUNK, config=config)
+                               factors["W"], cot, chunk=TRITON_CHUNK, config=config, precision=precision)
     grads = [d.reshape(x.shape).astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))]
     dh0 = _pass_empty_sequences(call, dh0.reshape(h0.shape), dfinal)
     return tuple(grads) + (dh0.astype(h0.dtype),)
@@ -160,7 +164,8 @@ def tpu_backward(per_channel: bool):
         grads = recurrence_backward(flat(pad(q, kp)), flat(pad(k, kp)), flat(pad(v, vp)), flat(gp),
                                     flat(None if beta is None else beta.astype(F32)), flat(state(h0)),
                                     flat(pad(call.do, vp)), flat(state(call.dfinal)), _meta(call),
-                                    heads=v.shape[1], per_channel=per_channel, config=config)
+                                    heads=v.shape[1], per_channel=per_channel, config=config,
+                                    precision=call.precision)
         dq, dk, dv, dg, dbeta, dh0 = grads
         out = [dq.reshape(q.shape[:3] + (kp,))[..., :kdim], dk.reshape(k.shape[:3] + (kp,))[..., :kdim],
                dv.reshape(v.shape[:3] + (vp,))[..., :vdim],
@@ -180,7 +185,7 @@ def _forward_xla(call: Call, q, k, v, g, beta, h0):
     # [Bs, HV, NT, C, ...] → [NT, Bs, C, HV, ...]
     to_scan = lambda x: None if x is None else jnp.moveaxis(jnp.moveaxis(per_chunk(x, TRITON_CHUNK), 2, 0), 2, 3)
     o, final = xla.scan_chunks({"q": to_scan(q), "k": to_scan(k), "v": to_scan(v), "g": to_scan(g),
-                                "beta": to_scan(beta)}, h0, stream)
+                                "beta": to_scan(beta)}, h0, stream, precision=call.precision)
     return jnp.moveaxis(jnp.moveaxis(o, 3, 2), 0, 2).reshape(v.shape), final
 
 
@@ -238,12 +243,13 @@ def backward_checker(per_channel: bool):
     ``v, do [Bs, HV, Tp, V]``, ``g [Bs, HV, Tp]`` (``[Bs, HV, Tp, K]`` with
     ``per_channel``), ``beta [Bs, HV, Tp]`` (required with ``per_channel``,
     else optional), ``h0`` and optional ``dfinal [N, HV, K, V]``, optional int
-    ``first, seq, last [NT]`` (``Tp`` a multiple of the chunk, 64)."""
+    ``first, seq, last [NT]`` (``Tp`` a multiple of the chunk, 64), and the
+    forward's ``precision`` (`stellax.core.precision`; ``None``: ``"highest"``)."""
     return functools.partial(_check_backward, per_channel=per_channel)
 
 
 def _check_backward(q, k, v, g, beta, h0, do, dfinal=None, first=None, seq=None, last=None, *,
-                    per_channel: bool) -> Call:
+                    per_channel: bool, precision=None) -> Call:
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("h0", h0), ("do", do)):
         checks.require_float(name, x)
     if per_channel and beta is None:
@@ -272,7 +278,7 @@ def _check_backward(q, k, v, g, beta, h0, do, dfinal=None, first=None, seq=None,
             checks.require_int(name, x)
             checks.require_shape(name, x, (tp // TRITON_CHUNK,), "the number of chunks")
     return Call({"q": q, "k": k, "v": v, "g": g, "beta": beta, "h0": h0, "do": do, "dfinal": dfinal,
-                 "first": first, "seq": seq, "last": last}, {})
+                 "first": first, "seq": seq, "last": last}, {"precision": resolve_precision(precision)})
 
 
 def recurrence_backward_op(name: str, triton_backward, *, per_channel: bool) -> Op:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core.pallas import F32, HIGHEST, dot, square_iota
+from ...core.pallas import F32, HIGHEST, square_iota
+from .mxu import tile_dot
 
 
 # -- batched (XLA) ------------------------------------------------------------------
@@ -93,12 +94,12 @@ def block_pair_spans(blocks, a: int, c: int):
     return blocks[a][1][:, None] + between[None, :]
 
 
-def span_sum(mask, g, *, precision=HIGHEST):
+def span_sum(mask, g, *, precision=HIGHEST, mxu: bool = False):
     """``Σ_t mask[i, t] g_t`` for a 0/1 ``mask [C, C]`` and per-channel ``g [C, K]``:
     a direct sum over each row's span (same-sign terms), ``[C, K]``: exact products
     at `HIGHEST`; at `TF32X3` (tensor cores; the mask is exact in TF32) each ``g_t``
-    carries a relative error below 2⁻²⁰."""
-    return dot(mask.astype(F32), g, precision=precision)
+    carries a relative error below 2⁻²⁰; ``mxu``: inside a Mosaic TPU kernel (`mxu.tile_dot`)."""
+    return tile_dot(mask.astype(F32), g, precision=precision, mxu=mxu)
 
 
 def masked_decay(spans, mask):

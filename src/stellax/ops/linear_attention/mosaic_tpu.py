@@ -39,7 +39,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import F32, dot, dot_nt, dot_tn, operand, output, square_iota, tpu_kernel_call
+from ...core.pallas import F32, HIGHEST, operand, output, square_iota, tpu_kernel_call
+from .mxu import mxu_matmul
 from .scores import channel_scores
 from .solve import unit_lower_inverse
 from .tpu_configs import TpuLinearAttentionConfig, tpu_vmem_limit
@@ -51,67 +52,81 @@ def dense_meta(chunks: int):
     return tuple(jnp.asarray(x, jnp.int32) for x in (c == 0, np.zeros(chunks), c == chunks - 1))
 
 
-def scalar_spans(g_col, g_row, chunk: int):
+def _dot(a, b, precision):
+    return mxu_matmul(a, b, "nn", precision)
+
+
+def _dot_nt(a, b, precision):
+    return mxu_matmul(a, b, "nt", precision)
+
+
+def _dot_tn(a, b, precision):
+    return mxu_matmul(a, b, "tn", precision)
+
+
+def scalar_spans(g_col, g_row, chunk: int, precision=HIGHEST):
     """Span sums of one chunk's scalar log decays, from ``g`` as a column
     ``[C, 1]`` and as a row ``[1, C]``: ``(D [C, C], G [C, 1], tail [C, 1],
     total [1, 1])`` with ``D_ij = Σ_{j<t≤i} g_t`` (a matmul with a 0/1 mask),
     ``G_i = Σ_{t≤i} g_t``, ``tail_j = Σ_{t>j} g_t`` (lane sums) and ``total = Σ_t g_t``."""
     rows, cols = square_iota(chunk)
     later = jnp.where(rows > cols, g_col, 0.0)  # [t, j]: g_t for t > j
-    spans = dot((rows >= cols).astype(F32), later)
+    spans = _dot((rows >= cols).astype(F32), later, precision)
     prefix = jnp.sum(jnp.where(cols <= rows, g_row, 0.0), axis=1, keepdims=True)
     tail = jnp.sum(jnp.where(cols > rows, g_row, 0.0), axis=1, keepdims=True)
     return spans, prefix, tail, jnp.sum(g_row, axis=1, keepdims=True)
 
 
-def _delta_rule(kk_scores, beta, v, chunk: int):
+def _delta_rule(kk_scores, beta, v, chunk: int, precision):
     """``(U, T)`` of the delta rule: ``T = (I + β ⊙ strictly_lower(S_k))⁻¹``, ``U = T (β V)``."""
     rows, cols = square_iota(chunk)
     a = jnp.where(rows > cols, kk_scores, 0.0) * beta
-    t = unit_lower_inverse(a, rows, cols, chunk)
-    return dot(t, beta * v), t
+    t = unit_lower_inverse(a, rows, cols, chunk, precision=precision, mxu=True)
+    return _dot(t, beta * v, precision), t
 
 
-def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int):
+def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int, precision=HIGHEST):
     """One chunk of the scalar-decay recurrence, a pure function of its tiles
     (the forward kernel runs it, the backward kernel differentiates it):
     ``(O [C, BV], S' [K, BV])`` from ``q, k [C, K]``, ``v [C, BV]``, the decays
     as ``g_col [C, 1]`` and ``g_row [1, C]`` (the same values), ``beta [C, 1]``
-    or ``None`` (SSD: ``Δ = V``) and the chunk's initial state ``s [K, BV]``."""
-    spans, prefix, tail, total = scalar_spans(g_col, g_row, chunk)
+    or ``None`` (SSD: ``Δ = V``) and the chunk's initial state ``s [K, BV]``; every
+    matmul at the resolved ``precision`` (`mxu.mxu_matmul`)."""
+    spans, prefix, tail, total = scalar_spans(g_col, g_row, chunk, precision)
     rows, cols = square_iota(chunk)
     decay = jnp.exp(jnp.where(rows >= cols, spans, -jnp.inf))
     gate = jnp.exp(prefix)
     if beta is None:
         delta = v
     else:
-        u, t = _delta_rule(dot_nt(k, k) * decay, beta, v, chunk)
-        delta = u - dot(dot(t, beta * gate * k), s)
-    o = dot(q * gate, s) + dot(dot_nt(q, k) * decay, delta)
-    return o, jnp.exp(total) * s + dot_tn(k * jnp.exp(tail), delta)
+        u, t = _delta_rule(_dot_nt(k, k, precision) * decay, beta, v, chunk, precision)
+        delta = u - _dot(_dot(t, beta * gate * k, precision), s, precision)
+    o = _dot(q * gate, s, precision) + _dot(_dot_nt(q, k, precision) * decay, delta, precision)
+    return o, jnp.exp(total) * s + _dot_tn(k * jnp.exp(tail), delta, precision)
 
 
-def channel_chunk(q, k, v, g, beta, s, *, chunk: int):
+def channel_chunk(q, k, v, g, beta, s, *, chunk: int, precision=HIGHEST):
     """One chunk of the per-channel (KDA) recurrence, as `scalar_chunk` with
     ``g [C, K]`` (``beta [C, 1]``)."""
     rows, cols = square_iota(chunk)
-    prefix = dot((rows >= cols).astype(F32), g)  # Σ_{t≤i} g_t per channel
-    tail = dot((cols > rows).astype(F32), g)     # Σ_{t>j} g_t per channel
+    prefix = _dot((rows >= cols).astype(F32), g, precision)  # Σ_{t≤i} g_t per channel
+    tail = _dot((cols > rows).astype(F32), g, precision)     # Σ_{t>j} g_t per channel
     gate = jnp.exp(prefix)
-    pq, pk = channel_scores(q, k, g, chunk, unrolled=True)
-    u, t = _delta_rule(pk, beta, v, chunk)
-    delta = u - dot(dot(t, beta * gate * k), s)
-    o = dot(q * gate, s) + dot(pq, delta)
+    pq, pk = channel_scores(q, k, g, chunk, unrolled=True, precision=precision, mxu=True)
+    u, t = _delta_rule(pk, beta, v, chunk, precision)
+    delta = u - _dot(_dot(t, beta * gate * k, precision), s, precision)
+    o = _dot(q * gate, s, precision) + _dot(pq, delta, precision)
     # Γ_C per channel as a column [K, 1]: Σ_t g_tk by a matmul with ones (lanes all equal).
-    gamma = jnp.exp(dot_tn(g, jnp.ones((chunk, 128), F32))[:, :1])
-    return o, gamma * s + dot_tn(k * jnp.exp(tail), delta)
+    gamma = jnp.exp(_dot_tn(g, jnp.ones((chunk, 128), F32), precision)[:, :1])
+    return o, gamma * s + _dot_tn(k * jnp.exp(tail), delta, precision)
 
 
 def _load(ref):
     return None if ref is None else ref[...]
 
 
-def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, states, state, chunk, per_channel):
+def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, states, state, chunk, per_channel,
+                    precision):
     """One chunk: reset the state at a sequence's first chunk, store the
     chunk-initial state (``states``, for the backward), run the chunk, write
     the final state at a sequence's last chunk."""
@@ -126,9 +141,10 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     if states is not None:
         states[...] = s
     if per_channel:
-        out, new = channel_chunk(q[...], k[...], v[...], g[...], beta[...], s, chunk=chunk)
+        out, new = channel_chunk(q[...], k[...], v[...], g[...], beta[...], s, chunk=chunk, precision=precision)
     else:
-        out, new = scalar_chunk(q[...], k[...], v[...], g[...], g_row[...], _load(beta), s, chunk=chunk)
+        out, new = scalar_chunk(q[...], k[...], v[...], g[...], g_row[...], _load(beta), s, chunk=chunk,
+                                precision=precision)
     if o is not None:
         o[...] = out.astype(o.dtype)
     state[...] = new
@@ -196,7 +212,7 @@ def decay_operands(g, specs: Specs, per_channel: bool, name: str = "g"):
 
 
 def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: bool,
-                       config: TpuLinearAttentionConfig, with_states: bool = False):
+                       config: TpuLinearAttentionConfig, with_states: bool = False, precision=HIGHEST):
     """The chunked recurrence on the kernels' layout (module docstring), float32.
 
     Args:
@@ -207,6 +223,8 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
       h0: ``[N·HV, Kp, Vp]`` initial states; meta: ``None`` (dense) or int32
         ``(first, seq, last) [NT]`` of a packed row (``BH = HV``).
       heads: ``HV``.
+      precision: a resolved `jax.lax.Precision` of every matmul (`stellax.core.precision`:
+        ``DEFAULT`` one bfloat16 pass, ``HIGH`` three, ``HIGHEST`` float32).
       with_states: return each chunk's initial state ``[BH, NT, Kp, Vp]`` instead
         of ``o`` (what the backward needs; ``o`` would take HBM for nothing).
     Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])`` (``(states, final)``); the
@@ -226,7 +244,7 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
               "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
               "h0": operand(h0, specs.state), **decay_operands(g, specs, per_channel)}
     outs = tpu_kernel_call(
-        functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel),
+        functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, precision=precision),
         grid=(bh, vp // bv, nt),
         inputs=inputs,
         outputs={"o": None if with_states else output((bh, tp, vp), F32, specs.cols),

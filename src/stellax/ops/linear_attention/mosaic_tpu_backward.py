@@ -33,13 +33,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import F32, operand, output, tpu_kernel_call
+from ...core.pallas import F32, HIGHEST, operand, output, tpu_kernel_call
 from .mosaic_tpu import Specs, channel_chunk, check_layout, decay_operands, dense_meta, recurrence_forward, scalar_chunk
 from .tpu_configs import TpuLinearAttentionConfig, tpu_vmem_limit
 
 
 def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
-                     dbeta, dh0, dstate, chunk, chunks, per_channel):
+                     dbeta, dh0, dstate, chunk, chunks, per_channel, precision):
     """One chunk, walked in reverse (module docstring)."""
     del seq
     rc = chunks - 1 - pl.program_id(2)
@@ -54,11 +54,11 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
 
     if per_channel:
         tiles = (q[...], k[...], v[...], g[...], beta[...], states[...])
-        f = functools.partial(channel_chunk, chunk=chunk)
+        f = functools.partial(channel_chunk, chunk=chunk, precision=precision)
     else:
         b = None if beta is None else beta[...]
         tiles = (q[...], k[...], v[...], g[...], g_row[...], b, states[...])
-        f = functools.partial(scalar_chunk, chunk=chunk)
+        f = functools.partial(scalar_chunk, chunk=chunk, precision=precision)
     _, vjp = jax.vjp(f, *tiles)
     grads = vjp((do[...], dstate[...]))
     if per_channel:
@@ -81,18 +81,19 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
 
 
 def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, per_channel: bool,
-                        config: TpuLinearAttentionConfig):
+                        config: TpuLinearAttentionConfig, precision=HIGHEST):
     """The gradients of `mosaic_tpu.recurrence_forward` (same layout and arguments;
     ``do [BH, Tp, Vp]``, ``dfinal [N·HV, Kp, Vp]`` or ``None``), float32:
     ``(dq, dk, dv, dg, dβ or None, dh0)`` shaped as their primals. ``dh0`` of a
-    packed sequence with no chunk is left unwritten (the caller passes ``dfinal``)."""
+    packed sequence with no chunk is left unwritten (the caller passes ``dfinal``). ``precision``:
+    the forward's (a resolved `jax.lax.Precision`), of every matmul, forward and transposed."""
     bh, tp, kp = k.shape
     vp = v.shape[-1]
     chunk, bv = config.chunk, min(config.block_v, vp)
     check_layout(k, v, chunk, bv)
     nt, nv = tp // chunk, vp // bv
     states, _ = recurrence_forward(q, k, v, g, beta, h0, meta, heads=heads, per_channel=per_channel,
-                                      config=config, with_states=True)
+                                      config=config, with_states=True, precision=precision)
     first, seq, last = dense_meta(nt) if meta is None else meta
     dfinal = jnp.zeros(h0.shape, F32) if dfinal is None else dfinal.astype(F32)
     specs = Specs(kp, bv, chunk, heads, nt, reverse=True)
@@ -111,7 +112,7 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
         "dh0": output(h0.shape, F32, specs.state),
     }
     outs = tpu_kernel_call(
-        functools.partial(_backward_kernel, chunk=chunk, chunks=nt, per_channel=per_channel),
+        functools.partial(_backward_kernel, chunk=chunk, chunks=nt, per_channel=per_channel, precision=precision),
         grid=(bh, nv, nt),
         inputs=inputs,
         outputs=outputs,

@@ -25,7 +25,9 @@ of the chunk, a legal dynamic sublane slice) with the other rows masked to 0:
 (contraction over the slab's rows), ``o`` is ``Q8 S`` accumulated into the
 chunk's output rows; KDA's per-channel decay column ``exp(g_t)`` over ``K`` is
 broadcast over the tile as ``E8ᵀ 1`` (a row turned into a column by the MXU).
-All float32 at ``HIGHEST`` precision.
+Every matmul at the call's resolved ``precision`` (`core.pallas.mxu_dot`:
+``DEFAULT`` one bfloat16 pass, ``HIGH`` three, ``HIGHEST`` float32), in the
+XLA backward too.
 
 Layout (the wrapper): the per-token preparation of the XLA path
 (`reference.prepare_delta_inputs`: l2-norm, KDA gate, β sigmoid, decay clamp;
@@ -69,17 +71,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core import Call
-from ...core.pallas import F32, dot, dot_tn, operand, output, tpu_kernel_call
+from ...core.pallas import F32, mxu_dot, mxu_dot_tn, operand, output, tpu_kernel_call
 from .reference import prepare_delta_inputs, sequence_tokens, ssd_dt, ssd_epilogue
 from .tpu_decode_configs import BLOCK_T, FusedRecurrentTpuConfig, SsdStepTpuConfig
 
 _SLAB = 8  # rows of a float32 sublane tile
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 # -- fused recurrence (GDN / KDA) ------------------------------------------------------
 def _recurrent_kernel(*, seq, first, count, q, k, v, g, coef, h0, o, final, states, state, chunks: int,
-                      per_channel: bool):
+                      per_channel: bool, precision):
     """One (sequence, value head, value tile, chunk) step: reset the state at a
     sequence's first chunk, run the chunk's ``count`` tokens through the
     recurrence (module docstring), write the outputs and the state (and, for
@@ -106,13 +107,13 @@ def _recurrent_kernel(*, seq, first, count, q, k, v, g, coef, h0, o, final, stat
             states[r] = s
         if per_channel:
             decay = jnp.where(mask, jnp.exp(g[slab, :]), 0.0)
-            s = s * dot_tn(decay, jnp.ones((_SLAB, width), F32))
+            s = s * mxu_dot_tn(decay, jnp.ones((_SLAB, width), F32), precision)
         else:
             s = s * jnp.exp(scalars[:, 1:2])
-        u = jnp.where(mask, scalars[:, 0:1] * (v[slab, :] - dot(k8, s)), 0.0)
-        s = s + dot_tn(k8, u)
+        u = jnp.where(mask, scalars[:, 0:1] * (v[slab, :] - mxu_dot(k8, s, precision)), 0.0)
+        s = s + mxu_dot_tn(k8, u, precision)
         state[...] = s
-        o[slab, :] += dot(jnp.where(mask, q[slab, :], 0.0), s)
+        o[slab, :] += mxu_dot(jnp.where(mask, q[slab, :], 0.0), s, precision)
         return carry
 
     jax.lax.fori_loop(0, count[idx], token, 0)
@@ -189,7 +190,7 @@ def _fused_recurrent_forward(call: Call, config: FusedRecurrentTpuConfig, save_s
         return pl.BlockSpec((None, None, K, bv), lambda b, h, j, c, seq_, *_: (seq_[b * nc + c], h, 0, j))
 
     outs = tpu_kernel_call(
-        lambda **refs: _recurrent_kernel(**refs, chunks=nc, per_channel=per_channel),
+        lambda **refs: _recurrent_kernel(**refs, chunks=nc, per_channel=per_channel, precision=call.precision),
         grid=(s, HV, pl.cdiv(V, bv), nc),
         scalar_prefetch={"seq": seq, "first": first, "count": count},
         inputs={"q": operand(tokens["q"], qk_spec(K)), "k": operand(tokens["k"], qk_spec(K)),
@@ -223,15 +224,15 @@ def _per_value_head(call: Call, arrays):
     return (jnp.repeat(q, group, axis=2) * c.scale, jnp.repeat(k, group, axis=2), c.v.astype(F32), g, beta)
 
 
-def _token_step(s_prev, x):
+def _token_step(s_prev, x, precision):
     """One token of one batch row's heads from its incoming state ``s_prev
-    [HV, K, V]``: ``(S_t, o_t)`` (the kernel's math, in XLA)."""
+    [HV, K, V]``: ``(S_t, o_t)`` (the kernel's math, in XLA, at ``precision``)."""
     q, k, v, g, beta = x
     decay = jnp.exp(g)[..., None] if g.ndim == 2 else jnp.exp(g)[:, None, None]
     s = s_prev * decay
-    u = beta[:, None] * (v - jnp.einsum("hk,hkv->hv", k, s, precision=_HIGHEST))
+    u = beta[:, None] * (v - jnp.einsum("hk,hkv->hv", k, s, precision=precision))
     s = s + k[:, :, None] * u[:, None, :]
-    return s, jnp.einsum("hk,hkv->hv", q, s, precision=_HIGHEST)
+    return s, jnp.einsum("hk,hkv->hv", q, s, precision=precision)
 
 
 def _recurrent_backward(call: Call, arrays, states, d_o, d_final):
@@ -244,7 +245,8 @@ def _recurrent_backward(call: Call, arrays, states, d_o, d_final):
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in prepared)  # [T, B, ...]
     s_prev = jnp.moveaxis(states, 1, 0)
     d_o = jnp.moveaxis(d_o.astype(F32), 1, 0)
-    step = jax.vmap(lambda s0, x, ds, do: jax.vjp(_token_step, s0, x)[1]((ds, do)))
+    token_step = lambda s0, x: _token_step(s0, x, call.precision)
+    step = jax.vmap(lambda s0, x, ds, do: jax.vjp(token_step, s0, x)[1]((ds, do)))
     T = xs[0].shape[0]
     if call.cu_seqlens is None:
         def back(carry, inp):
@@ -362,7 +364,7 @@ def _ssd_output(call: Call, arrays, h):
     """``y = h C_g + D·x``, ``· silu(z)`` (in x.dtype) from the new state ``h``."""
     c = call.replace_arrays(**arrays)
     Ch = jnp.repeat(c.C.astype(F32), c.x.shape[1] // c.C.shape[1], axis=1)
-    y = jnp.einsum("bhpn,bhn->bhp", h, Ch, precision=_HIGHEST)
+    y = jnp.einsum("bhpn,bhn->bhp", h, Ch, precision=c.precision)
     return ssd_epilogue(y, c.x, c.D, c.z).astype(c.x.dtype)
 
 

@@ -19,24 +19,25 @@ from ...core.pallas import F32, HIGHEST
 from .scan import state_step
 
 
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=HIGHEST, preferred_element_type=F32)
+def _einsum(spec, *operands, precision=HIGHEST):
+    return jnp.einsum(spec, *operands, precision=precision, preferred_element_type=F32)
 
 
-def chunk_output(parts, S, delta):
+def chunk_output(parts, S, delta, precision=HIGHEST):
     """``O [..., C, V] = (Γ⊙Q) S + P Δ`` for the chunk's initial state ``S [..., K, V]``."""
-    return _einsum("...ck,...kv->...cv", parts["qg"], S) + _einsum("...ij,...jv->...iv", parts["P"], delta)
+    return (_einsum("...ck,...kv->...cv", parts["qg"], S, precision=precision)
+            + _einsum("...ij,...jv->...iv", parts["P"], delta, precision=precision))
 
 
-def chunk_step(S, parts):
+def chunk_step(S, parts, precision=HIGHEST):
     """`scan.state_step` and `chunk_output` together: ``(S', O)``. ``W S`` and
     ``(Γ⊙Q) S`` share one matmul (one launch of ``[2C, K] × [K, V]``)."""
     if "W" not in parts:
-        new, delta = state_step(S, parts)
-        return new, chunk_output(parts, S, delta)
+        new, delta = state_step(S, parts, precision)
+        return new, chunk_output(parts, S, delta, precision)
     c = parts["W"].shape[-2]
-    both = _einsum("...ck,...kv->...cv", jnp.concatenate([parts["W"], parts["qg"]], axis=-2), S)
+    both = _einsum("...ck,...kv->...cv", jnp.concatenate([parts["W"], parts["qg"]], axis=-2), S, precision=precision)
     delta = parts["U"] - both[..., :c, :]
-    out = both[..., c:, :] + _einsum("...ij,...jv->...iv", parts["P"], delta)
-    new = parts["gamma"] * S + _einsum("...ck,...cv->...kv", parts["kg"], delta)
+    out = both[..., c:, :] + _einsum("...ij,...jv->...iv", parts["P"], delta, precision=precision)
+    new = parts["gamma"] * S + _einsum("...ck,...cv->...kv", parts["kg"], delta, precision=precision)
     return new, out

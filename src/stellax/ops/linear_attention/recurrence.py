@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call, Op, backward_implementation
-from ...core.pallas import F32, padded_dim
+from ...core.pallas import F32, HIGHEST, padded_dim
 from . import pipeline, xla
 from .backward import gated_recurrence_backward_op, kda_recurrence_backward_op
 from .configs import TRITON_CHUNK, linear_attention_heuristic
@@ -38,28 +38,29 @@ from .tpu_configs import lanes, linear_attention_tpu_heuristic
 
 def kernel_recurrence(forward, backward_op: Op, backend: str = "triton"):
     """A differentiable recurrence on the kernels' layout:
-    ``run(q, k, v, g, beta, h0, meta, config)`` is ``forward`` (a Triton
-    pipeline) and its VJP is ``backward_op`` — a registered op taking
-    ``(q, k, v, g, beta, h0, do, dfinal, first, seq, last)``, run with its
-    Triton implementation unless the caller chose another (`backward_implementation`)."""
+    ``run(q, k, v, g, beta, h0, meta, config, precision)`` is ``forward`` (a
+    Triton pipeline, called with ``precision=``) and its VJP is ``backward_op`` —
+    a registered op taking ``(q, k, v, g, beta, h0, do, dfinal, first, seq, last)``
+    and the forward's ``precision``, run with its Triton implementation unless
+    the caller chose another (`backward_implementation`)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
     def run(q, k, v, g, beta, h0, meta, static):
-        return forward(q, k, v, g, beta, h0, meta, static[0])
+        return forward(q, k, v, g, beta, h0, meta, static[0], precision=static[1])
 
     def run_fwd(q, k, v, g, beta, h0, meta, static):
-        return forward(q, k, v, g, beta, h0, meta, static[0]), (q, k, v, g, beta, h0, meta)
+        return forward(q, k, v, g, beta, h0, meta, static[0], precision=static[1]), (q, k, v, g, beta, h0, meta)
 
     def run_bwd(static, residuals, cotangents):
         q, k, v, g, beta, h0, meta = residuals
         do, dfinal = cotangents
         first, seq, last = meta if meta is not None else (None, None, None)
-        grads = backward_op(q, k, v, g, beta, h0, do, dfinal, first, seq, last,
+        grads = backward_op(q, k, v, g, beta, h0, do, dfinal, first, seq, last, precision=static[1],
                             implementation=backward_implementation(backward_op, backend))
         return tuple(grads) + (None,)
 
     run.defvjp(run_fwd, run_bwd)
-    return lambda q, k, v, g, beta, h0, meta, config: run(q, k, v, g, beta, h0, meta, (config,))
+    return lambda q, k, v, g, beta, h0, meta, config, precision: run(q, k, v, g, beta, h0, meta, (config, precision))
 
 
 #: The differentiable Triton recurrences of scalar (GDN, SSD) and per-channel (KDA) decays.
@@ -72,7 +73,7 @@ def _tpu_pipeline(per_channel: bool):
     layout ``[Bs, HV, Tp, ...]`` with ``meta`` per chunk of `TRITON_CHUNK` (the
     backward ops' layout; regrouped for chunks of 128)."""
 
-    def forward(q, k, v, g, beta, h0, meta, config):
+    def forward(q, k, v, g, beta, h0, meta, config, *, precision):
         heads = v.shape[1]
         if meta is not None and config.chunk != TRITON_CHUNK:
             step = config.chunk // TRITON_CHUNK
@@ -80,7 +81,7 @@ def _tpu_pipeline(per_channel: bool):
             meta = (first[::step], seq[::step], last[step - 1::step])
         flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])
         o, final = tpu_forward(flat(q), flat(k), flat(v), flat(g), flat(beta), flat(h0), meta, heads=heads,
-                               per_channel=per_channel, config=config)
+                               per_channel=per_channel, config=config, precision=precision)
         return o.reshape(v.shape), final.reshape(h0.shape)
     return forward
 
@@ -102,7 +103,7 @@ def _fine_meta(stream):
     return at(first, 0), jnp.repeat(seq, step), at(last, step - 1)
 
 
-def tpu_recurrence(tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, config=None):
+def tpu_recurrence(tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, config=None, precision=HIGHEST):
     """`recurrence` on the Mosaic TPU kernels: the heads-major layout with head
     sizes padded to 128 lanes, chunks of ``config.chunk``."""
     q, k, v, g, beta = prepare(tokens)
@@ -117,7 +118,7 @@ def tpu_recurrence(tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, 
     args = (heads_major(stream, q, kp), heads_major(stream, k, kp), heads_major(stream, v, vp))
     gh = heads_major(stream, g, kp) if per_channel else heads_major(stream, g)
     run = kda_tpu_recurrence if per_channel else gdn_tpu_recurrence
-    o, final = run(*args, gh, b, h0p, _fine_meta(stream), config)
+    o, final = run(*args, gh, b, h0p, _fine_meta(stream), config, precision)
     o = stream.unpack(jnp.moveaxis(o, 1, 2))[..., :V]
     final = final[:, :, :K, :V]
     if stream.varlen:
@@ -126,7 +127,7 @@ def tpu_recurrence(tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, 
 
 
 def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, chunk_size: int,
-               config=None):
+               config=None, precision=HIGHEST):
     """The gated (delta-rule) recurrence, chunked.
 
     Args:
@@ -144,12 +145,16 @@ def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, per_chann
       chunk_size: the XLA path's chunk (the Triton kernels always use `TRITON_CHUNK`).
       config: the Triton kernels' `LinearAttentionConfig` or the Mosaic TPU
         kernels' `TpuLinearAttentionConfig` (``None``: the heuristic's).
+      precision: a resolved `jax.lax.Precision` for every float32 contraction,
+        forward and backward (`stellax.core.precision`).
     Returns float32 ``(o [B, T, HV, V], final [N, HV, K, V])``.
     """
     if backend == "xla":
-        return xla.chunked_scan(tokens, prepare, initial_state=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        return xla.chunked_scan(tokens, prepare, initial_state=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                precision=precision)
     if backend == "mosaic_tpu":
-        return tpu_recurrence(tokens, prepare, h0, cu_seqlens, per_channel=per_channel, config=config)
+        return tpu_recurrence(tokens, prepare, h0, cu_seqlens, per_channel=per_channel, config=config,
+                              precision=precision)
     if backend != "triton":
         raise ValueError(f"backend: expected 'xla', 'triton' or 'mosaic_tpu', got {backend!r}")
     q, k, v, g, beta = prepare(tokens)
@@ -163,9 +168,11 @@ def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, per_chann
     if config is None:
         config = linear_attention_heuristic(Call({"k": args[1], "v": args[2]}, {}))
     if per_channel:  # padded channels decay by exp(0) = 1
-        o, final = kda_kernel_recurrence(*args, heads_major(stream, g, kp), b, h0p, chunk_meta(stream), config)
+        o, final = kda_kernel_recurrence(*args, heads_major(stream, g, kp), b, h0p, chunk_meta(stream), config,
+                                         precision)
     else:
-        o, final = gdn_kernel_recurrence(*args, heads_major(stream, g), b, h0p, chunk_meta(stream), config)
+        o, final = gdn_kernel_recurrence(*args, heads_major(stream, g), b, h0p, chunk_meta(stream), config,
+                                         precision)
     o = stream.unpack(jnp.moveaxis(o, 1, 2))[..., :V]
     final = final[:, :, :K, :V]
     if stream.varlen:

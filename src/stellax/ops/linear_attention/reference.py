@@ -108,7 +108,8 @@ def _scan_tokens(step, state0, xs, cu_seqlens, total, tokens=None):
 
 
 # -- gated delta rule (GDN and KDA) ---------------------------------------------
-def delta_rule_recurrence(q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None, tokens=None):
+def delta_rule_recurrence(q, k, v, g, beta, *, scale, initial_state=None, cu_seqlens=None, tokens=None,
+                          precision=_HIGHEST):
     """The gated delta rule, token by token, in float32.
 
     Args (already prepared: l2-normalized if requested, gates in log space):
@@ -117,6 +118,8 @@ def delta_rule_recurrence(q, k, v, g, beta, *, scale, initial_state=None, cu_seq
       delta rule (plain gated linear attention, ``S = decay·S + k ⊗ v``).
       initial_state: ``[N, HV, K, V]`` or ``None`` (zeros).
       tokens: per-token ``(seq, first, last)`` instead of ``cu_seqlens``.
+      precision: of the contractions (`HIGHEST` for the golden; the XLA
+        implementations pass their call's).
     Returns ``(o [B, T, HV, V] float32, final_state [N, HV, K, V] float32)``.
     """
     B, T, H, K = q.shape
@@ -136,10 +139,10 @@ def delta_rule_recurrence(q, k, v, g, beta, *, scale, initial_state=None, cu_seq
         decay = jnp.exp(g_t)[..., None] if per_channel else jnp.exp(g_t)[..., None, None]
         S = S * decay
         if delta:
-            v_t = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, S, precision=_HIGHEST)
+            v_t = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, S, precision=precision)
         update = b_t[..., None] * v_t
         S = S + k_t[..., :, None] * update[..., None, :]
-        return S, jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=_HIGHEST)
+        return S, jnp.einsum("bhk,bhkv->bhv", q_t, S, precision=precision)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
     ys, final = _scan_tokens(step, state0, xs, cu_seqlens, T, tokens)
@@ -172,7 +175,7 @@ def delta_rule_reference(call: Call):
 
 
 # -- Mamba2 SSD -------------------------------------------------------------------
-def ssd_recurrence(x, dt, A, B, C, *, initial_states=None, cu_seqlens=None):
+def ssd_recurrence(x, dt, A, B, C, *, initial_states=None, cu_seqlens=None, precision=_HIGHEST):
     """SSD token by token in float32 with prepared step sizes ``dt [B, T, H]``.
 
     ``x [B, T, H, P]``, ``A [H]``, ``B, C [B, T, G, N]``, ``initial_states
@@ -191,7 +194,7 @@ def ssd_recurrence(x, dt, A, B, C, *, initial_states=None, cu_seqlens=None):
         x_t, dt_t, B_t, C_t = inputs
         h = h * jnp.exp(dt_t * A)[..., None, None]
         h = h + (dt_t[..., None] * x_t)[..., :, None] * B_t[..., None, :]
-        return h, jnp.einsum("bhpn,bhn->bhp", h, C_t, precision=_HIGHEST)
+        return h, jnp.einsum("bhpn,bhn->bhp", h, C_t, precision=precision)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (x, dt, Bh, Ch))
     ys, final = _scan_tokens(step, state0, xs, cu_seqlens, T)
@@ -218,10 +221,11 @@ def ssd_reference(call: Call):
     return (y, final) if call.return_final_states else y
 
 
-def ssd_step_reference(call: Call):
-    """Golden `ssd_step`: one decode token. Returns ``(y [B, H, P], new_state [B, H, P, N])``."""
+def ssd_step_reference(call: Call, precision=_HIGHEST):
+    """Golden `ssd_step`: one decode token. Returns ``(y [B, H, P], new_state [B, H, P, N])``
+    (``precision``: `HIGHEST` for the golden, the call's for the XLA implementation)."""
     dt = ssd_dt(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit)
     y, final = ssd_recurrence(call.x[:, None], dt[:, None], call.A, call.B[:, None], call.C[:, None],
-                              initial_states=call.state)
+                              initial_states=call.state, precision=precision)
     y = ssd_epilogue(y[:, 0], call.x, call.D, None if call.z is None else call.z)
     return y.astype(call.x.dtype), final.astype(call.state.dtype)

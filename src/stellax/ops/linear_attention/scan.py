@@ -24,21 +24,22 @@ import jax.numpy as jnp
 from ...core.pallas import F32, HIGHEST
 
 
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=HIGHEST, preferred_element_type=F32)
+def _einsum(spec, *operands, precision=HIGHEST):
+    return jnp.einsum(spec, *operands, precision=precision, preferred_element_type=F32)
 
 
-def state_step(S, parts):
+def state_step(S, parts, precision=HIGHEST):
     """One chunk of the state recurrence: ``(S', Δ)`` with ``Δ = U − W S`` and
-    ``S' = Γ_C ⊙ S + K̃ᵀ Δ`` (``S [..., K, V]``, ``parts`` from `wy.chunk_intra`)."""
+    ``S' = Γ_C ⊙ S + K̃ᵀ Δ`` (``S [..., K, V]``, ``parts`` from `wy.chunk_intra`;
+    ``precision`` of its contractions)."""
     delta = parts["U"]
     if "W" in parts:
-        delta = delta - _einsum("...ck,...kv->...cv", parts["W"], S)
-    new = parts["gamma"] * S + _einsum("...ck,...cv->...kv", parts["kg"], delta)
+        delta = delta - _einsum("...ck,...kv->...cv", parts["W"], S, precision=precision)
+    new = parts["gamma"] * S + _einsum("...ck,...cv->...kv", parts["kg"], delta, precision=precision)
     return new, delta
 
 
-def state_transition(parts):
+def state_transition(parts, precision=HIGHEST):
     """The chunk's affine state map ``S' = 𝒜 S + ℬ`` as ``(𝒜 [..., K, K], ℬ [..., K, V])``.
 
     Composing the maps of consecutive chunks (``𝒜₂𝒜₁``, ``𝒜₂ℬ₁ + ℬ₂``) summarizes
@@ -49,5 +50,5 @@ def state_transition(parts):
     kdim = kg.shape[-1]
     a = parts["gamma"] * jnp.eye(kdim, dtype=F32)
     if "W" in parts:
-        a = a - _einsum("...ck,...cj->...kj", kg, parts["W"])
-    return a, _einsum("...ck,...cv->...kv", kg, parts["U"])
+        a = a - _einsum("...ck,...cj->...kj", kg, parts["W"], precision=precision)
+    return a, _einsum("...ck,...cv->...kv", kg, parts["U"], precision=precision)

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, HIGHEST, TF32X3, dot, dot_nt, square_iota
+from ...core.pallas import F32, HIGHEST, TF32X3, square_iota
 from .decay import masked_exp, pair_sums, span_sum, tail_sums
+from .mxu import tile_dot
 from .solve import sub_block
 
 #: Sub-block size of KDA's per-channel decays on the XLA path: the diagonal
@@ -42,28 +43,29 @@ DECAY_BLOCK = 4
 CHANNEL_SUB_BLOCK = 16
 
 
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=HIGHEST, preferred_element_type=F32)
+def _einsum(spec, *operands, precision=HIGHEST):
+    return jnp.einsum(spec, *operands, precision=precision, preferred_element_type=F32)
 
 
-def decayed_scores(x, y, g):
+def decayed_scores(x, y, g, precision=HIGHEST):
     """``[..., R, C, C]`` decayed inner products of rows of ``x`` with rows of ``y`` (float32).
 
     Args:
       x: ``[..., R, C, K]`` (``R`` stacked row sets at the same positions, e.g. q and k).
       y: ``[..., C, K]``.
       g: per-step log decays of the chunk, ``[..., C]`` (scalar) or ``[..., C, K]``.
+      precision: of the matmuls.
     Returns ``S[r, i, j] = Σ_c x_ric y_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i``, 0 above.
     """
     c = y.shape[-2]
     causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]
     if g.ndim == y.ndim - 1:  # scalar decay per token
         decay = masked_exp(pair_sums(g), causal)
-        return _einsum("...rik,...jk->...rij", x, y) * decay[..., None, :, :]
-    return _channel_decayed_scores(x, y, g)
+        return _einsum("...rik,...jk->...rij", x, y, precision=precision) * decay[..., None, :, :]
+    return _channel_decayed_scores(x, y, g, precision)
 
 
-def _channel_decayed_scores(x, y, g):
+def _channel_decayed_scores(x, y, g, precision=HIGHEST):
     """`decayed_scores` for per-channel ``g [..., C, K]``, in sub-blocks of `DECAY_BLOCK` rows."""
     c = y.shape[-2]
     s = sub_block(c, DECAY_BLOCK)
@@ -84,7 +86,9 @@ def _channel_decayed_scores(x, y, g):
     # gradient crash XLA:CPU (jax 0.10.2).
     ye = yb[..., :, None, :, :] * e  # [.., nb, i, t, K]
     diag = jnp.stack([jnp.sum(xb[..., j, :, :, None, :] * ye, axis=-1) for j in range(r)], axis=-4)
-    out = _einsum("...rast,ab->...rasbt", diag, jnp.eye(nb, dtype=F32))
+    # Block a of the rows against block a of the columns: placed on the diagonal of
+    # [nb, nb] blocks elementwise (no matmul with the identity: exact at any precision).
+    out = diag[..., :, :, :, None, :] * jnp.eye(nb, dtype=F32)[:, None, :, None]
     if nb > 1:
         # Off-diagonal blocks split at the last row r_a = a·s − 1 before block a:
         # exp(Σ_{r_a<t≤i} g) for rows of block a, exp(Σ_{j<t≤r_a} g) for earlier columns j.
@@ -92,12 +96,12 @@ def _channel_decayed_scores(x, y, g):
         before = jnp.arange(c)[None, :] < (jnp.arange(nb) * s)[:, None]  # [nb, C]: j < a·s
         upto = jnp.where(before[..., None], g[..., None, :, :], 0.0)  # [.., nb, C, K]
         y_exp = y[..., None, :, :] * masked_exp(tail_sums(upto, axis=-2), before[..., None])
-        off = _einsum("...rask,...ajk->...rasj", x_exp, y_exp)
+        off = _einsum("...rask,...ajk->...rasj", x_exp, y_exp, precision=precision)
         out = out + off.reshape(off.shape[:-1] + (nb, s))
     return out.reshape(*lead, r, c, c)
 
 
-def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIGHEST):
+def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIGHEST, mxu: bool = False):
     """``(P_q, P_k)``, each ``[C, C]`` float32, on one tile inside a kernel:
     ``P_x[i, j] = Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i`` and 0 above,
     for ``x = q`` and ``x = k`` (``q, k, g [C, K]`` float32).
@@ -109,33 +113,34 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIG
     block at once, elementwise (``s`` steps of a ``[C, K]`` exp and row sum).
     Every exponent is a direct span sum ≤ 0 (−inf outside its span).
     ``unrolled`` runs the diagonal offsets as a Python loop instead of a ``fori_loop``;
-    ``precision`` of every matmul.
+    ``precision`` of every matmul (``mxu``: inside a Mosaic TPU kernel, `mxu.tile_dot`).
     """
     s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
     rows, cols = square_iota(chunk)
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
     start = row & -s  # [C, 1]: the first row of row i's block (s a power of two; no vector division)
     # Σ_{start(i) ≤ t ≤ i} g_t: the row factor of the off-diagonal blocks.
-    inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g, precision=precision))
+    inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g, precision=precision, mxu=mxu))
     qi, ki = q * inner, k * inner
     pq = jnp.zeros((chunk, chunk), F32)
     pk = jnp.zeros((chunk, chunk), F32)
     for a in range(1, chunk // s):
         # Column factor exp(Σ_{j<t<a·s} g_t) for the columns j < a·s of earlier blocks.
-        span = span_sum((cols > rows) & (cols < a * s), g, precision=precision)
+        span = span_sum((cols > rows) & (cols < a * s), g, precision=precision, mxu=mxu)
         before = jnp.exp(jnp.where(row < a * s, span, -jnp.inf))
         y = k * before
         in_block = start == a * s
-        pq = pq + jnp.where(in_block, dot_nt(qi, y, precision=precision), 0.0)
-        pk = pk + jnp.where(in_block, dot_nt(ki, y, precision=precision), 0.0)
+        pq = pq + jnp.where(in_block, tile_dot(qi, y, "nt", precision=precision, mxu=mxu), 0.0)
+        pk = pk + jnp.where(in_block, tile_dot(ki, y, "nt", precision=precision, mxu=mxu), 0.0)
 
     def diagonal(d, carry):
         pq, pk = carry
         col = start + d  # [C, 1]: column j = start(i) + d of row i's diagonal block
         pick = cols == col
-        kd = dot(pick.astype(F32), k, precision=precision)  # row i holds k_j (a gather)
+        kd = tile_dot(pick.astype(F32), k, precision=precision, mxu=mxu)  # row i holds k_j (a gather)
         valid = col <= row
-        e = jnp.exp(jnp.where(valid, span_sum((cols > col) & (cols <= rows), g, precision=precision), -jnp.inf))
+        span = span_sum((cols > col) & (cols <= rows), g, precision=precision, mxu=mxu)
+        e = jnp.exp(jnp.where(valid, span, -jnp.inf))
         ke = kd * e
         sq = jnp.sum(q * ke, axis=1, keepdims=True)
         sk = jnp.sum(k * ke, axis=1, keepdims=True)
@@ -151,13 +156,14 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIG
 
 
 # -- sub-blocks (inside the Triton forward kernel) ---------------------------------------
-def sub_block_spans(g):
+def sub_block_spans(g, precision=TF32X3):
     """The span sums of one sub-block's per-channel log decays ``g [s, bk]`` (rows
     ``i``, ``j`` of the sub-block), float32: ``(Σ_{t≤i} g_t [s, bk], Σ_{t>j} g_t
-    [s, bk], Σ_t g_t [bk])`` — a cumulative sum, a `TF32X3` 0/1-mask matmul (Triton
-    has no reverse cumulative sum) and a column sum, each a direct sum ≤ 0."""
+    [s, bk], Σ_t g_t [bk])`` — a cumulative sum, a 0/1-mask matmul at ``precision``
+    (the kernel's, `core.pallas.triton_precision`; Triton has no reverse cumulative
+    sum) and a column sum, each a direct sum ≤ 0."""
     rows, cols = square_iota(g.shape[0])
-    return jnp.cumsum(g, axis=0), span_sum(cols > rows, g, precision=TF32X3), jnp.sum(g, axis=0)
+    return jnp.cumsum(g, axis=0), span_sum(cols > rows, g, precision=precision), jnp.sum(g, axis=0)
 
 
 def diagonal_block_scores(xs, k, g, first, channels, acc):

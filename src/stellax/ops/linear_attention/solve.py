@@ -23,13 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from ...core.pallas import F32, HIGHEST, dot, square_iota
+from .mxu import tile_dot
 
 #: Sub-block size of the XLA triangular solve.
 SUB_BLOCK = 16
 
 
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=HIGHEST, preferred_element_type=F32)
+def _einsum(spec, *operands, precision=HIGHEST):
+    return jnp.einsum(spec, *operands, precision=precision, preferred_element_type=F32)
 
 
 def sub_block(c: int, size: int = SUB_BLOCK) -> int:
@@ -37,12 +38,13 @@ def sub_block(c: int, size: int = SUB_BLOCK) -> int:
     return size if c % size == 0 else c
 
 
-def solve_unit_lower(A, R):
+def solve_unit_lower(A, R, precision=HIGHEST):
     """``X = (I + A)⁻¹ R`` for strictly lower ``A [..., C, C]`` and ``R [..., C, N]`` (float32).
 
     Blocked forward substitution over sub-blocks of 16 rows; each diagonal
     block is inverted exactly by the nilpotent product
-    ``(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)`` (A is 16×16 strictly lower).
+    ``(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)`` (A is 16×16 strictly lower);
+    ``precision`` of its matmuls.
     """
     c = A.shape[-1]
     s = sub_block(c)
@@ -53,23 +55,24 @@ def solve_unit_lower(A, R):
     power = blocks
     span = 2
     while span < s:
-        power = _einsum("...ij,...jk->...ik", power, power)
-        inv = inv + _einsum("...ij,...jk->...ik", inv, power)
+        power = _einsum("...ij,...jk->...ik", power, power, precision=precision)
+        inv = inv + _einsum("...ij,...jk->...ik", inv, power, precision=precision)
         span *= 2
     xs = []
     for a in range(nb):
         rows = R[..., a * s:(a + 1) * s, :]
         if a:
             done = jnp.concatenate(xs, axis=-2)
-            rows = rows - _einsum("...ij,...jn->...in", A[..., a * s:(a + 1) * s, :a * s], done)
-        xs.append(_einsum("...ij,...jn->...in", inv[..., a, :, :], rows))
+            rows = rows - _einsum("...ij,...jn->...in", A[..., a * s:(a + 1) * s, :a * s], done, precision=precision)
+        xs.append(_einsum("...ij,...jn->...in", inv[..., a, :, :], rows, precision=precision))
     return jnp.concatenate(xs, axis=-2)
 
 
-def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, serial: bool = False):
+def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, serial: bool = False, mxu: bool = False):
     """``T = (I + A)⁻¹ [C, C]`` of a strictly lower ``A [C, C]`` on one tile
     (``rows, cols`` its `square_iota`): ``(I − A)(I + A²)(I + A⁴)…`` — exact,
-    as ``A^C = 0``. ``precision`` of its ``2·log2(C/2)`` matmuls.
+    as ``A^C = 0``. ``precision`` of its ``2·log2(C/2)`` matmuls (``mxu``: inside a
+    Mosaic TPU kernel, `mxu.tile_dot`).
 
     ``serial`` makes each squaring wait for the previous product's update (an
     added ``0·T``, exact for finite ``T``): the two matmuls of a step are
@@ -82,8 +85,8 @@ def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, serial: 
     span = 2
     while span < chunk:
         lhs = power + 0.0 * inv if serial and span > 2 else power
-        power = dot(lhs, power, precision=precision)
-        inv = inv + dot(inv, power, precision=precision)
+        power = tile_dot(lhs, power, precision=precision, mxu=mxu)
+        inv = inv + tile_dot(inv, power, precision=precision, mxu=mxu)
         span *= 2
     return inv
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import F32
+from ...core.precision import HIGHEST, resolve_precision
 from . import checks as la_checks
 from . import mosaic_tpu_decode
 from .decode_examples import ssd_step_benchmarks
@@ -86,7 +87,8 @@ def _check_groups(name, value, lead, H):
 
 
 def _check_ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
-               dt_limit=(0.0, _INF), initial_states=None, cu_seqlens=None, return_final_states=False) -> Call:
+               dt_limit=(0.0, _INF), initial_states=None, cu_seqlens=None, return_final_states=False,
+               precision=None) -> Call:
     x = checks.require_float("x", x)
     checks.require_ndim("x", x, 4)
     batch, T, H, P = x.shape
@@ -108,12 +110,13 @@ def _check_ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None,
         {"chunk_size": la_checks.check_chunk_size(chunk_size),
          "dt_softplus": la_checks.require_bool("dt_softplus", dt_softplus),
          "dt_limit": _check_dt_limit(dt_limit),
-         "return_final_states": la_checks.require_bool("return_final_states", return_final_states)},
+         "return_final_states": la_checks.require_bool("return_final_states", return_final_states),
+         "precision": resolve_precision(precision)},
     )
 
 
 def _check_ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False,
-                    dt_limit=(0.0, _INF)) -> Call:
+                    dt_limit=(0.0, _INF), precision=None) -> Call:
     x = checks.require_float("x", x)
     checks.require_ndim("x", x, 3)
     batch, H, P = x.shape
@@ -135,7 +138,7 @@ def _check_ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_s
         checks.require_shape("z", z, x.shape, "x.shape")
     return Call({"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias},
                 {"dt_softplus": la_checks.require_bool("dt_softplus", dt_softplus),
-                 "dt_limit": _check_dt_limit(dt_limit)})
+                 "dt_limit": _check_dt_limit(dt_limit), "precision": resolve_precision(precision)})
 
 
 def _check_step_head_params(H, P, N, D, dt_bias, A):
@@ -173,7 +176,8 @@ def _ssd_runner(backend: str):
               else _transpose_state(call.initial_states.astype(F32)))
         tokens = {"x": x, "dt": call.dt, "B": call.B, "C": call.C}
         y, final = recurrence(backend, tokens, prepare, h0, call.cu_seqlens, per_channel=False,
-                              chunk_size=la_checks.xla_chunk(call.chunk_size, False), config=config)
+                              chunk_size=la_checks.xla_chunk(call.chunk_size, False), config=config,
+                              precision=call.precision)
         y = ssd_epilogue(y, x, call.D, call.z).astype(x.dtype)
         return (y, _transpose_state(final)) if call.return_final_states else y
     return run
@@ -184,7 +188,7 @@ def _is_tied(call: Call) -> bool:
     return call.dt.ndim == 3 or call.A.ndim == 3 or (call.dt_bias is not None and call.dt_bias.ndim == 2)
 
 
-def _tied_step_reference(call: Call):
+def _tied_step_reference(call: Call, precision=HIGHEST):
     """One decode token with ``dt [B, H, P]``, ``A [H, P, N]``, ``dt_bias [H, P]``
     (mamba_ssm's ``selective_state_update`` with tied head dims; ``[B, H]`` /
     ``[H]`` operands broadcast over P and N), float32:
@@ -206,19 +210,21 @@ def _tied_step_reference(call: Call):
     Ch = jnp.repeat(call.C.astype(F32), group, axis=1)
     x = call.x.astype(F32)
     state = call.state.astype(F32) * jnp.exp(dt[..., None] * A) + (dt * x)[..., None] * Bh[:, :, None, :]
-    y = jnp.einsum("bhpn,bhn->bhp", state, Ch, precision="highest")
+    y = jnp.einsum("bhpn,bhn->bhp", state, Ch, precision=precision)
     y = ssd_epilogue(y, x, call.D, call.z)
     return y.astype(call.x.dtype), state.astype(call.state.dtype)
 
 
-def _step_reference(call: Call):
-    """Golden `ssd_step` (both shape conventions)."""
-    return _tied_step_reference(call) if _is_tied(call) else ssd_step_reference(call)
+def _step_reference(call: Call, precision=HIGHEST):
+    """Golden `ssd_step` (both shape conventions); the XLA implementation at the call's ``precision``."""
+    if _is_tied(call):
+        return _tied_step_reference(call, precision)
+    return ssd_step_reference(call, precision=precision)
 
 
 def _ssd_step_xla(call: Call, config):
     del config
-    return _step_reference(call)
+    return _step_reference(call, call.precision)
 
 
 def _ssd_step_mosaic_tpu(call: Call, config):
@@ -267,7 +273,8 @@ ssd_step_op = register(Op(
 
 
 def ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, _INF),
-        initial_states=None, cu_seqlens=None, return_final_states=False, implementation=None, config=None):
+        initial_states=None, cu_seqlens=None, return_final_states=False, implementation=None, config=None,
+        precision=None):
     """Mamba2 SSD scan (mamba_ssm's ``mamba_chunk_scan_combined``).
 
     Per head ``h`` (group ``h // (H // G)``), state ``[P, N]``:
@@ -284,16 +291,21 @@ def ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_sof
       chunk_size: tokens per chunk of the XLA path; ``None`` (default) picks the
         fastest (32 on a CPU, 64 elsewhere; mamba_ssm's default is 256). The result
         does not depend on it. The Triton kernels always use 64.
+      precision: of the float32 contractions, forward and backward: ``None``
+        (``"highest"`` unless `jax.default_matmul_precision` says otherwise),
+        ``"default"``, ``"high"``, ``"highest"`` or a `jax.lax.Precision`
+        (what each means per backend: `stellax.core.precision`).
     Returns ``y [B, T, H, P]`` in x.dtype, or ``(y, final_states [N_seq, H, P, N] float32)``
     with ``return_final_states``.
     """
     return ssd_op(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                   dt_limit=dt_limit, initial_states=initial_states, cu_seqlens=cu_seqlens,
-                  return_final_states=return_final_states, implementation=implementation, config=config)
+                  return_final_states=return_final_states, implementation=implementation, config=config,
+                  precision=precision)
 
 
 def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, _INF),
-             implementation=None):
+             implementation=None, precision=None):
     """One SSD decode step (mamba_ssm's ``selective_state_update``), functional.
 
     ``state [B, H, P, N]``, ``x [B, H, P]``, ``dt [B, H]``, ``A [H]``,
@@ -302,7 +314,8 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     (the values may differ per head dim and state dim): ``dt [B, H, P]``,
     ``A [H, P, N]``, ``D`` and ``dt_bias [H, P]`` — what its decode passes
     (``A[:, None, None].expand(-1, P, N)`` and so on).
+    ``precision`` as in `ssd` (`stellax.core.precision`).
     Returns ``(y [B, H, P] in x.dtype, new_state [B, H, P, N] in state.dtype)``.
     """
     return ssd_step_op(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                       dt_limit=dt_limit, implementation=implementation)
+                       dt_limit=dt_limit, implementation=implementation, precision=precision)

@@ -57,7 +57,8 @@ distinct rows) one block per loop step, so only one block's tiles are live.
 Every term is linear in the cotangents: the per-key-block partials are
 summed in XLA (no two programs write one element, no atomics,
 deterministic); ``dq``, ``dk`` pass from `_state_grads_kernel` to
-`_key_grads_kernel`. All float32, the matmuls as `TF32X3`; every exponent is ≤ 0.
+`_key_grads_kernel`. All float32, the matmuls as `TF32X3` (at ``default`` precision one
+TF32 pass); every exponent is ≤ 0.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ...core import current_platform, pallas
-from ...core.pallas import F32, TF32X3, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import F32, HIGHEST, operand, output, square_iota, triton_kernel_call, triton_precision
 from .configs import LinearAttentionConfig
 from .decay import block_pair_spans, masked_decay, tile_spans
 from .solve import unit_lower_inverse
@@ -86,11 +87,11 @@ INVERSE_BLOCK_K = 64
 #: forward's blocked WY kernel: mma.sync holds its operands in registers.
 INVERSE_BLOCK = 32
 
-#: Every matmul of this module runs as `TF32X3` (three TF32 tensor-core passes,
-#: about float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU).
-dot = functools.partial(pallas.dot, precision=TF32X3)
-dot_nt = functools.partial(pallas.dot_nt, precision=TF32X3)
-dot_tn = functools.partial(pallas.dot_tn, precision=TF32X3)
+#: Every matmul of this module runs at the call's precision as Triton takes it
+#: (`core.pallas.triton_precision`): `TF32X3` (three TF32 tensor-core passes, about
+#: float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU) for ``high`` /
+#: ``highest``, one TF32 pass for ``default``.
+dot, dot_nt, dot_tn = pallas.dot, pallas.dot_nt, pallas.dot_tn
 
 
 def _total(terms):
@@ -145,7 +146,7 @@ class _Columns:
 
 
 # -- T = (I + A)⁻¹ -----------------------------------------------------------------------
-def _inverse_kernel(*, k, g, beta, t, chunk, block, block_k, serial):
+def _inverse_kernel(*, k, g, beta, t, chunk, block, block_k, serial, precision):
     """One chunk: ``T = (I + A)⁻¹``, ``A = strict_lower(β exp(D) K Kᵀ)``, in blocks of
     ``block`` rows (one block: the whole chunk's nilpotent product), the scores'
     ``K`` in steps of ``block_k`` columns. Forward substitution down the block
@@ -164,7 +165,7 @@ def _inverse_kernel(*, k, g, beta, t, chunk, block, block_k, serial):
     def scores(a, c):  # A_ac
         def step(i, acc):
             cs = pl.ds(i * block_k, block_k)
-            return acc + dot_nt(k[rows[a], cs].astype(F32), k[rows[c], cs].astype(F32))
+            return acc + dot_nt(k[rows[a], cs].astype(F32), k[rows[c], cs].astype(F32), precision=precision)
 
         kk = jax.lax.fori_loop(0, k.shape[-1] // block_k, step, jnp.zeros((block, block), F32))
         mask = inner_rows > inner_cols if a == c else inner_rows >= 0
@@ -173,14 +174,15 @@ def _inverse_kernel(*, k, g, beta, t, chunk, block, block_k, serial):
     inv = {}
     for a in range(nb):
         row = [scores(a, b) for b in range(a + 1)]
-        inv[a, a] = unit_lower_inverse(row[a], inner_rows, inner_cols, block, precision=TF32X3, serial=serial)
+        inv[a, a] = unit_lower_inverse(row[a], inner_rows, inner_cols, block, precision=precision, serial=serial)
         for c in range(a):
-            inv[a, c] = -dot(inv[a, a], _total([dot(row[b], inv[b, c]) for b in range(c, a)]))
+            inv[a, c] = -dot(inv[a, a], _total([dot(row[b], inv[b, c], precision=precision) for b in range(c, a)]),
+                             precision=precision)
         for c in range(nb):
             t[rows[a], rows[c]] = inv[a, c] if c <= a else jnp.zeros((block, block), F32)
 
 
-def chunk_inverse(k, g, beta, *, chunk: int, config: LinearAttentionConfig):
+def chunk_inverse(k, g, beta, *, chunk: int, config: LinearAttentionConfig, precision=HIGHEST):
     """``T = (I + A)⁻¹`` per chunk, float32 ``[BH, Tp, C]`` (row ``i`` of chunk ``c``
     holds ``T_ij`` of that chunk's columns ``j``), from ``k [BH, Tp, K]`` and float32
     ``g, beta [BH, Tp]``. On sm_90 the whole chunk's nilpotent product with its
@@ -194,7 +196,7 @@ def chunk_inverse(k, g, beta, *, chunk: int, config: LinearAttentionConfig):
     vec = pl.BlockSpec((None, chunk), lambda c, h: (h, c))
     return triton_kernel_call(
         functools.partial(_inverse_kernel, chunk=chunk, block=block, block_k=min(INVERSE_BLOCK_K, block, kdim),
-                          serial=not below),
+                          serial=not below, precision=triton_precision(precision)),
         grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, rows(kdim)), g=operand(g, vec), beta=operand(beta, vec)),
         outputs=dict(t=output((bh, tp, chunk), F32, rows(chunk))),
@@ -203,7 +205,7 @@ def chunk_inverse(k, g, beta, *, chunk: int, config: LinearAttentionConfig):
 
 
 # -- through the solve: the values ----------------------------------------------------------
-def _value_grads_kernel(*, v, beta, t, d_delta, d_rv, dv, dbeta, chunk, block, block_v):
+def _value_grads_kernel(*, v, beta, t, d_delta, d_rv, dv, dbeta, chunk, block, block_v, precision):
     """One chunk, value block by value block: ``dR_v = Tᵀ dΔ`` (``Σ_b T_bᵀ dΔ_b`` over
     ``T``'s blocks of ``block`` rows), ``dV = β ⊙ dR_v`` and ``dβ_i = Σ_v dR_v ⊙ V``."""
     rows = [pl.ds(a * block, block) for a in range(chunk // block)]
@@ -211,7 +213,7 @@ def _value_grads_kernel(*, v, beta, t, d_delta, d_rv, dv, dbeta, chunk, block, b
 
     def step(j, db):
         vs = pl.ds(j * block_v, block_v)
-        drv = _total([dot_tn(t[r, :], d_delta[r, vs]) for r in rows])
+        drv = _total([dot_tn(t[r, :], d_delta[r, vs], precision=precision) for r in rows])
         d_rv[:, vs] = drv
         dv[:, vs] = drv * b[:, None]
         return db + jnp.sum(drv * v[:, vs].astype(F32), axis=1)
@@ -220,7 +222,8 @@ def _value_grads_kernel(*, v, beta, t, d_delta, d_rv, dv, dbeta, chunk, block, b
 
 
 # -- one key block: the terms through the states --------------------------------------------
-def _state_grads_kernel(*, q, k, g, beta, states, delta, d_states, do, d_rv, dq, dk, dg, dbeta, chunk, block_v):
+def _state_grads_kernel(*, q, k, g, beta, states, delta, d_states, do, d_rv, dq, dk, dg, dbeta, chunk, block_v,
+                        precision):
     """One chunk and key block (``[C, BK]`` columns of ``q, k``; ``[BK, V]`` rows of
     the states), over the value blocks: ``dQ = dQ̃ ⊙ Γ``, ``dK = dK̃ ⊙ exp(tail)``
     (``dQ̃ = dO Sᵀ``, ``dK̃ = Δ dS'ᵀ``) and the key block's ``dg`` through them
@@ -232,10 +235,10 @@ def _state_grads_kernel(*, q, k, g, beta, states, delta, d_states, do, d_rv, dq,
         dqg, dkg, drw, dgamma = acc
         vs = pl.ds(j * block_v, block_v)
         s_j, ds_j = states[:, vs], d_states[:, vs]
-        dqg = dqg + dot_nt(do[:, vs], s_j)  # dQ̃ = dO Sᵀ
-        dkg = dkg + dot_nt(delta[:, vs], ds_j)  # dK̃ = Δ dS'ᵀ
+        dqg = dqg + dot_nt(do[:, vs], s_j, precision=precision)  # dQ̃ = dO Sᵀ
+        dkg = dkg + dot_nt(delta[:, vs], ds_j, precision=precision)  # dK̃ = Δ dS'ᵀ
         if d_rv is not None:
-            drw = drw - dot_nt(d_rv[:, vs], s_j)  # dR_w = −dR_v Sᵀ
+            drw = drw - dot_nt(d_rv[:, vs], s_j, precision=precision)  # dR_w = −dR_v Sᵀ
         return dqg, dkg, drw, dgamma + jnp.sum(s_j * ds_j)
 
     zero = jnp.zeros(qb.shape, F32)
@@ -259,7 +262,8 @@ def _state_grads_kernel(*, q, k, g, beta, states, delta, d_states, do, d_rv, dq,
 
 
 # -- the [C, C] gradients ------------------------------------------------------------------
-def _pair_grads_kernel(*, q, k, g, beta, delta, do, d_rv, dpe, dae, dg, dbeta, chunk, block, block_k, block_v):
+def _pair_grads_kernel(*, q, k, g, beta, delta, do, d_rv, dpe, dae, dg, dbeta, chunk, block, block_k, block_v,
+                       precision):
     """One chunk, column block by column block ``c``: ``dP[:, c] = dO Δ_cᵀ`` and, given
     ``d_rv``, ``dA[:, c] = −dR_v Δ_cᵀ`` (over the value blocks), the scores ``Q K_cᵀ``
     and ``K K_cᵀ`` (over the key blocks); writes ``dP ⊙ E`` (``j ≤ i``), ``dA ⊙ E``
@@ -275,13 +279,14 @@ def _pair_grads_kernel(*, q, k, g, beta, delta, do, d_rv, dpe, dae, dg, dbeta, c
         def over_values(j, acc):
             vs = pl.ds(j * block_v, block_v)
             delta_c = delta[r, vs]
-            return acc[0] + dot_nt(do[:, vs], delta_c), acc[1] - dot_nt(d_rv[:, vs], delta_c) if solve else None
+            return (acc[0] + dot_nt(do[:, vs], delta_c, precision=precision),
+                    acc[1] - dot_nt(d_rv[:, vs], delta_c, precision=precision) if solve else None)
 
         def over_keys(i, acc):
             ks = pl.ds(i * block_k, block_k)
             k_c = k[r, ks].astype(F32)
-            return (acc[0] + dot_nt(q[:, ks].astype(F32), k_c),
-                    acc[1] + dot_nt(k[:, ks].astype(F32), k_c) if solve else None)
+            return (acc[0] + dot_nt(q[:, ks].astype(F32), k_c, precision=precision),
+                    acc[1] + dot_nt(k[:, ks].astype(F32), k_c, precision=precision) if solve else None)
 
         dp, da = jax.lax.fori_loop(0, do.shape[-1] // block_v, over_values, (zero, zero if solve else None))
         dp_e = dp * cols.decay(c, strict=False)
@@ -303,7 +308,7 @@ def _pair_grads_kernel(*, q, k, g, beta, delta, do, d_rv, dpe, dae, dg, dbeta, c
         dbeta[...] = db
 
 
-def _key_grads_kernel(*, q, k, beta, dpe, dae, dq_in, dk_in, dq, dk, chunk, block):
+def _key_grads_kernel(*, q, k, beta, dpe, dae, dq_in, dk_in, dq, dk, chunk, block, precision):
     """One chunk and key block, block by block ``c`` of ``block`` columns (and rows)
     of ``dP ⊙ E`` and, given ``dae``, ``dA_k = β ⊙ (dA ⊙ E)``:
     ``dQ = dQ_in + Σ_c (dP ⊙ E)[:, c] K_c`` and
@@ -314,17 +319,18 @@ def _key_grads_kernel(*, q, k, beta, dpe, dae, dq_in, dk_in, dq, dk, chunk, bloc
         dq_acc, dk_acc = acc
         r = pl.ds(c * block, block)
         kc = k[r, :].astype(F32)
-        dq_acc = dq_acc + dot(dpe[:, r], kc)
-        dk_acc = dk_acc + dot_tn(dpe[r, :], q[r, :].astype(F32))
+        dq_acc = dq_acc + dot(dpe[:, r], kc, precision=precision)
+        dk_acc = dk_acc + dot_tn(dpe[r, :], q[r, :].astype(F32), precision=precision)
         if dae is not None:
-            dk_acc = dk_acc + dot(dae[:, r] * b[:, None], kc) + dot_tn(dae[r, :] * beta[r][:, None], kc)
+            dk_acc = (dk_acc + dot(dae[:, r] * b[:, None], kc, precision=precision)
+                      + dot_tn(dae[r, :] * beta[r][:, None], kc, precision=precision))
         return dq_acc, dk_acc
 
     dq[...], dk[...] = jax.lax.fori_loop(0, chunk // block, block_step, (dq_in[...], dk_in[...]))
 
 
 def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *, chunk: int,
-                       config: LinearAttentionConfig):
+                       config: LinearAttentionConfig, precision=HIGHEST):
     """Per-chunk gradients of the chunked recurrence's inputs.
 
     Args (float32 unless noted, heads-major and flattened, ``Tp`` a multiple of
@@ -339,6 +345,7 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
     dbeta [BH, Tp] or None)``. The kernels loop over value blocks of
     ``min(config.block_v, MAX_BLOCK_V, V)`` columns and run ``config.num_warps``
     warps, one stage; the key-block kernels take ``min(KEY_BLOCK, K)`` key columns each.
+    ``precision`` (resolved) of every matmul, as Triton runs it (`core.pallas.triton_precision`).
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
@@ -354,6 +361,7 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
     bk, bv, block = min(KEY_BLOCK, kdim), min(config.block_v, MAX_BLOCK_V, vdim), column_block(chunk)
     nk = kdim // bk
     launch = functools.partial(triton_kernel_call, num_warps=config.num_warps, num_stages=1)
+    tf32 = triton_precision(precision)
     delta_rule = beta is not None
 
     # grid (NT, BH): whole chunks
@@ -361,9 +369,10 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
     vec = pl.BlockSpec((None, chunk), lambda c, h: (h, c))
     d_rv = dv = db_v = None
     if delta_rule:
-        t = chunk_inverse(k, g, beta, chunk=chunk, config=config)
+        t = chunk_inverse(k, g, beta, chunk=chunk, config=config, precision=precision)
         values = launch(
-            functools.partial(_value_grads_kernel, chunk=chunk, block=block, block_v=bv), grid=(nt, bh),
+            functools.partial(_value_grads_kernel, chunk=chunk, block=block, block_v=bv, precision=tf32),
+            grid=(nt, bh),
             inputs=dict(v=operand(v, rows(vdim)), beta=operand(beta, vec), t=operand(t, rows(chunk)),
                         d_delta=operand(d_delta, rows(vdim))),
             outputs=dict(d_rv=output((bh, tp, vdim), F32, rows(vdim)), dv=output((bh, tp, vdim), F32, rows(vdim)),
@@ -372,7 +381,8 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
         d_rv, dv, db_v = values.d_rv, values.dv, values.dbeta
     square = output((bh, tp, chunk), F32, rows(chunk))
     pairs = launch(
-        functools.partial(_pair_grads_kernel, chunk=chunk, block=block, block_k=bk, block_v=bv), grid=(nt, bh),
+        functools.partial(_pair_grads_kernel, chunk=chunk, block=block, block_k=bk, block_v=bv, precision=tf32),
+        grid=(nt, bh),
         inputs=dict(q=operand(q, rows(kdim)), k=operand(k, rows(kdim)), g=operand(g, vec), beta=operand(beta, vec),
                     delta=operand(delta, rows(vdim)), do=operand(do, rows(vdim)), d_rv=operand(d_rv, rows(vdim))),
         outputs=dict(dpe=square, dae=square if delta_rule else None, dg=output((bh, tp), F32, vec),
@@ -388,14 +398,14 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
     grad = output((bh, tp, kdim), F32, key_rows)
     keys = dict(q=operand(q, key_rows), k=operand(k, key_rows), beta=operand(beta, key_vec))
     st = launch(
-        functools.partial(_state_grads_kernel, chunk=chunk, block_v=bv), grid=(nk, nt, bh),
+        functools.partial(_state_grads_kernel, chunk=chunk, block_v=bv, precision=tf32), grid=(nk, nt, bh),
         inputs=dict(keys, g=operand(g, key_vec), states=operand(states, state), delta=operand(delta, all_rows(vdim)),
                     d_states=operand(d_states, state), do=operand(do, all_rows(vdim)),
                     d_rv=operand(d_rv, all_rows(vdim))),
         outputs=dict(dq=grad, dk=grad, dg=per_key_block, dbeta=per_key_block if delta_rule else None),
         name="stellax_linear_attention_intra_bwd_states")
     out = launch(
-        functools.partial(_key_grads_kernel, chunk=chunk, block=block), grid=(nk, nt, bh),
+        functools.partial(_key_grads_kernel, chunk=chunk, block=block, precision=tf32), grid=(nk, nt, bh),
         inputs=dict(keys, dpe=operand(pairs.dpe, all_rows(chunk)), dae=operand(pairs.dae, all_rows(chunk)),
                     dq_in=operand(st.dq, key_rows), dk_in=operand(st.dk, key_rows)),
         outputs=dict(dq=grad, dk=grad), name="stellax_linear_attention_intra_bwd_keys")

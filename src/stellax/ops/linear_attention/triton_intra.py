@@ -25,10 +25,12 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
   on 4 warps whatever the config (`KDA_INTRA_WARPS`).
 
 The chunk matmuls (``K Kᵀ``, the inverse's products, ``T(β⊙V)``, ``T(β⊙Γ⊙K)``),
-KDA's sub-block scores and in-block tails (0/1-mask matmuls) run as `TF32X3`
-(three TF32 tensor-core passes, about float32 accuracy: an IEEE float32 dot is
-scalar FMA on a GPU); GDN's pair spans and KDA's prefixes are cumulative sums
-(`decay.tile_spans`). Every exponent is ≤ 0.
+KDA's sub-block scores and in-block tails (0/1-mask matmuls) run at the call's
+precision as Triton takes it (`core.pallas.triton_precision`: `TF32X3`, three
+TF32 tensor-core passes, about float32 accuracy, for ``high`` / ``highest``; one
+TF32 pass for ``default``; an IEEE float32 dot is scalar FMA on a GPU); GDN's
+pair spans and KDA's prefixes are cumulative sums (`decay.tile_spans`). Every
+exponent is ≤ 0.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ...core import current_platform
-from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import F32, HIGHEST, dot, dot_nt, operand, output, square_iota, triton_kernel_call, triton_precision
 from .configs import KDA_BLOCK_K, LinearAttentionConfig
 from .decay import block_pair_spans, masked_decay, tile_spans
 from .layout import check_flat_layout
@@ -67,7 +69,7 @@ def _chunk_vec(chunk: int):
 
 
 # -- GDN: the WY representation ------------------------------------------------------
-def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk):
+def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk, precision):
     """One chunk: ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)``, ``T = (I + strict_lower(β exp(D) K Kᵀ))⁻¹``;
     the ``[C, K]`` / ``[C, V]`` operands in blocks of `KDA_BLOCK_K` columns (loops:
     no dot holds a whole ``[C, 128]`` tile)."""
@@ -78,30 +80,30 @@ def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk):
 
     def scores(i, kk):
         kb = k[:, pl.ds(i * bk, bk)].astype(F32)
-        return kk + dot_nt(kb, kb, precision=TF32X3)
+        return kk + dot_nt(kb, kb, precision=precision)
 
     kk = jax.lax.fori_loop(0, kdim // bk, scores, jnp.zeros((chunk, chunk), F32))
     spans, prefix, _, _ = tile_spans(g[...], chunk)
     inv = unit_lower_inverse(kk * masked_decay(spans, rows > cols) * b[:, None], rows, cols, chunk,
-                             precision=TF32X3, serial=True)
+                             precision=precision, serial=True)
 
     def u_block(i, _):
         vs = pl.ds(i * bv, bv)
-        u[:, vs] = dot(inv, v[:, vs].astype(F32) * b[:, None], precision=TF32X3).astype(u.dtype)
+        u[:, vs] = dot(inv, v[:, vs].astype(F32) * b[:, None], precision=precision).astype(u.dtype)
         return 0
 
     scale = (b * jnp.exp(prefix))[:, None]
 
     def w_block(i, _):
         cs = pl.ds(i * bk, bk)
-        w[:, cs] = dot(inv, k[:, cs].astype(F32) * scale, precision=TF32X3).astype(w.dtype)
+        w[:, cs] = dot(inv, k[:, cs].astype(F32) * scale, precision=precision).astype(w.dtype)
         return 0
 
     jax.lax.fori_loop(0, vdim // bv, u_block, 0)
     jax.lax.fori_loop(0, kdim // bk, w_block, 0)
 
 
-def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk):
+def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk, precision):
     """`_gdn_wy_kernel` in blocks of `WY_BLOCK` rows (the kernel below sm_90):
     per block pair ``(a, c ≤ a)`` the scores ``A_ac = β_a exp(D_ac) k_a k_cᵀ``
     (`decay.block_pair_spans`; ``K`` in steps of `WY_SCORE_BLOCK_K` columns),
@@ -126,13 +128,13 @@ def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk):
     def scores(a, c):
         def step(i, acc):
             cs = pl.ds(i * step_k, step_k)
-            return acc + dot_nt(k[rows[a], cs].astype(F32), k[rows[c], cs].astype(F32), precision=TF32X3)
+            return acc + dot_nt(k[rows[a], cs].astype(F32), k[rows[c], cs].astype(F32), precision=precision)
 
         kk = jax.lax.fori_loop(0, kdim // step_k, step, jnp.zeros((s, s), F32))
         mask = inner_rows > inner_cols if a == c else inner_rows >= 0
         return kk * masked_decay(block_pair_spans(blocks, a, c), mask) * betas[a][:, None]
 
-    t = lazy_block_inverse(scores, nb, s, precision=TF32X3)
+    t = lazy_block_inverse(scores, nb, s, precision=precision)
 
     def apply(out, src, scales):  # out[rows a] = Σ_{c≤a} T_ac (scale_c ⊙ src_c), by column blocks
         width = min(src.shape[-1], KDA_BLOCK_K)
@@ -141,7 +143,7 @@ def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk):
                 cs = pl.ds(i * width, width)
                 acc = jnp.zeros((s, width), F32)
                 for c in range(a + 1):
-                    acc = acc + dot(t[a][c], src[rows[c], cs].astype(F32) * scales[c][:, None], precision=TF32X3)
+                    acc = acc + dot(t[a][c], src[rows[c], cs].astype(F32) * scales[c][:, None], precision=precision)
                 out[rows[a], cs] = acc.astype(out.dtype)
                 return 0
 
@@ -151,7 +153,7 @@ def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk):
     apply(w, k, [b * jnp.exp(p) for b, p in zip(betas, prefix)])
 
 
-def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
+def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig, precision=HIGHEST):
     """The delta rule's ``(U [BH, Tp, V], W [BH, Tp, K])`` float32 per chunk.
 
     Args: ``k [BH, Tp, K]``, ``v [BH, Tp, V]`` (any float dtype), float32 log
@@ -166,10 +168,10 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig):
     kspec, vspec, vec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_vec(chunk)
     stages = config.num_stages
     if current_platform().nvidia_below((9, 0)):  # mma.sync: small register operands (see the kernel)
-        kernel = functools.partial(_gdn_wy_blocked_kernel, chunk=chunk)
+        kernel = functools.partial(_gdn_wy_blocked_kernel, chunk=chunk, precision=triton_precision(precision))
         stages = stages if kdim > WY_SCORE_BLOCK_K or vdim > KDA_BLOCK_K else 1
     else:  # wgmma: whole-chunk matmuls, the inverse's steps serialized
-        kernel = functools.partial(_gdn_wy_kernel, chunk=chunk)
+        kernel = functools.partial(_gdn_wy_kernel, chunk=chunk, precision=triton_precision(precision))
     outs = triton_kernel_call(
         kernel, grid=(tp // chunk, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, vec), beta=operand(beta, vec)),
@@ -196,7 +198,7 @@ KDA_WY_BLOCK = 32
 KDA_INTRA_WARPS = 4
 
 
-def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
+def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk, precision):
     """One chunk's per-channel decayed scores and decay factors on sub-blocks of
     ``s = 16`` rows (every tile ``[s, s]`` or ``[s, channels]``):
 
@@ -221,7 +223,7 @@ def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
 
     def factors(i, _):
         cs = pl.ds(i * bk, bk)
-        prefix, tail, total = zip(*(sub_block_spans(g[r, cs].astype(F32)) for r in blocks))
+        prefix, tail, total = zip(*(sub_block_spans(g[r, cs].astype(F32), precision) for r in blocks))
         before = zero  # Σ_{t<a·s} g_t
         for a in range(nb):
             after = functools.reduce(jnp.add, total[a + 1:], zero)
@@ -234,14 +236,14 @@ def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
     def block_row(a):
         def earlier(i, acc):  # the pairs (a, c < a)
             cs = pl.ds(i * bk, bk)
-            prefix, tail, total = zip(*(sub_block_spans(g[r, cs].astype(F32)) for r in blocks[:a + 1]))
+            prefix, tail, total = zip(*(sub_block_spans(g[r, cs].astype(F32), precision) for r in blocks[:a + 1]))
             inner = jnp.exp(prefix[a])
             xs = (q[blocks[a], cs].astype(F32) * inner, k[blocks[a], cs].astype(F32) * inner)
             acc = list(acc)
             between = zero  # Σ_{c<b<a} Σ_{t∈b} g_t
             for c in reversed(range(a)):
                 y = k[blocks[c], cs].astype(F32) * jnp.exp(tail[c] + between[None, :])
-                acc[c] = tuple(o + dot_nt(x, y, precision=TF32X3) for o, x in zip(acc[c], xs))
+                acc[c] = tuple(o + dot_nt(x, y, precision=precision) for o, x in zip(acc[c], xs))
                 between = between + total[c]
             return tuple(acc)
 
@@ -264,7 +266,7 @@ def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk):
         block_row(a)
 
 
-def _kda_wy_kernel(*, k, v, g, beta, sk, u, w, t, chunk):
+def _kda_wy_kernel(*, k, v, g, beta, sk, u, w, t, chunk, precision):
     """One chunk's WY representation: ``T = (I + β⊙S_k)⁻¹`` (`solve.unit_lower_inverse`,
     serialized), ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)`` (``Γ_i = exp(Σ_{t≤i} g_t)``, a
     cumulative sum), in blocks of `KDA_WY_BLOCK` channels / value columns; ``T`` is
@@ -273,26 +275,27 @@ def _kda_wy_kernel(*, k, v, g, beta, sk, u, w, t, chunk):
     bk, bv = min(kdim, KDA_WY_BLOCK), min(vdim, KDA_WY_BLOCK)
     b = beta[...].astype(F32)
     rows, cols = square_iota(chunk)
-    inv = unit_lower_inverse(sk[...] * b[:, None], rows, cols, chunk, precision=TF32X3, serial=True)
+    inv = unit_lower_inverse(sk[...] * b[:, None], rows, cols, chunk, precision=precision, serial=True)
     if t is not None:
         t[...] = inv
 
     def w_block(i, _):
         cs = pl.ds(i * bk, bk)
         gate = jnp.exp(jnp.cumsum(g[:, cs].astype(F32), axis=0))
-        w[:, cs] = dot(inv, k[:, cs].astype(F32) * gate * b[:, None], precision=TF32X3)
+        w[:, cs] = dot(inv, k[:, cs].astype(F32) * gate * b[:, None], precision=precision)
         return 0
 
     def u_block(i, _):
         vs = pl.ds(i * bv, bv)
-        u[:, vs] = dot(inv, v[:, vs].astype(F32) * b[:, None], precision=TF32X3)
+        u[:, vs] = dot(inv, v[:, vs].astype(F32) * b[:, None], precision=precision)
         return 0
 
     jax.lax.fori_loop(0, kdim // bk, w_block, 0)
     jax.lax.fori_loop(0, vdim // bv, u_block, 0)
 
 
-def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig, with_solve: bool = False):
+def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionConfig, with_solve: bool = False,
+                      precision=HIGHEST):
     """The per-chunk factors, all float32, by two kernels over the grid ``(NT, BH)``:
     `_kda_scores_kernel` (``P``, the strictly lower k scores ``S_k`` and the decay
     factors) then `_kda_wy_kernel` (``T``, ``U``, ``W`` from ``S_k`` in HBM).
@@ -312,17 +315,18 @@ def kda_intra_forward(q, k, v, g, beta, *, chunk: int, config: LinearAttentionCo
     vdim = v.shape[-1]
     nt = tp // chunk
     kspec, vspec, cspec = _chunk_spec(chunk, kdim), _chunk_spec(chunk, vdim), _chunk_spec(chunk, chunk)
+    tf32 = triton_precision(precision)
     square = output((bh, tp, chunk), F32, cspec)
     per_channel = output((bh, tp, kdim), F32, kspec)
     scores = triton_kernel_call(
-        functools.partial(_kda_scores_kernel, chunk=chunk), grid=(nt, bh),
+        functools.partial(_kda_scores_kernel, chunk=chunk, precision=tf32), grid=(nt, bh),
         inputs=dict(q=operand(q, kspec), k=operand(k, kspec), g=operand(g, kspec)),
         outputs=dict(p=square, sk=square, qg=per_channel, kg=per_channel,
                      gamma=output((bh, nt, kdim), F32, pl.BlockSpec((None, None, kdim), lambda c, h: (h, c, 0)))),
         num_warps=KDA_INTRA_WARPS, num_stages=1, name="stellax_kda_scores",
     )
     wy = triton_kernel_call(
-        functools.partial(_kda_wy_kernel, chunk=chunk), grid=(nt, bh),
+        functools.partial(_kda_wy_kernel, chunk=chunk, precision=tf32), grid=(nt, bh),
         inputs=dict(k=operand(k, kspec), v=operand(v, vspec), g=operand(g, kspec),
                     beta=operand(beta, _chunk_vec(chunk)), sk=operand(scores.sk, cspec)),
         outputs=dict(u=output((bh, tp, vdim), F32, vspec), w=per_channel, t=square if with_solve else None),

@@ -55,17 +55,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ...core import pallas
-from ...core.pallas import F32, TF32X3, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import F32, HIGHEST, operand, output, square_iota, triton_kernel_call, triton_precision
 from .configs import LinearAttentionConfig
 from .layout import check_flat_layout
 from .scores import CHANNEL_SUB_BLOCK
 
-#: Every matmul of this module runs as `TF32X3` (three TF32 tensor-core passes,
-#: about float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU). The 0/1
-#: masks are exact in TF32; their other operand carries < 2⁻²⁰ relative error.
-dot = functools.partial(pallas.dot, precision=TF32X3)
-dot_nt = functools.partial(pallas.dot_nt, precision=TF32X3)
-dot_tn = functools.partial(pallas.dot_tn, precision=TF32X3)
+#: Every matmul of this module runs at the call's precision as Triton takes it
+#: (`core.pallas.triton_precision`): `TF32X3` (three TF32 tensor-core passes, about
+#: float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU) for ``high`` /
+#: ``highest``, one TF32 pass for ``default``. The 0/1 masks are exact in TF32; at
+#: `TF32X3` their other operand carries < 2⁻²⁰ relative error.
+dot, dot_nt, dot_tn = pallas.dot, pallas.dot_nt, pallas.dot_tn
 
 #: Value columns and channels per step of the WY backward's loops (static tier, sm_90,
 #: K = V = 128, 4 warps: 64 spilled 28 B; 32 none, ptxas needs at most 214 registers).
@@ -75,7 +75,7 @@ WY_BLOCK = 32
 SCORES_BLOCK_K = 32
 
 
-def _wy_backward_kernel(*, v, beta, t, sk, u, w, du, dw, dv, dbeta, dsk, drw, chunk):
+def _wy_backward_kernel(*, v, beta, t, sk, u, w, du, dw, dv, dbeta, dsk, drw, chunk, precision):
     """One chunk, the WY solve backwards: ``dv [C, V]``, ``dS_k [C, C]``,
     ``dR_W [C, K]`` and the part of ``dβ [C]`` that is not per channel.
 
@@ -94,15 +94,15 @@ def _wy_backward_kernel(*, v, beta, t, sk, u, w, du, dw, dv, dbeta, dsk, drw, ch
     def v_block(i, carry):
         da, db = carry
         vs = pl.ds(i * bv, bv)
-        dr = dot_tn(tc, du[:, vs])
+        dr = dot_tn(tc, du[:, vs], precision=precision)
         dv[:, vs] = dr * b[:, None]
-        return da + dot_nt(dr, u[:, vs]), db + jnp.sum(dr * v[:, vs].astype(F32), axis=1)
+        return da + dot_nt(dr, u[:, vs], precision=precision), db + jnp.sum(dr * v[:, vs].astype(F32), axis=1)
 
     def w_block(i, da):
         cs = pl.ds(i * bk, bk)
-        dr = dot_tn(tc, dw[:, cs])
+        dr = dot_tn(tc, dw[:, cs], precision=precision)
         drw[:, cs] = dr
-        return da + dot_nt(dr, w[:, cs])
+        return da + dot_nt(dr, w[:, cs], precision=precision)
 
     zeros = (jnp.zeros((chunk, chunk), F32), jnp.zeros((chunk,), F32))
     da, db = jax.lax.fori_loop(0, vdim // bv, v_block, zeros)
@@ -145,7 +145,7 @@ def _diagonal_block(qa, ka, ga, dp_aa, dsk_aa, k, start, col_sums, init):
     return dq_a, dk_a, dg_a
 
 
-def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq, dk, dg, dbeta, chunk):
+def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq, dk, dg, dbeta, chunk, precision):
     """One chunk, ``bk`` channels: ``dq, dk, dg [C, bk]`` of ``Σ dP⊙P + Σ dS_k⊙S_k``
     and of the decay factors ``Q⊙Γ`` (cotangent ``dqg``), ``K̃`` (``dkg``),
     ``Γ_C`` (``dgamma [bk]``) and ``R_W = β⊙Γ⊙K`` (``dR_W``: ``dk`` gets
@@ -171,7 +171,7 @@ def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq
         return jnp.sum(jnp.where((blocks >= lo) & (blocks < hi), totals, 0.0), axis=0, keepdims=True)
 
     def tail(a):  # Σ_{j<t<(a+1)·s} g for the rows j of block a
-        return dot(later, rows_of(g, a))
+        return dot(later, rows_of(g, a), precision=precision)
 
     def suffix_sum(m, sums):  # Σ over block m of K̃'s cotangent of Σ_{t>j} g
         decay = jnp.exp(tail(m) + whole(m + 1, nb))
@@ -192,8 +192,8 @@ def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq
         def later_rows(c_, c):  # the columns of block a against the rows of block c_ > a
             dk_a, col_sums = c
             inner_c = jnp.exp(jnp.cumsum(rows_of(g, c_), axis=0))
-            cx = (dot_tn(square(dp, c_, a), rows_of(q, c_) * inner_c)
-                  + dot_tn(square(dsk, c_, a), rows_of(k, c_) * inner_c))
+            cx = (dot_tn(square(dp, c_, a), rows_of(q, c_) * inner_c, precision=precision)
+                  + dot_tn(square(dsk, c_, a), rows_of(k, c_) * inner_c, precision=precision))
             kx = jnp.exp(tail_a + whole(a + 1, c_)) * cx  # Σ_{i in c_} M_ij / k_j
             return dk_a + kx, col_sums + ka * kx
 
@@ -212,7 +212,8 @@ def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq
         def earlier_columns(b, c):  # the rows of block a against the columns of block b < a
             dq_a, dk_a, row_sums, between = c
             y = rows_of(k, b) * jnp.exp(tail(b) + whole(b + 1, a))  # k_j exp(Σ_{j<t<a·s} g)
-            ry_q, ry_k = dot(square(dp, a, b), y), dot(square(dsk, a, b), y)
+            ry_q = dot(square(dp, a, b), y, precision=precision)
+            ry_k = dot(square(dsk, a, b), y, precision=precision)
             m = xq * ry_q + xk * ry_k  # Σ_{j in b} M_ij
             pair = jnp.sum(m, axis=0, keepdims=True)
             between = between + jnp.where((blocks > b) & (blocks < a), pair, 0.0)
@@ -235,7 +236,8 @@ def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq
     jax.lax.fori_loop(0, nb, block, (zeros, jnp.zeros((1, bk), F32)))
 
 
-def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config: LinearAttentionConfig):
+def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config: LinearAttentionConfig,
+                       precision=HIGHEST):
     """The per-chunk gradients, float32 ``(dq, dk [BH, Tp, K], dv [BH, Tp, V], dg [BH, Tp, K], dβ [BH, Tp])``.
 
     Args: ``q, k, g [BH, Tp, K]``, ``v [BH, Tp, V]``, ``beta [BH, Tp]`` (as in
@@ -246,7 +248,8 @@ def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config
     and ``dR_W [BH, Tp, K]`` (float32) between them in HBM, and ``dβ`` the sum of
     the WY kernel's part and one part per block of channels. One stage each
     whatever ``config.num_stages`` (their loops run over one chunk's blocks and
-    found nothing to pipeline).
+    found nothing to pipeline). ``precision`` (resolved) of every matmul, as Triton
+    runs it (`core.pallas.triton_precision`).
     """
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
@@ -260,7 +263,7 @@ def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config
     kspec, vspec, cspec = spec(kdim), spec(vdim), spec(chunk)
     vec = pl.BlockSpec((None, chunk), lambda c, h: (h, c))
     wy = triton_kernel_call(
-        functools.partial(_wy_backward_kernel, chunk=chunk), grid=(nt, bh),
+        functools.partial(_wy_backward_kernel, chunk=chunk, precision=triton_precision(precision)), grid=(nt, bh),
         inputs=dict(v=operand(v, vspec), beta=operand(beta, vec), t=operand(t, cspec), sk=operand(sk, cspec),
                     u=operand(u, vspec), w=operand(w, kspec), du=operand(cot["U"], vspec),
                     dw=operand(cot["W"], kspec)),
@@ -274,7 +277,8 @@ def kda_intra_backward(q, k, v, g, beta, t, sk, u, w, cot, *, chunk: int, config
     channels = pl.BlockSpec((None, chunk, bk), lambda j, c, h: (h, c, j))
     square = pl.BlockSpec((None, chunk, chunk), lambda j, c, h: (h, c, 0))
     grads = triton_kernel_call(
-        functools.partial(_scores_backward_kernel, chunk=chunk), grid=(nk, nt, bh),
+        functools.partial(_scores_backward_kernel, chunk=chunk, precision=triton_precision(precision)),
+        grid=(nk, nt, bh),
         inputs=dict(q=operand(q, channels), k=operand(k, channels), g=operand(g, channels),
                     beta=operand(beta, pl.BlockSpec((None, chunk), lambda j, c, h: (h, c))),
                     dp=operand(cot["P"], square), dsk=operand(wy.dsk, square), dqg=operand(cot["qg"], channels),

@@ -11,7 +11,9 @@ Per chunk and block of ``BV`` value columns, from the chunk-initial states
   `triton_intra.kda_intra_forward`.
 
 Arrays are heads-major and flattened (`layout`); float32; the
-matmuls run as `TF32X3` (three TF32 tensor-core passes, about float32 accuracy),
+matmuls run at the call's precision as Triton takes it (`core.pallas.triton_precision`:
+`TF32X3`, three TF32 tensor-core passes, about float32 accuracy, for ``high`` /
+``highest``; one TF32 pass for ``default``),
 the K contractions in `BLOCK_K`-column blocks (a loop: whole ``[C, K]`` TF32X3
 operands spilled registers).
 """
@@ -24,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, TF32X3, dot, dot_nt, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import (F32, HIGHEST, dot, dot_nt, operand, output, square_iota, triton_kernel_call,
+                            triton_precision)
 from .configs import LinearAttentionConfig
 from .decay import masked_decay, tile_spans
 from .layout import check_flat_layout
@@ -41,7 +44,7 @@ def _specs(chunk: int, kdim: int, bv: int):
             pl.BlockSpec((None, None, kdim, bv), lambda c, h, j: (h, c, 0, j)))
 
 
-def _gdn_output_kernel(*, q, k, g, delta, states, o, chunk, block_k):
+def _gdn_output_kernel(*, q, k, g, delta, states, o, chunk, block_k, precision):
     """``O = (Q ⊙ Γ) S_c + ((Q Kᵀ) ⊙ exp(D))_{j≤i} Δ``, the K contractions in
     blocks of ``block_k`` columns (no dot holds more than a ``[C, block_k]`` tile)."""
     rows, cols = square_iota(chunk)
@@ -51,17 +54,17 @@ def _gdn_output_kernel(*, q, k, g, delta, states, o, chunk, block_k):
         qk, out = acc
         cs = pl.ds(i * block_k, block_k)
         qb = q[:, cs].astype(F32)
-        qk = qk + dot_nt(qb, k[:, cs].astype(F32), precision=TF32X3)
-        return qk, out + dot(qb * gate[:, None], states[cs, :], precision=TF32X3)
+        qk = qk + dot_nt(qb, k[:, cs].astype(F32), precision=precision)
+        return qk, out + dot(qb * gate[:, None], states[cs, :], precision=precision)
 
     zeros = (jnp.zeros((chunk, chunk), F32), jnp.zeros(o.shape, F32))
     qk, out = jax.lax.fori_loop(0, q.shape[-1] // block_k, keys, zeros)
     spans, _, _, _ = tile_spans(g[...], chunk)
     p = qk * masked_decay(spans, rows >= cols)
-    o[...] = (out + dot(p, delta[...], precision=TF32X3)).astype(o.dtype)
+    o[...] = (out + dot(p, delta[...], precision=precision)).astype(o.dtype)
 
 
-def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAttentionConfig):
+def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAttentionConfig, precision=HIGHEST):
     """``O [BH, Tp, V]`` float32 from ``q, k [BH, Tp, K]`` (q scaled), float32
     ``g [BH, Tp]``, the residuals ``delta [BH, Tp, V]`` and the chunk-initial
     ``states [BH, NT, K, V]``."""
@@ -70,7 +73,8 @@ def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAtte
     bv = min(config.block_v, vdim)
     rows, block, state = _specs(chunk, kdim, bv)
     outs = triton_kernel_call(
-        functools.partial(_gdn_output_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim)),
+        functools.partial(_gdn_output_kernel, chunk=chunk, block_k=min(BLOCK_K, kdim),
+                          precision=triton_precision(precision)),
         grid=(tp // chunk, bh, vdim // bv),
         inputs=dict(q=operand(q, rows), k=operand(k, rows),
                     g=operand(g, pl.BlockSpec((None, chunk), lambda c, h, j: (h, c))),
@@ -81,17 +85,17 @@ def gdn_output_forward(q, k, g, delta, states, *, chunk: int, config: LinearAtte
     return outs.o
 
 
-def _kda_output_kernel(*, qg, p, delta, states, o, block_k):
+def _kda_output_kernel(*, qg, p, delta, states, o, block_k, precision):
     """``O = (Q⊙Γ) S_c + P Δ``, the K contraction in blocks of ``block_k`` columns."""
     def keys(i, out):
         cs = pl.ds(i * block_k, block_k)
-        return out + dot(qg[:, cs], states[cs, :], precision=TF32X3)
+        return out + dot(qg[:, cs], states[cs, :], precision=precision)
 
     out = jax.lax.fori_loop(0, qg.shape[-1] // block_k, keys, jnp.zeros(o.shape, F32))
-    o[...] = out + dot(p[...], delta[...], precision=TF32X3)
+    o[...] = out + dot(p[...], delta[...], precision=precision)
 
 
-def kda_output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttentionConfig):
+def kda_output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttentionConfig, precision=HIGHEST):
     """``O = (Q⊙Γ) S_c + P Δ``, float32 ``[BH, Tp, V]``, from ``qg [BH, Tp, K]``,
     ``p [BH, Tp, C]`` (`triton_intra.kda_intra_forward`), ``delta [BH, Tp, V]`` and the
     chunk-initial ``states [BH, NT, K, V]`` (`triton_scan.kda_state_forward`)."""
@@ -102,7 +106,8 @@ def kda_output_forward(qg, p, delta, states, *, chunk: int, config: LinearAttent
     bv = min(config.block_v, vdim)
     rows, block, state = _specs(chunk, kdim, bv)
     outs = triton_kernel_call(
-        functools.partial(_kda_output_kernel, block_k=min(BLOCK_K, kdim)), grid=(tp // chunk, bh, vdim // bv),
+        functools.partial(_kda_output_kernel, block_k=min(BLOCK_K, kdim), precision=triton_precision(precision)),
+        grid=(tp // chunk, bh, vdim // bv),
         inputs=dict(qg=operand(qg, rows), p=operand(p, pl.BlockSpec((None, chunk, chunk), lambda c, h, j: (h, c, 0))),
                     delta=operand(delta, block), states=operand(states, state)),
         outputs=dict(o=output(delta.shape, F32, block)),

@@ -23,8 +23,10 @@ storing it per chunk, with ``dΔ`` and the initial states' gradients:
   ``dS ← exp(G_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ`` (``P`` recomputed per chunk);
 * `kda_state_backward`: the same from the stored ``P``, ``Q⊙Γ``, ``K̃``, ``W``, ``Γ_C``.
 
-The scans' matmuls run as `TF32X3` (three TF32 tensor-core passes, about
-float32 accuracy; an IEEE float32 dot is scalar FMA on a GPU), on ``[C, 64]``
+The scans' matmuls run at the call's precision as Triton takes it
+(`core.pallas.triton_precision`: `TF32X3`, three TF32 tensor-core passes, about
+float32 accuracy, for ``high`` / ``highest``, one TF32 pass for ``default``; an
+IEEE float32 dot is scalar FMA on a GPU), on ``[C, 64]``
 column blocks of the ``[C, K]`` operands against the state's ``[64, BV]`` row
 blocks (`BLOCK_K`). Exponents are ≤ 0.
 """
@@ -38,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, TF32X3, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call
+from ...core.pallas import (F32, HIGHEST, dot, dot_nt, dot_tn, operand, output, square_iota, triton_kernel_call,
+                            triton_precision)
 from .configs import LinearAttentionConfig
 from .decay import masked_decay, tile_spans
 from .layout import check_flat_layout
@@ -153,11 +156,12 @@ class ScanLayout:
         return dict(first=operand(first, spec), seq=operand(seq, spec), last=operand(last, spec))
 
     def launch(self, kernel, inputs: dict, meta, *, names: tuple[str, str, str], config: LinearAttentionConfig,
-               name: str):
+               name: str, precision=HIGHEST):
         """Run ``kernel`` (its ``chunks, chunk`` bound here) on the named ``inputs``
         and the packed batch's ``meta``; its float32 outputs, named by ``names``:
-        ``(per-chunk states [BH, NT, K, V], per-token [BH, Tp, V], end states [n_states, K, V])``."""
-        kernel = functools.partial(kernel, chunks=self.nt, chunk=self.chunk)
+        ``(per-chunk states [BH, NT, K, V], per-token [BH, Tp, V], end states [n_states, K, V])``;
+        ``precision`` (resolved) of the kernel's matmuls, as Triton runs it (`triton_precision`)."""
+        kernel = functools.partial(kernel, chunks=self.nt, chunk=self.chunk, precision=triton_precision(precision))
         store, per_token, end = names
         outs = triton_kernel_call(
             kernel, grid=(self.bh, self.vdim // self.bv),
@@ -172,7 +176,7 @@ class ScanLayout:
 
 
 # -- forward --------------------------------------------------------------------------
-def _gdn_state_kernel(*, w, u, k, g, h0, first, seq, last, states, delta, final, chunks, chunk, heads):
+def _gdn_state_kernel(*, w, u, k, g, h0, first, seq, last, states, delta, final, chunks, chunk, heads, precision):
     """``Δ = U − W S``, ``S ← exp(G_C) S + (K ⊙ exp(tail))ᵀ Δ`` chunk by chunk (``S`` in key blocks)."""
     rows_i, cols_i = square_iota(chunk)
     blocks = key_blocks(k.shape[-1])
@@ -185,16 +189,17 @@ def _gdn_state_kernel(*, w, u, k, g, h0, first, seq, last, states, delta, final,
         d = u[rows, :].astype(F32)
         if w is not None:
             for ks, s in zip(blocks, state):
-                d = d - dot(w[rows, ks].astype(F32), s, precision=TF32X3)
+                d = d - dot(w[rows, ks].astype(F32), s, precision=precision)
         delta[rows, :] = d
         keep = jnp.exp(tail)[:, None]
-        return [jnp.exp(total) * s + dot_tn(k[rows, ks].astype(F32) * keep, d, precision=TF32X3)
+        return [jnp.exp(total) * s + dot_tn(k[rows, ks].astype(F32) * keep, d, precision=precision)
                 for ks, s in zip(blocks, state)]
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=h0, store=states, end=final)
 
 
-def gdn_state_forward(w, u, k, g, h0, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):
+def gdn_state_forward(w, u, k, g, h0, meta, *, chunk: int, heads: int, config: LinearAttentionConfig,
+                      precision=HIGHEST):
     """``(S_c [BH, NT, K, V], Δ [BH, Tp, V], final [N·HV, K, V])`` float32.
 
     Args: ``w [BH, Tp, K]`` or ``None`` (no delta rule), ``u [BH, Tp, V]``,
@@ -206,10 +211,12 @@ def gdn_state_forward(w, u, k, g, h0, meta, *, chunk: int, heads: int, config: L
     inputs = dict(w=operand(w, scan.rows(kdim)), u=operand(u, scan.rows_v), k=operand(k, scan.rows(kdim)),
                   g=operand(g, scan.per_token), h0=operand(h0, scan.states))
     return scan.launch(functools.partial(_gdn_state_kernel, heads=heads), inputs, meta,
-                       names=("states", "delta", "final"), config=config, name="stellax_linear_attention_state")
+                       names=("states", "delta", "final"), config=config, name="stellax_linear_attention_state",
+                       precision=precision)
 
 
-def _kda_state_kernel(*, w, u, kg, gamma, h0, first, seq, last, states, delta, final, chunks, chunk, heads):
+def _kda_state_kernel(*, w, u, kg, gamma, h0, first, seq, last, states, delta, final, chunks, chunk, heads,
+                      precision):
     """``Δ = U − W S``, ``S ← diag(Γ_C) S + K̃ᵀ Δ`` chunk by chunk (``S`` in key blocks)."""
     blocks = key_blocks(kg.shape[-1])
 
@@ -217,15 +224,16 @@ def _kda_state_kernel(*, w, u, kg, gamma, h0, first, seq, last, states, delta, f
         rows = pl.ds(c * chunk, chunk)
         d = u[rows, :]
         for ks, s in zip(blocks, state):
-            d = d - dot(w[rows, ks], s, precision=TF32X3)
+            d = d - dot(w[rows, ks], s, precision=precision)
         delta[rows, :] = d
-        return [gamma[c, ks][:, None] * s + dot_tn(kg[rows, ks], d, precision=TF32X3)
+        return [gamma[c, ks][:, None] * s + dot_tn(kg[rows, ks], d, precision=precision)
                 for ks, s in zip(blocks, state)]
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=h0, store=states, end=final)
 
 
-def kda_state_forward(w, u, kg, gamma, h0, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):
+def kda_state_forward(w, u, kg, gamma, h0, meta, *, chunk: int, heads: int, config: LinearAttentionConfig,
+                      precision=HIGHEST):
     """The chunk scan ``S ← diag(Γ_C) S + K̃ᵀ(U − W S)``.
 
     Args: ``w, kg [BH, Tp, K]``, ``u [BH, Tp, V]``, ``gamma [BH, NT, K]`` (from
@@ -240,11 +248,13 @@ def kda_state_forward(w, u, kg, gamma, h0, meta, *, chunk: int, heads: int, conf
     inputs = dict(w=operand(w, scan.rows(kdim)), u=operand(u, scan.rows_v), kg=operand(kg, scan.rows(kdim)),
                   gamma=operand(gamma, scan.per_chunk(kdim)), h0=operand(h0, scan.states))
     return scan.launch(functools.partial(_kda_state_kernel, heads=heads), inputs, meta,
-                       names=("states", "delta", "final"), config=config, name="stellax_kda_state")
+                       names=("states", "delta", "final"), config=config, name="stellax_kda_state",
+                       precision=precision)
 
 
 # -- reverse --------------------------------------------------------------------------
-def _gdn_state_backward_kernel(*, q, k, g, w, do, dht, first, seq, last, ds, dd, dh0, chunks, chunk, heads):
+def _gdn_state_backward_kernel(*, q, k, g, w, do, dht, first, seq, last, ds, dd, dh0, chunks, chunk, heads,
+                               precision):
     """``dΔ = Pᵀ dO + K̃ dS``, ``dS ← exp(G_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``, chunks in reverse
     (``dS`` in key blocks).
 
@@ -262,19 +272,19 @@ def _gdn_state_backward_kernel(*, q, k, g, w, do, dht, first, seq, last, ds, dd,
         doc = do[rows, :].astype(F32)
         qk = jnp.zeros((chunk, chunk), F32)
         for ks in blocks:
-            qk = qk + dot_nt(q[rows, ks].astype(F32), k[rows, ks].astype(F32), precision=TF32X3)
-        d_delta = dot_tn(qk * masked_decay(spans, rows_i >= cols_i), doc, precision=TF32X3)
+            qk = qk + dot_nt(q[rows, ks].astype(F32), k[rows, ks].astype(F32), precision=precision)
+        d_delta = dot_tn(qk * masked_decay(spans, rows_i >= cols_i), doc, precision=precision)
         k_ds = jnp.zeros(doc.shape, F32)
         for ks, s in zip(blocks, d_state):
-            k_ds = k_ds + dot(k[rows, ks].astype(F32), s, precision=TF32X3)
+            k_ds = k_ds + dot(k[rows, ks].astype(F32), s, precision=precision)
         d_delta = d_delta + jnp.exp(tail)[:, None] * k_ds
         dd[rows, :] = d_delta
         do_gated = doc * jnp.exp(prefix)[:, None] + 0.0 * d_delta
         out = []
         for ks, s in zip(blocks, d_state):
-            s = jnp.exp(total) * s + dot_tn(q[rows, ks].astype(F32), do_gated, precision=TF32X3)
+            s = jnp.exp(total) * s + dot_tn(q[rows, ks].astype(F32), do_gated, precision=precision)
             if w is not None:
-                s = s - dot_tn(w[rows, ks].astype(F32), d_delta, precision=TF32X3)
+                s = s - dot_tn(w[rows, ks].astype(F32), d_delta, precision=precision)
             out.append(s)
         return out
 
@@ -282,7 +292,8 @@ def _gdn_state_backward_kernel(*, q, k, g, w, do, dht, first, seq, last, ds, dd,
               reverse=True)
 
 
-def gdn_state_backward(q, k, g, w, do, dht, meta, *, chunk: int, heads: int, config: LinearAttentionConfig):
+def gdn_state_backward(q, k, g, w, do, dht, meta, *, chunk: int, heads: int, config: LinearAttentionConfig,
+                       precision=HIGHEST):
     """The reverse chunk scan of `gdn_state_forward`: float32 ``(dS [BH, NT, K, V]``
     (gradient of each chunk's final state), ``dΔ [BH, Tp, V], dh0 [N·HV, K, V])``.
 
@@ -295,11 +306,12 @@ def gdn_state_backward(q, k, g, w, do, dht, meta, *, chunk: int, heads: int, con
     inputs = dict(q=operand(q, scan.rows(kdim)), k=operand(k, scan.rows(kdim)), g=operand(g, scan.per_token),
                   w=operand(w, scan.rows(kdim)), do=operand(do, scan.rows_v), dht=operand(dht, scan.states))
     return scan.launch(functools.partial(_gdn_state_backward_kernel, heads=heads), inputs, meta,
-                       names=("ds", "dd", "dh0"), config=config, name="stellax_linear_attention_state_bwd")
+                       names=("ds", "dd", "dh0"), config=config, name="stellax_linear_attention_state_bwd",
+                       precision=precision)
 
 
 def _kda_state_backward_kernel(*, p, qg, kg, w, gamma, do, dht, first, seq, last, ds, dd, dh0, chunks, chunk,
-                               heads):
+                               heads, precision):
     """``dΔ = Pᵀ dO + K̃ dS``, ``dS ← diag(Γ_C) dS + (Q⊙Γ)ᵀ dO − Wᵀ dΔ``, chunks in reverse
     (``dS`` in key blocks)."""
     blocks = key_blocks(kg.shape[-1])
@@ -307,19 +319,19 @@ def _kda_state_backward_kernel(*, p, qg, kg, w, gamma, do, dht, first, seq, last
     def step(c, d_state):
         rows = pl.ds(c * chunk, chunk)
         doc = do[rows, :]
-        d_delta = dot_tn(p[rows, :], doc, precision=TF32X3)
+        d_delta = dot_tn(p[rows, :], doc, precision=precision)
         for ks, s in zip(blocks, d_state):
-            d_delta = d_delta + dot(kg[rows, ks], s, precision=TF32X3)
+            d_delta = d_delta + dot(kg[rows, ks], s, precision=precision)
         dd[rows, :] = d_delta
-        return [gamma[c, ks][:, None] * s + dot_tn(qg[rows, ks], doc, precision=TF32X3)
-                - dot_tn(w[rows, ks], d_delta, precision=TF32X3) for ks, s in zip(blocks, d_state)]
+        return [gamma[c, ks][:, None] * s + dot_tn(qg[rows, ks], doc, precision=precision)
+                - dot_tn(w[rows, ks], d_delta, precision=precision) for ks, s in zip(blocks, d_state)]
 
     scan_loop(step, chunks=chunks, heads=heads, first=first, seq=seq, last=last, start=dht, store=ds, end=dh0,
               reverse=True)
 
 
 def kda_state_backward(p, qg, kg, w, gamma, do, dht, meta, *, chunk: int, heads: int,
-                       config: LinearAttentionConfig):
+                       config: LinearAttentionConfig, precision=HIGHEST):
     """The reverse chunk scan of `kda_state_forward`.
 
     Args: ``p [BH, Tp, C]``, ``qg, kg, w [BH, Tp, K]``, ``gamma [BH, NT, K]``
@@ -337,4 +349,5 @@ def kda_state_backward(p, qg, kg, w, gamma, do, dht, meta, *, chunk: int, heads:
                   w=operand(w, scan.rows(kdim)), gamma=operand(gamma, scan.per_chunk(kdim)),
                   do=operand(do, scan.rows_v), dht=operand(dht, scan.states))
     return scan.launch(functools.partial(_kda_state_backward_kernel, heads=heads), inputs, meta,
-                       names=("ds", "dd", "dh0"), config=config, name="stellax_kda_state_bwd")
+                       names=("ds", "dd", "dh0"), config=config, name="stellax_kda_state_bwd",
+                       precision=precision)

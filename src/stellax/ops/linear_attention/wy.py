@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ...core.pallas import HIGHEST
 from .decay import expand_gate, tail_sums
 from .scores import decayed_scores
 from .solve import solve_unit_lower
 
 
-def chunk_intra(q, k, v, g, beta):
+def chunk_intra(q, k, v, g, beta, precision=HIGHEST):
     """The parallel, per-chunk part (stages 1–4), float32.
 
     Args: ``q, k [..., C, K]`` (q already scaled), ``v [..., C, V]``,
       ``g`` per-step log decays ``[..., C]`` or ``[..., C, K]``, ``beta [..., C]``
-      or ``None`` (no delta rule).
+      or ``None`` (no delta rule); ``precision`` of the matmuls.
     Returns a dict with ``U [.., C, V]``, ``W [.., C, K]`` (absent without
     delta), ``P [.., C, C]``, ``qg = Γ⊙Q``, ``kg = K̃ [.., C, K]`` and
     ``gamma = Γ_C`` (``[..., 1, 1]`` or ``[..., K, 1]``).
@@ -45,16 +46,16 @@ def chunk_intra(q, k, v, g, beta):
         "gamma": jnp.swapaxes(gate[..., -1:, :], -1, -2),
     }
     if beta is None:
-        out["P"] = decayed_scores(q[..., None, :, :], k, g)[..., 0, :, :]
+        out["P"] = decayed_scores(q[..., None, :, :], k, g, precision)[..., 0, :, :]
         out["U"] = v
         return out
-    scores = decayed_scores(jnp.stack([q, k], axis=-3), k, g)
+    scores = decayed_scores(jnp.stack([q, k], axis=-3), k, g, precision)
     c = k.shape[-2]
     strictly_lower = jnp.arange(c)[:, None] > jnp.arange(c)[None, :]
     A = jnp.where(strictly_lower, scores[..., 1, :, :], 0.0) * beta[..., :, None]
     b = beta[..., None]
     rhs = jnp.concatenate([b * v, b * gate * k], axis=-1)
-    x = solve_unit_lower(A, rhs)
+    x = solve_unit_lower(A, rhs, precision)
     out["P"] = scores[..., 0, :, :]
     out["U"], out["W"] = x[..., :v.shape[-1]], x[..., v.shape[-1]:]
     return out

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ...core.pallas import F32
+from ...core.pallas import F32, HIGHEST
 from .layout import Stream, from_chunks, make_stream, to_chunks
 from .output import chunk_step
 from .wy import chunk_intra
@@ -31,7 +31,7 @@ def _heads_first(x):
     return None if x is None else jnp.swapaxes(x, 1, 2)
 
 
-def scan_chunks(xs, h0, stream: Stream, prepare=None):
+def scan_chunks(xs, h0, stream: Stream, prepare=None, precision=HIGHEST):
     """The scan over chunks.
 
     Args:
@@ -43,6 +43,7 @@ def scan_chunks(xs, h0, stream: Stream, prepare=None):
         decay of padding tokens is forced to 0: an identity step).
       h0: ``[N, HV, K, V]`` initial states (N = Bs, or the number of packed sequences).
       stream: the token layout (resets and final states of packed sequences).
+      precision: of every contraction (a resolved `jax.lax.Precision`).
     Returns ``(o [NT, Bs, C, HV, V], final [N, HV, K, V])``.
     """
     xs = dict(xs)
@@ -61,8 +62,8 @@ def scan_chunks(xs, h0, stream: Stream, prepare=None):
             mask = x["valid"].reshape(x["valid"].shape + (1,) * (g.ndim - 2))
             g = jnp.where(mask, g, 0.0)
         q, k, v, g, beta = (_heads_first(a) for a in (q, k, v, g, beta))
-        parts = chunk_intra(q, k, v, g, beta)
-        new, out = chunk_step(S, parts)
+        parts = chunk_intra(q, k, v, g, beta, precision)
+        new, out = chunk_step(S, parts, precision)
         return new, (_heads_first(out), new if stream.varlen else None)
 
     last, (o, ends) = jax.lax.scan(step, h0[:1] if stream.varlen else h0, xs)
@@ -72,7 +73,7 @@ def scan_chunks(xs, h0, stream: Stream, prepare=None):
     return o, jnp.where(stream.empty[:, None, None, None], h0, final)
 
 
-def chunked_scan(tokens, prepare, *, initial_state, cu_seqlens, chunk_size):
+def chunked_scan(tokens, prepare, *, initial_state, cu_seqlens, chunk_size, precision=HIGHEST):
     """Chunked gated linear recurrence (computed in float32).
 
     Args:
@@ -88,5 +89,5 @@ def chunked_scan(tokens, prepare, *, initial_state, cu_seqlens, chunk_size):
     if stream.varlen or stream.padded != T:
         xs["valid"] = to_chunks(stream.pack(jnp.ones((B, T), bool)), chunk_size)
     o, final = scan_chunks(xs, initial_state.astype(F32), stream, lambda x: prepare(
-        {n: x.get(n) for n in tokens}))
+        {n: x.get(n) for n in tokens}), precision)
     return stream.unpack(from_chunks(o)), final
