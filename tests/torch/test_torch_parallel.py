@@ -145,7 +145,7 @@ def test_context_parallel_gated_delta_rule_opcheck(mesh):
     q, k, v, g, beta, s0 = _gdn_inputs(5, t=16)
     name = st_parallel.register_mesh(mesh)
     torch.library.opcheck(st_parallel.context_parallel_gated_delta_rule_op.op,
-                          (q, k, v, g, beta, s0, None, None, name, "cpu", "x", None, False, 2, None))
+                          (q, k, v, g, beta, s0, None, None, name, "cpu", "x", None, False, 2, None, None))
 
 
 @pytest.mark.slow
@@ -154,7 +154,7 @@ def test_context_parallel_kda_opcheck(mesh):
     qk, kk, vk, gk, bk, _ = _gdn_inputs(6, per_channel=True, t=16)
     torch.library.opcheck(st_parallel.context_parallel_kda_op.op,
                           (qk, kk, vk, gk, bk, None, None, None, name, "cpu", "x", None, False, 2, None, None, False,
-                           False))
+                           False, None))
 
 
 def _zigzag_inputs():

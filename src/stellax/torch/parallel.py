@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 import stellax
 from stellax import parallel
 
-from .options import decode_window, encode_window, int32, opt_float, opt_int
+from .options import decode_window, encode_window, int32, opt_float, opt_int, precision_name
 from .registry import _cached, define_op
 
 _MESHES: dict = {}
@@ -234,19 +234,20 @@ def _cp_linear(fn_name: str):
         def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
                 A_log: Array | None, dt_bias: Array | None, *, mesh: str, device: str, axis_name: str,
                 scale: float | None, use_qk_l2norm: bool, chunk_size: int,
-                implementation: str | None) -> tuple[Array, Array]:
+                implementation: str | None, precision: str | None) -> tuple[Array, Array]:
             kwargs = dict(axis_name=axis_name, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                          implementation=implementation)
+                          implementation=implementation, precision=precision)
             return spmd_call(q, k, v, g, beta, initial_state, A_log, dt_bias, mesh, device, axis_name, kwargs)
     else:
         def run(q: Array, k: Array, v: Array, g: Array, beta: Array, initial_state: Array | None,
                 A_log: Array | None, dt_bias: Array | None, *, mesh: str, device: str, axis_name: str,
                 scale: float | None, use_qk_l2norm: bool, chunk_size: int, implementation: str | None,
                 lower_bound: float | None, use_gate_in_kernel: bool,
-                use_beta_sigmoid_in_kernel: bool) -> tuple[Array, Array]:
+                use_beta_sigmoid_in_kernel: bool, precision: str | None) -> tuple[Array, Array]:
             kwargs = dict(axis_name=axis_name, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                           implementation=implementation, lower_bound=lower_bound,
-                          use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+                          use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                          precision=precision)
             return spmd_call(q, k, v, g, beta, initial_state, A_log, dt_bias, mesh, device, axis_name, kwargs)
     return run
 
@@ -265,7 +266,7 @@ def context_parallel_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch
                                       beta: torch.Tensor, *, mesh, axis_name: str, scale: float | None = None,
                                       initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                                       use_qk_l2norm: bool = False, chunk_size: int = 64,
-                                      implementation: str | None = None):
+                                      implementation: str | None = None, precision=None):
     """`stellax.parallel.context_parallel_gated_delta_rule` on torch tensors:
     Gated DeltaNet with the sequence split over ``axis_name`` of ``mesh``.
 
@@ -273,10 +274,12 @@ def context_parallel_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch
     ``initial_state [B, HV, K, V]`` (float32) — global tensors, ``T``
     divisible by the axis size (packed ``cu_seqlens`` are not supported).
     Returns ``(o [B, T, HV, V], final_state [B, HV, K, V] float32 or None)`` on
-    ``q``'s device. Differentiable in every float input."""
+    ``q``'s device. Differentiable in every float input. ``precision``: ``None``
+    or a `jax.lax.Precision` (name) of the float32 contractions (`stellax.core.precision`)."""
     o, state = context_parallel_gated_delta_rule_op(
         q, k, v, g, beta, initial_state, None, None,
-        *_linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation))
+        *_linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation),
+        precision_name(precision))
     return o, (state if output_final_state else None)
 
 
@@ -285,16 +288,17 @@ def context_parallel_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          output_final_state: bool = False, use_qk_l2norm: bool = False, chunk_size: int = 64,
                          A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                          lower_bound: float | None = None, use_gate_in_kernel: bool = False,
-                         use_beta_sigmoid_in_kernel: bool = False, implementation: str | None = None):
+                         use_beta_sigmoid_in_kernel: bool = False, implementation: str | None = None,
+                         precision=None):
     """`stellax.parallel.context_parallel_kda` on torch tensors: Kimi Delta
     Attention (per-channel decay ``g [B, T, HV, K]``) with the sequence split
     over ``axis_name``; ``A_log``/``dt_bias`` (the fused gate's parameters) are
     replicated. Shapes and returns as `context_parallel_gated_delta_rule`.
-    Differentiable in every float input."""
+    Differentiable in every float input; ``precision`` as in `context_parallel_gated_delta_rule`."""
     o, state = context_parallel_kda_op(
         q, k, v, g, beta, initial_state, A_log, dt_bias,
         *_linear_common(mesh, q, axis_name, scale, use_qk_l2norm, chunk_size, implementation),
-        opt_float(lower_bound), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel))
+        opt_float(lower_bound), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel), precision_name(precision))
     return o, (state if output_final_state else None)
 
 
