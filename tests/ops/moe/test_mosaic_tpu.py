@@ -15,6 +15,7 @@ from stellax.core import interpret_mode, lowering_target, observe_calls
 from stellax.ops.moe.mosaic_tpu import group_visits, max_visits, tile_visits
 from stellax.ops.moe.schedule import group_bounds
 from stellax.ops.moe.tpu_configs import TpuGroupedMatmulConfig, gmm_tpu_space, gmm_tpu_vmem
+from stellax.testing.numerics import compare, golden
 
 # The module (the package re-exports a custom-VJP function under the same name).
 megablox_gmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -208,3 +209,24 @@ def test_grad_of_ragged_dot_runs_the_tpu_backward():
     for ours, golden in zip(grads, ref):
         assert _rel(ours, golden) < 2e-5
     assert not np.asarray(grads[0][:50]).any() and not np.asarray(grads[0][180:]).any()
+
+
+def test_float32_precision_contract_numerics():
+    """precision='default' is one bfloat16 pass in the kernel (interpret mode reproduces it: a
+    bf16-like error), 'high' three (float32-like), for the forward and the weight gradient (tgmm);
+    `stellax.core.precision`."""
+    lhs, rhs = _inputs()
+    cot = jax.random.normal(jax.random.PRNGKey(9), (300, 136), jnp.float32)
+    op = stellax.registered_ops()["ragged_dot"]
+    expected = golden(lambda a, b: op.reference(a, b, SIZES), lhs, rhs)
+    expected_drhs = golden(jax.grad(lambda b: jnp.sum(op.reference(lhs, b, SIZES) * cot)), rhs)
+    errors = {}
+    for precision in ("default", "high"):
+        def loss(b):
+            out = stellax.ragged_dot(lhs, b, SIZES, precision, implementation="mosaic_tpu", config=CFG)
+            return jnp.sum(out * cot), out
+        with interpret_mode():
+            drhs, out = jax.grad(loss, has_aux=True)(rhs)
+        errors[precision] = (compare(out, expected).rel_l2, compare(drhs, expected_drhs).rel_l2)
+    assert all(1e-4 < e < 3e-2 for e in errors["default"]), errors
+    assert all(e < 1e-4 for e in errors["high"]), errors

@@ -23,6 +23,7 @@ from moe_helpers import numpy_ragged_dot, sizes
 M, K, N = 120, 300, 100  # none a multiple of the 128/256 tiles: padded inside
 GS = [40, 0, 60]  # an empty group; 100 of 120 rows (the rest are zeros)
 CFG = TpuGroupedMatmulConfig(128, 256, 128)
+HIGHEST = jax.lax.Precision.HIGHEST  # what the op resolves precision=None to
 
 
 def _weights(seed, fmt, block, g=len(GS), k=K, n=N):
@@ -36,7 +37,7 @@ def _lhs(seed, dtype=jnp.float32, m=M, k=K):
 
 def _kernel(lhs, w, gs, *, k_block, config=CFG, activation=None, group_offset=None, out_dtype=jnp.float32):
     with interpret_mode():
-        return mosaic_tpu_quantized.gmm(lhs, w, sizes(gs), group_offset, activation=activation, precision=None,
+        return mosaic_tpu_quantized.gmm(lhs, w, sizes(gs), group_offset, activation=activation, precision=HIGHEST,
                                         out_dtype=out_dtype, k_block=k_block, config=config)
 
 

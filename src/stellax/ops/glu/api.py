@@ -7,6 +7,7 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, backward_implementation, register
 from ...core import checks
+from ...core.precision import resolve_precision
 from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
@@ -16,23 +17,12 @@ from .configs import (GluConfig, GluTpuConfig, glu_heuristic, glu_space, glu_tpu
 from .examples import backward_examples, benchmarks, forward_examples
 from .reference import glu_backward_reference, glu_reference
 
-_PRECISIONS = (None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST)
-
-
 def _check_activation(activation):
     if callable(activation):
         return activation
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {sorted(ACTIVATIONS)} or a callable, got {activation!r}")
     return activation
-
-
-def _check_precision(precision):
-    if isinstance(precision, str):
-        precision = jax.lax.Precision(precision)
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision: expected None or a jax.lax.Precision, got {precision!r}")
-    return precision
 
 
 def _check_weights(weights, features: int, x):
@@ -63,7 +53,7 @@ def _check_glu(x, weights, *, activation="silu", precision=None) -> Call:
         raise ValueError("x: expected rank >= 1, got rank 0")
     w_gate, w_up = _check_weights(weights, x.shape[-1], x)
     return Call({"x": x, "w_gate": w_gate, "w_up": w_up},
-                {"activation": _check_activation(activation), "precision": _check_precision(precision)})
+                {"activation": _check_activation(activation), "precision": resolve_precision(precision)})
 
 
 def _check_backward(dy, x, w_gate, w_up=None, *, activation="silu", precision=None) -> Call:
@@ -74,7 +64,7 @@ def _check_backward(dy, x, w_gate, w_up=None, *, activation="silu", precision=No
     n = w_gate.shape[-1]
     checks.require_shape("dy", dy, (x.shape[0], n), "x.shape[0], N")
     return Call({"dy": dy, "x": x, "w_gate": w_gate, "w_up": w_up},
-                {"activation": _check_activation(activation), "precision": _check_precision(precision)})
+                {"activation": _check_activation(activation), "precision": resolve_precision(precision)})
 
 
 def _dims(call: Call):
@@ -190,8 +180,10 @@ def gated_linear_unit(x, weights, *, activation="silu", precision=None, implemen
         ``"gelu_tanh"``, ``"relu"`` (ReGLU), ``"sigmoid"`` (the original GLU),
         or a callable of float32 arrays (its derivative comes from JAX
         autodiff; inside Triton kernels it must use primitives Triton supports).
-      precision: matmul precision (``None``: full float32 precision for float32
-        inputs, the backend default otherwise).
+      precision: the float32 matmul precision, forward and backward: ``None``
+        (float32-accurate unless `jax.default_matmul_precision` is set),
+        ``"default"``, ``"high"``, ``"highest"`` or a `jax.lax.Precision`;
+        see `stellax.core.precision` for what each means per backend.
       implementation: ``None`` (best available), ``"mosaic_tpu"``, ``"triton"``,
         ``"xla"`` or a sequence tried in order.
       config: an explicit `GluConfig` for the Triton kernels or `GluTpuConfig`

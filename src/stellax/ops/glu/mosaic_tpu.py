@@ -20,7 +20,10 @@ Backward:
     1. gate/up recomputed as above; dgate = dy·up·act'(gate), dup = dy·act(gate)
     2. dx[i, k]  = Σ_n dgate[i, n] @ Wg[k, n]ᵀ + dup[i, n] @ Wu[k, n]ᵀ
     3. dWg[k, n] = Σ_m x[m, k]ᵀ @ dgate[m, n],  dWu likewise with dup
-Every sum runs in a fixed order: deterministic.
+Every sum runs in a fixed order: deterministic. Every product is an
+`mxu_dot` at the call's resolved precision (`stellax.core.precision`): float32
+operands at ``DEFAULT``/``HIGH`` as one/three bfloat16 passes, ``HIGHEST`` at
+Mosaic's ``fp32``; narrower operands natively.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import dot, dot_nt, dot_tn, operand, output, tpu_kernel_call
+from ...core.pallas import mxu_dot, mxu_dot_nt, mxu_dot_tn, operand, output, tpu_kernel_call
 from .activations import activation_and_grad, activation_fn
 from .configs import GluTpuConfig, glu_tpu_vmem_bytes, glu_tpu_vmem_limit, tpu_tile
 
@@ -74,7 +77,7 @@ def _last_step():
 def _gate_up_step(x, w_gate, w_up, acc_gate, acc_up, *, block_k, k, dtype, precision):
     """One K step: ``acc_gate += x @ Wg``, ``acc_up += x @ Wu`` on the current tiles."""
     xa, wg, wu = _operands((x, w_gate, w_up), (1, 0, 0), block=block_k, total=k, dtype=dtype)
-    _accumulate((acc_gate, acc_up), (dot(xa, wg, precision=precision), dot(xa, wu, precision=precision)))
+    _accumulate((acc_gate, acc_up), (mxu_dot(xa, wg, precision), mxu_dot(xa, wu, precision)))
 
 
 def _forward_kernel(*, x, w_gate, w_up, y, acc_gate, acc_up, activation, **step):
@@ -102,7 +105,7 @@ def _act_grad_kernel(*, x, w_gate, w_up, dy, dgate, dup, acc_gate, acc_up, activ
 def _dx_kernel(*, dgate, dup, w_gate, w_up, dx, acc, block_n, n, dtype, precision):
     """Tile ``(i, kk)``: ``dx = Σ_n dgate @ Wgᵀ + dup @ Wuᵀ``."""
     dg, du, wg, wu = _operands((dgate, dup, w_gate, w_up), (1, 1, 1, 1), block=block_n, total=n, dtype=dtype)
-    _accumulate((acc,), (dot_nt(dg, wg, precision=precision) + dot_nt(du, wu, precision=precision),))
+    _accumulate((acc,), (mxu_dot_nt(dg, wg, precision) + mxu_dot_nt(du, wu, precision),))
 
     @pl.when(_last_step())
     def _store():
@@ -112,7 +115,7 @@ def _dx_kernel(*, dgate, dup, w_gate, w_up, dx, acc, block_n, n, dtype, precisio
 def _dw_kernel(*, x, dgate, dup, dw_gate, dw_up, acc_gate, acc_up, block_m, m, dtype, precision):
     """Tile ``(kk, j)``: ``dWg = Σ_m xᵀ @ dgate``, ``dWu = Σ_m xᵀ @ dup``."""
     xa, dg, du = _operands((x, dgate, dup), (0, 0, 0), block=block_m, total=m, dtype=dtype)
-    _accumulate((acc_gate, acc_up), (dot_tn(xa, dg, precision=precision), dot_tn(xa, du, precision=precision)))
+    _accumulate((acc_gate, acc_up), (mxu_dot_tn(xa, dg, precision), mxu_dot_tn(xa, du, precision)))
 
     @pl.when(_last_step())
     def _store():
@@ -155,16 +158,6 @@ def _compute_dtype(x, w):
     return jnp.promote_types(x.dtype, w.dtype)
 
 
-def _precision(precision, dtype):
-    """Mosaic contracts at DEFAULT or HIGHEST (``fp32``) precision: float32 operands get HIGHEST
-    unless DEFAULT is asked for; narrower operands take the MXU's native precision."""
-    if jnp.dtype(dtype) != jnp.float32:
-        return None
-    if precision == jax.lax.Precision.DEFAULT:
-        return None
-    return jax.lax.Precision.HIGHEST
-
-
 def _gate_up_launch(t: _Tiles, x, precision):
     """The operands, scratch and static arguments shared by the forward and ``dgate/dup`` kernels."""
     gate_spec, up_spec = t.weight_specs(k_axis=2, n_axis=1)
@@ -172,7 +165,7 @@ def _gate_up_launch(t: _Tiles, x, precision):
     inputs = dict(x=operand(x, pl.BlockSpec((t.bm, t.bk), lambda i, j, kk: (i, kk))),
                   w_gate=operand(t.wg, gate_spec), w_up=operand(t.wu, up_spec))
     scratch = dict(acc_gate=pltpu.VMEM((t.bm, t.bn), jnp.float32), acc_up=pltpu.VMEM((t.bm, t.bn), jnp.float32))
-    step = dict(block_k=t.bk, k=t.k, dtype=dtype, precision=_precision(precision, dtype))
+    step = dict(block_k=t.bk, k=t.k, dtype=dtype, precision=precision)
     grid = (pl.cdiv(t.m, t.bm), pl.cdiv(t.n, t.bn), pl.cdiv(t.k, t.bk))
     return grid, inputs, scratch, step
 
@@ -210,13 +203,12 @@ def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluTpuCo
         vmem_limit_bytes=limit,
     )
     dtype = _compute_dtype(grads.dgate, t.wg)
-    prec = _precision(precision, dtype)
 
     # dx: grid (M tiles, K tiles, N steps).
     gate_spec, up_spec = t.weight_specs(k_axis=1, n_axis=2)
     row_spec = pl.BlockSpec((t.bm, t.bn), lambda i, kk, j: (i, j))
     dx = tpu_kernel_call(
-        functools.partial(_dx_kernel, block_n=t.bn, n=n, dtype=dtype, precision=prec),
+        functools.partial(_dx_kernel, block_n=t.bn, n=n, dtype=dtype, precision=precision),
         grid=(pl.cdiv(m, t.bm), pl.cdiv(k, t.bk), pl.cdiv(n, t.bn)), dimension_semantics=_SEMANTICS,
         name="stellax_glu_dx_tpu",
         inputs=dict(dgate=operand(grads.dgate, row_spec), dup=operand(grads.dup, row_spec),
@@ -230,7 +222,7 @@ def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluTpuCo
     grad_spec = pl.BlockSpec((t.bm, t.bn), lambda kk, j, i: (i, j))
     dw_spec = pl.BlockSpec((t.bk, t.bn), lambda kk, j, i: (kk, j))
     dw = tpu_kernel_call(
-        functools.partial(_dw_kernel, block_m=t.bm, m=m, dtype=dtype_w, precision=_precision(precision, dtype_w)),
+        functools.partial(_dw_kernel, block_m=t.bm, m=m, dtype=dtype_w, precision=precision),
         grid=(pl.cdiv(k, t.bk), pl.cdiv(n, t.bn), pl.cdiv(m, t.bm)), dimension_semantics=_SEMANTICS,
         name="stellax_glu_dw_tpu",
         inputs=dict(x=operand(x, pl.BlockSpec((t.bm, t.bk), lambda kk, j, i: (i, kk))),

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ...core.pallas import dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call
+from ...core.pallas import dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call, triton_precision
 from .activations import activation_and_grad, activation_fn
 from .configs import GluConfig
 
@@ -116,10 +116,12 @@ def weight_panels(w_gate, w_up):
 
 
 def _precision(precision, dtype):
-    """float32 operands default to full float32 dots; callers may ask for less."""
-    if precision is None and jnp.dtype(dtype) == jnp.float32:
-        return jax.lax.Precision.HIGHEST
-    return precision
+    """The in-kernel precision of a resolved ``precision`` (`stellax.core.precision`):
+    float32 operands as `triton_precision` says (one TF32 pass at ``DEFAULT``,
+    three otherwise); narrower operands at the tensor core's native precision."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return triton_precision(precision)
+    return None
 
 
 def _tiles(cfg: GluConfig, rows: str, cols: str):

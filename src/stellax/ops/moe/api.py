@@ -31,8 +31,10 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         Eagerly, negative sizes or ``sum > M`` raise; under ``jit`` sizes are
         clamped (negative → 0, a group running past row M is cut at M; the
         running sum saturates at M, so sizes near 2³¹ do not wrap around).
-      precision: as for ``jax.lax.dot`` (``None``/``"highest"``/...); ``None``
-        with float32 operands means full float32 dots (``HIGHEST``, not TF32).
+      precision: as for ``jax.lax.dot`` (``None``/``"default"``/``"high"``/
+        ``"highest"``/a `jax.lax.Precision`), for the float32 products forward
+        and backward; ``None`` is float32-accurate unless
+        `jax.default_matmul_precision` is set. See `stellax.core.precision`.
       preferred_element_type: output dtype (default: ``lhs.dtype``);
         accumulation is always float32.
       group_offset: an int (or int array of shape ``()``/``(1,)``) for
@@ -72,7 +74,8 @@ def ragged_dot_tgmm(lhs, rhs, group_sizes, precision=None, preferred_element_typ
     ``lhs [K, M]`` (or ``[M, K]`` with ``transpose_lhs``), ``rhs [M, N]``; the
     weight gradient of `ragged_dot`. With ``group_offset`` only groups
     ``[offset, offset + num_local_groups)`` are computed. An empty group gives
-    zeros."""
+    zeros. ``precision``: of the float32 products, as for `ragged_dot` (see
+    `stellax.core.precision`)."""
     return ragged_dot_tgmm_op(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
                               num_local_groups=num_local_groups, transpose_lhs=transpose_lhs,
                               implementation=implementation, config=config)

@@ -10,30 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, checks
+from ...core.precision import resolve_precision
 from ..quant.qarray import QArray
 from .activations import check_activation
 from .configs import gmm_dims
 
-_PRECISIONS = (None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST)
 _OUT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 #: ``value`` as a numpy array when it is concrete (not traced), else None.
 concrete = checks.concrete_values
-
-
-def check_precision(precision):
-    """``None``, a `jax.lax.Precision`, its name or an equal pair → one `jax.lax.Precision` (or None)."""
-    if isinstance(precision, str):
-        try:
-            precision = jax.lax.Precision(precision)
-        except ValueError as e:
-            raise ValueError(f"precision: expected None or a jax.lax.Precision, got {precision!r}") from e
-    if isinstance(precision, tuple) and len(precision) == 2 and precision[0] == precision[1]:
-        precision = precision[0]
-    if precision not in _PRECISIONS:
-        raise ValueError(f"precision: expected None or a jax.lax.Precision, got {precision!r}")
-    return precision
 
 
 def check_out_dtype(preferred_element_type, default):
@@ -103,14 +89,6 @@ def check_group_values(group_sizes, group_offset, num_local: int, rows: int, row
                              f"(len(group_sizes) - local groups), got {int(offset)}")
 
 
-def kernel_precision(precision, dtype):
-    """float32 operands default to full float32 dots (the numerics policy's
-    1e-5 tolerance; GPUs would otherwise use TF32); callers may ask for less."""
-    if precision is None and np.dtype(dtype) == np.dtype(jnp.float32):
-        return jax.lax.Precision.HIGHEST
-    return precision
-
-
 def check_groups(group_sizes, group_offset, num_local: int, rows: int, rows_name: str):
     """The groups of a grouped matmul over ``num_local`` local groups:
     ``(group_sizes int32, group_offset int32 scalar or None)``. Without an
@@ -155,7 +133,7 @@ def check_ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_ty
     group_sizes, group_offset = check_groups(group_sizes, group_offset, num_local, lhs.shape[0], "lhs.shape[0]")
     return Call(
         {"lhs": lhs, "rhs": rhs, "group_sizes": group_sizes, "group_offset": group_offset},
-        {"precision": check_precision(precision),
+        {"precision": resolve_precision(precision),
          "out_dtype": check_out_dtype(preferred_element_type, lhs.dtype),
          "activation": check_activation(activation), "transpose_rhs": transpose_rhs},
     )
@@ -197,7 +175,7 @@ def check_tgmm(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     check_group_values(group_sizes, group_offset, num_local_groups, m, what)
     return Call(
         {"lhs": lhs, "rhs": rhs, "group_sizes": group_sizes, "group_offset": group_offset},
-        {"precision": check_precision(precision), "out_dtype": check_out_dtype(preferred_element_type, lhs.dtype),
+        {"precision": resolve_precision(precision), "out_dtype": check_out_dtype(preferred_element_type, lhs.dtype),
          "num_local_groups": num_local_groups, "transpose_lhs": transpose_lhs},
     )
 
@@ -264,7 +242,7 @@ def check_ragged_dot_quantized(lhs, rhs_values, rhs_scales, rhs_zero_points, rhs
     return Call(
         {"lhs": lhs, "rhs_values": rhs.values, "rhs_scales": rhs.scales, "rhs_zero_points": rhs.zero_points,
          "rhs_tensor_scale": rhs.tensor_scale, "group_sizes": group_sizes, "group_offset": group_offset},
-        {"precision": check_precision(precision), "out_dtype": check_out_dtype(preferred_element_type, lhs.dtype),
+        {"precision": resolve_precision(precision), "out_dtype": check_out_dtype(preferred_element_type, lhs.dtype),
          "activation": check_activation(activation), "rhs_format": rhs.format, "rhs_shape": rhs.shape,
          "rhs_block_shape": rhs.block_shape, "rhs_axis": rhs.axis, "rhs_rotation": rhs.rotation},
     )
@@ -278,8 +256,8 @@ def quantized_rhs(call: Call) -> QArray:
 
 def flatten_quantized(lhs, rhs: QArray, group_sizes, precision, preferred_element_type, group_offset, activation):
     """``(args, kwargs)`` of the quantized op: the `QArray` as named arrays and options."""
-    args = (lhs, rhs.values, rhs.scales, rhs.zero_points, rhs.tensor_scale, group_sizes, precision,
-            preferred_element_type, group_offset)
-    kwargs = {"rhs_format": rhs.format, "rhs_shape": rhs.shape, "rhs_block_shape": rhs.block_shape,
+    args = (lhs, rhs.values, rhs.scales, rhs.zero_points, rhs.tensor_scale, group_sizes)
+    kwargs = {"precision": precision, "preferred_element_type": preferred_element_type, "group_offset": group_offset,
+              "rhs_format": rhs.format, "rhs_shape": rhs.shape, "rhs_block_shape": rhs.block_shape,
               "rhs_axis": rhs.axis, "rhs_rotation": rhs.rotation, "activation": activation}
     return args, kwargs

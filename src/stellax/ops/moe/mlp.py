@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ...core import Call, Implementation, Op, checks, register
 from .activations import activation_fn, check_activation
 from .api import ragged_dot
-from .checks import check_precision
+from ...core.precision import resolve_precision
 from .dispatch import capacity, permute, unpermute
 from .examples import mlp_benchmarks, mlp_examples
 from .routing import check_route, compute_route
@@ -53,7 +53,7 @@ def check_moe_mlp(x, router_logits, w_gate_up, w_down, *, top_k, scoring="softma
         capacity_factor = checks.require_positive_float("capacity_factor", capacity_factor)
     return Call({"x": x, "router_logits": router_logits, "w_gate_up": w_gate_up, "w_down": w_down, "bias": bias},
                 {**route_call.options, "capacity_factor": capacity_factor, "activation": check_activation(activation),
-                 "precision": check_precision(precision)})
+                 "precision": resolve_precision(precision)})
 
 
 def route_call_of(call: Call) -> Call:
@@ -147,6 +147,9 @@ def moe_mlp(x, router_logits, w_gate_up, w_down, *, top_k, scoring="softmax", bi
       capacity_factor: ``None`` (dropless) or the per-expert capacity factor
         of `permute` (dropped copies contribute nothing).
       activation: of the gate (``"silu"``: SwiGLU).
+      precision: of the float32 grouped matmuls, forward and backward
+        (``None``: float32-accurate unless `jax.default_matmul_precision` is
+        set; ``"default"``/``"high"``/``"highest"``): see `stellax.core.precision`.
       implementation: of the grouped matmuls (``None``, ``"mosaic_tpu"``,
         ``"triton"``, ``"xla"``): on a TPU the fused gate/up (``act(gate) · up``
         in the kernel's epilogue) and the down projection are the Mosaic TPU

@@ -47,9 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import cdiv, dot, dot_nt, dot_tn, operand, output, pad_axis, tpu_kernel_call
+from ...core.pallas import cdiv, mxu_dot, mxu_dot_nt, mxu_dot_tn, operand, output, pad_axis, tpu_kernel_call
 from .activations import activation_fn, fusable_in_kernel, kernel_activation_fn
-from .checks import kernel_precision
 from .schedule import group_bounds
 
 
@@ -119,10 +118,10 @@ def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs,
     @pl.when(live & (group >= 0))
     def _accumulate():
         a = lhs[...]
-        product = dot_nt if transpose_rhs else dot
-        acc[...] += product(a, rhs[0], precision=precision)
+        product = mxu_dot_nt if transpose_rhs else mxu_dot
+        acc[...] += product(a, rhs[0], precision)
         if rhs_up is not None:
-            acc_up[...] += dot(a, rhs_up[0], precision=precision)
+            acc_up[...] += mxu_dot(a, rhs_up[0], precision)
 
     @pl.when(live & (k == pl.num_programs(2) - 1))
     def _write():
@@ -149,7 +148,6 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[-1]
-    precision = kernel_precision(precision, lhs.dtype)
     fused = fusable_in_kernel(activation)
     write_pre = save_preactivation or not fused
     b = Blocks(config.block_m, config.block_k, config.block_n)
@@ -258,11 +256,11 @@ def _tgmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs
         b = jnp.where((rows_b >= lo) & (rows_b < hi), b, jnp.zeros_like(b))
         if transpose_lhs:  # a [bm, bk]
             a = jnp.where((rows_b >= lo) & (rows_b < hi), a, jnp.zeros_like(a))
-            acc[...] += dot_tn(a, b, precision=precision)
+            acc[...] += mxu_dot_tn(a, b, precision)
         else:  # a [bk, bm]
             cols = base + jax.lax.broadcasted_iota(jnp.int32, (1, bm), 1)
             a = jnp.where((cols >= lo) & (cols < hi), a, jnp.zeros_like(a))
-            acc[...] += dot(a, b, precision=precision)
+            acc[...] += mxu_dot(a, b, precision)
 
     after = jnp.minimum(v + 1, visits - 1)
     group_ends = (v == visits - 1) | (visit_group[after] != group) | (visit_live[after] == 0)
@@ -290,7 +288,6 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     else:
         k, m = lhs.shape
     n = rhs.shape[1]
-    precision = kernel_precision(precision, lhs.dtype)
     b = Blocks(config.block_m, config.block_k, config.block_n)
     m_p, k_p, n_p = cdiv(m, b.bm) * b.bm, cdiv(k, b.bk) * b.bk, cdiv(n, b.bn) * b.bn
     if transpose_lhs:

@@ -47,12 +47,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import cdiv, dot, operand, output, pad_axis, tpu_kernel_call
+from ...core.pallas import cdiv, mxu_dot, operand, output, pad_axis, tpu_kernel_call
 from ..quant import formats as F
 from ..quant.kernel import kernel_operands
 from ..quant.qarray import QArray
 from .activations import kernel_activation_fn
-from .checks import kernel_precision
 from .mosaic_tpu import tile_visits
 from .schedule import group_bounds
 
@@ -119,11 +118,10 @@ def _qgmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs
             repeat = max(layout.kb // 2, 1)
             w_lo = _weight(_nibbles(t & 0xF, fmt), zp, s, layout, repeat, compute_dtype)
             w_hi = _weight(_nibbles((t >> 4) & 0xF, fmt), zp, s, layout, repeat, compute_dtype)
-            acc[...] += (dot(lhs[...], w_lo, precision=precision)
-                         + dot(lhs_odd[...], w_hi, precision=precision))
+            acc[...] += mxu_dot(lhs[...], w_lo, precision) + mxu_dot(lhs_odd[...], w_hi, precision)
         else:
             w = _weight(values[...].astype(jnp.float32), zp, s, layout, max(layout.kb, 1), compute_dtype)
-            acc[...] += dot(lhs[...], w, precision=precision)
+            acc[...] += mxu_dot(lhs[...], w, precision)
 
     @pl.when(live & (k == pl.num_programs(2) - 1))
     def _write():
@@ -202,7 +200,7 @@ def gmm(lhs, rhs: QArray, group_sizes, group_offset, *, activation, precision, o
     visits = tile_visits(group_bounds(group_sizes, group_offset, num_local, m), m_p, bm)
     kernel = functools.partial(
         _qgmm_kernel, bm=bm, fmt=rhs.format, packed=ops.packed, layout=layout, activation=activation,
-        compute_dtype=lhs.dtype, precision=kernel_precision(precision, lhs.dtype))
+        compute_dtype=lhs.dtype, precision=precision)
     outs = tpu_kernel_call(
         kernel, grid=(n_p // bn, visits.group.shape[0], k_steps),
         scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,

@@ -180,7 +180,9 @@ def ragged_dot_quantized(lhs, rhs: QArray, group_sizes, precision=None, preferre
     """`ragged_dot` with a `QArray` ``rhs [G, K, N]`` quantized along axis 1 (see the module doc).
 
     ``lhs [M, K]`` float32/bfloat16/float16 → ``act(lhs @ dequantize(rhs[g]))`` ``[M, N]``
-    in ``preferred_element_type`` (default ``lhs.dtype``); gradients w.r.t. ``lhs`` only."""
+    in ``preferred_element_type`` (default ``lhs.dtype``); gradients w.r.t. ``lhs`` only.
+    ``precision``: of the float32 products (float32 ``lhs``; the weights are decoded to
+    ``lhs.dtype``), forward and backward, as for `ragged_dot` (see `stellax.core.precision`)."""
     args, kwargs = flatten_quantized(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
                                      activation)
     return ragged_dot_quantized_op(*args, **kwargs, implementation=implementation, config=config)

@@ -39,14 +39,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ...core.pallas import dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call
+from ...core.pallas import dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call, triton_precision
 from .activations import activation_fn, fusable_in_kernel, kernel_activation_fn
-from .checks import kernel_precision
 from .configs import GroupedMatmulConfig
 from .schedule import group_bounds, tile_schedule
 
 #: Operands the kernels index themselves (masked loads at schedule offsets).
 _FULL = pl.BlockSpec()
+
+
+def kernel_precision(precision, dtype):
+    """The in-kernel precision of a resolved ``precision`` (`stellax.core.precision`) for
+    operands of ``dtype``: float32 as `triton_precision` says (one TF32 pass at
+    ``DEFAULT``, three otherwise); narrower operands at the tensor core's native precision."""
+    return triton_precision(precision) if jnp.dtype(dtype) == jnp.float32 else None
 
 
 class OutputTile(NamedTuple):

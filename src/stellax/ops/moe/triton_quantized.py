@@ -33,10 +33,9 @@ from ...core.pallas import dot, dot_nt, iota, operand, output, triton_kernel_cal
 from ..quant.kernel import decode_codes, decode_packed_pairs, decode_scale, kernel_operands
 from ..quant.qarray import QArray
 from .activations import kernel_activation_fn
-from .checks import kernel_precision
 from .configs import GroupedMatmulConfig, effective_block_k
 from .schedule import group_bounds, tile_schedule
-from .triton import OutputTile, schedule_operands
+from .triton import OutputTile, kernel_precision, schedule_operands
 
 _FULL = pl.BlockSpec()
 

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from ..quant.qarray import QArray
 from ..quant.reference import dequantize_reference
 from .activations import activation_fn
-from .checks import kernel_precision
 from .schedule import group_bounds, tile_schedule
 
 
@@ -50,7 +49,6 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     m, _ = lhs.shape
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
-    precision = kernel_precision(precision, lhs.dtype)
     if gated:
         n = rhs.shape[-1]
         rhs = rhs.reshape(num_local, rhs.shape[1], 2 * n)
@@ -96,7 +94,6 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     """
     a = lhs if transpose_lhs else lhs.T
     m, k = a.shape
-    precision = kernel_precision(precision, lhs.dtype)
     n = rhs.shape[1]
     bounds = group_bounds(group_sizes, group_offset, num_local, m)
     sched = tile_schedule(bounds, m, block_m, fill=False)
@@ -131,7 +128,6 @@ def gmm_quantized(lhs, rhs: QArray, group_sizes, group_offset, *, transpose: boo
     ``lhs [M, N] @ dequantize(rhs[g])ᵀ → [M, K]``), zeros outside the local groups."""
     m = lhs.shape[0]
     num_local, k, n = rhs.shape
-    precision = kernel_precision(precision, lhs.dtype)
     width = k if transpose else n
     contracting = ((1,), (1,)) if transpose else ((1,), (0,))
     bounds = group_bounds(group_sizes, group_offset, num_local, m)
