@@ -53,7 +53,7 @@ linear_cross_entropy_op = register(Op(
 
 def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None,
                          reduction="mean", transpose_w=False, return_lse=False, return_z_loss=False,
-                         implementation=None, config=None):
+                         precision=None, implementation=None, config=None):
     """Cross-entropy of ``softmax(x @ w)`` against integer labels, without the ``[T, V]`` logits.
 
     Args:
@@ -74,6 +74,9 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
       return_lse: also return the log-sum-exp ``[...]`` float32 of every token.
       return_z_loss: also return the z-loss part ``λ·lse²``, reduced like the loss
         (already included in the loss).
+      precision: of the float32 matmuls (logits, ``dx``, ``dw``): ``None`` (float32-accurate
+        unless `jax.default_matmul_precision` is set), ``"default"``, ``"high"``,
+        ``"highest"`` or a `jax.lax.Precision`; see `stellax.core.precision`.
       implementation: ``None`` (best available: ``"triton"`` on a GPU, else
         ``"xla_chunked"``), ``"triton"``, ``"xla_chunked"``, ``"xla"`` (the naive formula,
         materializes the logits) or a sequence tried in order.
@@ -94,4 +97,4 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
     return linear_cross_entropy_op(x, w, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
                                    z_loss=z_loss, logit_soft_cap=logit_soft_cap, reduction=reduction,
                                    transpose_w=transpose_w, return_lse=return_lse, return_z_loss=return_z_loss,
-                                   implementation=implementation, config=config)
+                                   precision=precision, implementation=implementation, config=config)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ...core import Call, backward_implementation
 from ...core import checks
+from ...core.precision import resolve_precision
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -52,7 +53,7 @@ def _check_labels_in_range(labels, vocab: int, ignore_index: int):
 
 
 def check_forward(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None,
-                  reduction="mean", transpose_w=False, return_lse=False, return_z_loss=False) -> Call:
+                  reduction="mean", transpose_w=False, return_lse=False, return_z_loss=False, precision=None) -> Call:
     """Validate `linear_cross_entropy` arguments into a `Call`."""
     x = checks.require_float("x", x)
     if x.ndim < 1:
@@ -84,11 +85,11 @@ def check_forward(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_los
     return Call({"x": x, "w": w, "labels": labels},
                 {"ignore_index": int(ignore_index), "label_smoothing": label_smoothing, "z_loss": z_loss,
                  "logit_soft_cap": logit_soft_cap, "reduction": reduction, "transpose_w": transpose_w,
-                 "return_lse": return_lse, "return_z_loss": return_z_loss})
+                 "return_lse": return_lse, "return_z_loss": return_z_loss, "precision": resolve_precision(precision)})
 
 
 def check_backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, logit_soft_cap=None,
-                   transpose_w=False) -> Call:
+                   transpose_w=False, precision=None) -> Call:
     """Validate `linear_cross_entropy_backward` arguments (token rows ``x [T, D]``)."""
     x = checks.require_float("x", x)
     checks.require_ndim("x", x, 2)
@@ -107,7 +108,8 @@ def check_backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *
         logit_soft_cap = checks.require_positive_float("logit_soft_cap", logit_soft_cap)
     return Call({"x": x, "w": w, "labels": labels, "lse": lse, "softmax_coef": softmax_coef,
                  "target_coef": target_coef, "uniform_coef": uniform_coef},
-                {"logit_soft_cap": logit_soft_cap, "transpose_w": bool(transpose_w)})
+                {"logit_soft_cap": logit_soft_cap, "transpose_w": bool(transpose_w),
+                 "precision": resolve_precision(precision)})
 
 
 # -- shapes ------------------------------------------------------------------------------
@@ -200,7 +202,7 @@ def forward_runner(kernels, name: str, backward_op):
 
     def run(call: Call, config):
         x2, labels = call.x.reshape(-1, call.x.shape[-1]), call.labels.reshape(-1)
-        options = dict(transpose_w=call.transpose_w, logit_soft_cap=call.logit_soft_cap)
+        options = dict(transpose_w=call.transpose_w, logit_soft_cap=call.logit_soft_cap, precision=call.precision)
         scalar_only = call.reduction != "none" and not call.return_lse and not call.return_z_loss
         fused = getattr(kernels, "fused_forward_backward", None) if scalar_only else None
 
@@ -248,7 +250,7 @@ def backward_runner(kernels):
     def run(call: Call, config):
         dx, dw = kernels.backward(call.x, call.w, call.labels, call.lse, call.softmax_coef, call.target_coef,
                                   call.uniform_coef, transpose_w=call.transpose_w,
-                                  logit_soft_cap=call.logit_soft_cap, config=config)
+                                  logit_soft_cap=call.logit_soft_cap, precision=call.precision, config=config)
         return dx.astype(call.x.dtype), dw.astype(call.w.dtype)
     return run
 

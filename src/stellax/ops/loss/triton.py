@@ -31,10 +31,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ...core.pallas import cdiv, dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call
+from ...core.pallas import cdiv, dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call, triton_precision
 from .configs import LinearCrossEntropyConfig
 
 #: Operands the kernels index themselves (masked loads of any tile).
+HIGHEST = jax.lax.Precision.HIGHEST
 _FULL = pl.no_block_spec
 
 
@@ -50,9 +51,11 @@ def _load_vector(ref, start, n, limit, other):
     return pltriton.load(ref.at[pl.ds(start, n)], mask=start + iota(n) < limit, other=other)
 
 
-def _precision(dtype):
-    """float32 operands get full float32 dots; bf16/f16 the tensor-core default."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+def _precision(precision, dtype):
+    """The in-kernel precision of a resolved ``precision`` (`stellax.core.precision`): float32
+    operands as `triton_precision` says (one TF32 pass at ``DEFAULT``, three otherwise);
+    bf16/f16 the tensor core's native precision."""
+    return triton_precision(precision) if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _w_tile(w, col0, k0, *, dims):
@@ -154,16 +157,18 @@ def _dw_kernel(*, x, w, labels, lse, a, b, e, dw, dims):
     dw[...] = jax.lax.fori_loop(0, cdiv(dims["tokens"], cfg.block_t), step, jnp.zeros(shape, jnp.float32))
 
 
-def _dims(x, w, *, transpose_w, logit_soft_cap, config: LinearCrossEntropyConfig):
+def _dims(x, w, *, transpose_w, logit_soft_cap, precision, config: LinearCrossEntropyConfig):
     tokens, features = x.shape
     vocab = w.shape[0] if transpose_w else w.shape[1]
     return dict(tokens=tokens, features=features, vocab=vocab, transpose_w=transpose_w, cap=logit_soft_cap,
-                cfg=config, precision=_precision(x.dtype))
+                cfg=config, precision=_precision(precision, x.dtype))
 
 
-def forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, config: LinearCrossEntropyConfig):
+def forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, config: LinearCrossEntropyConfig,
+                  precision=HIGHEST):
     """``x [T, D]``, ``w [D, V]`` (``[V, D]``), ``labels [T]`` → ``(lse, target, total)`` float32 ``[T]``."""
-    dims = _dims(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap, config=config)
+    dims = _dims(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap, precision=precision,
+                 config=config)
     tokens = dims["tokens"]
     vec = pl.BlockSpec((config.block_t,), lambda i: (i,))
     stat = lambda: output((tokens,), jnp.float32, vec)
@@ -177,9 +182,10 @@ def forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, config: LinearCr
 
 
 def backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, transpose_w, logit_soft_cap,
-             config: LinearCrossEntropyConfig):
+             config: LinearCrossEntropyConfig, precision=HIGHEST):
     """``(dx [T, D], dw)`` float32: the ``dx`` kernel and the ``dw`` kernel (see the module docstring)."""
-    dims = _dims(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap, config=config)
+    dims = _dims(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap, precision=precision,
+                 config=config)
     tokens, features, vocab = dims["tokens"], dims["features"], dims["vocab"]
     inputs = dict(x=operand(x, _FULL), w=operand(w, _FULL), labels=operand(labels.astype(jnp.int32), _FULL),
                   lse=operand(lse, _FULL), a=operand(softmax_coef, _FULL), b=operand(target_coef, _FULL),

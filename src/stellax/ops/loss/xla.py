@@ -36,38 +36,34 @@ from .reference import HIGHEST, logits, token_stats
 
 
 # -- naive (the "xla" implementation) -----------------------------------------------------
-def _precision(dtype):
-    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def _naive_logits(x, w, *, transpose_w, logit_soft_cap):
+def _naive_logits(x, w, *, transpose_w, logit_soft_cap, precision):
     z = jax.lax.dot_general(x, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
-                            precision=_precision(x.dtype), preferred_element_type=jnp.float32)
+                            precision=precision, preferred_element_type=jnp.float32)
     return z if logit_soft_cap is None else logit_soft_cap * jnp.tanh(z / logit_soft_cap)
 
 
-def naive_forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, config=None):
+def naive_forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, precision=HIGHEST, config=None):
     """``(lse, target, total)`` from the full logits (JAX autodiff through it)."""
     del config
-    return token_stats(_naive_logits(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap), labels)
+    return token_stats(_naive_logits(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap,
+                                     precision=precision), labels)
 
 
 def naive_backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, transpose_w, logit_soft_cap,
-                   config=None):
+                   precision=HIGHEST, config=None):
     """``(dx, dw)`` from the full ``[T, V]`` gradient of the logits."""
     del config
-    c = _naive_logits(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap)
+    c = _naive_logits(x, w, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap, precision=precision)
     vocab = c.shape[1]
     onehot = jnp.arange(vocab)[None, :] == labels[:, None]
     dc = (softmax_coef[:, None] * jnp.exp(c - lse[:, None]) + jnp.where(onehot, target_coef[:, None], 0.0)
           + uniform_coef[:, None])
     dz = dc if logit_soft_cap is None else dc * (1.0 - jnp.square(c / logit_soft_cap))
-    return _gradients(x, w, dz, transpose_w)
+    return _gradients(x, w, dz, transpose_w, precision)
 
 
-def _gradients(x, w, dz, transpose_w):
+def _gradients(x, w, dz, transpose_w, prec):
     """``(dx = dz @ wᵀ, dw = xᵀ @ dz)`` (``dw = dzᵀ @ x`` for ``[V, D]`` weights), float32."""
-    prec = _precision(x.dtype)
     dzc = dz.astype(x.dtype)
     dx = jax.lax.dot_general(dzc, w, (((1,), (0 if transpose_w else 1,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)
@@ -104,14 +100,14 @@ def _vocab_chunk(w, j, bv, vocab, transpose_w):
     return w_j, start, cols, cols >= nominal
 
 
-def _tile(x_c, w_j, transpose_w, logit_soft_cap):
+def _tile(x_c, w_j, transpose_w, logit_soft_cap, precision):
     """The logits tile ``c [bt, bv]`` (float32 accumulation, soft-capped)."""
     z = jax.lax.dot_general(x_c, w_j, (((1,), (1 if transpose_w else 0,)), ((), ())),
-                            precision=_precision(x_c.dtype), preferred_element_type=jnp.float32)
+                            precision=precision, preferred_element_type=jnp.float32)
     return z if logit_soft_cap is None else logit_soft_cap * jnp.tanh(z / logit_soft_cap)
 
 
-def _chunk_stats(x_c, y_c, w, *, bv, vocab, chunks, transpose_w, logit_soft_cap, keep_tiles):
+def _chunk_stats(x_c, y_c, w, *, bv, vocab, chunks, transpose_w, logit_soft_cap, precision, keep_tiles):
     """Online ``(lse, target, total)`` of one token chunk over the vocabulary chunks
     (and the chunk's logits tiles ``[chunks, bt, bv]`` when ``keep_tiles``)."""
     bt = x_c.shape[0]
@@ -119,7 +115,7 @@ def _chunk_stats(x_c, y_c, w, *, bv, vocab, chunks, transpose_w, logit_soft_cap,
     def step(carry, j):
         m, s, target, total = carry
         w_j, _, cols, fresh = _vocab_chunk(w, j, bv, vocab, transpose_w)
-        c = _tile(x_c, w_j, transpose_w, logit_soft_cap)
+        c = _tile(x_c, w_j, transpose_w, logit_soft_cap, precision)
         live = jnp.where(fresh[None, :], c, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(live, axis=1))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(live - m_new[:, None]), axis=1)
@@ -133,13 +129,13 @@ def _chunk_stats(x_c, y_c, w, *, bv, vocab, chunks, transpose_w, logit_soft_cap,
     return (m + jnp.log(s), target, total), tiles
 
 
-def chunked_forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, config):
+def chunked_forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, config, precision=HIGHEST):
     """``(lse, target, total)`` float32 ``[T]``, memory ``O(block_tokens · block_vocab)``."""
     xs, ys, bv, vocab, chunks = _layout(x, w, labels, transpose_w, config)
 
     def per_chunk(args):
         stats, _ = _chunk_stats(*args, w, bv=bv, vocab=vocab, chunks=chunks, transpose_w=transpose_w,
-                                logit_soft_cap=logit_soft_cap, keep_tiles=False)
+                                logit_soft_cap=logit_soft_cap, precision=precision, keep_tiles=False)
         return stats
 
     stats = jax.lax.map(per_chunk, (xs, ys))
@@ -155,7 +151,8 @@ def _grad_tile(c, y_c, cols, fresh, lse, a, b, e, logit_soft_cap):
     return jnp.where(fresh[None, :], dc, 0.0)
 
 
-def _gradient_pass(x_c, y_c, w, dw, lse, a, b, e, tiles, *, bv, vocab, chunks, transpose_w, logit_soft_cap):
+def _gradient_pass(x_c, y_c, w, dw, lse, a, b, e, tiles, *, bv, vocab, chunks, transpose_w, logit_soft_cap,
+                   precision):
     """One token chunk's ``dx_c [bt, D]`` and ``dw`` (float32 carry) updated over the vocabulary
     chunks; logits tiles recomputed, or taken from ``tiles``."""
     axis = 0 if transpose_w else 1
@@ -164,9 +161,9 @@ def _gradient_pass(x_c, y_c, w, dw, lse, a, b, e, tiles, *, bv, vocab, chunks, t
         dx_c, dw = carry
         j, kept = inputs
         w_j, start, cols, fresh = _vocab_chunk(w, j, bv, vocab, transpose_w)
-        c = _tile(x_c, w_j, transpose_w, logit_soft_cap) if kept is None else kept
+        c = _tile(x_c, w_j, transpose_w, logit_soft_cap, precision) if kept is None else kept
         dz = _grad_tile(c, y_c, cols, fresh, lse, a, b, e, logit_soft_cap)
-        dx_j, dw_j = _gradients(x_c, w_j, dz, transpose_w)
+        dx_j, dw_j = _gradients(x_c, w_j, dz, transpose_w, precision)
         dw = jax.lax.dynamic_update_slice_in_dim(dw, jax.lax.dynamic_slice_in_dim(dw, start, bv, axis) + dw_j,
                                                  start, axis)
         return (dx_c + dx_j, dw), None
@@ -177,12 +174,13 @@ def _gradient_pass(x_c, y_c, w, dw, lse, a, b, e, tiles, *, bv, vocab, chunks, t
 
 
 def chunked_backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, transpose_w, logit_soft_cap,
-                     config):
+                     config, precision=HIGHEST):
     """``(dx [T, D], dw)`` float32, logits recomputed chunk by chunk; dx and dw in one pass."""
     xs, ys, bv, vocab, chunks = _layout(x, w, labels, transpose_w, config)
     n, bt = ys.shape
     per_token = [pad_axis(v, 0, n * bt).reshape(n, bt) for v in (lse, softmax_coef, target_coef, uniform_coef)]
-    opts = dict(bv=bv, vocab=vocab, chunks=chunks, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap)
+    opts = dict(bv=bv, vocab=vocab, chunks=chunks, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap,
+                precision=precision)
 
     def step(dw, inputs):
         x_c, y_c, lse_c, a, b, e = inputs
@@ -193,7 +191,8 @@ def chunked_backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef,
     return dx.reshape(-1, x.shape[1])[: x.shape[0]], dw
 
 
-def chunked_fused_forward_backward(x, w, labels, coefficients_of, *, transpose_w, logit_soft_cap, config):
+def chunked_fused_forward_backward(x, w, labels, coefficients_of, *, transpose_w, logit_soft_cap, config,
+                                   precision=HIGHEST):
     """Stats and the gradients of a scalar loss in one sweep over the token chunks.
 
     ``coefficients_of(lse_c, labels_c, rows_c) -> (a, b, e)`` gives one chunk's backward
@@ -203,7 +202,8 @@ def chunked_fused_forward_backward(x, w, labels, coefficients_of, *, transpose_w
     xs, ys, bv, vocab, chunks = _layout(x, w, labels, transpose_w, config)
     n, bt = ys.shape
     rows = jnp.arange(n * bt).reshape(n, bt) < x.shape[0]
-    opts = dict(bv=bv, vocab=vocab, chunks=chunks, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap)
+    opts = dict(bv=bv, vocab=vocab, chunks=chunks, transpose_w=transpose_w, logit_soft_cap=logit_soft_cap,
+                precision=precision)
 
     def step(dw, inputs):
         x_c, y_c, rows_c = inputs
