@@ -326,3 +326,27 @@ def test_float16_paths():
     _assert_identical("dequantize", y, dequantize_op(*arrays.values(), **options, dtype="float16",
                                                      implementation="xla"))
     assert_close(h, hadamard_op.reference(x[:4], None, block=64, inverse=False), dtype=jnp.float16)
+
+
+def test_float32_precision_contract_numerics():
+    """precision='default' is one bfloat16 pass in the Hadamard and weight-only matmul kernels
+    (interpret mode reproduces it: a bf16-like error), 'high' three (float32-like);
+    `stellax.core.precision`."""
+    from stellax.testing.numerics import compare, golden
+    x = jax.random.normal(jax.random.PRNGKey(5), (64, 256), jnp.float32)
+    signs = random_signs(jax.random.PRNGKey(6), 128)
+    xq, w = _operands(16, 256, 128)
+    args, kwargs = flatten_operands(xq, quantize_example(w, "int8", 0, "channel"))
+    kwargs = {**kwargs, "preferred_element_type": "float32"}
+    cases = {
+        "hadamard": (lambda p: hadamard_op(x, signs, block=128, inverse=False, precision=p, implementation=IMPL),
+                     golden(lambda a: hadamard_op.reference(a, signs, block=128, inverse=False), x)),
+        "matmul": (lambda p: quantized_matmul_op(*args, **kwargs, precision=p, implementation=IMPL,
+                                                 config=QMatmulTpuConfig(32, 128, 256)),
+                   quantized_matmul_op.reference(*args, **kwargs)),
+    }
+    for name, (run, expected) in cases.items():
+        with interpret_mode(True):
+            errors = {p: compare(run(p), expected).rel_l2 for p in ("default", "high")}
+        assert 1e-4 < errors["default"] < 3e-2, (name, errors)
+        assert errors["high"] < 1e-4, (name, errors)

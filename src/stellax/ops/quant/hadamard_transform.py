@@ -10,6 +10,7 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
 from ...core.config import is_power_of_two
+from ...core.precision import resolve_precision
 from . import examples
 from . import hadamard as H
 from . import mosaic_tpu as tpu_kernels
@@ -18,7 +19,7 @@ from .configs import HadamardConfig, hadamard_heuristic, hadamard_space
 from .tpu_configs import HadamardTpuConfig, hadamard_tpu_heuristic, hadamard_tpu_space
 
 
-def check_hadamard(x, signs=None, *, block=None, inverse=False) -> Call:
+def check_hadamard(x, signs=None, *, block=None, inverse=False, precision=None) -> Call:
     """Checked `hadamard_op` arguments: ``x [..., n]`` float, ``block`` a power
     of two dividing ``n`` (default ``n``), ``signs`` ``[block]`` or ``None``."""
     x = checks.require_float("x", x)
@@ -36,14 +37,15 @@ def check_hadamard(x, signs=None, *, block=None, inverse=False) -> Call:
         raise ValueError(f"block_size: {block} must divide the last axis (size {n})")
     if signs is not None:
         checks.require_shape("random signs", signs, (block,), "block_size")
-    return Call({"x": x, "signs": signs}, {"block": block, "inverse": bool(inverse)})
+    return Call({"x": x, "signs": signs},
+                {"block": block, "inverse": bool(inverse), "precision": resolve_precision(precision)})
 
 
 _xla_jit = jax.jit(H.hadamard_xla, static_argnames=("block", "inverse"))
 
 
 def _xla(call: Call, config=None):
-    del config
+    del config  # butterflies of float32 adds: exact at every precision, no contraction
     return _xla_jit(call.x, block=call.block, signs=call.signs, inverse=call.inverse)
 
 
@@ -52,7 +54,8 @@ def _reference(call: Call):
 
 
 def _triton(call: Call, config: HadamardConfig):
-    return kernels.hadamard(call.x, call.signs, block=call.block, inverse=call.inverse, config=config)
+    return kernels.hadamard(call.x, call.signs, block=call.block, inverse=call.inverse, config=config,
+                            precision=call.precision)
 
 
 def _triton_requirements(call: Call):
@@ -81,8 +84,8 @@ hadamard_op = register(Op(
 ))
 
 
-def hadamard_transform(x, *, block_size=None, random_signs_key=None, inverse=False, implementation=None,
-                       config=None):
+def hadamard_transform(x, *, block_size=None, random_signs_key=None, inverse=False, precision=None,
+                       implementation=None, config=None):
     """Normalized fast Walsh–Hadamard transform over the last axis.
 
     Args:
@@ -95,6 +98,11 @@ def hadamard_transform(x, *, block_size=None, random_signs_key=None, inverse=Fal
         Hadamard: ``v → H(d ⊙ v)/√b``); the same key gives the same signs.
       inverse: apply the inverse (``w → d ⊙ (H w)/√b``; without signs the
         transform is its own inverse).
+      precision: of the float32 product with the ±1 matrix in the Mosaic TPU and
+        Triton kernels (``None``: float32-accurate unless
+        `jax.default_matmul_precision` is set; ``"default"`` rounds ``x`` to
+        bfloat16 / TF32 once); see `stellax.core.precision`. The XLA butterfly
+        adds in float32 and is exact at every setting.
       implementation, config: ``None`` / ``"mosaic_tpu"`` / ``"triton"`` / ``"xla"``; a
         `HadamardTpuConfig` / `HadamardConfig`.
 
@@ -107,4 +115,5 @@ def hadamard_transform(x, *, block_size=None, random_signs_key=None, inverse=Fal
     if random_signs_key is not None:
         if isinstance(block, (int, np.integer)) and not isinstance(block, bool) and block > 0:
             signs = H.random_signs(random_signs_key, int(block))
-    return hadamard_op(x, signs, block=block, inverse=inverse, implementation=implementation, config=config)
+    return hadamard_op(x, signs, block=block, inverse=inverse, precision=precision, implementation=implementation,
+                       config=config)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
+from ...core.precision import resolve_precision
 from . import examples
 from . import mosaic_tpu_matmul as tpu_kernels
 from . import triton as kernels
@@ -44,7 +45,7 @@ OUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def _check(x_values, x_scales, x_zero_points, x_tensor_scale, w_values, w_scales, w_zero_points, w_tensor_scale, *,
            x_format=None, x_shape=None, x_block_shape=None, x_axis=None, x_rotation=None, w_format, w_shape,
-           w_block_shape, w_axis, w_rotation=None, preferred_element_type="bfloat16") -> Call:
+           w_block_shape, w_axis, w_rotation=None, preferred_element_type="bfloat16", precision=None) -> Call:
     """Checked `quantized_matmul_op` arguments: the `QArray` fields of ``w``
     (``w_`` prefix) and of ``x`` (``x_``; only ``x_values`` for a float ``x``),
     see `base.flatten_operands`; the options gain ``m``, ``n``, ``k`` and the
@@ -96,7 +97,8 @@ def _check(x_values, x_scales, x_zero_points, x_tensor_scale, w_values, w_scales
                "x_block_shape": None if x_block_shape is None else tuple(x_block_shape), "x_axis": x_axis,
                "x_rotation": x_rotation, "w_format": w.format, "w_shape": w.shape, "w_block_shape": w.block_shape,
                "w_axis": w.axis, "w_rotation": w.rotation, "preferred_element_type": dtype.name,
-               "m": m, "n": n, "k": k, "x_group_k": x_group, "w_group_k": w_group}
+               "m": m, "n": n, "k": k, "x_group_k": x_group, "w_group_k": w_group,
+               "precision": resolve_precision(precision)}
     return Call(arrays, options)
 
 
@@ -117,16 +119,14 @@ def _reference(call: Call):
 def _xla(call: Call, config=None):
     del config
     x, w = _operands(call)
-    return _xla_jit(x, w, out=jnp.dtype(call.preferred_element_type))
+    return _xla_jit(x, w, out=jnp.dtype(call.preferred_element_type), precision=call.precision)
 
 
-@functools.partial(jax.jit, static_argnames=("out",))
-def _xla_jit(x, w, *, out):
+@functools.partial(jax.jit, static_argnames=("out", "precision"))
+def _xla_jit(x, w, *, out, precision):
     if not isinstance(x, QArray):
-        compute = x.dtype
-        wd = dequantize_reference(w, compute)
-        prec = jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
-        return jnp.matmul(x, wd, precision=prec, preferred_element_type=jnp.float32).astype(out)
+        wd = dequantize_reference(w, x.dtype)
+        return jnp.matmul(x, wd, precision=precision, preferred_element_type=jnp.float32).astype(out)
     per_row = x.scales.shape[1] == 1 and w.scales.shape[0] == 1
     if per_row and x.format == "int8":
         acc = jnp.matmul(x.values, w.values, preferred_element_type=jnp.int32).astype(jnp.float32)
@@ -135,7 +135,7 @@ def _xla_jit(x, w, *, out):
         return (acc * sx * sw).astype(out)
     xd = dequantize_reference(x)
     wd = dequantize_reference(w)
-    return jnp.matmul(xd, wd, precision=jax.lax.Precision.HIGHEST).astype(out)
+    return jnp.matmul(xd, wd, precision=precision).astype(out)
 
 
 # -- Triton ------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def _triton(call: Call, config: QMatmulConfig):
     m, n, k = call.m, call.n, call.k
     wk = kernel_operands(w)
     common = dict(m=m, n=n, k=k, w_format=w.format, gw=call.w_group_k or k, w_in_loop=call.w_group_k is not None,
-                  out_dtype=jnp.dtype(call.preferred_element_type), config=config)
+                  out_dtype=jnp.dtype(call.preferred_element_type), config=config, precision=call.precision)
     if not isinstance(x, QArray):
         y = kernels.quantized_matmul(x.reshape(m, k), None, w.values, wk.scales, wk.zero_points, wk.tensor_scale,
                                      x_kind="float", gx=1, x_in_loop=False, **common)
@@ -210,7 +210,8 @@ quantized_matmul_op = register(Op(
 ))
 
 
-def quantized_matmul(x, w, *, preferred_element_type=jnp.bfloat16, implementation=None, config=None):
+def quantized_matmul(x, w, *, preferred_element_type=jnp.bfloat16, precision=None, implementation=None,
+                     config=None):
     """``x @ w`` with quantized operands, dequantization fused into the kernel.
 
     Args:
@@ -218,6 +219,11 @@ def quantized_matmul(x, w, *, preferred_element_type=jnp.bfloat16, implementatio
         ``[M, K]`` quantized along axis 1 (activation × weight).
       w: a `QArray` ``[K, N]`` quantized along axis 0.
       preferred_element_type: the output dtype (float32/bfloat16/float16).
+      precision: of the float32 products (a float32 ``x``, or the dequantized
+        operands of the XLA path): ``None`` (float32-accurate unless
+        `jax.default_matmul_precision` is set), ``"default"``, ``"high"``,
+        ``"highest"`` or a `jax.lax.Precision`; see `stellax.core.precision`.
+        Narrower operands contract natively.
       implementation: ``None`` (Mosaic TPU on a TPU for weight-only and int8 ×
         int8, Triton on a GPU, else XLA), ``"mosaic_tpu"``, ``"triton"``, ``"xla"``.
       config: a `QMatmulConfig` for the Triton kernel.
@@ -232,4 +238,4 @@ def quantized_matmul(x, w, *, preferred_element_type=jnp.bfloat16, implementatio
     """
     args, kwargs = flatten_operands(x, w)
     return quantized_matmul_op(*args, **kwargs, preferred_element_type=np.dtype(preferred_element_type).name,
-                               implementation=implementation, config=config)
+                               precision=precision, implementation=implementation, config=config)

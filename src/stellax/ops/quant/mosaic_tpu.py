@@ -28,7 +28,7 @@ Hadamard: the input is viewed as rows of ``W`` lanes (``W`` a multiple of the
 block, 128 or 256 when the size allows, `tpu_configs.hadamard_lanes`) and each
 step multiplies ``block_rows`` rows by the block-diagonal ``W × W`` matrix
 ``I ⊗ (D·H)`` (forward) or ``I ⊗ (H·D)`` (inverse) held in VMEM, ±1 entries
-scaled by ``1/√b`` after the product; float32 at ``HIGHEST`` precision.
+scaled by ``1/√b`` after the product; float32 at the call's precision (`mxu_dot`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ...core.pallas import F32, HIGHEST, dot, operand, output, tpu_kernel_call
+from ...core.pallas import F32, HIGHEST, dot, mxu_dot, operand, output, tpu_kernel_call
 from ...core.platform import interpret_enabled
 from ...core.tpu import target_generation
 from . import formats as F
@@ -350,21 +350,20 @@ def dequantize(values, scales, zero_points, tensor_scale, *, fmt: str, k: int, g
 
 
 # -- Hadamard --------------------------------------------------------------------------
-def _hadamard_kernel(*, x, m, y, scale: float):
-    """``y = (x_rows · M) · scale``: ``M`` ±1 (exact in any float dtype)."""
+def _hadamard_kernel(*, x, m, y, scale: float, precision):
+    """``y = (x_rows · M) · scale``: ``M`` ±1 (exact in any float dtype); float32 ``x`` at the
+    resolved ``precision`` (`mxu_dot`), narrower ``x`` natively."""
     xt = x[...]
-    if xt.dtype == F32:
-        out = dot(xt, m[...], precision=HIGHEST)
-    else:
-        out = dot(xt, m[...].astype(xt.dtype), precision=None)
+    out = mxu_dot(xt, m[...] if xt.dtype == F32 else m[...].astype(xt.dtype), precision)
     y[...] = (out * scale).astype(y.dtype)
 
 
-def hadamard(x, signs, *, block: int, inverse: bool, block_rows: int):
+def hadamard(x, signs, *, block: int, inverse: bool, block_rows: int, precision=HIGHEST):
     """Normalized (randomized) WHT over blocks of the last axis (the contract of
     `hadamard_transform`): ``x [..., n]``, ``signs [block]`` or ``None``."""
     if x.dtype == jnp.float16:  # no float16 vectors in Mosaic: float32 math (as the golden), float16 out
-        return hadamard(x.astype(F32), signs, block=block, inverse=inverse, block_rows=block_rows).astype(x.dtype)
+        return hadamard(x.astype(F32), signs, block=block, inverse=inverse, block_rows=block_rows,
+                        precision=precision).astype(x.dtype)
     shape = x.shape
     total = int(np.prod(shape))
     width = hadamard_lanes(total, block)
@@ -378,7 +377,8 @@ def hadamard(x, signs, *, block: int, inverse: bool, block_rows: int):
     br = min(block_rows, -(-rows // 16) * 16)
     row_spec = pl.BlockSpec((br, width), lambda i: (i, 0))
     out = tpu_kernel_call(
-        functools.partial(_hadamard_kernel, scale=1.0 / math.sqrt(block)), grid=(pl.cdiv(rows, br),),
+        functools.partial(_hadamard_kernel, scale=1.0 / math.sqrt(block), precision=precision),
+        grid=(pl.cdiv(rows, br),),
         dimension_semantics=_SEMANTICS, name="stellax_hadamard_tpu",
         inputs=dict(x=operand(x.reshape(rows, width), row_spec),
                     m=operand(h, pl.BlockSpec((width, width), lambda i: (0, 0)))),
@@ -462,4 +462,5 @@ def hadamard_requirements(call) -> str | None:
 
 
 def hadamard_run(call, config):
-    return hadamard(call.x, call.signs, block=call.block, inverse=call.inverse, block_rows=config.block_rows)
+    return hadamard(call.x, call.signs, block=call.block, inverse=call.inverse, block_rows=config.block_rows,
+                    precision=call.precision)

@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import F32, HIGHEST, cdiv, dot, operand, output, tpu_kernel_call
+from ...core.pallas import F32, HIGHEST, cdiv, dot, mxu_dot, operand, output, tpu_kernel_call
 from ...core.tpu import target_generation
 from . import formats as F
 from .mosaic_tpu import _vmem_limit, decode_nibbles, float8_values
@@ -134,7 +134,7 @@ def _is_last():
 
 
 # -- weight-only -------------------------------------------------------------------------
-def _weight_only_kernel(*, x, x_odd, w, w_scale, w_zero, y, acc, st: _Steps, fmt: str):
+def _weight_only_kernel(*, x, x_odd, w, w_scale, w_zero, y, acc, st: _Steps, fmt: str, precision):
     """Decode the step's weight codes in VMEM, multiply, accumulate (module docstring)."""
     f = F.get_format(fmt)
     el = f.element
@@ -161,8 +161,7 @@ def _weight_only_kernel(*, x, x_odd, w, w_scale, w_zero, y, acc, st: _Steps, fmt
     for xt, wt in zip(tiles, halves):
         if st.tail:
             xt = jnp.where(_valid(xt.shape, 1, st), xt, jnp.zeros_like(xt))
-        precision = HIGHEST if xt.dtype == F32 else None
-        d = dot(xt, wt.astype(xt.dtype), precision=precision)
+        d = mxu_dot(xt, wt.astype(xt.dtype), precision)
         part = d if part is None else part + d
     _accumulate(acc, part)
 
@@ -171,7 +170,7 @@ def _weight_only_kernel(*, x, x_odd, w, w_scale, w_zero, y, acc, st: _Steps, fmt
         y[...] = acc[...].astype(y.dtype)
 
 
-def weight_only_matmul(x, w: QArray, *, out_dtype, config: QMatmulTpuConfig):
+def weight_only_matmul(x, w: QArray, *, out_dtype, config: QMatmulTpuConfig, precision=HIGHEST):
     """``x [M, K]`` (float32 / bfloat16) @ ``w`` (`QArray` ``[K, N]``, axis 0) → ``[M, N]`` ``out_dtype``."""
     m, k = x.shape
     n = w.shape[1]
@@ -203,7 +202,7 @@ def weight_only_matmul(x, w: QArray, *, out_dtype, config: QMatmulTpuConfig):
     z3 = None if zp is None else _step_rows(zp, st)[0]
     need = qmm_vmem_bytes(x.dtype.itemsize, np.dtype(out_dtype).itemsize, f.packed, bm, bn, config.block_k)
     outs = tpu_kernel_call(
-        functools.partial(_weight_only_kernel, st=st, fmt=f.name),
+        functools.partial(_weight_only_kernel, st=st, fmt=f.name, precision=precision),
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), st.steps), dimension_semantics=_SEMANTICS,
         name="stellax_quantized_matmul_tpu",
         inputs=dict(x=operand(xs[0], x_spec), x_odd=operand(xs[1], x_spec),
@@ -322,6 +321,7 @@ def qmatmul_tpu_run(call, config: QMatmulTpuConfig):
     out_dtype = jnp.dtype(call.preferred_element_type)
     if call.x_format is None:
         x = call.x_values
-        y = weight_only_matmul(x.reshape(call.m, call.k), w, out_dtype=out_dtype, config=config)
+        y = weight_only_matmul(x.reshape(call.m, call.k), w, out_dtype=out_dtype, config=config,
+                               precision=call.precision)
         return y.reshape(*x.shape[:-1], call.n)
     return int8_matmul(qarray_from_call(call, "x_"), w, out_dtype=out_dtype, config=config)

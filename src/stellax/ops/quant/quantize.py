@@ -159,7 +159,9 @@ def _rotate(x, axis: int, rotate):
     if block is True:
         block = x.shape[axis]
     moved = jnp.moveaxis(x, axis, -1)
-    moved = hadamard_transform(moved, block_size=block, random_signs_key=key)
+    # Always float32-accurate (not the caller's matmul precision): the rotation is part of the
+    # quantization recipe, and a bf16 pass would add its rounding to every rotated value.
+    moved = hadamard_transform(moved, block_size=block, random_signs_key=key, precision="highest")
     return jnp.moveaxis(moved, -1, axis), int(block)
 
 

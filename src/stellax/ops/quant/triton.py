@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...core.pallas import F32, HIGHEST, cdiv, dot, dot_nt, operand, output, triton_kernel_call
+from ...core.pallas import F32, HIGHEST, cdiv, dot, dot_nt, operand, output, triton_kernel_call, triton_precision
 from ...core.platform import interpret_enabled
 from . import formats as F
 from . import kernel as K
@@ -47,9 +47,11 @@ def _zero(ref):
     return jnp.zeros((), ref.dtype)
 
 
-def _precision(dtype):
-    """``HIGHEST`` for float32 dots (no TF32), the default otherwise."""
-    return HIGHEST if jnp.dtype(dtype) == F32 else None
+def _precision(precision, dtype):
+    """The in-kernel precision of a resolved ``precision`` (`stellax.core.precision`): float32
+    dots as `triton_precision` says (one TF32 pass at ``DEFAULT``, three otherwise), narrower
+    ones at the tensor core's native precision."""
+    return triton_precision(precision) if jnp.dtype(dtype) == F32 else None
 
 
 def _tile_spec(rows: int, cols: int) -> pl.BlockSpec:
@@ -60,7 +62,7 @@ def _tile_spec(rows: int, cols: int) -> pl.BlockSpec:
 # -- Hadamard ----------------------------------------------------------------------
 
 
-def _hadamard_kernel(*, x, m, y, rows, block, scale):
+def _hadamard_kernel(*, x, m, y, rows, block, scale, precision):
     """``y = (x_rows · M) · scale`` for the program's ``[br, block]`` rows
     (rows past ``rows`` read as zero); ``M`` is ±1, so bf16/f16 are exact."""
     br = y.shape[0]
@@ -69,13 +71,13 @@ def _hadamard_kernel(*, x, m, y, rows, block, scale):
     xt = plgpu.load(x.at[pl.ds(i * br, br), :], mask=row < rows, other=_zero(x))
     mt = m[...]
     if xt.dtype == F32:
-        out = dot(xt, mt, precision=HIGHEST)
+        out = dot(xt, mt, precision=_precision(precision, F32))
     else:
         out = dot(xt, mt.astype(xt.dtype), precision=None)
     y[...] = (out * scale).astype(y.dtype)
 
 
-def hadamard(x, signs, *, block: int, inverse: bool, config):
+def hadamard(x, signs, *, block: int, inverse: bool, config, precision=HIGHEST):
     """Normalized (randomized) WHT over blocks of the last axis.
 
     ``x [..., n]`` (``block`` divides ``n``), ``signs [block]`` float or
@@ -93,7 +95,8 @@ def hadamard(x, signs, *, block: int, inverse: bool, config):
     # inverse y = D·H·w ⇒ y_row = w_row·(H·D). ``h`` is that right factor.
     br = config.block_rows
     out = triton_kernel_call(
-        functools.partial(_hadamard_kernel, rows=rows, block=block, scale=1.0 / math.sqrt(block)),
+        functools.partial(_hadamard_kernel, rows=rows, block=block, scale=1.0 / math.sqrt(block),
+                          precision=precision),
         grid=(pl.cdiv(rows, br),),
         inputs=dict(x=operand(x2, _ANY), m=operand(h, pl.BlockSpec((block, block), lambda i: (0, 0)))),
         outputs=dict(y=output((rows, block), x.dtype, pl.BlockSpec((br, block), lambda i: (i, 0)))),
@@ -123,6 +126,7 @@ class _Qmm:
     gw: int
     compute_dtype: Any     # the weight-only dot's input dtype
     acc_dtype: Any         # int32 for int8 × int8 with epilogue scales, else float32
+    precision: Any = HIGHEST  # the call's resolved precision (float32 weight-only dots)
 
     @property
     def packed(self) -> bool:
@@ -161,7 +165,7 @@ def _x_col(ref, g: _Qmm, i, kb):
 def _weight_only_product(xt, wt, w_zero, g: _Qmm, j, s):
     """``x_tile · decode(w_tile)`` with the weights decoded into the activation dtype."""
     zp = None if w_zero is None else _w_row(w_zero, g, j, (s * g.bk) // g.gw).astype(jnp.float32)
-    precision = _precision(g.compute_dtype)
+    precision = _precision(g.precision, g.compute_dtype)
     if g.packed:
         wd = K.decode_packed_pairs(wt.T, g.w_format)  # [bn, bk], K interleaved back
         if zp is not None:
@@ -216,7 +220,7 @@ def _qmm_kernel(*, x, x_scale, w, w_scale, w_zero, tensor_scale, y, g: _Qmm):
 
 
 def quantized_matmul(x, sx, w, sw, zp, ts, *, m, n, k, x_kind, w_format, gx, gw, x_in_loop, w_in_loop, out_dtype,
-                     config):
+                     config, precision=HIGHEST):
     """``y [M, N] = decode(x) @ decode(w)`` in ``out_dtype``.
 
     Args:
@@ -230,13 +234,14 @@ def quantized_matmul(x, sx, w, sw, zp, ts, *, m, n, k, x_kind, w_format, gx, gw,
       gx, gw: the K blocks of the scales; ``x_in_loop`` / ``w_in_loop``:
         apply them per K step (else once, in the epilogue).
       config: a `QMatmulConfig` (``block_k`` divides the in-loop K blocks).
+      precision: the resolved precision of float32 weight-only dots (`stellax.core.precision`).
     """
     compute_dtype = x.dtype if x_kind == "float" else jnp.float32
     acc_dtype = jnp.int32 if (x_kind == "int" and not (x_in_loop or w_in_loop)) else jnp.float32
     bm, bn = config.block_m, config.block_n
     g = _Qmm(m=m, n=n, k=k, bm=bm, bn=bn, bk=config.block_k, x_kind=x_kind, w_format=w_format,
              x_in_loop=x_in_loop, w_in_loop=w_in_loop, gx=gx, gw=gw, compute_dtype=compute_dtype,
-             acc_dtype=acc_dtype)
+             acc_dtype=acc_dtype, precision=precision)
     out = triton_kernel_call(
         functools.partial(_qmm_kernel, g=g), grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
         inputs=dict(x=operand(x, _ANY), x_scale=operand(sx, _ANY), w=operand(w, _ANY), w_scale=operand(sw, _ANY),
