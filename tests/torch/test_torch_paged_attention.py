@@ -48,7 +48,7 @@ def test_paged_decode_and_multi_token_decode():
         torch.testing.assert_close(out3[b], ref, atol=2e-5, rtol=2e-5)
     torch.library.opcheck(st_paged.paged_attention_op.op,
                           (q, k_pages, None, None, None, None, v_pages, None, None, None, None, tables,
-                           lengths.to(torch.int32), None, None, None, None, None, None, None, None, None))
+                           lengths.to(torch.int32), None, None, None, None, None, None, None, None, None, None))
 
 
 def test_ragged_paged_attention_mixed_step():
@@ -63,7 +63,7 @@ def test_ragged_paged_attention_mixed_step():
         torch.testing.assert_close(out[lo:hi], ref, atol=2e-5, rtol=2e-5)
     torch.library.opcheck(st_paged.ragged_paged_attention_op.op,
                           (q, k_pages, None, None, None, None, v_pages, None, None, None, None, kv_lens, tables, cu,
-                           torch.tensor([3], dtype=torch.int32), None, *[None] * 8))
+                           torch.tensor([3], dtype=torch.int32), None, *[None] * 9))
 
 
 def test_mla_decode_matches_dense_latent_attention():
@@ -82,7 +82,7 @@ def test_mla_decode_matches_dense_latent_attention():
         torch.testing.assert_close(out[b], torch.softmax(s, -1) @ c, atol=2e-5, rtol=2e-5)
     torch.library.opcheck(st_paged.mla_decode_op.op, (q_nope, q_pe, latent, None, None, None, None, pe, None, None,
                                                       None, None, tables, lengths, None, None, None, None, 0.2, None,
-                                                      None, None))
+                                                      None, None, None))
 
 
 def test_update_kv_cache_in_place_then_decode():
@@ -132,7 +132,7 @@ def test_paged_attention_over_quantized_pools_matches_jax(spec):
     torch.library.opcheck(st_paged.paged_attention_op.op,
                           (q, qk.data, qk.scale, qk.zero, qk.signs, None, qv.data, qv.scale, qv.zero, qv.signs, None,
                            tables, lengths.int(), None, st_paged._encode_spec(qk.spec), H,
-                           st_paged._encode_spec(qv.spec), H, None, None, None, None))
+                           st_paged._encode_spec(qv.spec), H, None, None, None, None, None))
 
 
 def test_ragged_over_quantized_pools_matches_jax():

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core.precision import resolve_precision
 from ..ops.attention import attention_backward_op, backward_kernels
 from .local import F32, LocalAttention, merge_partials
 
@@ -152,7 +153,8 @@ def _ring_bwd(local, axis_name, axis_size, residuals, cotangents):
         (o_s, l_s), vjp = jax.vjp(f, q, kb, vb)
         w = jnp.where(jnp.isfinite(l_s), jnp.exp(l_s - lse_safe), 0.0)  # [B, N, T]
         do_s = jnp.swapaxes(w, 1, 2)[..., None] * d_out
-        dl_s = w * (jnp.einsum("btnh,btnh->bnt", d_out, o_s.astype(F32) - out) + d_lse)
+        dl_s = w * (jnp.einsum("btnh,btnh->bnt", d_out, o_s.astype(F32) - out,
+                                precision=resolve_precision(local.precision)) + d_lse)
         dq, dk, dv = vjp((do_s.astype(o_s.dtype), dl_s.astype(l_s.dtype)))
         return dq.astype(F32), dk.astype(F32), dv.astype(F32)
 

@@ -114,9 +114,10 @@ def _pool(name: str, pool):
 # -- paged_attention ------------------------------------------------------------------------
 def _paged_attention(q: Array, k: Pages | Array, v: Pages | Array | None, block_tables: Array, lengths: Array,
                      sinks: Array | None, *, scale: float | None, logits_soft_cap: float | None,
-                     local_window_size: int | None, implementation: str | None) -> Array:
+                     local_window_size: int | None, implementation: str | None, precision: str | None) -> Array:
     return _paged.paged_attention(q, k, v, block_tables, lengths, scale=scale, logits_soft_cap=logits_soft_cap,
-                                   local_window_size=local_window_size, sinks=sinks, implementation=implementation)
+                                   local_window_size=local_window_size, sinks=sinks, implementation=implementation,
+                                   precision=precision)
 
 
 paged_attention_op = define_op("paged_attention", _paged_attention, differentiable=False,
@@ -125,7 +126,8 @@ paged_attention_op = define_op("paged_attention", _paged_attention, differentiab
 
 def paged_attention(q: torch.Tensor, k_pages, v_pages, block_tables: torch.Tensor, lengths: torch.Tensor, *,
                     scale: float | None = None, logits_soft_cap: float | None = None, local_window_size=None,
-                    sinks: torch.Tensor | None = None, implementation: str | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, implementation: str | None = None,
+                    precision: str | None = None) -> torch.Tensor:
     """Attention of new tokens against a paged KV cache (`stellax.paged_attention`).
 
     Args:
@@ -138,22 +140,23 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, block_tables: torch.Tenso
       block_tables: ``[B, max_pages]`` integers; lengths: ``[B]`` integers
         (tokens in the cache, new ones included).
       scale, logits_soft_cap, local_window_size, sinks (``[N]`` float32),
-        implementation: as in JAX.
+        implementation, precision (float32 contractions, docs/precision.md): as in JAX.
 
     Returns ``[B, (Q,) N, Hv]`` in ``q.dtype``. Forward only (`ForwardOnlyError`
     on backward)."""
     return paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(block_tables, "block_tables"),
                               int32(lengths, "lengths"), sinks, opt_float(scale), opt_float(logits_soft_cap),
-                              left_window(local_window_size), implementation)
+                              left_window(local_window_size), implementation, precision)
 
 
 # -- ragged_paged_attention -------------------------------------------------------------------
 def _ragged(q: Array, k: Pages | Array, v: Pages | Array | None, kv_lens: Array, block_tables: Array,
             cu_q_lens: Array, num_seqs: Array, sinks: Array | None, *, scale: float | None,
-            logits_soft_cap: float | None, local_window_size: int | None, implementation: str | None) -> Array:
+            logits_soft_cap: float | None, local_window_size: int | None, implementation: str | None,
+            precision: str | None) -> Array:
     return _paged.ragged_paged_attention(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, scale=scale,
                                           logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-                                          sinks=sinks, implementation=implementation)
+                                          sinks=sinks, implementation=implementation, precision=precision)
 
 
 ragged_paged_attention_op = define_op("ragged_paged_attention", _ragged, differentiable=False,
@@ -163,7 +166,8 @@ ragged_paged_attention_op = define_op("ragged_paged_attention", _ragged, differe
 def ragged_paged_attention(q: torch.Tensor, k_pages, v_pages, kv_lens: torch.Tensor, block_tables: torch.Tensor,
                            cu_q_lens: torch.Tensor, num_seqs, *, scale: float | None = None,
                            logits_soft_cap: float | None = None, local_window_size=None,
-                           sinks: torch.Tensor | None = None, implementation: str | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, implementation: str | None = None,
+                           precision: str | None = None) -> torch.Tensor:
     """One serving step over packed new tokens ``q [total_q, N, H]`` of many
     sequences (prefills, chunked prefills and decodes mixed;
     `stellax.ragged_paged_attention`): sequence ``s`` owns
@@ -171,22 +175,23 @@ def ragged_paged_attention(q: torch.Tensor, k_pages, v_pages, kv_lens: torch.Ten
     ``kv_lens[s]`` cached tokens. ``kv_lens [S]``, ``block_tables [S, max_pages]``,
     ``cu_q_lens [S + 1]`` integers; ``num_seqs`` (int or integer tensor) live
     sequences. Pools dense or `QuantizedPages` as in `paged_attention`.
+    ``precision``: float32 contractions, as in JAX (docs/precision.md).
     Returns ``[total_q, N, Hv]``. Forward only."""
     if not isinstance(num_seqs, torch.Tensor):
         num_seqs = torch.tensor([int(num_seqs)], dtype=torch.int32, device=q.device)
     return ragged_paged_attention_op(q, _pool("k_pages", k_pages), _pool("v_pages", v_pages), int32(kv_lens, "kv_lens"),
                                      int32(block_tables, "block_tables"), int32(cu_q_lens, "cu_q_lens"), int32(num_seqs, "num_seqs").reshape(1), sinks,
                                      opt_float(scale), opt_float(logits_soft_cap), left_window(local_window_size),
-                                     implementation)
+                                     implementation, precision)
 
 
 # -- mla_decode -------------------------------------------------------------------------------
 def _mla(q_nope: Array, q_pe: Array, latent: Pages | Array, pe: Pages | Array, block_tables: Array,
          lengths: Array, *, scale: float, logits_soft_cap: float | None, local_window_size: int | None,
-         implementation: str | None) -> Array:
+         implementation: str | None, precision: str | None) -> Array:
     return _paged.mla_decode(q_nope, q_pe, latent, pe, block_tables, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-                              implementation=implementation)
+                              implementation=implementation, precision=precision)
 
 
 mla_decode_op = define_op("mla_decode", _mla, differentiable=False, forward_only_reason=_FORWARD_ONLY)
@@ -194,15 +199,16 @@ mla_decode_op = define_op("mla_decode", _mla, differentiable=False, forward_only
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_pages, pe_pages, block_tables: torch.Tensor,
                lengths: torch.Tensor, *, scale: float, logits_soft_cap: float | None = None, local_window_size=None,
-               implementation: str | None = None) -> torch.Tensor:
+               implementation: str | None = None, precision: str | None = None) -> torch.Tensor:
     """DeepSeek multi-head latent attention decode (weight-absorbed,
     `stellax.mla_decode`): ``q_nope [B, (Q,) N, R]``, ``q_pe [B, (Q,) N, P]``
     against the shared latent cache ``latent_pages [num_pages, page_size, R]``
     (dense or `QuantizedPages`) and ``pe_pages [num_pages, page_size, P]``.
+    ``precision``: float32 contractions, as in JAX (docs/precision.md).
     Returns ``[B, (Q,) N, R]``. Forward only."""
     return mla_decode_op(q_nope, q_pe, _pool("latent_pages", latent_pages), _pool("pe_pages", pe_pages),
                          int32(block_tables, "block_tables"), int32(lengths, "lengths"), float(scale), opt_float(logits_soft_cap),
-                         left_window(local_window_size), implementation)
+                         left_window(local_window_size), implementation, precision)
 
 
 # -- cache helpers ----------------------------------------------------------------------------

@@ -301,3 +301,23 @@ def test_heuristic_compiles_forward_and_gradients(generation, h):
     result = compile_config(attention_op, "mosaic_tpu", (q, q, q), {"is_causal": True}, generation=generation,
                             grad=True)
     assert result.ok, result.describe()
+
+
+# -- the float32 precision contract (docs/precision.md) --------------------------------------------
+def test_float32_precision_default_is_one_bf16_pass_high_is_float32_accurate():
+    """Interpreted, the kernel writes ``'default'`` as one bfloat16 pass (bf16-like
+    error against the golden) and ``'high'`` as three (float32-accurate)."""
+    from stellax.testing.numerics import compare, golden
+
+    keys = jax.random.split(jax.random.PRNGKey(35), 3)
+    q, k, v = (jax.random.normal(kk, (1, 128, 2, 64), jnp.float32) for kk in keys)
+    ref = golden(lambda q, k, v: stellax.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                                              precision="highest"), q, k, v)
+    errors = {}
+    with stellax.interpret_mode(), use_configs(BLOCKS):
+        for precision in ("default", "high"):
+            out = stellax.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic_tpu",
+                                                precision=precision)
+            errors[precision] = compare(out, ref).rel_l2
+    assert 1e-4 < errors["default"] < 3e-2, errors
+    assert errors["high"] < 1e-4, errors

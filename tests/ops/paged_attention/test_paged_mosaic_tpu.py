@@ -219,3 +219,19 @@ def test_quantized_formats_compile(generation, name):
                          head_dim=128, dtype=jnp.bfloat16, quant=FORMATS[name])
     result = compile_config(ragged_paged_attention_op, "mosaic_tpu", args, generation=generation)
     assert result.ok, result.describe()
+
+
+# -- the float32 precision contract (docs/precision.md) --------------------------------------------
+def test_paged_decode_float32_precision_default_is_bf16_like_high_is_float32_accurate():
+    """Interpreted, ``'default'`` is one bfloat16 pass per matmul (bf16-like error
+    against the golden), ``'high'`` three (float32-accurate)."""
+    from stellax.testing.numerics import compare, golden
+
+    q, k, v, t, lengths = paged_inputs(35, lengths=[13, 29], page_size=8, kv_heads=1, q_heads=2, head_dim=32,
+                                       dtype=jnp.float32)
+    ref = golden(lambda *a: _golden(paged_attention_op, *a), q, k, v, t, lengths)
+    errors = {p: compare(_interpreted(paged_attention, q, k, v, t, lengths, precision=p,
+                                      config=TpuPagedConfig(pages_per_block=2)), ref).rel_l2
+              for p in ("default", "high")}
+    assert 1e-4 < errors["default"] < 3e-2, errors
+    assert errors["high"] < 1e-4, errors

@@ -85,7 +85,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       logits_soft_cap: ``cap · tanh(logits / cap)`` (Gemma 2 / Grok).
       sinks: ``[N]`` float: a per-head logit that joins the softmax
         denominator only (gpt-oss / StreamingLLM attention sinks).
-      precision: matmul precision for the XLA paths (the golden uses HIGHEST).
+      precision: float32 contraction precision of every implementation, forward and
+        backward: None ('highest' unless `jax.default_matmul_precision` is set),
+        'default', 'high', 'highest' or a `jax.lax.Precision` (docs/precision.md).
       return_residuals: also return the log-sum-exp ``[B..., N, T]`` float32
         of the softmax normalizer (including the sink): ``-inf`` for a fully
         masked row. It is differentiable, so partial attentions can be merged

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call, Implementation, Op, checks, register
+from ...core.precision import resolve_precision
 from . import configs, examples, mosaic_tpu_backward, triton_backward, xla_chunked
 from .base import backward_bytes, backward_canonical, backward_flops, backward_runner
 from .masks import MaskSpec
@@ -49,7 +50,8 @@ def check_attention_backward(query, key, value, bias, mask, sinks, out, lse, d_o
         {"query": query, "key": key, "value": value, "bias": bias, "mask": mask, "sinks": sinks, "out": out,
          "lse": lse, "d_out": d_out, "d_lse": d_lse, "q_positions": q_positions, "kv_positions": kv_positions,
          "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids},
-        {"spec": spec, "scale": float(scale), "logits_soft_cap": logits_soft_cap, "precision": precision},
+        {"spec": spec, "scale": float(scale), "logits_soft_cap": logits_soft_cap,
+         "precision": resolve_precision(precision)},
     )
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, backward_implementation, checks
 from ...core.pallas import nbytes
+from ...core.precision import resolve_precision
 from . import configs, mosaic_tpu, triton, xla_chunked
 from .masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec, default_positions, visible_fraction
 from .reference import attention_forward_reference
@@ -175,8 +176,7 @@ def check_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     if sinks is not None:
         sinks = checks.require_float("sinks", sinks)
         checks.require_shape("sinks", sinks, (n,), "[N], one logit per query head")
-    if isinstance(precision, list):
-        precision = tuple(precision)
+    precision = resolve_precision(precision)
     return Call(
         {"query": query, "key": key, "value": value, "bias": bias, "mask": mask, "sinks": sinks,
          "q_segment_ids": q_segment_ids, "kv_segment_ids": kv_segment_ids,

@@ -57,7 +57,10 @@ def backward_examples(dtype):
         sinks = jax.random.normal(jax.random.PRNGKey(seed + 11), (n,)).astype(dtype) if with_sinks else None
         q_pos, kv_pos = default_positions(t, s)
         statics = dict(spec=spec, scale=float(1.0 / np.sqrt(h)), logits_soft_cap=None)
-        o, lse = attention_forward_reference(q, key, v, bias, None, sinks, q_pos, kv_pos, None, None, **statics)
+        # o/lse at float32 precision explicitly: at a TPU's default precision they would be bf16-accurate,
+        # inconsistent with q/k/v, and the float32 backward check would fail on the example itself
+        o, lse = attention_forward_reference(q, key, v, bias, None, sinks, q_pos, kv_pos, None, None, **statics,
+                                             precision=jax.lax.Precision.HIGHEST)
         d_out = jax.random.normal(jax.random.PRNGKey(seed + 12), o.shape).astype(dtype)
         out.append(Example(label, (q, key, v, bias, None, sinks, o, lse, d_out, None, q_pos, kv_pos), statics))
     return out

@@ -44,7 +44,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import cdiv, dot, dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call
+from ...core.pallas import (
+    cdiv, mxu_dot, mxu_dot_nt, mxu_dot_tn, online_softmax_step, operand, output, pad_axis, tpu_kernel_call,
+)
 from ...core.tpu import target_generation
 from .configs import splash_vmem_bytes
 from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn
@@ -172,13 +174,13 @@ class TileMath:
 
     @classmethod
     def of(cls, c, tiling: Tiling) -> "TileMath":
-        precision = jax.lax.Precision.HIGHEST if c.q.dtype == F32 else jax.lax.Precision.DEFAULT
-        return cls(c.spec, c.scale, c.logits_soft_cap, tiling.s, tiling.sp != tiling.s, tiling.bk, precision)
+        # the call's resolved precision (`core.precision`); non-float32 operands stay native
+        return cls(c.spec, c.scale, c.logits_soft_cap, tiling.s, tiling.sp != tiling.s, tiling.bk, c.precision)
 
     def logits(self, q, k):
         """``(s, tanh)``: the float32 logits ``[R, bk]`` of ``q [R, H]``,
         ``k [bk, H]`` and the soft cap's ``tanh`` (None without a cap)."""
-        s = dot_nt(q, k, precision=self.precision) * F32(self.scale)
+        s = mxu_dot_nt(q, k, self.precision) * F32(self.scale)
         if self.cap is None:
             return s, None
         tanh = jnp.tanh(s / F32(self.cap))
@@ -197,16 +199,15 @@ class TileMath:
 
     def dot(self, a, b):
         """``a [M, K] · b [K, N]``, float32."""
-        return dot(a, b, precision=self.precision)
+        return mxu_dot(a, b, self.precision)
 
     def dot_nt(self, a, b):
         """``a [M, K] · b [N, K]ᵀ``, float32."""
-        return dot_nt(a, b, precision=self.precision)
+        return mxu_dot_nt(a, b, self.precision)
 
     def dot_tn(self, a, b):
         """``a [K, M]ᵀ · b [K, N]``, float32."""
-        return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=self.precision,
-                                   preferred_element_type=F32)
+        return mxu_dot_tn(a, b, self.precision)
 
 
 # -- layouts -----------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...core.pallas import cdiv, operand, output, pad_axis, padded_dim, triton_kernel_call
+from ...core.pallas import (
+    cdiv, dot, dot_nt, dot_tn, operand, output, pad_axis, padded_dim, triton_kernel_call, triton_precision,
+)
 from .masks import MaskSpec, classify_blocks, mask_fn, visit_schedule
 
 LOG2E = math.log2(math.e)
@@ -52,10 +54,22 @@ class TileMath:
     s_len: int           # true key length (keys >= s_len are padding)
     has_bias: bool
     has_mask: bool
-    allow_tf32: bool
+    precision: Any       # as Triton runs it (`core.pallas.triton_precision`); DEFAULT for non-float32 operands
+
+    @staticmethod
+    def precision_of(c, native: bool):
+        """The kernel's dot precision: the call's resolved ``c.precision`` for
+        float32 operands (`triton_precision`), ``DEFAULT`` when ``native``
+        (bf16/f16/fp8 operands contract natively)."""
+        return lax.Precision.DEFAULT if native else triton_precision(c.precision)
 
     def dot(self, a, b, *, trans_a=False, trans_b=False):
-        return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=self.allow_tf32)
+        assert not (trans_a and trans_b)
+        if trans_a:
+            return dot_tn(a, b, precision=self.precision)
+        if trans_b:
+            return dot_nt(a, b, precision=self.precision)
+        return dot(a, b, precision=self.precision)
 
     def logits(self, q, k, bias, qk_scale=None):
         """Natural-log logits tile (float32) and the soft-cap tanh (or None).
@@ -320,7 +334,7 @@ def forward(c, config, *, debug: bool = False):
     b, t, n, s, hv, tp, sp = tiling.b, tiling.t, tiling.n, tiling.s, tiling.hv, tiling.tp, tiling.sp
     quantized = c.row_scales is not None
     math_ = TileMath(c.spec, c.scale, c.logits_soft_cap, s, c.bias is not None, c.mask is not None,
-                     allow_tf32=quantized or c.q.dtype != jnp.float32)
+                     TileMath.precision_of(c, quantized or c.q.dtype != jnp.float32))
     at = QMajor(tiling, reverse=c.spec.causal)  # causal: heavy (late) query blocks first
     sq, sk, sv = _fp8_row_scales(c, tiling)
     outs = triton_kernel_call(

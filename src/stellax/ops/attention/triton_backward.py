@@ -280,7 +280,7 @@ def backward(c, out, lse, d_out, d_lse, config):
     tiling = Tiling.of(c, config)
     tp, sp = tiling.tp, tiling.sp
     math_ = TileMath(c.spec, c.scale, c.logits_soft_cap, tiling.s, c.bias is not None, c.mask is not None,
-                     allow_tf32=c.q.dtype != jnp.float32)
+                     TileMath.precision_of(c, c.q.dtype != jnp.float32))
     out_p, d_out_p = pad_axis(out, 1, tp), pad_axis(d_out.astype(out.dtype), 1, tp)
     delta, dsinks = _preprocess(c, out_p, d_out_p, lse, d_lse, tiling)
     rows = Rows(pad_axis(c.q, 1, tp), pad_axis(c.k, 1, sp), pad_axis(c.v, 1, sp), d_out_p,

@@ -79,6 +79,8 @@ def dot_product_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
       max_seqlen_q / max_seqlen_k: the longest sequence (an int, as in
         FlashAttention; validated to be ≥ 1, otherwise only informative).
       Other arguments as in `dot_product_attention`; masks align per sequence.
+      precision: float32 contraction precision, as in `dot_product_attention`
+        (docs/precision.md).
 
     Returns:
       ``out [total_q, N, Hv]``, or ``(out, lse [N, total_q])`` with ``return_residuals``.

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from ...core.precision import resolve_precision
 from ...core import Call, Implementation, Op, checks, register
 from ...core.pallas import nbytes
 from .quant_cache import QuantizedPages
@@ -122,9 +123,11 @@ def check_sinks(sinks, n_heads):
     return checks.require_shape("sinks", sinks, (n_heads,), "one logit per query head")
 
 
-def common_options(scale, logits_soft_cap, local_window_size, head_dim):
-    """The checked ``scale``, ``logits_soft_cap`` and ``window_left`` options."""
-    return {"scale": logit_scale(scale, head_dim),
+def common_options(scale, logits_soft_cap, local_window_size, head_dim, precision=None):
+    """The checked ``scale``, ``logits_soft_cap``, ``window_left`` and (resolved,
+    `core.precision.resolve_precision`) ``precision`` options."""
+    return {"precision": resolve_precision(precision),
+            "scale": logit_scale(scale, head_dim),
             "logits_soft_cap": positive_float_or_none("logits_soft_cap", logits_soft_cap),
             "window_left": window_left(local_window_size)}
 

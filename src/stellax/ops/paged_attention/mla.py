@@ -18,7 +18,7 @@ from .reference import mla_decode_reference
 
 
 def check_mla(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, scale=None, logits_soft_cap=None,
-              local_window_size=None) -> Call:
+              local_window_size=None, precision=None) -> Call:
     """Checked `mla_decode_op` arguments (see `mla_decode`); ``scale`` is required."""
     q_nope = checks.require_float("q_nope", q_nope)
     checks.require_ndim("q_nope", q_nope, (3, 4))
@@ -50,7 +50,7 @@ def check_mla(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, sc
     p_arrays, p_opts = pool_entries("pe", pe_pages)
     arrays = {"q_nope": q_nope, "q_pe": q_pe, **l_arrays, **p_arrays, "block_tables": block_tables,
               "lengths": lengths}
-    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, r), **l_opts, **p_opts})
+    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, r, precision), **l_opts, **p_opts})
 
 
 def _mla_flops(call: Call) -> float:
@@ -75,7 +75,7 @@ mla_decode_op = serving_op(
 
 
 def mla_decode(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, scale, logits_soft_cap=None,
-               local_window_size=None, implementation=None, config=None):
+               local_window_size=None, implementation=None, config=None, precision=None):
     """DeepSeek-style multi-head latent attention decode (weight-absorbed form).
 
     Every query head attends to one shared latent cache:
@@ -90,9 +90,10 @@ def mla_decode(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, s
       pe_pages: ``[num_pages, page_size, P]``.
       block_tables, lengths: as in `paged_attention`.
       scale: the logit scale of the un-absorbed model (required).
+      precision: float32 contraction precision, as in `paged_attention` (docs/precision.md).
 
     Returns ``[B, (Q,) N, R]`` in ``q_nope.dtype`` (project with ``W_UV`` after).
     """
     return mla_decode_op(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, scale=scale,
                          logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
-                         implementation=implementation, config=config)
+                         precision=precision, implementation=implementation, config=config)

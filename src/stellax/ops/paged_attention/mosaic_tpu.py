@@ -72,7 +72,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import cdiv, dot, dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call
+from ...core.pallas import (
+    cdiv, dot, mxu_dot, mxu_dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call,
+)
 from . import plan as plan_mod
 from .cache import Source
 from .plan import Problem, key_range, visible, window_partial
@@ -310,16 +312,13 @@ class Softmax:
     sink_tokens: int
     recent_tokens: int
     dtype: Any
-
-    @property
-    def precision(self):
-        return HIGHEST if jnp.dtype(self.dtype) == F32 else None
+    precision: Any = HIGHEST   # the call's resolved precision (`core.precision`); float32 operands only
 
     def logits(self, qk_parts, block, row_pos, kv_len):
         """``Σ_i q_i k_iᵀ`` pairs → masked, scaled, capped logits ``[R, T]``."""
         s = None
         for q, k in qk_parts:
-            d = dot_nt(q, k, precision=self.precision)
+            d = mxu_dot_nt(q, k, self.precision)
             s = d if s is None else s + d
         s = s * F32(self.scale)
         if self.soft_cap is not None:
@@ -337,7 +336,7 @@ class Softmax:
         pd = p.astype(self.dtype)
         for i, v in enumerate(v_parts):
             v = jnp.where(pos < kv_len, v, jnp.zeros((), v.dtype))
-            acc_ref[i] = alpha[:, :1] * acc_ref[i] + dot(pd, v, precision=self.precision)
+            acc_ref[i] = alpha[:, :1] * acc_ref[i] + mxu_dot(pd, v, self.precision)
 
 
 def init_state(m_ref, l_ref, acc_ref):
@@ -492,7 +491,7 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
     scratch = dict(m_ref=pltpu.VMEM((heads, r, LANES), F32), l_ref=pltpu.VMEM((heads, r, LANES), F32),
                    acc_ref=pltpu.VMEM((heads, vm.per_byte, r, vm.part_dim), F32), **pipeline_scratch(sources, ppb))
     sm = Softmax(ppb * problem.page_size, problem.scale, problem.soft_cap, problem.window_left,
-                 problem.sink_tokens, problem.recent_tokens, problem.q.dtype)
+                 problem.sink_tokens, problem.recent_tokens, problem.q.dtype, problem.precision)
     res = tpu_kernel_call(
         functools.partial(kernel, metas=metas, sm=sm, ppb=ppb), grid=(bp,), inputs=inputs,
         outputs=_outputs(bp, heads, r, vm.per_byte, vm.part_dim, finalize), scratch=scratch,

@@ -18,7 +18,7 @@ from .reference import paged_attention_reference
 
 
 def check_paged(q, k_pages, v_pages, block_tables, lengths, *, scale=None, logits_soft_cap=None,
-                local_window_size=None, sinks=None) -> Call:
+                local_window_size=None, sinks=None, precision=None) -> Call:
     """Checked `paged_attention_op` arguments (see `paged_attention`); pools become named
     arrays and options (`cache.pool_entries`)."""
     q = checks.require_float("q", q)
@@ -34,7 +34,7 @@ def check_paged(q, k_pages, v_pages, block_tables, lengths, *, scale=None, logit
     k_arrays, k_opts = pool_entries("k", k_pages)
     v_arrays, v_opts = pool_entries("v", v_pages)
     arrays = {"q": q, **k_arrays, **v_arrays, "block_tables": block_tables, "lengths": lengths, "sinks": sinks}
-    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, h), **k_opts, **v_opts})
+    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, h, precision), **k_opts, **v_opts})
 
 
 def _paged_flops(call: Call) -> float:
@@ -59,7 +59,7 @@ paged_attention_op = serving_op(
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, logits_soft_cap=None,
-                    local_window_size=None, sinks=None, implementation=None, config=None):
+                    local_window_size=None, sinks=None, precision=None, implementation=None, config=None):
     """Attention of new query tokens against a paged KV cache (decode, and
     speculative multi-token decode).
 
@@ -82,6 +82,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, l
       local_window_size: ``left`` (or ``(left, 0)``): query at position ``qp``
         sees keys ``qp - left <= p <= qp`` (as `dot_product_attention`).
       sinks: ``[N]`` per-head sink logits (in the softmax denominator only).
+      precision: float32 contraction precision (None: 'highest' unless
+        `jax.default_matmul_precision` is set); see docs/precision.md.
       implementation: ``None`` (best available), ``"triton"`` or ``"xla"``.
       config: a `PagedConfig` for the Triton kernels.
 
@@ -90,4 +92,4 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, l
     """
     return paged_attention_op(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, local_window_size=local_window_size, sinks=sinks,
-                              implementation=implementation, config=config)
+                              precision=precision, implementation=implementation, config=config)

@@ -59,6 +59,7 @@ class Problem:
     sinks: Any             # [K, Rt] float32 sink logit per row, or None
     sink_tokens: int = 0
     recent_tokens: int = 0
+    precision: Any = jax.lax.Precision.HIGHEST   # the call's resolved float32 precision
 
     @property
     def num_programs(self) -> int:
@@ -193,6 +194,7 @@ def paged_problem(call: Call):
         q=_rows(_prepare_query(q4, k), kv_heads), q_pe=None, row_pos=row_pos, kv_len=kv_len,
         tables=jnp.clip(tables.astype(jnp.int32), 0, k.num_pages - 1), seq_rows=jnp.arange(b, dtype=jnp.int32),
         k=k, v=v, pe=None, scale=call.scale, soft_cap=call.logits_soft_cap, window_left=call.window_left,
+        precision=call.precision,
         sinks=_sink_rows(call.sinks, kv_heads, qb), sink_tokens=sink_tokens, recent_tokens=recent_tokens)
     post = (lambda out: out[:, 0]) if squeeze else None
     return problem, _finish(v, qb, q.dtype, post)
@@ -217,7 +219,7 @@ def mla_problem(call: Call):
         q=_rows(_prepare_query(qn4, k), 1), q_pe=_rows(_prepare_query(qr4, pe), 1), row_pos=row_pos,
         kv_len=kv_len, tables=jnp.clip(tables.astype(jnp.int32), 0, k.num_pages - 1),
         seq_rows=jnp.arange(b, dtype=jnp.int32), k=k, v=None, pe=pe, scale=call.scale,
-        soft_cap=call.logits_soft_cap, window_left=call.window_left, sinks=None,
+        soft_cap=call.logits_soft_cap, window_left=call.window_left, precision=call.precision, sinks=None,
         sink_tokens=sink_tokens, recent_tokens=recent_tokens)
     post = (lambda out: out[:, 0]) if squeeze else None
     return problem, _finish(k, qb, qn.dtype, post)
@@ -284,7 +286,7 @@ def ragged_problem(call: Call, block_q: int):
         q=_rows(_prepare_query(q_prog, k), kv_heads), q_pe=None, row_pos=row_pos,
         kv_len=jnp.where(live, kv_lens[seq], 0),
         tables=jnp.clip(tables.astype(jnp.int32), 0, k.num_pages - 1)[seq], seq_rows=seq, k=k, v=v, pe=None,
-        scale=call.scale, soft_cap=call.logits_soft_cap, window_left=call.window_left,
+        scale=call.scale, soft_cap=call.logits_soft_cap, window_left=call.window_left, precision=call.precision,
         sinks=_sink_rows(call.sinks, kv_heads, block_q), sink_tokens=sink_tokens, recent_tokens=recent_tokens)
     tprog, toff = plan["token_program"], plan["token_offset"]
 
@@ -355,7 +357,7 @@ def scores(problem: Problem, kx, pex, *, dot_dtype=None):
             return jnp.einsum("bkrh,btkh->bkrt", a.astype(dot_dtype), b.astype(dot_dtype),
                               preferred_element_type=jnp.float32)
         return jnp.einsum("bkrh,btkh->bkrt", a.astype(jnp.float32), b.astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST)
+                          precision=problem.precision)
     s = dot(problem.q, kx)
     if pex is not None:
         s = s + dot(problem.q_pe, pex)
@@ -365,12 +367,12 @@ def scores(problem: Problem, kx, pex, *, dot_dtype=None):
     return s
 
 
-def pv(p, vx, dot_dtype=None):
+def pv(p, vx, dot_dtype=None, precision=jax.lax.Precision.HIGHEST):
     """``p [Bp, K, Rt, T]`` · ``vx [Bp, T, K, Hv]`` → ``[Bp, K, Rt, Hv]`` float32."""
     if dot_dtype is not None and dot_dtype != jnp.float32:
         return jnp.einsum("bkrt,btkh->bkrh", p.astype(dot_dtype), vx.astype(dot_dtype),
                           preferred_element_type=jnp.float32)
-    return jnp.einsum("bkrt,btkh->bkrh", p, vx.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("bkrt,btkh->bkrh", p, vx.astype(jnp.float32), precision=precision)
 
 
 def exclude_keys(vx, mask):
@@ -382,14 +384,14 @@ def exclude_keys(vx, mask):
     return jnp.where(key_ok[:, :, None, None], vx, jnp.zeros((), vx.dtype))
 
 
-def softmax_partial(s, mask, vx, dot_dtype=None):
+def softmax_partial(s, mask, vx, dot_dtype=None, precision=jax.lax.Precision.HIGHEST):
     """One-shot partial ``(o, m, l)`` of logits ``s`` (masked) against values."""
     s = jnp.where(mask, s, -jnp.inf)
     vx = exclude_keys(vx, mask)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.exp(s - m_safe[..., None])
-    return pv(p, vx, dot_dtype), m, jnp.sum(p, axis=-1)
+    return pv(p, vx, dot_dtype, precision), m, jnp.sum(p, axis=-1)
 
 
 def window_partial(problem: Problem, dot_dtype=None):
@@ -414,7 +416,7 @@ def window_partial(problem: Problem, dot_dtype=None):
     mask = in_window[:, None, None, :] & (p_ <= row_pos) & (row_pos >= 0)
     if problem.window_left is not None:
         mask = mask & (p_ >= row_pos - problem.window_left)
-    return softmax_partial(s, mask, vx, dot_dtype)
+    return softmax_partial(s, mask, vx, dot_dtype, problem.precision)
 
 
 def merge(partials, sinks=None):

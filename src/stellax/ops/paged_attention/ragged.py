@@ -33,7 +33,7 @@ def _num_seqs(value):
 
 
 def check_ragged(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale=None,
-                 logits_soft_cap=None, local_window_size=None, sinks=None) -> Call:
+                 logits_soft_cap=None, local_window_size=None, sinks=None, precision=None) -> Call:
     """Checked `ragged_paged_attention_op` arguments (see `ragged_paged_attention`)."""
     q = checks.require_float("q", q)
     checks.require_ndim("q", q, 3)
@@ -53,7 +53,7 @@ def check_ragged(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs
     v_arrays, v_opts = pool_entries("v", v_pages)
     arrays = {"q": q, **k_arrays, **v_arrays, "kv_lens": kv_lens, "block_tables": block_tables,
               "cu_q_lens": cu_q_lens, "num_seqs": num_seqs, "sinks": sinks}
-    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, h), **k_opts, **v_opts})
+    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, h, precision), **k_opts, **v_opts})
 
 
 def _ragged_flops(call: Call) -> float:
@@ -87,7 +87,7 @@ ragged_paged_attention_op = serving_op(
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale=None,
                            logits_soft_cap=None, local_window_size=None, sinks=None, implementation=None,
-                           config=None):
+                           config=None, precision=None):
     """One serving step over a batch mixing prefills, chunked prefills and decodes.
 
     Args:
@@ -103,10 +103,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
         query tokens past ``cu_q_lens[num_seqs]`` get zeros. Shapes are static,
         so one compilation serves every step.
       scale, logits_soft_cap, local_window_size, sinks: as in `paged_attention`.
+      precision: float32 contraction precision, as in `paged_attention` (docs/precision.md).
 
     Returns ``[total_q_tokens, N, Hv]`` in ``q.dtype``.
     """
     return ragged_paged_attention_op(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
                                      scale=scale, logits_soft_cap=logits_soft_cap,
-                                     local_window_size=local_window_size, sinks=sinks,
+                                     local_window_size=local_window_size, sinks=sinks, precision=precision,
                                      implementation=implementation, config=config)

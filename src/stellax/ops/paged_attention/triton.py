@@ -42,7 +42,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ...core.pallas import cdiv, dot, dot_nt, operand, output, pad_axis, padded_dim, triton_kernel_call
+from ...core.pallas import (
+    cdiv, dot, dot_nt, operand, output, pad_axis, padded_dim, triton_kernel_call, triton_precision,
+)
 from . import plan as plan_mod
 from .cache import Source
 from .configs import MlaConfig, PagedConfig, RaggedConfig
@@ -159,6 +161,7 @@ class _Static:
     scale: float
     soft_cap: float | None
     dtype: Any              # the dots' input dtype
+    precision: Any = None   # the dots' precision (`triton_precision`; None: native, non-float32 dots)
 
     @property
     def tokens(self) -> int:
@@ -192,12 +195,12 @@ def _step_logits(j, q, q_pe, k: _Pool, pe: _Pool | None, ids, kv, rp, kv_len, st
     """Step ``j``'s masked logits ``s = scale · (q Kᵀ + q_pe PEᵀ)`` (soft-capped,
     ``-inf`` where not visible) ``[R, T]``, and the key tile and its column scales."""
     k_tile, k_col = st.load(k, st.k, ids, kv)
-    s = dot_nt(q, k_tile, precision=None)
+    s = dot_nt(q, k_tile, precision=st.precision)
     if k_col is not None:
         s = s * k_col[None, :]
     if pe is not None:
         pe_tile, pe_col = st.load(pe, st.pe, ids, kv)
-        s_pe = dot_nt(q_pe, pe_tile, precision=None)
+        s_pe = dot_nt(q_pe, pe_tile, precision=st.precision)
         s = s + (s_pe * pe_col[None, :] if pe_col is not None else s_pe)
     s = s * st.scale
     if st.soft_cap is not None:
@@ -219,7 +222,7 @@ def _exclude_keys(j, kv_len, v_tile, v_col, st: _Static):
     return v_tile, v_col
 
 
-def _online_softmax(s, carry, v_tile, v_col, dtype):
+def _online_softmax(s, carry, v_tile, v_col, dtype, precision=None):
     """``m' = max(m, rowmax s)``, ``α = e^{m - m'}``, ``p = e^{s - m'}``,
     ``l' = α l + rowsum p``, ``o' = α o + p V`` (``p`` times the value column scales)."""
     o, m, l = carry
@@ -230,7 +233,7 @@ def _online_softmax(s, carry, v_tile, v_col, dtype):
     l = alpha * l + jnp.sum(p, axis=1)
     if v_col is not None:
         p = p * v_col[None, :]
-    o = alpha[:, None] * o + dot(p.astype(dtype), v_tile, precision=None)
+    o = alpha[:, None] * o + dot(p.astype(dtype), v_tile, precision=precision)
     return o, m_new, l
 
 
@@ -268,7 +271,7 @@ def _main_kernel(*, kv_len, tables, row_pos, q, q_pe, k, k_scale, k_zero, v, v_s
         s, k_tile, k_col = _step_logits(j, q_rows, q_pe_rows, k_pool, pe_pool, ids, kv, rp, seq_len, st)
         v_tile, v_col = (k_tile, k_col) if v_pool is None else st.load(v_pool, st.v, ids, kv)
         v_tile, v_col = _exclude_keys(j, seq_len, v_tile, v_col, st)
-        return _online_softmax(s, carry, v_tile, v_col, st.dtype)
+        return _online_softmax(s, carry, v_tile, v_col, st.dtype, st.precision)
 
     rows = positions.shape[0]
     hv = (o_part if out is None else out).shape[-1]
@@ -358,7 +361,8 @@ def _main_call(problem: Problem, config: PagedConfig, rows: _Rows, finalize: boo
     st = _Static(k=k_meta, v=v_meta, pe=pe_meta, ppb=ppb, page_size=problem.page_size, num_splits=splits, hb=hb,
                  window_left=problem.window_left, sink_tokens=problem.sink_tokens,
                  recent_tokens=problem.recent_tokens, scale=problem.scale, soft_cap=problem.soft_cap,
-                 dtype=problem.q.dtype)
+                 dtype=problem.q.dtype,
+                 precision=triton_precision(problem.precision) if problem.q.dtype == jnp.float32 else None)
     full = pl.no_block_spec
 
     def rows_of(b, c, s):  # program (b, c)'s rows

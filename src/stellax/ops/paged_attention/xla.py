@@ -66,7 +66,7 @@ def attention_rows(problem: Problem, *, block_tokens: int = BLOCK_TOKENS):
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l = alpha * l + jnp.sum(p, axis=-1)
-        o = alpha[..., None] * o + plan_mod.pv(p, vx)
+        o = alpha[..., None] * o + plan_mod.pv(p, vx, precision=problem.precision)
         return o, m_new, l
 
     init = (jnp.zeros((bp, kv_heads, rt, hv), jnp.float32),
