@@ -91,4 +91,5 @@ def test_linear_cross_entropy_opcheck():
     x.requires_grad_(True)
     w.requires_grad_(True)
     for reduction in ("mean", "none"):
-        torch.library.opcheck(linear_cross_entropy_op.op, (x, w, labels, -100, 0.1, 1e-4, None, reduction, True, None))
+        torch.library.opcheck(linear_cross_entropy_op.op, (x, w, labels, -100, 0.1, 1e-4, None, reduction, True, None,
+                                                                None))

@@ -108,7 +108,7 @@ def test_gated_linear_unit_stacked_weights_bf16_and_opcheck():
     ref = F.silu(x.float() @ w[:, 0].float()) * (x.float() @ w[:, 1].float())
     assert y.dtype == torch.bfloat16 and _rel(y.float(), ref) < 1e-2
     torch.library.opcheck(st_glu.gated_linear_unit_op.op, (x.float().requires_grad_(), w.float().requires_grad_(),
-                                                            None, "silu", None))
+                                                            None, "silu", None, None))
 
 
 # -- attention ------------------------------------------------------------------------------

@@ -93,8 +93,9 @@ def test_quant_opcheck():
                                                       "float32", None))
     qw = st.quantize(torch.randn(64, 8), "int8", axis=0)
     torch.library.opcheck(st_quant.quantized_matmul_op.op,
-                          (x.clone().requires_grad_(), *st_quant._q_args(qw), "float32", None))
-    torch.library.opcheck(st_quant.hadamard_transform_op.op, (x.clone().requires_grad_(), 32, False, None, None))
+                          (x.clone().requires_grad_(), *st_quant._q_args(qw), "float32", None, None))
+    torch.library.opcheck(st_quant.hadamard_transform_op.op,
+                          (x.clone().requires_grad_(), 32, False, None, None, None))
 
 
 def _jax_qarray(q, scales=None, tensor_scale=None):

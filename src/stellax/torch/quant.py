@@ -21,7 +21,7 @@ import stellax
 from stellax import QArray
 
 from . import bridge
-from .options import dtype_name, opt_int
+from .options import dtype_name, opt_int, precision_name
 from .registry import _cached, define_op
 from .structs import QARRAY
 
@@ -182,37 +182,41 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, implementation
     return dequantize_op(q, dtype_name("dtype", dtype), implementation)
 
 
-def _qmatmul(x: Array, w: QArray, *, dtype: str, implementation: str | None) -> Array:
-    return stellax.quantized_matmul(x, w, preferred_element_type=np.dtype(dtype), implementation=implementation)
+def _qmatmul(x: Array, w: QArray, *, dtype: str, precision: str | None, implementation: str | None) -> Array:
+    return stellax.quantized_matmul(x, w, preferred_element_type=np.dtype(dtype), precision=precision,
+                                    implementation=implementation)
 
 
 #: Frozen quantized weights: no gradient reaches their float32 scales.
 quantized_matmul_op = define_op("quantized_matmul", _qmatmul, no_grad=("w_scales", "w_tensor_scale"))
 
 
-def quantized_matmul(x: torch.Tensor, w: QTensor, *, out_dtype: torch.dtype | None = None,
+def quantized_matmul(x: torch.Tensor, w: QTensor, *, out_dtype: torch.dtype | None = None, precision=None,
                      implementation: str | None = None) -> torch.Tensor:
     """Weight-only quantized matmul ``x [..., K] @ dequantize(w [K, N])`` with
     the dequantization fused (``w`` quantized along axis 0). Output dtype
-    ``out_dtype`` (default ``x.dtype``). Differentiable in ``x``."""
+    ``out_dtype`` (default ``x.dtype``); ``precision`` of float32 products (``None``
+    or a `jax.lax.Precision` / its name, see `stellax.core.precision`). Differentiable in ``x``."""
     if not isinstance(w, QTensor):
         raise TypeError(f"w: expected a QTensor (quantize the weights with axis=0), got {type(w).__name__}")
-    return quantized_matmul_op(x, w, dtype_name("out_dtype", out_dtype or x.dtype), implementation)
+    return quantized_matmul_op(x, w, dtype_name("out_dtype", out_dtype or x.dtype), precision_name(precision),
+                               implementation)
 
 
-def _hadamard(x: Array, *, block_size: int | None, inverse: bool, seed: int | None,
+def _hadamard(x: Array, *, block_size: int | None, inverse: bool, seed: int | None, precision: str | None,
               implementation: str | None) -> Array:
     key = None if seed is None else jax.random.PRNGKey(seed)
     return stellax.hadamard_transform(x, block_size=block_size, random_signs_key=key, inverse=inverse,
-                                      implementation=implementation)
+                                      precision=precision, implementation=implementation)
 
 
 hadamard_transform_op = define_op("hadamard_transform", _hadamard)
 
 
 def hadamard_transform(x: torch.Tensor, *, block_size: int | None = None, seed: int | None = None,
-                       inverse: bool = False, implementation: str | None = None) -> torch.Tensor:
+                       inverse: bool = False, precision=None, implementation: str | None = None) -> torch.Tensor:
     """Normalized (blockwise) fast Walsh–Hadamard transform over the last
-    dimension; ``seed`` gives random ±1 signs (``jax.random.PRNGKey(seed)``).
-    Differentiable."""
-    return hadamard_transform_op(x, opt_int(block_size), bool(inverse), opt_int(seed), implementation)
+    dimension; ``seed`` gives random ±1 signs (``jax.random.PRNGKey(seed)``);
+    ``precision`` as in `stellax.hadamard_transform`. Differentiable."""
+    return hadamard_transform_op(x, opt_int(block_size), bool(inverse), opt_int(seed), precision_name(precision),
+                                 implementation)

@@ -48,7 +48,7 @@ from .schedule import group_bounds, tile_schedule
 _FULL = pl.BlockSpec()
 
 
-def kernel_precision(precision, dtype):
+def dot_precision(precision, dtype):
     """The in-kernel precision of a resolved ``precision`` (`stellax.core.precision`) for
     operands of ``dtype``: float32 as `triton_precision` says (one TF32 pass at
     ``DEFAULT``, three otherwise); narrower operands at the tensor core's native precision."""
@@ -167,7 +167,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     m, k = lhs.shape
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
-    precision = kernel_precision(precision, lhs.dtype)
+    precision = dot_precision(precision, lhs.dtype)
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[-1]
     fused = fusable_in_kernel(activation)
     write_pre = save_preactivation or not fused
@@ -234,7 +234,7 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     else:
         k, m = lhs.shape
     n = rhs.shape[1]
-    precision = kernel_precision(precision, lhs.dtype)
+    precision = dot_precision(precision, lhs.dtype)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     bounds = group_bounds(group_sizes, group_offset, num_local, m)
     kernel = functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn, k_dim=k, n_dim=n, transpose_lhs=transpose_lhs,

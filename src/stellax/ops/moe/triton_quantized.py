@@ -35,7 +35,7 @@ from ..quant.qarray import QArray
 from .activations import kernel_activation_fn
 from .configs import GroupedMatmulConfig, effective_block_k
 from .schedule import group_bounds, tile_schedule
-from .triton import OutputTile, kernel_precision, schedule_operands
+from .triton import OutputTile, dot_precision, schedule_operands
 
 _FULL = pl.BlockSpec()
 
@@ -124,7 +124,7 @@ def gmm(lhs, rhs: QArray, group_sizes, group_offset, *, activation, precision, o
     kernel = functools.partial(
         _gmm_kernel, bm=bm, bn=bn, bk=bk, k_dim=k, n_dim=n, fmt=rhs.format, packed=ops.packed,
         in_loop=k_block is not None, group_k=k_block or k, activation=activation, compute_dtype=lhs.dtype,
-        precision=kernel_precision(precision, lhs.dtype))
+        precision=dot_precision(precision, lhs.dtype))
     return triton_kernel_call(
         kernel, grid=(sched.max_tiles, pl.cdiv(n, bn)),
         inputs=dict(**schedule_operands(sched), lhs=operand(lhs, _FULL), **_weight_operands(ops)),
@@ -193,7 +193,7 @@ def gmm_transposed(dz, rhs: QArray, group_sizes, group_offset, *, precision, out
     sched = tile_schedule(group_bounds(group_sizes, group_offset, num_local, m), m, bm, fill=True)
     kernel = functools.partial(
         _gmm_transposed_kernel, bm=bm, bo=bo, bc=bc, k_dim=k, n_dim=n, fmt=rhs.format, packed=ops.packed,
-        group_k=k_block or k, compute_dtype=dz.dtype, precision=kernel_precision(precision, dz.dtype))
+        group_k=k_block or k, compute_dtype=dz.dtype, precision=dot_precision(precision, dz.dtype))
     return triton_kernel_call(
         kernel, grid=(sched.max_tiles, pl.cdiv(k, bo)),
         inputs=dict(**schedule_operands(sched), dz=operand(dz, _FULL), **_weight_operands(ops)),
