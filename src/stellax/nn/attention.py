@@ -13,6 +13,7 @@ from flax import nnx
 import stellax
 import stellax.paged
 
+from ..core.precision import check_precision
 from ._params import check_sharding, dense, param, positive, zeros
 
 _default_kernel = nnx.initializers.lecun_normal()
@@ -61,6 +62,8 @@ class Attention(nnx.Module):
       logits_soft_cap: ``cap · tanh(s / cap)`` on the logits.
       use_sinks: a learned per-head sink logit ``sinks [N]`` (gpt-oss).
       local_window_size: sliding window (as `stellax.dot_product_attention`).
+      precision: float32 contraction precision of the attention (as
+        `stellax.dot_product_attention`, docs/precision.md; the projections stay ``'highest'``).
       kernel_init: of ``q [D, N, H]``, ``k``/``v [D, K, H]``, ``o [N, H, D]``.
       sharding: logical axes for ``"q"``, ``"k"``, ``"v"``, ``"o"`` (3 each), ``"sinks"`` (1).
 
@@ -71,7 +74,7 @@ class Attention(nnx.Module):
 
     def __init__(self, features: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  *, rope_theta: float | None = 10000.0, logits_soft_cap: float | None = None,
-                 use_sinks: bool = False, local_window_size=None, dtype=None, param_dtype=jnp.float32,
+                 use_sinks: bool = False, local_window_size=None, precision=None, dtype=None, param_dtype=jnp.float32,
                  kernel_init=_default_kernel, sharding: Mapping[str, Sequence[str | None]] | None = None,
                  rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -91,6 +94,7 @@ class Attention(nnx.Module):
         self.features, self.num_heads, self.num_kv_heads, self.head_dim = features, num_heads, num_kv_heads, head_dim
         self.rope_theta, self.logits_soft_cap = rope_theta, logits_soft_cap
         self.local_window_size, self.dtype = local_window_size, dtype
+        self.precision = check_precision(precision)  # a bad value fails here, naming it
         p = lambda name, shape, init=kernel_init: param("Attention", rngs, name, init, shape, param_dtype, shard)
         self.q = p("q", (features, num_heads, head_dim))
         self.k = p("k", (features, num_kv_heads, head_dim))
@@ -127,7 +131,8 @@ class Attention(nnx.Module):
         return stellax.paged_attention(
             q.astype(k_pages.dtype), k_pages, v_pages, tables, lengths,
             logits_soft_cap=self.logits_soft_cap, sinks=None if self.sinks is None else self.sinks[...],
-            local_window_size=window[0] if isinstance(window, tuple) else window).astype(q.dtype)
+            local_window_size=window[0] if isinstance(window, tuple) else window,
+            precision=self.precision).astype(q.dtype)
 
     # -- forward ------------------------------------------------------------------------------
     def __call__(self, x, *, positions=None, mask=None, segment_ids=None, is_causal: bool = True):
@@ -154,6 +159,6 @@ class Attention(nnx.Module):
             o = stellax.dot_product_attention(
                 q, k, v, mask=mask, is_causal=is_causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                 logits_soft_cap=self.logits_soft_cap, sinks=None if self.sinks is None else self.sinks[...],
-                local_window_size=self.local_window_size)
+                local_window_size=self.local_window_size, precision=self.precision)
         y = jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(o.dtype), precision="highest")
         return y if self.dtype is None else y.astype(self.dtype)
