@@ -4,8 +4,13 @@ time), and the JAX persistent compilation cache. This must
 run before jax is imported anywhere."""
 
 import os
+import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+#: `pytest -m tpu_hardware` (tests/tpu_hardware) runs on the TPU this host has: the session is
+#: left on the default platform; every other session is CPU only.
+HARDWARE_TIER = any("tpu_hardware" in arg for arg in sys.argv[1:])
+if not HARDWARE_TIER:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The TPU compile tier loads libtpu in each test worker (compile only, no TPU).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 #: XLA:CPU flags of the test session (a flag already in XLA_FLAGS is left as set). The tests

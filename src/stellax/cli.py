@@ -162,13 +162,14 @@ def _check(args) -> int:
     threads = args.threads if args.threads else _default_threads(platform)
     workers = args.workers if args.workers else (1 if threads > 1 else _default_workers(platform))
     mode = "all" if args.all else "quick"
-    if args.json:
+    if args.json == "-":
         report = check_report.run_quietly(jobs, platform=platform.describe(), mode=mode, workers=workers,
                                           threads=threads)
-        check_report.write_json(report, args.json)
     else:
         report = check_report.run_watched(jobs, console, platform=platform.describe(), mode=mode, workers=workers,
                                           threads=threads)
+    if args.json:
+        check_report.write_json(report, args.json)
     return 1 if report.failures else 0
 
 
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--workers", type=int, default=0,
                        help="processes running checks (default: one per core, at most 2, on a CPU; 1 elsewhere)")
     check.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                       help="write one JSON document (rows and summary) to PATH or stdout, no progress bar")
+                       help="write one JSON document (rows and summary) to PATH (progress still printed) or, "
+                            "without PATH, to stdout (nothing else printed)")
     check.add_argument("--static-gpu", action="store_true",
                        help="the static GPU tier instead: every Triton kernel config's PTX (tensor cores, spills, "
                             "cp.async, registers, occupancy); needs the cuda-check extra; exit 1 when a config "

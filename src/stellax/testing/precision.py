@@ -101,7 +101,11 @@ def violations(found: list[Contraction], precision: Any) -> list[Contraction]:
     only appear at ``HIGHEST``."""
     want = resolve_precision(precision)
     accepted = {DEFAULT: (DEFAULT, None), HIGH: (HIGH, "tf32x3"), HIGHEST: (HIGHEST, "tf32x3")}[want]
-    return [c for c in found if c.float32 and c.level() not in accepted]
+    # Interpret mode emulates a Triton kernel's three TF32 passes with HIGHEST dots on rounded
+    # operands (`core.pallas._dot_general`): inside a kernel, HIGHEST also meets "high".
+    in_kernel = (HIGHEST,) if want == HIGH else ()
+    return [c for c in found if c.float32 and c.level() not in accepted
+            and not (c.in_kernel and c.level() in in_kernel)]
 
 
 def assert_precision_honoured(fn: Callable, *args, precision: Any, **kwargs) -> list[Contraction]:

@@ -182,7 +182,8 @@ def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, work
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     processes = f", {workers} worker processes" if workers > 1 else (f", {threads} threads" if threads > 1 else "")
-    precision = f", precision={jobs[0].precision}" if jobs and jobs[0].precision else ""
+    precision = getattr(jobs[0], "precision", None) if jobs else None
+    precision = f", precision={precision}" if precision else ""
     console.print(f"stellax check ({mode}{precision}) on {platform}: {len(jobs)} checks{processes}", highlight=False)
     console.print(_HEADER, highlight=False)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
