@@ -57,7 +57,8 @@ def _tunable_keys(records):
 
 def test_annotation_round_trip_keeps_the_call():
     call = Call({"x": jnp.zeros((4, 8), jnp.bfloat16), "absent": None},
-                {"axis": -1, "window": (None, 3), "dtype": np.dtype("float16"), "eps": 1e-6, "name": "a\"b"})
+                {"axis": -1, "window": (None, 3), "dtype": np.dtype("float16"), "eps": 1e-6, "name": "a\"b",
+                 "precision": jax.lax.Precision.HIGHEST})
     value = metadata.encode_call("layer_norm", "triton", None, call)
     assert value.startswith("v1.") and '"' not in value
     record = metadata.decode_call(value)
@@ -65,6 +66,7 @@ def test_annotation_round_trip_keeps_the_call():
     assert record.signature == keys_lib.make_key("x", "y", call.signature())[2]
     assert record.arrays["x"] == jax.ShapeDtypeStruct((4, 8), jnp.bfloat16) and record.arrays["absent"] is None
     assert record.options["window"] == (None, 3) and record.rebuildable is None
+    assert record.options["precision"] is jax.lax.Precision.HIGHEST
     opaque = metadata.decode_call(metadata.encode_call("g", "xla", None, Call({}, {"activation": jnp.tanh})))
     assert "activation" in opaque.rebuildable
 

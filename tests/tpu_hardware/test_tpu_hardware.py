@@ -48,17 +48,20 @@ CASES = _cases()
 
 
 @pytest.fixture(scope="session")
-def results():
-    """Every case's row (`stellax.testing.report.row_of`), computed in threads."""
+def results(request):
+    """The row (`stellax.testing.report.row_of`) of every case this session selected (``-k``
+    narrows it), computed in threads."""
     from stellax.testing import report
     from stellax.testing.plan import CheckJob
 
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if hasattr(item, "callspec") and "case" in item.callspec.params]
     ops = stellax.registered_ops()
     jobs = [CheckJob(ops[name], "mosaic_tpu", dtype, index, bool(ops[name].differentiable))
-            for name, dtype, index in CASES]
+            for name, dtype, index in selected]
     threads = max(1, min(12, (os.cpu_count() or 2) - 1))
     run = report.run_quietly(jobs, platform=PLATFORM.describe(), mode="tpu_hardware", threads=threads)
-    return dict(zip(CASES, run.rows))  # rows come back in the jobs' order
+    return dict(zip(selected, run.rows))  # rows come back in the jobs' order
 
 
 @pytest.mark.skipif(not ON_TPU, reason=NO_TPU)

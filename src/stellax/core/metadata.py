@@ -59,6 +59,8 @@ def _encode_value(value: Any) -> Any:
         return {"__dict__": [[str(k), _encode_value(v)] for k, v in value.items()]}
     if isinstance(value, (np.dtype, type)) and _is_dtype(value):
         return {"__dtype__": np.dtype(value).name}
+    if isinstance(value, jax.lax.Precision):
+        return {"__precision__": value.name}
     if dataclasses.is_dataclass(value) and type(value).__module__.startswith("stellax."):
         fields = {f.name: _encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
         return {"__dataclass__": f"{type(value).__module__}:{type(value).__qualname__}", "fields": fields}
@@ -83,6 +85,8 @@ def _decode_value(value: Any) -> Any:
             return {k: _decode_value(v) for k, v in value["__dict__"]}
         if "__dtype__" in value:
             return np.dtype(value["__dtype__"])
+        if "__precision__" in value:
+            return jax.lax.Precision[value["__precision__"]]
         if "__dataclass__" in value:
             return _dataclass(value["__dataclass__"], value["fields"])
         return OpaqueOption(value.get("__callable__") or value.get("__repr__", "?"))
