@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import numpy as np
 
-from ...core import Call, Implementation, Op, backward_implementation, register
-from ...core import checks
+from ...core import Call, Op, register
+from ...core import checks, vjp
+from ...core.backends import Backend, BackendTable, Tuning, backward_chain
 from ...core.precision import resolve_precision
 from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
@@ -95,11 +99,17 @@ def _backward_bytes(call: Call) -> float:
     return float(2 * m * k * xs + 4 * k * n * ws + 5 * m * n * xs)
 
 
-def _backward_runner(kernels):
-    def run(call: Call, config):
-        return kernels.glu_backward(call.dy, call.x, call.w_gate, call.w_up, activation=call.activation,
-                                    precision=call.precision, config=config)
-    return run
+BACKENDS = BackendTable("glu", [
+    Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
+            Tuning(GluTpuConfig, glu_tpu_heuristic, glu_tpu_space, glu_tpu_requirements)),
+    Backend("triton", triton_kernels, "triton", Tuning(GluConfig, glu_heuristic, glu_space)),
+    Backend("xla", xla_kernels),
+])
+
+
+def _run_backward(backend: Backend, call: Call, config):
+    return backend.kernels.glu_backward(call.dy, call.x, call.w_gate, call.w_up, activation=call.activation,
+                                        precision=call.precision, config=config)
 
 
 gated_linear_unit_backward_op = register(Op(
@@ -107,45 +117,43 @@ gated_linear_unit_backward_op = register(Op(
     family="glu",
     check=_check_backward,
     reference=glu_backward_reference,
-    implementations=[
-        Implementation("mosaic_tpu", _backward_runner(mosaic_tpu_kernels), backend="mosaic_tpu",
-                       config_type=GluTpuConfig, heuristic=glu_tpu_heuristic, space=glu_tpu_space,
-                       requirements=glu_tpu_requirements),
-        Implementation("triton", _backward_runner(triton_kernels), backend="triton",
-                       config_type=GluConfig, heuristic=glu_heuristic, space=glu_space),
-        Implementation("xla", _backward_runner(xla_kernels)),
-    ],
+    implementations=BACKENDS.backward(_run_backward),
     flops=_backward_flops,
     bytes_accessed=_backward_bytes,
     examples=backward_examples,
 ))
 
 
-def _forward_runner(kernels, name: str):
-    def run(call: Call, config):
-        x = call.x
-        lead, k = x.shape[:-1], x.shape[-1]
-        if x.size == 0:  # no rows: an empty output; K = 0: both projections are 0, so act(0)·0 = 0
-            return jax.numpy.zeros((*lead, call.w_gate.shape[-1]), x.dtype)
-        options = dict(activation=call.activation, precision=call.precision)
+@dataclasses.dataclass(frozen=True)
+class _Glu:
+    """The fused GLU of rows ``x [M, K]`` by one backend (a `core.vjp` rule): operands
+    ``(x, w_gate, w_up | None)``, output ``[M, N]``."""
 
-        @jax.custom_vjp
-        def glu(x2, w_gate, w_up):
-            return kernels.glu_forward(x2, w_gate, w_up, config=config, **options)
+    backend: Backend
+    config: Any
+    activation: Any
+    precision: Any
 
-        def forward(x2, w_gate, w_up):
-            return glu(x2, w_gate, w_up), (x2, w_gate, w_up)
+    def forward(self, x, w_gate, w_up):
+        y = self.backend.kernels.glu_forward(x, w_gate, w_up, config=self.config, activation=self.activation,
+                                             precision=self.precision)
+        return y, (x, w_gate, w_up)
 
-        def backward(residuals, dy):
-            x2, w_gate, w_up = residuals
-            return gated_linear_unit_backward_op(
-                dy, x2, w_gate, w_up, implementation=backward_implementation(gated_linear_unit_backward_op, name),
-                **options)
+    def backward(self, residuals, dy):
+        x, w_gate, w_up = residuals
+        return gated_linear_unit_backward_op(
+            dy, x, w_gate, w_up, activation=self.activation, precision=self.precision,
+            implementation=backward_chain(gated_linear_unit_backward_op, self.backend.name))
 
-        glu.defvjp(forward, backward)
-        y = glu(x.reshape(-1, k), call.w_gate, call.w_up)
-        return y.reshape(*lead, y.shape[-1])
-    return run
+
+def _run_forward(backend: Backend, call: Call, config):
+    x = call.x
+    lead, k = x.shape[:-1], x.shape[-1]
+    if x.size == 0:  # no rows: an empty output; K = 0: both projections are 0, so act(0)·0 = 0
+        return jax.numpy.zeros((*lead, call.w_gate.shape[-1]), x.dtype)
+    rule = _Glu(backend, config, call.activation, call.precision)
+    y = vjp.apply(rule, x.reshape(-1, k), call.w_gate, call.w_up)
+    return y.reshape(*lead, y.shape[-1])
 
 
 gated_linear_unit_op = register(Op(
@@ -153,14 +161,7 @@ gated_linear_unit_op = register(Op(
     family="glu",
     check=_check_glu,
     reference=glu_reference,
-    implementations=[
-        Implementation("mosaic_tpu", _forward_runner(mosaic_tpu_kernels, "mosaic_tpu"), backend="mosaic_tpu",
-                       config_type=GluTpuConfig, heuristic=glu_tpu_heuristic, space=glu_tpu_space,
-                       requirements=glu_tpu_requirements),
-        Implementation("triton", _forward_runner(triton_kernels, "triton"), backend="triton",
-                       config_type=GluConfig, heuristic=glu_heuristic, space=glu_space),
-        Implementation("xla", _forward_runner(xla_kernels, "xla")),
-    ],
+    implementations=BACKENDS.forward(_run_forward),
     flops=_flops,
     bytes_accessed=_bytes,
     examples=forward_examples,

@@ -3,12 +3,15 @@ residual add) and its backward op."""
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, backward_implementation, register
-from ...core import checks
+from ...core import Call, Op, register
+from ...core import checks, vjp
+from ...core.backends import Backend, BackendTable, Tuning, backward_chain
 from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
@@ -85,19 +88,26 @@ def _backward_bytes(call: Call) -> float:
                  + 2 * _itemsize(call.scale) + 2 * _itemsize(call.offset))
 
 
+# -- backends ------------------------------------------------------------------
+BACKENDS = BackendTable("norm", [
+    Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
+            Tuning(NormTpuConfig, norm_tpu_heuristic, norm_tpu_space, norm_tpu_requirements)),
+    Backend("triton", triton_kernels, "triton", Tuning(NormConfig, norm_heuristic, norm_space, norm_requirements)),
+    Backend("xla", xla_kernels),
+])
+
+
 # -- backward op ---------------------------------------------------------------
-def _backward_runner(kernels):
-    def run(call: Call, config):
-        dx, dscale, doffset = kernels.norm_backward(
-            call.dy, call.x, call.scale, call.offset, call.mean, call.rstd, call.dh,
-            subtract_mean=call.subtract_mean, config=config,
-        )
-        return (
-            dx,
-            None if dscale is None else dscale.astype(call.scale.dtype),
-            None if doffset is None else doffset.astype(call.offset.dtype),
-        )
-    return run
+def _run_backward(backend: Backend, call: Call, config):
+    dx, dscale, doffset = backend.kernels.norm_backward(
+        call.dy, call.x, call.scale, call.offset, call.mean, call.rstd, call.dh,
+        subtract_mean=call.subtract_mean, config=config,
+    )
+    return (
+        dx,
+        None if dscale is None else dscale.astype(call.scale.dtype),
+        None if doffset is None else doffset.astype(call.offset.dtype),
+    )
 
 
 layer_norm_backward_op = register(Op(
@@ -105,15 +115,7 @@ layer_norm_backward_op = register(Op(
     family="norm",
     check=_check_backward,
     reference=layer_norm_backward_reference,
-    implementations=[
-        Implementation("mosaic_tpu", _backward_runner(mosaic_tpu_kernels), backend="mosaic_tpu",
-                       config_type=NormTpuConfig, heuristic=norm_tpu_heuristic, space=norm_tpu_space,
-                       requirements=norm_tpu_requirements),
-        Implementation("triton", _backward_runner(triton_kernels), backend="triton",
-                       config_type=NormConfig, heuristic=norm_heuristic, space=norm_space,
-                       requirements=norm_requirements),
-        Implementation("xla", _backward_runner(xla_kernels)),
-    ],
+    implementations=BACKENDS.backward(_run_backward),
     flops=_backward_flops,
     bytes_accessed=_backward_bytes,
     examples=backward_examples,
@@ -121,46 +123,46 @@ layer_norm_backward_op = register(Op(
 
 
 # -- forward op ----------------------------------------------------------------
-def _forward_runner(kernels, name: str):
-    def run(call: Call, config):
-        x, axis = call.x, call.axis
-        if x.size == 0:  # empty rows or D = 0: empty outputs (no statistics to compute)
-            y = jnp.zeros_like(x)
-            return y if call.residual is None else (y, (x.astype(jnp.float32) + call.residual).astype(x.dtype))
-        moved = jnp.moveaxis(x, axis, -1)
-        moved_shape = moved.shape
-        features = moved_shape[-1]
-        rows2d = lambda a: None if a is None else jnp.moveaxis(a, axis, -1).reshape(-1, features)
-        unrows = lambda a: jnp.moveaxis(a.reshape(moved_shape), -1, axis)
-        options = dict(epsilon=call.epsilon, subtract_mean=call.subtract_mean)
-        has_residual = call.residual is not None
+@dataclasses.dataclass(frozen=True)
+class _Normalize:
+    """The normalization of rows ``[R, D]`` by one backend (a `core.vjp` rule): operands
+    ``(x, residual | None, scale | None, offset | None)``; outputs ``y`` or ``(y, h)``."""
 
-        @jax.custom_vjp
-        def normalize(x2, r2, scale, offset):
-            y, h, _, _ = kernels.norm_forward(x2, r2, scale, offset, config=config, **options)
-            return (y, h) if has_residual else y
+    backend: Backend
+    config: Any
+    epsilon: float
+    subtract_mean: bool
+    has_residual: bool
 
-        def forward(x2, r2, scale, offset):
-            y, h, mean, rstd = kernels.norm_forward(x2, r2, scale, offset, config=config, **options)
-            out = (y, h) if has_residual else y
-            return out, (x2 if h is None else h, scale, offset, mean, rstd)
+    def forward(self, x, residual, scale, offset):
+        y, h, mean, rstd = self.backend.kernels.norm_forward(
+            x, residual, scale, offset, config=self.config, epsilon=self.epsilon, subtract_mean=self.subtract_mean)
+        out = (y, h) if self.has_residual else y
+        return out, (x if h is None else h, scale, offset, mean, rstd)
 
-        def backward(residuals, cotangent):
-            normed, scale, offset, mean, rstd = residuals
-            dy, dh = cotangent if has_residual else (cotangent, None)
-            dx, dscale, doffset = layer_norm_backward_op(
-                dy, normed, scale, offset, mean, rstd, dh, epsilon=call.epsilon,
-                subtract_mean=call.subtract_mean,
-                implementation=backward_implementation(layer_norm_backward_op, name),
-            )
-            return dx, (dx if has_residual else None), dscale, doffset
+    def backward(self, residuals, cotangents):
+        normed, scale, offset, mean, rstd = residuals
+        dy, dh = cotangents if self.has_residual else (cotangents, None)
+        dx, dscale, doffset = layer_norm_backward_op(
+            dy, normed, scale, offset, mean, rstd, dh, epsilon=self.epsilon, subtract_mean=self.subtract_mean,
+            implementation=backward_chain(layer_norm_backward_op, self.backend.name),
+        )
+        return dx, (dx if self.has_residual else None), dscale, doffset
 
-        normalize.defvjp(forward, backward)
-        out = normalize(rows2d(x), rows2d(call.residual), call.scale, call.offset)
-        if has_residual:
-            return unrows(out[0]), unrows(out[1])
-        return unrows(out)
-    return run
+
+def _run_forward(backend: Backend, call: Call, config):
+    x, axis = call.x, call.axis
+    if x.size == 0:  # empty rows or D = 0: empty outputs (no statistics to compute)
+        y = jnp.zeros_like(x)
+        return y if call.residual is None else (y, (x.astype(jnp.float32) + call.residual).astype(x.dtype))
+    moved_shape = jnp.moveaxis(x, axis, -1).shape
+    rows = lambda a: None if a is None else jnp.moveaxis(a, axis, -1).reshape(-1, moved_shape[-1])
+    unrows = lambda a: jnp.moveaxis(a.reshape(moved_shape), -1, axis)
+    rule = _Normalize(backend, config, call.epsilon, call.subtract_mean, call.residual is not None)
+    out = vjp.apply(rule, rows(x), rows(call.residual), call.scale, call.offset)
+    if rule.has_residual:
+        return unrows(out[0]), unrows(out[1])
+    return unrows(out)
 
 
 layer_norm_op = register(Op(
@@ -168,15 +170,7 @@ layer_norm_op = register(Op(
     family="norm",
     check=_check_layer_norm,
     reference=layer_norm_reference,
-    implementations=[
-        Implementation("mosaic_tpu", _forward_runner(mosaic_tpu_kernels, "mosaic_tpu"), backend="mosaic_tpu",
-                       config_type=NormTpuConfig, heuristic=norm_tpu_heuristic, space=norm_tpu_space,
-                       requirements=norm_tpu_requirements),
-        Implementation("triton", _forward_runner(triton_kernels, "triton"), backend="triton",
-                       config_type=NormConfig, heuristic=norm_heuristic, space=norm_space,
-                       requirements=norm_requirements),
-        Implementation("xla", _forward_runner(xla_kernels, "xla")),
-    ],
+    implementations=BACKENDS.forward(_run_forward),
     flops=_forward_flops,
     bytes_accessed=_forward_bytes,
     examples=forward_examples,
