@@ -80,7 +80,43 @@ def _loss(fn):
 @pytest.mark.parametrize("precision", ["default", "high", "highest"])
 @pytest.mark.parametrize("name,impl", [(n, i) for n in CONTRACTING for i in OPS[n].implementations])
 def test_every_float32_contraction_honours_precision(name, impl, precision):
-    op, example = OPS[name], _example(name)
+    _assert_contract(name, impl, precision, _example(name))
+
+
+#: Examples beyond the first that take another path through the op (and its backward).
+MORE_EXAMPLES = {"ragged_dot_backward": ("act=gelu gated=True",)}
+
+
+@pytest.mark.parametrize("precision", ["default", "high", "highest"])
+@pytest.mark.parametrize("name,impl,label", [(n, i, label) for n, labels in MORE_EXAMPLES.items()
+                                             for label in labels for i in OPS[n].implementations])
+def test_more_examples_honour_precision(name, impl, label, precision):
+    (example,) = [e for e in abstract_examples_of(OPS[name], "float32") if label in e.label]
+    _assert_contract(name, impl, precision, example)
+
+
+@pytest.mark.parametrize("name", CONTRACTING)
+def test_example_inputs_are_computed_at_highest(name):
+    """An example operand derived by a contraction (a saved pre-activation, a
+    reference state) is computed at HIGHEST, as the golden it is compared with;
+    at ``None`` a TPU computes it in one bfloat16 pass, and the op's error on
+    the chip is then the example's (a ragged_dot_backward example did that)."""
+    def build():
+        examples = OPS[name].examples(jnp.dtype("float32"))
+        return [leaf for leaf in jax.tree_util.tree_leaves([(e.args, e.kwargs) for e in examples])
+                if isinstance(leaf, jax.Array)]
+
+    try:
+        found = contractions(build)
+    except jax.errors.ConcretizationTypeError:
+        pytest.skip("the examples need concrete values to be built")
+    bad = violations(found, "highest")
+    assert not bad, (f"{name}: its examples compute {len(bad)} float32 contractions at "
+                     f"{sorted({str(c.precision) for c in bad})}, not HIGHEST")
+
+
+def _assert_contract(name, impl, precision, example):
+    op = OPS[name]
     kwargs = {**example.kwargs, "precision": precision}
     call = op.check(*example.args, **kwargs)
     if not op.implementations[impl].supported(call):  # interpret mode below makes every backend traceable
