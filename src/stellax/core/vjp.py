@@ -6,6 +6,7 @@ options — with two methods::
 
     rule.forward(*operands)  -> (outputs, residuals)
     rule.backward(residuals, cotangents) -> one cotangent per operand (None: zero)
+    rule.primal(*operands)   -> outputs   (optional: the undifferentiated call, when cheaper)
 
 and calls ``apply(rule, *operands)``. The ``custom_vjp`` is defined once, here, with the rule as its
 static argument, so no op builds a new differentiable function on every call.
@@ -29,8 +30,11 @@ class VjpRule(Protocol):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def apply(rule: VjpRule, *operands):
-    """``rule.forward(*operands)[0]``, differentiated with ``rule.backward``."""
-    return rule.forward(*operands)[0]
+    """``rule.forward(*operands)[0]``, differentiated with ``rule.backward``. A rule may also
+    define ``primal(*operands) -> outputs``: what runs when nothing differentiates the call
+    (a forward that computes gradients ahead, like the fused cross-entropy sweep, skips them)."""
+    primal = getattr(rule, "primal", None)
+    return primal(*operands) if primal is not None else rule.forward(*operands)[0]
 
 
 def _apply_forward(rule: VjpRule, *operands):

@@ -3,25 +3,40 @@ and its backward op."""
 
 from __future__ import annotations
 
-from ...core import Implementation, Op, register
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ...core import Call, Op, register
+from ...core import vjp
+from ...core.backends import Backend, BackendTable, Tuning, backward_chain
 from . import triton as triton_kernels
 from . import xla as xla_kernels
-from .base import (backward_bytes, backward_flops, backward_runner, check_backward, check_forward, forward_bytes,
-                   forward_flops, forward_runner)
+from . import xla_chunked as xla_chunked_kernels
+from .base import (Loss, backward_bytes, backward_flops, check_backward, check_forward, coefficients, count,
+                   forward_bytes, forward_flops, outputs, reduced, token_scale)
 from .configs import (ChunkedConfig, LinearCrossEntropyConfig, chunked_heuristic, chunked_space, triton_heuristic,
                       triton_space)
 from .examples import backward_examples, benchmarks, forward_examples
 from .reference import linear_cross_entropy_backward_reference, linear_cross_entropy_reference
 
+# -- backends: one row each; its kernel module provides forward_stats / backward (see `base`) ----------
+BACKENDS = BackendTable("loss", [
+    Backend("triton", triton_kernels, "triton",
+            Tuning(LinearCrossEntropyConfig, triton_heuristic, triton_space)),
+    Backend("xla_chunked", xla_chunked_kernels, tuning=Tuning(ChunkedConfig, chunked_heuristic, chunked_space)),
+    Backend("xla", xla_kernels),
+])
 
-def _implementations(runner):
-    return [
-        Implementation("triton", runner(triton_kernels.kernels, "triton"), backend="triton",
-                       config_type=LinearCrossEntropyConfig, heuristic=triton_heuristic, space=triton_space),
-        Implementation("xla_chunked", runner(xla_kernels.chunked, "xla_chunked"), config_type=ChunkedConfig,
-                       heuristic=chunked_heuristic, space=chunked_space),
-        Implementation("xla", runner(xla_kernels.naive, "xla")),
-    ]
+
+# -- backward op ---------------------------------------------------------------------------------
+def _run_backward(backend: Backend, call: Call, config):
+    dx, dw = backend.kernels.backward(call.x, call.w, call.labels, call.lse, call.softmax_coef, call.target_coef,
+                                      call.uniform_coef, transpose_w=call.transpose_w,
+                                      logit_soft_cap=call.logit_soft_cap, precision=call.precision, config=config)
+    return dx.astype(call.x.dtype), dw.astype(call.w.dtype)
 
 
 linear_cross_entropy_backward_op = register(Op(
@@ -29,11 +44,67 @@ linear_cross_entropy_backward_op = register(Op(
     family="loss",
     check=check_backward,
     reference=linear_cross_entropy_backward_reference,
-    implementations=_implementations(lambda kernels, name: backward_runner(kernels)),
+    implementations=BACKENDS.backward(_run_backward),
     flops=backward_flops,
     bytes_accessed=backward_bytes,
     examples=backward_examples,
 ))
+
+
+# -- forward op ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _CrossEntropy:
+    """Linear cross-entropy of token rows by one backend (a `core.vjp` rule): operands
+    ``(x [T, D], w, labels [T])``; outputs ``(loss, lse [T], z_loss)`` (reduced as ``loss`` says).
+    Differentiated by the backward op, or, for a scalar loss on a backend whose kernels have
+    ``fused_forward_backward``, by the gradients of a unit cotangent the forward sweep computes."""
+
+    backend: Backend
+    config: Any
+    loss: Loss
+    transpose_w: bool
+    logit_soft_cap: float | None
+    precision: Any
+    dtype: str
+
+    def _options(self) -> dict:
+        return dict(transpose_w=self.transpose_w, logit_soft_cap=self.logit_soft_cap, precision=self.precision)
+
+    def primal(self, x, w, labels):
+        stats = self.backend.kernels.forward_stats(x, w, labels, config=self.config, **self._options())
+        return reduced(self.loss, *stats, labels)
+
+    def forward(self, x, w, labels):
+        fused = getattr(self.backend.kernels, "fused_forward_backward", None) if self.loss.scalar_only else None
+        if fused is None:
+            stats = self.backend.kernels.forward_stats(x, w, labels, config=self.config, **self._options())
+            return reduced(self.loss, *stats, labels), (x, w, labels, stats[0], None, None)
+        denominator = count(self.loss, labels)
+
+        def unit(lse_c, labels_c, rows_c):  # one token chunk's coefficients of a unit cotangent
+            scale = token_scale(self.loss, labels_c, denominator) * rows_c.astype(jnp.float32)
+            return coefficients(self.loss, scale, lse_c, jnp.ones((), jnp.float32), None, None)
+        stats, (dx, dw) = fused(x, w, labels, unit, config=self.config, **self._options())
+        return reduced(self.loss, *stats, labels), (None, None, labels, None, dx, dw)
+
+    def backward(self, residuals, cotangents):
+        x, w, labels, lse, dx, dw = residuals
+        d_loss, d_lse, d_z = cotangents
+        if dx is not None:  # fused: float32 gradients of a unit cotangent, scaled
+            scale = d_loss.astype(jnp.float32)
+            return (dx * scale).astype(self.dtype), (dw * scale).astype(self.dtype), None
+        a, b, e = coefficients(self.loss, token_scale(self.loss, labels), lse, d_loss, d_lse, d_z)
+        dx, dw = linear_cross_entropy_backward_op(
+            x, w, labels, lse, a, b, e, **self._options(),
+            implementation=backward_chain(linear_cross_entropy_backward_op, self.backend.name))
+        return dx, dw, None
+
+
+def _run_forward(backend: Backend, call: Call, config):
+    loss = Loss.of(call)
+    rule = _CrossEntropy(backend, config, loss, call.transpose_w, call.logit_soft_cap, call.precision,
+                         np.dtype(call.x.dtype).name)
+    return outputs(loss, *vjp.apply(rule, call.x.reshape(-1, call.x.shape[-1]), call.w, call.labels.reshape(-1)))
 
 
 linear_cross_entropy_op = register(Op(
@@ -41,8 +112,7 @@ linear_cross_entropy_op = register(Op(
     family="loss",
     check=check_forward,
     reference=linear_cross_entropy_reference,
-    implementations=_implementations(
-        lambda kernels, name: forward_runner(kernels, name, linear_cross_entropy_backward_op)),
+    implementations=BACKENDS.forward(_run_forward),
     flops=forward_flops,
     bytes_accessed=forward_bytes,
     examples=forward_examples,
@@ -78,9 +148,12 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         unless `jax.default_matmul_precision` is set), ``"default"``, ``"high"``,
         ``"highest"`` or a `jax.lax.Precision`; see `stellax.core.precision`.
       implementation: ``None`` (best available: ``"triton"`` on a GPU, else
-        ``"xla_chunked"``), ``"triton"``, ``"xla_chunked"``, ``"xla"`` (the naive formula,
-        materializes the logits) or a sequence tried in order.
-      config: a `ChunkedConfig` (``xla_chunked``) or `LinearCrossEntropyConfig` (``triton``).
+        ``"xla_chunked"``, on a TPU too: there is no ``"mosaic_tpu"`` kernel for this op),
+        ``"triton"`` (Pallas Triton kernels, `triton.py`), ``"xla_chunked"`` (memory-linear
+        XLA, `xla_chunked.py`), ``"xla"`` (the naive formula, materializes the logits,
+        `xla.py`) or a sequence tried in order.
+      config: a `LinearCrossEntropyConfig` (``triton``) or `ChunkedConfig` (``xla_chunked``);
+        ``xla`` takes none.
 
     Returns:
       ``loss`` float32 (a scalar, or ``[...]`` for ``reduction="none"``); with

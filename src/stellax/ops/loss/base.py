@@ -1,27 +1,30 @@
 """What the linear cross-entropy implementations share: argument checks, the
-per-token loss and reductions, the cotangent → coefficient map of the
-backward, the custom-VJP wiring and the cost models.
+per-token loss and reductions (`Loss`), the cotangent → coefficient map of the
+backward and the cost models. The backend table and the `core.vjp` rule are in `api`.
 
-Every implementation provides two functions over token rows:
+Every backend's kernel module (a row of `api.BACKENDS`: `triton`, `xla_chunked`,
+`xla`) provides two functions over token rows:
 
-* ``forward_stats(x [T, D], w, labels [T], *, transpose_w, logit_soft_cap, config)
+* ``forward_stats(x [T, D], w, labels [T], *, transpose_w, logit_soft_cap, precision, config)
   -> (lse, target, total)``, float32 ``[T]`` each (see `reference.token_stats`);
 * ``backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, transpose_w,
-  logit_soft_cap, config) -> (dx [T, D], dw)``: the VJP of
+  logit_soft_cap, precision, config) -> (dx [T, D], dw)``: the VJP of
   ``F = Σ_t a_t·lse_t + b_t·c_{t,y_t} + e_t·Σ_j c_tj`` (``dc = a·softmax(c) + b·onehot(y) + e``,
   through the soft cap ``dz = dc·(1 − (c/cap)²)``, then ``dx = dz @ wᵀ``, ``dw = xᵀ @ dz``).
 
-An implementation may also provide ``fused_forward_backward``: the stats and the
-gradients of the scalar loss in one pass over the chunks (see `xla.py`).
+A module may also provide ``fused_forward_backward``: the stats and the
+gradients of the scalar loss in one pass over the chunks (see `xla_chunked`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, backward_implementation
+from ...core import Call
 from ...core import checks
 from ...core.precision import resolve_precision
 
@@ -123,58 +126,90 @@ def dims(call: Call) -> tuple[int, int, int]:
 
 
 # -- per-token loss and reductions -------------------------------------------------------------
-def _valid(call: Call, labels):
-    return labels != call.ignore_index
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """The static options that turn per-token stats into a call's outputs (hashable, so a
+    `core.vjp` rule can hold it): ``vocab`` = V, ``labels_shape`` the shape of the labels."""
+
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    reduction: str
+    vocab: int
+    labels_shape: tuple[int, ...]
+    return_lse: bool
+    return_z_loss: bool
+
+    @classmethod
+    def of(cls, call: Call) -> "Loss":
+        return cls(call.ignore_index, call.label_smoothing, call.z_loss, call.reduction, vocab_size(call),
+                   tuple(call.labels.shape), call.return_lse, call.return_z_loss)
+
+    @property
+    def scalar_only(self) -> bool:
+        """The outputs are the reduced loss alone (no per-token ``lse``, no z-loss)."""
+        return self.reduction != "none" and not self.return_lse and not self.return_z_loss
 
 
-def _count(call: Call, labels):
+def _valid(loss: Loss, labels):
+    return labels != loss.ignore_index
+
+
+def count(loss: Loss, labels):
     """``max(#valid tokens, 1)`` in float32 (the "mean" denominator; 0 valid tokens give loss 0)."""
-    return jnp.maximum(jnp.sum(_valid(call, labels).astype(jnp.float32)), 1.0)
+    return jnp.maximum(jnp.sum(_valid(loss, labels).astype(jnp.float32)), 1.0)
 
 
-def token_loss(call: Call, lse, target, total, labels):
+def token_loss(loss: Loss, lse, target, total, labels):
     """Per-token loss ``[T]`` (0 for ignored tokens, NaN for a label outside ``[0, V)``) and z-loss ``[T]``."""
-    vocab = vocab_size(call)
-    eps, lam = call.label_smoothing, call.z_loss
-    valid = _valid(call, labels)
+    eps, lam = loss.label_smoothing, loss.z_loss
+    valid = _valid(loss, labels)
     z = lam * lse * lse
-    loss = lse - (1.0 - eps) * target - (eps / vocab) * total + z
-    in_vocab = (labels >= 0) & (labels < vocab)
-    loss = jnp.where(valid, jnp.where(in_vocab, loss, jnp.nan), 0.0)
-    return loss, jnp.where(valid, z, 0.0)
+    per_token = lse - (1.0 - eps) * target - (eps / loss.vocab) * total + z
+    in_vocab = (labels >= 0) & (labels < loss.vocab)
+    per_token = jnp.where(valid, jnp.where(in_vocab, per_token, jnp.nan), 0.0)
+    return per_token, jnp.where(valid, z, 0.0)
 
 
-def _reduce(call: Call, per_token, labels):
-    if call.reduction == "sum":
+def reduce(loss: Loss, per_token, labels):
+    """``per_token [T]`` reduced as ``loss.reduction`` asks (``labels.shape`` for "none")."""
+    if loss.reduction == "sum":
         return jnp.sum(per_token)
-    if call.reduction == "mean":
-        return jnp.sum(per_token) / _count(call, labels)
-    return per_token.reshape(call.labels.shape)
+    if loss.reduction == "mean":
+        return jnp.sum(per_token) / count(loss, labels)
+    return per_token.reshape(loss.labels_shape)
+
+
+def reduced(loss: Loss, lse, target, total, labels):
+    """``(loss, lse [T], z_loss)``: the reduced loss and z-loss from the per-token stats."""
+    per_token, z = token_loss(loss, lse, target, total, labels)
+    return reduce(loss, per_token, labels), lse, reduce(loss, z, labels)
+
+
+def outputs(loss: Loss, value, lse, z):
+    """The op's outputs: ``value``, or ``(value, [lse], [z])`` with the extras ``return_lse`` /
+    ``return_z_loss`` ask for (``lse [T]`` reshaped to the labels' shape)."""
+    extras = ([lse.reshape(loss.labels_shape)] if loss.return_lse else []) + ([z] if loss.return_z_loss else [])
+    return (value, *extras) if extras else value
 
 
 def finalize(call: Call, lse, target, total, labels):
     """The op's outputs from the per-token stats: ``loss``, or ``(loss, [lse], [z_loss])``
     with the extras ``return_lse`` / ``return_z_loss`` ask for."""
-    loss, z = token_loss(call, lse, target, total, labels)
-    extras = []
-    if call.return_lse:
-        extras.append(lse.reshape(call.labels.shape))
-    if call.return_z_loss:
-        extras.append(_reduce(call, z, labels))
-    out = _reduce(call, loss, labels)
-    return (out, *extras) if extras else out
+    loss = Loss.of(call)
+    return outputs(loss, *reduced(loss, lse, target, total, labels))
 
 
-def token_scale(call: Call, labels, count=None):
+def token_scale(loss: Loss, labels, denominator=None):
     """How a token's loss enters the reduced loss: ``valid / max(#valid, 1)`` for "mean"
-    (``count`` overrides the denominator), ``valid`` otherwise (float32 ``[T]``)."""
-    scale = _valid(call, labels).astype(jnp.float32)
-    if call.reduction == "mean":
-        scale = scale / (_count(call, labels) if count is None else count)
+    (``denominator`` overrides the count), ``valid`` otherwise (float32 ``[T]``)."""
+    scale = _valid(loss, labels).astype(jnp.float32)
+    if loss.reduction == "mean":
+        scale = scale / (count(loss, labels) if denominator is None else denominator)
     return scale
 
 
-def coefficients(call: Call, scale, lse, d_loss, d_lse, d_z):
+def coefficients(loss: Loss, scale, lse, d_loss, d_lse, d_z):
     """The backward coefficients ``(a, b, e)`` per token (float32 ``[T]``) for the
     cotangents of the reduced loss, of lse and of the reduced z-loss (``d_loss``/``d_z``
     scalars for "mean"/"sum", ``[T]`` for "none"; ``d_lse`` ``[T]`` or None); ``scale``
@@ -183,76 +218,14 @@ def coefficients(call: Call, scale, lse, d_loss, d_lse, d_z):
         a = g·(1 + 2λ·lse) + 2λ·lse·k + d_lse,   b = −(1 − ε)·g,   e = −(ε / V)·g
         with g = d_loss·scale, k = d_z·scale
     """
-    vocab = vocab_size(call)
-    eps, lam = call.label_smoothing, call.z_loss
+    eps, lam = loss.label_smoothing, loss.z_loss
     g = jnp.reshape(d_loss, (-1,)).astype(jnp.float32) * scale
     a = g * (1.0 + 2.0 * lam * lse)
     if d_z is not None:
         a = a + 2.0 * lam * lse * (jnp.reshape(d_z, (-1,)).astype(jnp.float32) * scale)
     if d_lse is not None:
         a = a + jnp.reshape(d_lse, (-1,)).astype(jnp.float32)
-    return a, -(1.0 - eps) * g, -(eps / vocab) * g
-
-
-# -- the custom VJP ----------------------------------------------------------------------------
-def forward_runner(kernels, name: str, backward_op):
-    """``run(call, config)`` of one implementation: stats → outputs, with a custom VJP whose
-    backward is ``backward_op`` (or, for a plain scalar loss, the implementation's
-    ``fused_forward_backward`` when it has one: gradients computed in the forward pass)."""
-
-    def run(call: Call, config):
-        x2, labels = call.x.reshape(-1, call.x.shape[-1]), call.labels.reshape(-1)
-        options = dict(transpose_w=call.transpose_w, logit_soft_cap=call.logit_soft_cap, precision=call.precision)
-        scalar_only = call.reduction != "none" and not call.return_lse and not call.return_z_loss
-        fused = getattr(kernels, "fused_forward_backward", None) if scalar_only else None
-
-        @jax.custom_vjp
-        def outputs(x2, w, labels):
-            lse, target, total = kernels.forward_stats(x2, w, labels, config=config, **options)
-            loss, z = token_loss(call, lse, target, total, labels)
-            return _reduce(call, loss, labels), lse, _reduce(call, z, labels)
-
-        def forward(x2, w, labels):
-            if fused is not None:
-                count = _count(call, labels)
-
-                def unit(lse_c, labels_c, rows_c):  # one token chunk's coefficients of a unit cotangent
-                    scale = token_scale(call, labels_c, count) * rows_c.astype(jnp.float32)
-                    return coefficients(call, scale, lse_c, jnp.ones((), jnp.float32), None, None)
-                (lse, target, total), (dx, dw) = fused(x2, w, labels, unit, config=config, **options)
-                residuals = (None, None, labels, None, dx, dw)
-            else:
-                lse, target, total = kernels.forward_stats(x2, w, labels, config=config, **options)
-                residuals = (x2, w, labels, lse, None, None)
-            loss, z = token_loss(call, lse, target, total, labels)
-            return (_reduce(call, loss, labels), lse, _reduce(call, z, labels)), residuals
-
-        def backward(residuals, cotangents):
-            x2, w, labels, lse, dx, dw = residuals
-            d_loss, d_lse, d_z = cotangents
-            if dx is not None:  # fused: float32 gradients of a unit cotangent, scaled
-                scale = d_loss.astype(jnp.float32)
-                return ((dx * scale).astype(call.x.dtype), (dw * scale).astype(call.w.dtype), None)
-            a, b, e = coefficients(call, token_scale(call, labels), lse, d_loss, d_lse, d_z)
-            dx, dw = backward_op(x2, w, labels, lse, a, b, e, **options,
-                                 implementation=backward_implementation(backward_op, name))
-            return dx, dw, None
-
-        outputs.defvjp(forward, backward)
-        loss, lse, z = outputs(x2, call.w, labels)
-        extras = ([lse.reshape(call.labels.shape)] if call.return_lse else []) + ([z] if call.return_z_loss else [])
-        return (loss, *extras) if extras else loss
-
-    return run
-
-
-def backward_runner(kernels):
-    def run(call: Call, config):
-        dx, dw = kernels.backward(call.x, call.w, call.labels, call.lse, call.softmax_coef, call.target_coef,
-                                  call.uniform_coef, transpose_w=call.transpose_w,
-                                  logit_soft_cap=call.logit_soft_cap, precision=call.precision, config=config)
-        return dx.astype(call.x.dtype), dw.astype(call.w.dtype)
-    return run
+    return a, -(1.0 - eps) * g, -(eps / loss.vocab) * g
 
 
 # -- cost models ---------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ tile), then ``c = cap·tanh(z/cap)`` when soft-capped.
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -210,5 +209,3 @@ def backward(x, w, labels, lse, softmax_coef, target_coef, uniform_coef, *, tran
     ).dw
     return dx, dw
 
-
-kernels = types.SimpleNamespace(forward_stats=forward_stats, backward=backward)
