@@ -54,8 +54,9 @@ def _maybe(pred, true_fn, false_fn, *operands):
 
 
 #: Attention implementations whose backward kernels take the merged softmax
-#: statistics (out, lse) as inputs — FlashAttention-2 style — in dispatch order.
-FLASH_BACKWARDS = ("mosaic_tpu", "triton", "xla_chunked")
+#: statistics (out, lse) as inputs — FlashAttention-2 style — in dispatch order:
+#: the flash rows of the attention backend table (`stellax.ops.attention.base.BACKENDS`).
+FLASH_BACKWARDS = backward_kernels()
 
 
 def _flash_backward_chain(implementation):
@@ -64,14 +65,9 @@ def _flash_backward_chain(implementation):
     (the ``xla`` golden recomputes its own softmax, so it must not get the
     merged statistics)."""
     if implementation is None:
-        names = FLASH_BACKWARDS
-    elif isinstance(implementation, str):
-        names = (implementation,)
-    else:
-        names = tuple(implementation)
-    if any(n not in FLASH_BACKWARDS for n in names):
-        return ()
-    return tuple(n for n in names if n in backward_kernels())
+        return FLASH_BACKWARDS
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    return names if all(n in FLASH_BACKWARDS for n in names) else ()
 
 
 def _ring_loop(step, carry, block, axis_name, axis_size):

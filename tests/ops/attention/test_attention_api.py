@@ -10,8 +10,9 @@ import pytest
 import stellax
 from stellax.ops.attention import (
     attention_backward_op, attention_fp8_op, attention_op, backward_kernels, base, dot_product_attention_varlen,
-    mosaic_tpu, triton, xla_chunked,
+    mosaic_tpu, mosaic_tpu_backward, triton, triton_backward, xla_chunked,
 )
+from stellax.ops.attention.configs import SplashBackwardConfig, SplashConfig
 from stellax.testing import assert_close
 
 def jitted(fn):
@@ -256,22 +257,28 @@ def test_triton_on_cpu_without_interpret_explains():
         dpa(*qkv(0, 1, 8, 8, 2, 2, 16), implementation="triton")
 
 
-def test_implementations_run_their_kernels_directly():
-    """Each forward implementation's ``run`` is bound to its kernel and the
-    shared custom VJP (no lookup table by name); fp8 attention has the same
-    implementations but the Mosaic TPU kernel; the backward kernels are named
-    by the backward op."""
-    tpu = attention_op.implementations["mosaic_tpu"].run
-    assert list(attention_op.implementations)[0] == "mosaic_tpu" and "mosaic_tpu" not in attention_fp8_op.implementations
-    assert tpu.forward is mosaic_tpu.forward and tpu.backward == ("mosaic_tpu",)
-    for op in (attention_op, attention_fp8_op):
-        run = {name: impl.run for name, impl in op.implementations.items()}
-        assert isinstance(run["triton"], base.KernelRunner) and run["triton"].forward is triton.forward
-        assert run["triton"].backward_op is attention_backward_op and run["triton"].backward == ("triton",)
-        assert run["xla_chunked"].forward is xla_chunked.forward and run["xla_chunked"].backward == ("xla_chunked",)
-        assert run["xla"] is base.reference
+def test_implementations_are_generated_from_the_backend_table():
+    """Each implementation's ``run`` is bound to its row of the family's backend
+    table (its kernels: no lookup by name); fp8 attention has the same
+    implementations but the Mosaic TPU kernel; the backward kernels are the
+    table's flash rows, and the golden is differentiated by autodiff."""
+    table = base.BACKENDS
+    assert table.names == ("mosaic_tpu", "triton", "xla_chunked", "xla")
+    assert list(attention_op.implementations) == list(table.names)
+    assert list(attention_fp8_op.implementations) == ["triton", "xla_chunked", "xla"]
+    assert list(attention_backward_op.implementations) == list(table.names)
+    for name, forward, backward in (("mosaic_tpu", mosaic_tpu.forward, mosaic_tpu_backward.backward),
+                                    ("triton", triton.forward, triton_backward.backward),
+                                    ("xla_chunked", xla_chunked.forward, xla_chunked.backward)):
+        kernels = table.kernels(name)
+        assert kernels.forward is forward and kernels.backward is backward and kernels.flash
+    assert not table.kernels("xla").flash
+    for op in (attention_op, attention_fp8_op, attention_backward_op):
+        for name, impl in op.implementations.items():
+            assert impl.run.args == (table[name],), (op.name, name)
+    assert attention_op.implementations["mosaic_tpu"].config_type is SplashConfig
+    assert attention_backward_op.implementations["mosaic_tpu"].config_type is SplashBackwardConfig
     assert backward_kernels() == ("mosaic_tpu", "triton", "xla_chunked")
-    assert set(attention_backward_op.implementations) == {"mosaic_tpu", "triton", "xla_chunked", "xla"}
 
 
 def test_empty_batch_or_no_query_rows_give_empty_outputs():

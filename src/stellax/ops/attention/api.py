@@ -1,17 +1,21 @@
 """Public attention API: `dot_product_attention` and its op.
 
-Three registered ops:
+Three registered ops, their implementations generated from one backend table
+(`base.BACKENDS`, in dispatch order):
 
 * ``attention``: the forward (`dot_product_attention`); implementations
-  ``triton`` (Pallas Triton, GPU), ``xla_chunked`` (memory-linear online
-  softmax, the CPU default) and ``xla`` (the float32 golden);
-* ``attention_fp8`` (`fp8.py`): the same with fp8 `QArray` query/key/value;
+  ``mosaic_tpu`` (Pallas Mosaic TPU, splash-class; `SplashConfig`),
+  ``triton`` (Pallas Triton, GPU; `FlashConfig`), ``xla_chunked``
+  (memory-linear online softmax, the CPU default; `ChunkedConfig`) and
+  ``xla`` (the float32 golden; no config);
+* ``attention_fp8`` (`fp8.py`): the same with fp8 `QArray` query/key/value
+  (all but ``mosaic_tpu``);
 * ``attention_backward`` (`backward.py`): the gradients of ``(out, lse)``
   w.r.t. ``(q, k, v, bias, sinks)`` on canonical operands, the backward of
-  both forward ops' custom VJP.
+  both forward ops' VJP (`backward.run_forward`, one `core.vjp` rule).
 
-What the implementations share — the argument check, the canonical operands,
-the cost models and the custom VJP — is in `base.py`.
+What the implementations share — the argument check, the canonical form,
+the cost models and the backend table — is in `base.py`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,9 @@ import jax.numpy as jnp
 
 from ...core import Op, register
 from . import examples
-from .backward import attention_backward_op
-from .base import (
-    Canonical, canonicalize, check_attention, forward_bytes, forward_flops, forward_implementations, normalize_window,
-    reference,
-)
+from .backward import attention_backward_op, run_forward
+from .base import (BACKENDS, Canonical, canonicalize, check_attention, forward_bytes, forward_flops, normalize_window,
+                   reference)
 from .fp8 import attention_fp8_op, is_quantized
 
 # Re-exported: `normalize_window` (context parallelism) and the canonical form.
@@ -38,7 +40,7 @@ attention_op = register(Op(
     family="attention",
     check=check_attention,
     reference=reference,
-    implementations=forward_implementations(attention_backward_op),
+    implementations=BACKENDS.forward(run_forward),
     flops=forward_flops,
     bytes_accessed=forward_bytes,
     examples=examples.forward_examples,
@@ -55,10 +57,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           preferred_element_type=None, return_residual=None):
     """Scaled dot-product attention with the full mask family (flash attention).
 
-    Shapes: ``B...`` is any number (≥ 0) of leading batch dims, ``T``/``S``
-    the query/key lengths, ``N`` query heads, ``K`` key/value heads
-    (``N % K == 0``: GQA/MQA by head groups, K/V never repeated), ``H`` the
-    query/key head dim and ``Hv`` the value head dim (may differ from ``H``).
+    Shapes: ``B...`` is any number (≥ 0) of leading batch dims, ``T``/``S`` the query/key lengths,
+    ``N`` query heads, ``K`` key/value heads (``N % K == 0``: GQA/MQA by head groups, K/V never
+    repeated), ``H`` the query/key head dim, ``Hv`` the value head dim (may differ from ``H``).
 
     Args:
       query: ``[B..., T, N, H]`` float32/bfloat16/float16.
@@ -92,10 +93,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         of the softmax normalizer (including the sink): ``-inf`` for a fully
         masked row. It is differentiable, so partial attentions can be merged
         (``out = Σ exp(lse_i - lse) out_i``) with correct gradients.
-      implementation: ``None`` (the best available: ``triton`` on a GPU, then
-        ``xla_chunked``, ending in ``xla``), ``"triton"``, ``"xla_chunked"``,
-        ``"xla"`` or a sequence tried in order.
-      config: an explicit kernel config for the chosen implementation.
+      implementation: ``None`` (the best available: ``mosaic_tpu`` on a TPU,
+        ``triton`` on a GPU, then ``xla_chunked``, ending in ``xla``),
+        ``"mosaic_tpu"``, ``"triton"``, ``"xla_chunked"``, ``"xla"`` or a
+        sequence tried in order. fp8 attention has all but ``mosaic_tpu``.
+      config: an explicit kernel config for the chosen implementation:
+        `SplashConfig` (``mosaic_tpu``), `FlashConfig` (``triton``),
+        `ChunkedConfig` (``xla_chunked``; ``xla`` takes none). The backward
+        picks its own (`SplashBackwardConfig`, `FlashBackwardConfig`,
+        `ChunkedConfig`) by heuristic or tuned cache.
       preferred_element_type: fp8 attention only: the output dtype
         (bfloat16 by default; float16 or float32).
       return_residual: `jax.nn.dot_product_attention`'s flag, for drop-in use:
@@ -119,35 +125,31 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       ``out [B..., T, N, Hv]`` in the input dtype, or ``(out, lse)`` with
       ``return_residuals``.
     """
+    options = dict(scale=scale, is_causal=is_causal, local_window_size=local_window_size, chunk_size=chunk_size,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
+                   key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                   precision=precision, implementation=implementation, config=config)
+    return _dispatch(query, key, value, bias, mask, return_residuals, return_residual, preferred_element_type, options)
+
+
+def _dispatch(query, key, value, bias, mask, return_residuals, return_residual, preferred_element_type, options):
+    """`dot_product_attention` on its gathered keyword ``options``: jax.nn's residual layout, then
+    fp8 attention, an empty batch or the float op."""
     if return_residual is not None:
-        return _jax_nn_residual(query, key, value, bias, mask, return_residuals, return_residual, scale=scale,
-                                is_causal=is_causal, local_window_size=local_window_size, chunk_size=chunk_size,
-                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                                logits_soft_cap=logits_soft_cap, sinks=sinks, precision=precision,
-                                implementation=implementation, config=config,
-                                preferred_element_type=preferred_element_type)
-    query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths)
-    key_value_seq_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths)
+        return _jax_nn_residual(query, key, value, bias, mask, return_residuals, return_residual,
+                                preferred_element_type=preferred_element_type, **options)
+    options = dict(options, query_seq_lengths=_lengths("query_seq_lengths", options["query_seq_lengths"]),
+                   key_value_seq_lengths=_lengths("key_value_seq_lengths", options["key_value_seq_lengths"]))
     if is_quantized(query, key, value):
-        return attention_fp8_op(
-            query, key, value, bias, mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
-            chunk_size=chunk_size, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            logits_soft_cap=logits_soft_cap, sinks=sinks, precision=precision, return_residuals=return_residuals,
-            preferred_element_type=preferred_element_type, implementation=implementation, config=config)
+        return attention_fp8_op(query, key, value, bias, mask, return_residuals=return_residuals,
+                                preferred_element_type=preferred_element_type, **options)
     if preferred_element_type is not None:
         raise ValueError("preferred_element_type: only for fp8 attention (QArray query/key/value); float "
                          f"attention returns the input dtype, got {preferred_element_type!r}")
     empty = _empty_batch_result(query, key, value, return_residuals)
     if empty is not None:
         return empty
-    return attention_op(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                        local_window_size=local_window_size, chunk_size=chunk_size, q_segment_ids=q_segment_ids,
-                        kv_segment_ids=kv_segment_ids, query_seq_lengths=query_seq_lengths,
-                        key_value_seq_lengths=key_value_seq_lengths, logits_soft_cap=logits_soft_cap,
-                        sinks=sinks, precision=precision, return_residuals=return_residuals,
-                        implementation=implementation, config=config)
+    return attention_op(query, key, value, bias, mask, return_residuals=return_residuals, **options)
 
 
 def _empty_batch_result(query, key, value, return_residuals):

@@ -1,24 +1,29 @@
-"""The ``attention_backward`` op: the gradients of ``(out, lse)`` w.r.t.
-``(q, k, v, bias, sinks)`` on canonical operands (see `base.Canonical`),
-given the forward's ``out`` and ``lse`` (FlashAttention-2 style). The forward
-ops' custom VJP (`base.attend`) calls it; context parallelism (ring) calls
-it directly with merged statistics.
+"""The ``attention_backward`` op and the VJP of the forward ops.
 
-Implementations: ``mosaic_tpu`` (dq and dk/dv Pallas Mosaic TPU kernels),
-``triton`` (three Pallas Triton kernels), ``xla_chunked``
-(two blocked XLA passes) and ``xla`` (the VJP of the float32 golden)."""
+``attention_backward``: the gradients of ``(out, lse)`` w.r.t. ``(q, k, v,
+bias, sinks)`` on canonical operands (see `base.Canonical`), given the
+forward's ``out`` and ``lse`` (FlashAttention-2 style). Context parallelism
+(ring) calls it directly with merged statistics. Implementations (from
+`base.BACKENDS`) and their configs: ``mosaic_tpu`` (dq and dk/dv Pallas Mosaic
+TPU kernels, `SplashBackwardConfig`), ``triton`` (three Pallas Triton kernels,
+`FlashBackwardConfig`), ``xla_chunked`` (two blocked XLA passes,
+`ChunkedConfig`) and ``xla`` (the VJP of the float32 golden, no config).
+
+`run_forward` is the ``run`` of every forward implementation (``attention``,
+``attention_fp8``): a flash backend's forward kernel is differentiated by
+this op through one `core.vjp` rule (`_Attend`), the golden by autodiff."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import dataclasses
+from typing import Any
 
-from ...core import Call, Implementation, Op, checks, register
+from ...core import Call, Op, checks, register, vjp
+from ...core.backends import Backend, backward_chain
 from ...core.precision import resolve_precision
-from . import configs, examples, mosaic_tpu_backward, triton_backward, xla_chunked
-from .base import backward_bytes, backward_canonical, backward_flops, backward_runner
+from . import examples
+from .base import BACKENDS, Canonical, backward_bytes, backward_canonical, backward_flops, canonicalize, finalize
 from .masks import MaskSpec
-from .reference import attention_forward_reference
 
 
 def check_attention_backward(query, key, value, bias, mask, sinks, out, lse, d_out, d_lse, q_positions,
@@ -55,22 +60,15 @@ def check_attention_backward(query, key, value, bias, mask, sinks, out, lse, d_o
     )
 
 
+def _run_backward(backend: Backend, call: Call, config):
+    return backend.kernels.backward(backward_canonical(call), call.out, call.lse, call.d_out, call.d_lse, config)
+
+
 def attention_backward_reference(call: Call, config=None):
-    """Golden gradients: the VJP of the float32 golden forward (also the
-    ``xla`` implementation's ``run``). Returns ``(dq, dk, dv, dbias, dsinks)``
-    in the operands' dtypes."""
-    c = backward_canonical(call)
-
-    def forward(q, k, v, bias, sinks):
-        return attention_forward_reference(q, k, v, bias, c.mask, sinks, c.q_pos, c.kv_pos, c.q_seg,
-                                           c.kv_seg, **c.statics)
-
-    f32 = lambda x: None if x is None else x.astype(jnp.float32)
-    _, vjp = jax.vjp(forward, f32(c.q), f32(c.k), f32(c.v), f32(c.bias), f32(c.sinks))
-    d_lse = call.d_lse if call.d_lse is not None else jnp.zeros(call.lse.shape, jnp.float32)
-    grads = vjp((call.d_out.astype(jnp.float32), d_lse.astype(jnp.float32)))
-    return tuple(None if g is None else g.astype(x.dtype)
-                 for g, x in zip(grads, (c.q, c.k, c.v, c.bias, c.sinks)))
+    """Golden gradients: the VJP of the float32 golden forward (the ``xla``
+    implementation). Returns ``(dq, dk, dv, dbias, dsinks)`` in the operands'
+    dtypes."""
+    return _run_backward(BACKENDS["xla"], call, config)
 
 
 attention_backward_op = register(Op(
@@ -78,17 +76,7 @@ attention_backward_op = register(Op(
     family="attention",
     check=check_attention_backward,
     reference=attention_backward_reference,
-    implementations=[
-        Implementation("mosaic_tpu", backward_runner(mosaic_tpu_backward.backward), backend="mosaic_tpu",
-                       config_type=configs.SplashBackwardConfig, heuristic=configs.splash_backward_heuristic,
-                       space=configs.splash_backward_space, requirements=configs.splash_requirements),
-        Implementation("triton", backward_runner(triton_backward.backward), backend="triton",
-                       config_type=configs.FlashBackwardConfig, heuristic=configs.flash_backward_heuristic,
-                       space=configs.flash_backward_space, requirements=configs.flash_requirements),
-        Implementation("xla_chunked", backward_runner(xla_chunked.backward), config_type=configs.ChunkedConfig,
-                       heuristic=configs.chunked_heuristic, space=configs.chunked_space),
-        Implementation("xla", attention_backward_reference),
-    ],
+    implementations=BACKENDS.backward(_run_backward),
     flops=backward_flops,
     bytes_accessed=backward_bytes,
     examples=examples.backward_examples,
@@ -98,6 +86,47 @@ attention_backward_op = register(Op(
 def backward_kernels() -> tuple[str, ...]:
     """The backward implementations that are kernels on the forward's
     statistics (``p = exp(s − lse)``, ``delta = rowsum(dO·O) − dlse``), in
-    dispatch order: every implementation but the ``xla`` golden, which
-    recomputes its own softmax."""
-    return tuple(name for name in attention_backward_op.implementations if name != "xla")
+    dispatch order: the flash rows of `base.BACKENDS` (every implementation
+    but the ``xla`` golden, which recomputes its own softmax)."""
+    return tuple(row.name for row in BACKENDS.rows if row.backward and row.kernels.flash)
+
+
+# -- the forward ops' VJP ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Attend:
+    """A flash backend's forward kernel differentiated by ``attention_backward`` (a `core.vjp`
+    rule): operand the `Canonical` form, outputs ``(out, lse)``, both differentiable w.r.t. the
+    float operands (fp8 codes and their scales are constants)."""
+
+    backend: Backend
+    config: Any
+
+    def forward(self, c: Canonical):
+        out, lse = self.backend.kernels.forward(c, self.config)
+        return (out, lse), (c, out, lse)
+
+    def backward(self, residuals, cotangents):
+        c, out, lse = residuals
+        d_out, d_lse = cotangents
+        f = c.dequantized()  # the backward kernels take float operands
+        dq, dk, dv, dbias, dsinks = attention_backward_op(
+            f.q, f.k, f.v, f.bias, f.mask, f.sinks, out, lse, d_out.astype(out.dtype), d_lse, f.q_pos, f.kv_pos,
+            f.q_seg, f.kv_seg, **f.statics,
+            implementation=backward_chain(attention_backward_op, self.backend.name))
+        quantized = c.row_scales or (None, None, None)
+        dq, dk, dv = (None if s is not None else g.astype(x.dtype)
+                      for g, x, s in zip((dq, dk, dv), (c.q, c.k, c.v), quantized))
+        # None: a zero cotangent (integer/bool operands, fp8 codes and their scales).
+        return (dataclasses.replace(c, q=dq, k=dk, v=dv, bias=dbias, sinks=dsinks, mask=None, q_pos=None,
+                                    kv_pos=None, q_seg=None, kv_seg=None, row_scales=None),)
+
+
+def run_forward(backend: Backend, call: Call, config):
+    """The ``run`` of a forward implementation: canonicalize, the row's forward kernel (a flash
+    kernel through `_Attend`; the golden differentiated by autodiff), back to the caller's dims."""
+    c = canonicalize(call)
+    if backend.kernels.flash:
+        out, lse = vjp.apply(_Attend(backend, config), c)
+    else:
+        out, lse = backend.kernels.forward(c, config)
+    return finalize(call, out, lse)

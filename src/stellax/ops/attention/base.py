@@ -6,11 +6,11 @@
   `canonicalize` for the forward ops, `backward_canonical` for the backward
   op) and `finalize` (back to the caller's batch dims);
 * the cost models (FLOPs and bytes of the forward and backward ops);
-* the one custom VJP of the kernel implementations (`attend`): forward kernel
-  ``kernel(canonical, config) -> (out, lse)``, backward the
-  ``attention_backward`` op on the saved ``(out, lse)``; `kernel_runner`
-  binds a forward kernel and the backward op into an `Implementation`'s
-  ``run``.
+* the backend table (`BACKENDS`): one row per backend, its `Kernels` (a
+  forward ``kernel(canonical, config) -> (out, lse)`` and a backward on the
+  saved ``(out, lse)``) and its configs; the forward and backward ops'
+  implementations are generated from it (the forward's `core.vjp` rule is in
+  `backward.py`, next to the backward op it calls).
 
 Canonical operands: batch dims flattened to one ``B``, bias/mask as
 ``[B|1, N|1, T|1, S|1]``, the mask described by a `MaskSpec` plus per-token
@@ -21,7 +21,6 @@ attention adds per-row scales of the q/k/v codes and the output dtype.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable
 
@@ -29,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, backward_implementation, checks
+from ...core import Call, checks
+from ...core.backends import Backend, BackendTable, Tuning
 from ...core.pallas import nbytes
 from ...core.precision import resolve_precision
-from . import configs, mosaic_tpu, triton, xla_chunked
+from . import configs, mosaic_tpu, mosaic_tpu_backward, triton, triton_backward, xla_chunked
 from .masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec, default_positions, visible_fraction
 from .reference import attention_forward_reference
 
@@ -395,88 +395,70 @@ def backward_bytes(call: Call) -> float:
                  sum(nbytes(call.arrays[k]) for k in ("out", "d_out", "lse", "mask")))
 
 
-# -- the custom VJP of the kernel implementations --------------------------------------------
+# -- the backend table ------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class KernelRunner:
-    """An `Implementation`'s ``run``: canonicalize, `attend` with ``forward``
-    (gradients from ``backward_op`` run with ``backward``, an implementation
-    chain), finalize."""
+class Kernels:
+    """One backend's attention kernels (the ``kernels`` of its `BACKENDS` row).
 
-    forward: Callable[[Canonical, Any], tuple]
-    backward_op: Op
-    backward: tuple[str, ...]
+    Attributes:
+      forward: ``forward(canonical, config) -> (out [B, T, N, Hv], lse [B, N, T])``.
+      backward: ``backward(canonical, out, lse, d_out, d_lse, config) -> (dq, dk, dv, dbias, dsinks)``.
+      flash: the backward is a kernel on the forward's softmax statistics (``p = exp(s − lse)``,
+        ``delta = rowsum(dO·O) − dlse``, FlashAttention-2 style): the forward is differentiated by
+        the ``attention_backward`` op (`core.vjp`), and context parallelism may call that backward
+        with merged statistics. ``False``: the golden, differentiated by JAX autodiff, whose
+        backward recomputes its own softmax.
+    """
 
-    def __call__(self, call: Call, config):
-        out, lse = attend(self, config, canonicalize(call))
-        return finalize(call, out, lse)
-
-
-def kernel_runner(forward: Callable[[Canonical, Any], tuple], *, backward_op: Op, name: str) -> KernelRunner:
-    """The ``run`` of forward implementation ``name``: kernel ``forward(canonical,
-    config) -> (out [B, T, N, Hv], lse [B, N, T])``, differentiated by
-    ``backward_op`` with the matching backward implementation."""
-    return KernelRunner(forward, backward_op, backward_implementation(backward_op, name))
+    forward: Callable[..., tuple]
+    backward: Callable[..., tuple]
+    flash: bool = True
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attend(runner: KernelRunner, config, c: Canonical):
-    """``runner.forward(c, config)`` = ``(out, lse)``, both differentiable (w.r.t.
-    the float operands of ``c``; fp8 codes and their scales are constants)."""
-    return runner.forward(c, config)
+def golden_forward(c: Canonical, config=None):
+    """The float32 golden on canonical operands (fp8: dequantized): ``(out, lse)``."""
+    c = c.dequantized(F32)
+    return attention_forward_reference(*c.arrays, **c.statics)
 
 
-def _attend_fwd(runner: KernelRunner, config, c: Canonical):
-    out, lse = runner.forward(c, config)
-    return (out, lse), (c, out, lse)
+def golden_backward(c: Canonical, out, lse, d_out, d_lse, config=None):
+    """Golden gradients: the VJP of the float32 golden forward, ``(dq, dk, dv, dbias, dsinks)`` in
+    the operands' dtypes (``out`` is not needed: the golden recomputes its softmax)."""
+
+    def forward(q, k, v, bias, sinks):
+        return attention_forward_reference(q, k, v, bias, c.mask, sinks, c.q_pos, c.kv_pos, c.q_seg,
+                                           c.kv_seg, **c.statics)
+
+    f32 = lambda x: None if x is None else x.astype(F32)
+    _, vjp_fn = jax.vjp(forward, f32(c.q), f32(c.k), f32(c.v), f32(c.bias), f32(c.sinks))
+    d_lse = d_lse if d_lse is not None else jnp.zeros(lse.shape, F32)
+    grads = vjp_fn((d_out.astype(F32), d_lse.astype(F32)))
+    return tuple(None if g is None else g.astype(x.dtype)
+                 for g, x in zip(grads, (c.q, c.k, c.v, c.bias, c.sinks)))
 
 
-def _attend_bwd(runner: KernelRunner, config, residuals, cotangents):
-    c, out, lse = residuals
-    d_out, d_lse = cotangents
-    f = c.dequantized()  # the backward kernels take float operands
-    dq, dk, dv, dbias, dsinks = runner.backward_op(
-        f.q, f.k, f.v, f.bias, f.mask, f.sinks, out, lse, d_out.astype(out.dtype), d_lse, f.q_pos, f.kv_pos,
-        f.q_seg, f.kv_seg, **f.statics, implementation=runner.backward)
-    quantized = c.row_scales or (None, None, None)
-    dq, dk, dv = (None if s is not None else g.astype(x.dtype)
-                  for g, x, s in zip((dq, dk, dv), (c.q, c.k, c.v), quantized))
-    # None: a zero cotangent (integer/bool operands, fp8 codes and their scales).
-    return (dataclasses.replace(c, q=dq, k=dk, v=dv, bias=dbias, sinks=dsinks, mask=None, q_pos=None,
-                                kv_pos=None, q_seg=None, kv_seg=None, row_scales=None),)
+#: The attention backends in dispatch order: the forward ops' (``attention``, ``attention_fp8``)
+#: and the ``attention_backward`` op's implementations are generated from it.
+BACKENDS = BackendTable("attention", [
+    Backend("mosaic_tpu", Kernels(mosaic_tpu.forward, mosaic_tpu_backward.backward), "mosaic_tpu",
+            Tuning(configs.SplashConfig, configs.splash_heuristic, configs.splash_space,
+                   configs.splash_requirements),
+            Tuning(configs.SplashBackwardConfig, configs.splash_backward_heuristic,
+                   configs.splash_backward_space, configs.splash_requirements)),
+    Backend("triton", Kernels(triton.forward, triton_backward.backward), "triton",
+            Tuning(configs.FlashConfig, configs.flash_heuristic, configs.flash_space, configs.flash_requirements),
+            Tuning(configs.FlashBackwardConfig, configs.flash_backward_heuristic, configs.flash_backward_space,
+                   configs.flash_requirements)),
+    Backend("xla_chunked", Kernels(xla_chunked.forward, xla_chunked.backward),
+            tuning=Tuning(configs.ChunkedConfig, configs.chunked_heuristic, configs.chunked_space)),
+    Backend("xla", Kernels(golden_forward, golden_backward, flash=False)),
+])
 
-
-attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-def backward_runner(kernel: Callable[..., tuple]) -> Callable[[Call, Any], tuple]:
-    """The ``run`` of a backward implementation: ``kernel(canonical, out, lse,
-    d_out, d_lse, config) -> (dq, dk, dv, dbias, dsinks)``."""
-    def run(call: Call, config):
-        return kernel(backward_canonical(call), call.out, call.lse, call.d_out, call.d_lse, config)
-    return run
+#: fp8 attention's backends: the Mosaic TPU kernel does not read fp8 codes.
+FP8_BACKENDS = ("triton", "xla_chunked", "xla")
 
 
 def reference(call: Call, config=None):
-    """The float32 golden of a forward call (fp8: of the dequantized operands);
-    also the ``xla`` implementation's ``run``."""
-    c = canonicalize(call).dequantized(F32)
-    out, lse = attention_forward_reference(*c.arrays, **c.statics)
+    """The float32 golden of a forward call (fp8: of the dequantized operands)."""
+    out, lse = golden_forward(canonicalize(call))
     return finalize(call, out, lse)
-
-
-def forward_implementations(backward_op: Op, *, mosaic_tpu_kernels: bool = True) -> list[Implementation]:
-    """The implementations of the forward ops (``attention``; ``attention_fp8``
-    without the Mosaic TPU kernel, ``mosaic_tpu_kernels=False``)."""
-    tpu = [Implementation("mosaic_tpu", kernel_runner(mosaic_tpu.forward, backward_op=backward_op, name="mosaic_tpu"),
-                          backend="mosaic_tpu", config_type=configs.SplashConfig,
-                          heuristic=configs.splash_heuristic, space=configs.splash_space,
-                          requirements=configs.splash_requirements)]
-    return (tpu if mosaic_tpu_kernels else []) + [
-        Implementation("triton", kernel_runner(triton.forward, backward_op=backward_op, name="triton"),
-                       backend="triton", config_type=configs.FlashConfig, heuristic=configs.flash_heuristic,
-                       space=configs.flash_space, requirements=configs.flash_requirements),
-        Implementation("xla_chunked", kernel_runner(xla_chunked.forward, backward_op=backward_op, name="xla_chunked"),
-                       config_type=configs.ChunkedConfig, heuristic=configs.chunked_heuristic,
-                       space=configs.chunked_space),
-        Implementation("xla", reference),
-    ]

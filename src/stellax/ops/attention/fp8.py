@@ -22,8 +22,9 @@ e5m2), multiplies the ``q·kᵀ`` logits by ``s_q·s_k`` and the probabilities b
 ``s_v`` before ``p·v``. ``xla_chunked`` dequantizes q/k/v up front (to the
 output dtype) and runs the usual chunked loop. The output dtype is
 ``preferred_element_type`` (bfloat16 by default). The op has the float op's
-implementations (`base.forward_implementations`): its canonical operands carry
-the codes, their per-row scales and the output dtype (`base.Canonical`).
+implementations but ``mosaic_tpu`` (`base.FP8_BACKENDS`: ``triton``,
+``xla_chunked``, ``xla``, with the float op's configs): its canonical operands
+carry the codes, their per-row scales and the output dtype (`base.Canonical`).
 
 Gradients: the quantized operands are constants — their codes and scales get
 zero cotangents. Float operands mixed with quantized ones (e.g. a bf16 query
@@ -40,8 +41,8 @@ import numpy as np
 
 from ...core import Call, Example, Op, checks, register
 from ..quant import QArray, quantize_op
-from .backward import attention_backward_op
-from .base import check_attention, forward_bytes, forward_flops, forward_implementations, reference
+from .backward import run_forward
+from .base import BACKENDS, FP8_BACKENDS, check_attention, forward_bytes, forward_flops, reference
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
 OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -156,7 +157,7 @@ attention_fp8_op = register(Op(
     reference=reference,
     examples=fp8_examples,
     benchmarks=fp8_benchmarks,
-    implementations=forward_implementations(attention_backward_op, mosaic_tpu_kernels=False),
+    implementations=BACKENDS.forward(run_forward, only=FP8_BACKENDS),
     flops=forward_flops,
     bytes_accessed=forward_bytes,
     differentiable=("bias", "sinks"),
