@@ -104,20 +104,31 @@ def _itemsize(call: Call) -> int:
     return 4 if call.query.dtype == jnp.float32 else 2
 
 
-def flash_heuristic(call: Call) -> FlashConfig:
+def _flash_ladder(call: Call, config_type, *, float32, sm80_small, small, medium, large):
+    """The Triton config by padded head dim ``d``, each a ``(block_q, block_k, num_warps, num_stages)``:
+    ``float32`` for float32 operands at ``d > 64``, else ``sm80_small`` (``d <= 64`` below sm_90),
+    ``small`` (``d <= 64``), ``medium`` (``d <= 128``) or ``large``."""
     h, hv = head_dims(call)
     d = max(_padded(h), _padded(hv))
     if _itemsize(call) == 4 and d > 64:
-        return FlashConfig(block_q=64, block_k=32, num_warps=4, num_stages=2)
-    if d <= 64 and current_platform().nvidia_below((9, 0)):
-        # Static GPU tier, sm_80, bf16 H=64: 128x64 on 4 warps takes 255 registers and spills 40 B
-        # (24 B with 2 stages, 8 B on 8 warps); 64x64 takes 168, no spills, 12 warps per SM.
-        return FlashConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)
-    if d <= 64:
-        return FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
-    if d <= 128:
-        return FlashConfig(block_q=128, block_k=64, num_warps=8, num_stages=2)
-    return FlashConfig(block_q=64, block_k=32, num_warps=8, num_stages=2)
+        blocks = float32
+    elif d <= 64 and current_platform().nvidia_below((9, 0)):
+        blocks = sm80_small
+    elif d <= 64:
+        blocks = small
+    elif d <= 128:
+        blocks = medium
+    else:
+        blocks = large
+    block_q, block_k, num_warps, num_stages = blocks
+    return config_type(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+
+
+def flash_heuristic(call: Call) -> FlashConfig:
+    # sm80_small: static GPU tier, sm_80, bf16 H=64: 128x64 on 4 warps takes 255 registers and spills 40 B
+    # (24 B with 2 stages, 8 B on 8 warps); 64x64 takes 168, no spills, 12 warps per SM.
+    return _flash_ladder(call, FlashConfig, float32=(64, 32, 4, 2), sm80_small=(64, 64, 4, 3), small=(128, 64, 4, 3),
+                         medium=(128, 64, 8, 2), large=(64, 32, 8, 2))
 
 
 def flash_space(call: Call) -> list[FlashConfig]:
@@ -133,19 +144,10 @@ def flash_space(call: Call) -> list[FlashConfig]:
 
 
 def flash_backward_heuristic(call: Call) -> FlashBackwardConfig:
-    h, hv = head_dims(call)
-    d = max(_padded(h), _padded(hv))
-    if _itemsize(call) == 4 and d > 64:
-        return FlashBackwardConfig(block_q=32, block_k=32, num_warps=4, num_stages=1)
-    if d <= 64 and current_platform().nvidia_below((9, 0)):
-        # Static GPU tier, sm_80, bf16 H=64: the dk/dv kernel at 64x64 takes 255 registers and spills
-        # 36 B (48 B on 8 warps, 20 B at block_k 32, 16 B with one stage); block_q 32 takes 252, none.
-        return FlashBackwardConfig(block_q=32, block_k=64, num_warps=4, num_stages=2)
-    if d <= 64:
-        return FlashBackwardConfig(block_q=64, block_k=64, num_warps=4, num_stages=2)
-    if d <= 128:
-        return FlashBackwardConfig(block_q=64, block_k=64, num_warps=8, num_stages=2)
-    return FlashBackwardConfig(block_q=32, block_k=32, num_warps=8, num_stages=1)
+    # sm80_small: static GPU tier, sm_80, bf16 H=64: the dk/dv kernel at 64x64 takes 255 registers and spills
+    # 36 B (48 B on 8 warps, 20 B at block_k 32, 16 B with one stage); block_q 32 takes 252, none.
+    return _flash_ladder(call, FlashBackwardConfig, float32=(32, 32, 4, 1), sm80_small=(32, 64, 4, 2),
+                         small=(64, 64, 4, 2), medium=(64, 64, 8, 2), large=(32, 32, 8, 1))
 
 
 def flash_backward_space(call: Call) -> list[FlashBackwardConfig]:

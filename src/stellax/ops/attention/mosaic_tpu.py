@@ -158,6 +158,13 @@ class Step:
     def kind(self, table, b, r, j):
         return jax.lax.bitwise_and(self.entry(table, b, r, j), 3)
 
+    def visit(self, table, b, r, j, update):
+        """Run ``update(masked)`` on step ``j``'s block: unmasked on a FULL block, masked on a
+        PARTIAL one (an EMPTY entry is never visited)."""
+        kind = self.kind(table, b, r, j)
+        pl.when(kind == FULL)(lambda: update(False))
+        pl.when(kind == PARTIAL)(lambda: update(True))
+
 
 # -- the tile math -------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +334,6 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
     table row (module docstring). ``q [R, H]``, ``k [bk, H]``, ``v [bk, Hv]``,
     ``out [R, Hv]``, ``lse [R, 1]``."""
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kind = step.kind(table, b, i, j)
 
     @pl.when(j == 0)
     def _init():
@@ -352,8 +358,7 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
             count_scr[0] += 1
             count_scr[1] += 0 if masked else 1
 
-    pl.when(kind == FULL)(lambda: update(False))
-    pl.when(kind == PARTIAL)(lambda: update(True))
+    step.visit(table, b, i, j, update)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():

@@ -34,7 +34,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import operand, output, tpu_kernel_call
-from .masks import FULL, PARTIAL
 from .mosaic_tpu import (
     F32, Step, TileMath, Tiling, Tokens, group_rows, group_stats, head_major, schedule, token_inputs,
     ungroup_rows, vmem_limit,
@@ -65,7 +64,6 @@ def _logit_grad(math_: TileMath, p, tanh, d_out, v, delta):
 def _dq_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_seg, dq, dq_scr,
                math_: TileMath, step: Step):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kind = step.kind(table, b, i, j)
 
     @pl.when(j == 0)
     def _init():
@@ -78,8 +76,7 @@ def _dq_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_se
         ds = _logit_grad(math_, p, tanh, d_out[...], v[...], delta[...])
         dq_scr[...] += math_.dot(ds.astype(k_tile.dtype), k_tile)
 
-    pl.when(kind == FULL)(lambda: update(False))
-    pl.when(kind == PARTIAL)(lambda: update(True))
+    step.visit(table, b, i, j, update)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -90,7 +87,6 @@ def _dq_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_se
 def _dkdv_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_seg, dk, dv, dk_scr, dv_scr,
                  math_: TileMath, step: Step):
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    kind = step.kind(table, b, j, i)
 
     @pl.when(i == 0)
     def _init():
@@ -104,8 +100,7 @@ def _dkdv_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_
         ds = _logit_grad(math_, p, tanh, do, v[...], delta[...])
         dk_scr[...] += math_.dot_tn(ds.astype(q_tile.dtype), q_tile)
 
-    pl.when(kind == FULL)(lambda: update(False))
-    pl.when(kind == PARTIAL)(lambda: update(True))
+    step.visit(table, b, j, i, update)
 
     @pl.when(i == pl.num_programs(3) - 1)
     def _finish():
@@ -114,14 +109,19 @@ def _dkdv_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_
 
 
 # -- launches ------------------------------------------------------------------------------------
-def _row_operands(c, d_out, lse, delta, tiling: Tiling, rows_spec) -> dict:
-    """q, dO, lse (+inf for fully masked and padded rows) and delta in the
-    grouped row layout of ``tiling``."""
+def _inputs(c, d_out, lse, delta, tiling: Tiling, rows_spec, keys_spec, q_block, kv_block) -> dict:
+    """Both kernels' operands: q, dO, lse (+inf for fully masked and padded
+    rows) and delta in the grouped row layout of ``tiling`` (``rows_spec``),
+    k and v head-major (``keys_spec``), and the token arrays of query block
+    ``q_block`` / key block ``kv_block`` (index maps of the grid step)."""
     lse_k = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     return dict(q=operand(group_rows(c.q, tiling), rows_spec(tiling.h)),
                 d_out=operand(group_rows(d_out, tiling), rows_spec(tiling.hv)),
                 lse=operand(group_stats(lse_k, tiling, jnp.inf), rows_spec(1)),
-                delta=operand(group_stats(delta, tiling), rows_spec(1)))
+                delta=operand(group_stats(delta, tiling), rows_spec(1)),
+                k=operand(head_major(c.k, tiling.sp), keys_spec(tiling.h)),
+                v=operand(head_major(c.v, tiling.sp), keys_spec(tiling.hv)),
+                **token_inputs(Tokens.of(c, tiling), tiling, q_block, kv_block))
 
 
 def _dq(c, d_out, lse, delta, block_q: int, block_kv: int):
@@ -135,9 +135,7 @@ def _dq(c, d_out, lse, delta, block_q: int, block_kv: int):
         functools.partial(_dq_kernel, math_=TileMath.of(c, tiling), step=step),
         grid=(t_.b, t_.kh, t_.nq, t_.nk),
         scalar_prefetch=dict(table=table),
-        inputs=dict(**_row_operands(c, d_out, lse, delta, tiling, rows),
-                    k=operand(head_major(c.k, t_.sp), keys(t_.h)), v=operand(head_major(c.v, t_.sp), keys(t_.hv)),
-                    **token_inputs(Tokens.of(c, tiling), tiling, lambda b, i, j, tab: i, col)),
+        inputs=_inputs(c, d_out, lse, delta, tiling, rows, keys, lambda b, i, j, tab: i, col),
         outputs=dict(dq=output((t_.b, t_.kh, t_.nq, t_.rows, t_.h), c.q.dtype, rows(t_.h))),
         scratch=dict(dq_scr=pltpu.VMEM((t_.rows, t_.h), F32)),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
@@ -159,9 +157,7 @@ def _dkdv(c, d_out, lse, delta, block_q: int, block_kv: int):
         functools.partial(_dkdv_kernel, math_=TileMath.of(c, tiling), step=step),
         grid=(t_.b, t_.kh, t_.nk, t_.nq),
         scalar_prefetch=dict(table=table),
-        inputs=dict(**_row_operands(c, d_out, lse, delta, tiling, rows),
-                    k=operand(head_major(c.k, t_.sp), keys(t_.h)), v=operand(head_major(c.v, t_.sp), keys(t_.hv)),
-                    **token_inputs(Tokens.of(c, tiling), tiling, row_block, lambda b, j, i, tab: j)),
+        inputs=_inputs(c, d_out, lse, delta, tiling, rows, keys, row_block, lambda b, j, i, tab: j),
         outputs=dict(dk=output((t_.b, t_.kh, t_.sp, t_.h), c.k.dtype, keys(t_.h)),
                      dv=output((t_.b, t_.kh, t_.sp, t_.hv), c.v.dtype, keys(t_.hv))),
         scratch=dict(dk_scr=pltpu.VMEM((t_.bk, t_.h), F32), dv_scr=pltpu.VMEM((t_.bk, t_.hv), F32)),
