@@ -14,7 +14,7 @@ import stellax
 from stellax.core import interpret_mode, lowering_target, observe_calls
 from stellax.ops.moe.mosaic_tpu import group_visits, max_visits, tile_visits
 from stellax.ops.moe.schedule import group_bounds
-from stellax.ops.moe.tpu_configs import TpuGroupedMatmulConfig, gmm_tpu_space, gmm_tpu_vmem
+from stellax.ops.moe.configs import TpuGroupedMatmulConfig, gmm_tpu_space, gmm_tpu_vmem
 from stellax.testing.numerics import compare, golden
 
 # The module (the package re-exports a custom-VJP function under the same name).

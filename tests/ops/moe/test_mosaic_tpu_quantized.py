@@ -14,7 +14,7 @@ import stellax
 from stellax.core import UnsupportedError, interpret_mode, lowering_target
 from stellax.ops.moe import mosaic_tpu_quantized, ragged_dot_quantized_op
 from stellax.ops.moe.checks import flatten_quantized
-from stellax.ops.moe.tpu_configs import (TpuGroupedMatmulConfig, quantized_tpu_heuristic, quantized_tpu_space,
+from stellax.ops.moe.configs import (TpuGroupedMatmulConfig, quantized_tpu_heuristic, quantized_tpu_space,
                                          quantized_tpu_vmem)
 from stellax.testing import TPU_CUSTOM_CALL, assert_close
 

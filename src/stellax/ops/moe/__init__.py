@@ -1,14 +1,12 @@
 """Mixture-of-experts: grouped matmuls, routing, token permutation, the MoE MLP
 and expert parallelism."""
 
-from .api import ragged_dot, ragged_dot_general, ragged_dot_tgmm
-from .backward import ragged_dot_backward_op
+from .api import (ragged_dot, ragged_dot_backward_op, ragged_dot_general, ragged_dot_op, ragged_dot_tgmm,
+                  ragged_dot_tgmm_op)
 from .configs import GroupedMatmulConfig, XlaGroupedMatmulConfig
 from .dispatch import permute, unpermute
 from .mlp import moe_mlp, moe_mlp_op
 from .quantized import ragged_dot_quantized, ragged_dot_quantized_op
-from .ragged_dot import ragged_dot_op
-from .tgmm import ragged_dot_tgmm_op
 from .parallel import moe_mlp_expert_parallel, moe_mlp_shard, ragged_all_to_all_padded
 from .routing import load_balancing_loss, route, route_op, router_z_loss
 

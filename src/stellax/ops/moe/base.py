@@ -1,27 +1,36 @@
-"""What the grouped-matmul ops share: cost models, the Triton requirements,
-the (triton, xla) implementation pair and the kernel module of each.
+"""What the grouped-matmul ops share: cost models, the backend tables and the
+Triton requirements.
 
-The three dense ops call each other in their backward passes:
+The three dense ops (`api.py`) call each other in their backward passes:
 ``ragged_dot`` → ``ragged_dot_backward`` → ``ragged_dot`` (dlhs) and
-``ragged_dot_tgmm`` (drhs); ``ragged_dot_tgmm`` → ``ragged_dot``. The modules
-import in that order (`ragged_dot` ← `tgmm` ← `backward`), and `ragged_dot`
-finds its backward op by name (`registered_op`) when its VJP is traced.
+``ragged_dot_tgmm`` (drhs); ``ragged_dot_tgmm`` → ``ragged_dot``.
+
+`BACKENDS` holds one row per backend (``mosaic_tpu``, ``triton``, ``xla``): the
+kernel module (`mosaic_tpu.py`, `triton.py`, `xla.py`, each with ``gmm`` and
+``tgmm`` of one contract) and the tuning of ``ragged_dot`` (forward) and
+``ragged_dot_backward`` (backward: no configs, the row's requirements). The
+other ops over the same kernels take the rows with their own tuning
+(`retuned`): ``ragged_dot_tgmm``, ``moe_mlp``. `QUANTIZED_BACKENDS` holds the
+quantized ``ragged_dot``'s kernel modules (`mosaic_tpu_quantized.py`,
+`triton_quantized.py`, `xla_quantized.py`: ``gmm`` and ``gmm_transposed``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, registered_ops
-from . import mosaic_tpu as tpu_kernels
-from . import triton as triton_kernels
-from . import xla as xla_kernels
+from ...core import Call
+from ...core.backends import UNTUNED, Backend, BackendTable, Tuning
+from . import mosaic_tpu, mosaic_tpu_quantized, triton, triton_quantized, xla, xla_quantized
 from .checks import concrete
-from .configs import GroupedMatmulConfig, XlaGroupedMatmulConfig, gmm_dims, tgmm_dims, xla_space
-from .tpu_configs import TpuGroupedMatmulConfig, gmm_tpu_heuristic, gmm_tpu_requirements, gmm_tpu_space
+from .configs import (GroupedMatmulConfig, TpuGroupedMatmulConfig, XlaGroupedMatmulConfig, gmm_dims, gmm_heuristic,
+                      gmm_space, gmm_tpu_heuristic, gmm_tpu_requirements, gmm_tpu_space, gmm_xla_heuristic,
+                      quantized_heuristic, quantized_k_block, quantized_space, quantized_tpu_heuristic,
+                      quantized_tpu_requirements, quantized_tpu_space, quantized_xla_heuristic, tgmm_dims,
+                      tgmm_heuristic, tgmm_space, tgmm_tpu_heuristic, tgmm_tpu_space, tgmm_xla_heuristic, xla_space)
 
 FAMILY = "moe"
 
@@ -75,33 +84,44 @@ def triton_requirements(call: Call) -> str | None:
     return None
 
 
-def kernels(name: str):
-    """The kernel module of implementation ``name`` (`xla`, `triton` or `mosaic_tpu`, same contract)."""
-    return {"xla": xla_kernels, "mosaic_tpu": tpu_kernels}.get(name, triton_kernels)
+def quantized_triton_requirements(call: Call) -> str | None:
+    """Why the Triton quantized grouped matmul cannot run ``call`` (None when it can)."""
+    if np.dtype(call.lhs.dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        return f"the Triton kernel needs float32/bfloat16/float16 lhs, got {np.dtype(call.lhs.dtype).name}"
+    kb = quantized_k_block(call)
+    if kb is not None and (kb < 16 or kb & (kb - 1)):
+        return (f"the Triton kernel needs per-channel scales or K blocks that are powers of two >= 16 "
+                f"(block_k is capped at the K block); rhs has K blocks of {kb}")
+    return None
 
 
-def kernel_options(name: str, config) -> dict:
-    """The config keywords of that module's kernels."""
-    return {"block_m": config.block_m} if name == "xla" else {"config": config}
+# -- backend tables ---------------------------------------------------------------------------
+BACKENDS = BackendTable(FAMILY, [
+    Backend("mosaic_tpu", mosaic_tpu, "mosaic_tpu",
+            Tuning(TpuGroupedMatmulConfig, gmm_tpu_heuristic, gmm_tpu_space, gmm_tpu_requirements),
+            backward_tuning=Tuning(requirements=gmm_tpu_requirements)),
+    Backend("triton", triton, "triton", Tuning(GroupedMatmulConfig, gmm_heuristic, gmm_space, triton_requirements),
+            backward_tuning=Tuning(requirements=triton_requirements)),
+    Backend("xla", xla, tuning=Tuning(XlaGroupedMatmulConfig, gmm_xla_heuristic, xla_space),
+            backward_tuning=UNTUNED),
+])
 
 
-def implementations(runner: Callable[[str], Callable], heuristic, space, xla_heuristic, *,
-                    tpu: bool = False, tpu_heuristic=gmm_tpu_heuristic, tpu_space=gmm_tpu_space
-                    ) -> list[Implementation]:
-    """The ``triton`` and ``xla`` implementations of a grouped-matmul op, after
-    ``mosaic_tpu`` when ``tpu`` (the op has a Mosaic TPU kernel; its heuristic
-    and space default to the forward's, `ragged_dot_tgmm` passes its own)."""
-    on_tpu = [Implementation("mosaic_tpu", runner("mosaic_tpu"), backend="mosaic_tpu",
-                             config_type=TpuGroupedMatmulConfig, heuristic=tpu_heuristic, space=tpu_space,
-                             requirements=gmm_tpu_requirements)] if tpu else []
-    return on_tpu + [
-        Implementation("triton", runner("triton"), backend="triton", config_type=GroupedMatmulConfig,
-                       heuristic=heuristic, space=space, requirements=triton_requirements),
-        Implementation("xla", runner("xla"), config_type=XlaGroupedMatmulConfig, heuristic=xla_heuristic,
-                       space=xla_space),
-    ]
+def retuned(table: BackendTable, tunings: dict[str, Tuning]) -> BackendTable:
+    """``table``'s rows (kernels, backend, order) with another op's forward tuning, by row name."""
+    return BackendTable(table.family, [dataclasses.replace(row, tuning=tunings[row.name]) for row in table.rows])
 
 
-def registered_op(name: str) -> Op:
-    """The registered op ``name``, looked up when a VJP is traced (see the module doc)."""
-    return registered_ops()[name]
+TGMM_BACKENDS = retuned(BACKENDS, {
+    "mosaic_tpu": Tuning(TpuGroupedMatmulConfig, tgmm_tpu_heuristic, tgmm_tpu_space, gmm_tpu_requirements),
+    "triton": Tuning(GroupedMatmulConfig, tgmm_heuristic, tgmm_space, triton_requirements),
+    "xla": Tuning(XlaGroupedMatmulConfig, tgmm_xla_heuristic, xla_space),
+})
+
+QUANTIZED_BACKENDS = BackendTable(FAMILY, [
+    Backend("mosaic_tpu", mosaic_tpu_quantized, "mosaic_tpu",
+            Tuning(TpuGroupedMatmulConfig, quantized_tpu_heuristic, quantized_tpu_space, quantized_tpu_requirements)),
+    Backend("triton", triton_quantized, "triton",
+            Tuning(GroupedMatmulConfig, quantized_heuristic, quantized_space, quantized_triton_requirements)),
+    Backend("xla", xla_quantized, tuning=Tuning(XlaGroupedMatmulConfig, quantized_xla_heuristic, xla_space)),
+])

@@ -5,6 +5,17 @@
   along the contraction; the ``tgmm`` kernel tiles the ``[K, N]`` output of a
   group in ``[block_k, block_n]`` and steps ``block_m`` rows of the group.
 * `XlaGroupedMatmulConfig`: the row tile of the XLA loop (`xla.py`).
+* `TpuGroupedMatmulConfig` (Mosaic TPU): tiles sized per TPU generation. A grid
+  step holds, double-buffered, an ``lhs`` tile ``[bm, bk]``, one (two for gated
+  weights) ``rhs`` tiles ``[bk, bn]`` and the output (and pre-activation) tiles
+  ``[bm, bn]``, plus float32 accumulators ``[bm, bn]``. Configs whose buffers
+  exceed the generation's scoped VMEM default are not in its space. Tiles are
+  multiples of 128 (the lane width); ``bn`` and ``bk`` of 256 fill the 256-wide
+  MXU of v6e and TPU7x. `ragged_dot_tgmm` (the weight gradient) reuses the
+  config with other roles: its output block is ``[bk, bn]`` (of ``out[g]``,
+  double-buffered in the output dtype, plus its float32 accumulator) and each
+  step streams ``[bm, bk]`` rows of ``lhs`` and ``[bm, bn]`` rows of ``rhs``
+  (`tgmm_tpu_vmem`).
 
 Heuristics and spaces for `ragged_dot`, `ragged_dot_tgmm` and the quantized
 `ragged_dot` (whose ``block_k`` is capped at the scales' K block).
@@ -18,6 +29,7 @@ import numpy as np
 
 from ...core import Call, KernelConfig, next_power_of_two, product_space
 from ...core.config import MatmulTileConfig, require_in
+from ...core.tpu import TPU_GENERATIONS, target_generation
 
 #: Shared memory a Triton program may use on sm_90 / sm_80 (bytes), minus slack.
 SMEM_BUDGET = 200 * 1024
@@ -211,3 +223,183 @@ def quantized_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
     """The XLA row tile of a quantized `ragged_dot` call (`xla_block`)."""
     m, _, _, g = quantized_dims(call)
     return xla_block(m, g)
+
+
+# -- Mosaic TPU ------------------------------------------------------------------------------
+TILES = (128, 256, 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGroupedMatmulConfig(KernelConfig):
+    """``block_m`` rows × ``block_k`` × ``block_n`` columns per grid step."""
+
+    block_m: int = 128
+    block_k: int = 256
+    block_n: int = 256
+
+    def validate(self) -> None:
+        """Every tile one of 128, 256, 512."""
+        for name in ("block_m", "block_k", "block_n"):
+            require_in("TpuGroupedMatmulConfig", name, getattr(self, name), TILES)
+
+
+def _round_up(x: int, to: int) -> int:
+    return max(to, -(-x // to) * to)
+
+
+def gmm_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
+    """VMEM bytes of one grid step's buffers (see the module doc)."""
+    _, _, _, _, gated = gmm_dims(call)
+    halves = 2 if gated else 1
+    item = np.dtype(call.lhs.dtype).itemsize
+    out_item = np.dtype(call.out_dtype).itemsize
+    operands = 2 * (c.block_m * c.block_k + halves * c.block_k * c.block_n) * item
+    outputs = 2 * c.block_m * c.block_n * out_item * (1 + halves)  # out and the pre-activation
+    return operands + outputs + halves * c.block_m * c.block_n * 4
+
+
+def _useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
+    m, k, n, _, gated = gmm_dims(call)
+    n_out = n // 2 if gated else n
+    return (c.block_m <= _round_up(m, 128) and c.block_k <= _round_up(k, 128)
+            and c.block_n <= _round_up(n_out, 128))
+
+
+def _fitting_tiles(call: Call, useful, vmem) -> list[TpuGroupedMatmulConfig]:
+    """The ``TILES³`` configs that ``useful(call, c)`` keeps and whose ``vmem(call, c)``
+    fits the target generation's scoped VMEM (128³ when none does)."""
+    budget = target_generation().scoped_vmem_bytes
+    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
+    kept = [c for c in configs if useful(call, c) and vmem(call, c) <= budget]
+    return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
+
+
+def gmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
+    """Tiles of 128–512 that the call's dimensions can use and that fit the
+    scoped VMEM of the generation the configs are for."""
+    return _fitting_tiles(call, _useful, gmm_tpu_vmem)
+
+
+def gmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
+    """``block_m`` 128 (rows per group are few in MoE layers), ``block_k`` and
+    ``block_n`` the MXU width or wider (512 when the dimensions allow), the
+    largest that fits the generation's scoped VMEM."""
+    mxu = target_generation().mxu
+    space = gmm_tpu_space(call)
+    preferred = [c for c in space if c.block_m == 128 and c.block_k >= mxu and c.block_n >= mxu]
+    pool = preferred or space
+    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n))
+
+
+def gmm_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU grouped matmul cannot run ``call`` (None when it can)."""
+    dtype = np.dtype(call.lhs.dtype)
+    if dtype.name not in ("float32", "bfloat16"):
+        return f"the Mosaic TPU grouped matmul needs float32/bfloat16 operands, got {dtype.name}"
+    return None
+
+
+# -- ragged_dot_tgmm -----------------------------------------------------------------------
+def tgmm_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
+    """VMEM bytes of one `ragged_dot_tgmm` grid step: double-buffered ``lhs [bm, bk]``
+    and ``rhs [bm, bn]`` tiles and ``out [bk, bn]`` block, the float32 accumulator."""
+    item = np.dtype(call.lhs.dtype).itemsize
+    out_item = np.dtype(call.out_dtype).itemsize
+    operands = 2 * (c.block_m * c.block_k + c.block_m * c.block_n) * item
+    return operands + 2 * c.block_k * c.block_n * out_item + c.block_k * c.block_n * 4
+
+
+def _tgmm_useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
+    m, k, n, _ = tgmm_dims(call)
+    return c.block_m <= _round_up(m, 128) and c.block_k <= _round_up(k, 128) and c.block_n <= _round_up(n, 128)
+
+
+def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
+    """Tiles of 128–512 that the `ragged_dot_tgmm` call can use and that fit the
+    scoped VMEM of the generation the configs are for."""
+    return _fitting_tiles(call, _tgmm_useful, tgmm_tpu_vmem)
+
+
+def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
+    """The output block ``[bk, bn]`` as large as fits (each row of ``lhs``/``rhs``
+    is read once per output block, so a larger block reads the rows fewer
+    times), at least the MXU width; ``block_m`` 128, 256 when the groups
+    average 1024 rows or more (a tile straddling two groups is visited twice:
+    small groups want small row tiles)."""
+    m, _, _, g = tgmm_dims(call)
+    mxu = target_generation().mxu
+    bm = 256 if m // max(g, 1) >= 1024 else 128
+    space = tgmm_tpu_space(call)
+    preferred = [c for c in space if c.block_m == bm and c.block_k >= mxu and c.block_n >= mxu]
+    pool = preferred or [c for c in space if c.block_m == 128] or space
+    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_m))
+
+
+# -- the quantized ragged_dot (`mosaic_tpu_quantized.py`) ------------------------------------
+#: Element formats whose codes are float8: DMA'd as fp8, so they need a generation with float8.
+FP8_ELEMENT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp8_e5m2")
+
+
+def _quantized_fits(call: Call, c: TpuGroupedMatmulConfig) -> bool:
+    """``block_k`` and the scales' K block divide one another; 4-bit codes need ``block_k`` ≥ 256."""
+    kb = quantized_k_block(call)
+    if call.rhs_values.dtype == np.uint8 and c.block_k < 256:
+        return False
+    return kb is None or c.block_k % kb == 0 or kb % c.block_k == 0
+
+
+def quantized_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
+    """VMEM bytes of one quantized grid step: double-buffered ``lhs`` tile, code tile
+    (``[bk/2, bn]`` bytes for 4-bit), scale (and zero-point) rows and output tile, the
+    float32 accumulator, and the decoded weight (float32 and the compute dtype)."""
+    item = np.dtype(call.lhs.dtype).itemsize
+    kb = quantized_k_block(call)
+    packed = call.rhs_values.dtype == np.uint8
+    codes = c.block_k * c.block_n // (2 if packed else 1)
+    rows = 1 if kb is None else max(1, c.block_k // kb)
+    scales = rows * c.block_n * 4 * (2 if call.rhs_zero_points is not None else 1)
+    out = c.block_m * c.block_n * np.dtype(call.out_dtype).itemsize
+    decoded = c.block_k * c.block_n * (4 + item)
+    return 2 * (c.block_m * c.block_k * item + codes + scales + out) + c.block_m * c.block_n * 4 + decoded
+
+
+def quantized_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
+    """Tiles of 128–512 the call can use (`_quantized_fits`) within the generation's scoped VMEM."""
+    m, k, n, _ = quantized_dims(call)
+    budget = target_generation().scoped_vmem_bytes
+    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
+    kept = [c for c in configs if _quantized_fits(call, c) and quantized_tpu_vmem(call, c) <= budget
+            and c.block_m <= _round_up(m, 128) and c.block_k <= max(_round_up(k, 128), 256)
+            and c.block_n <= _round_up(n, 128)]
+    return kept or [c for c in configs if _quantized_fits(call, c)][:1]
+
+
+def quantized_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
+    """``block_m`` 128, ``block_k`` and ``block_n`` at least the MXU width, the largest tile that fits."""
+    mxu = target_generation().mxu
+    space = quantized_tpu_space(call)
+    preferred = [c for c in space if c.block_m == 128 and c.block_k >= mxu and c.block_n >= mxu]
+    pool = preferred or [c for c in space if c.block_m == 128] or space
+    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_k))
+
+
+def quantized_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU quantized grouped matmul cannot run ``call`` (None when it can):
+    float32/bfloat16 activations; fp8 codes only where the generation has float8; scales
+    whose K block is a power of two of at least 8 (16 for 4-bit codes) or per channel."""
+    dtype = np.dtype(call.lhs.dtype)
+    if dtype.name not in ("float32", "bfloat16"):
+        return f"the Mosaic TPU quantized grouped matmul needs float32/bfloat16 lhs, got {dtype.name}"
+    generation = target_generation()
+    fmt = call.rhs_format
+    if fmt in FP8_ELEMENT_FORMATS and not generation.has_dtype(call.rhs_values.dtype):
+        with_fp8 = [g.name for g in TPU_GENERATIONS.values() if g.has_dtype(call.rhs_values.dtype)]
+        return (f"rhs format {fmt} has float8 codes ({np.dtype(call.rhs_values.dtype).name}), which TPU "
+                f"{generation.name} does not have (float8 on: {', '.join(with_fp8)}); use an int8/int4 format "
+                f"or the xla implementation")
+    kb = quantized_k_block(call)
+    least = 16 if call.rhs_values.dtype == np.uint8 else 8
+    if kb is not None and (kb < least or kb & (kb - 1)):
+        return (f"the Mosaic TPU quantized grouped matmul needs per-channel scales or K blocks that are powers "
+                f"of two >= {least}; rhs has K blocks of {kb}")
+    return None

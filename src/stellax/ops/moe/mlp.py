@@ -16,10 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core import Call, Implementation, Op, checks, register
+from ...core import Call, Op, checks, register
+from ...core.backends import UNTUNED, Backend, Tuning
+from ...core.precision import resolve_precision
 from .activations import activation_fn, check_activation
 from .api import ragged_dot
-from ...core.precision import resolve_precision
+from .base import BACKENDS, retuned
 from .dispatch import capacity, permute, unpermute
 from .examples import mlp_benchmarks, mlp_examples
 from .routing import check_route, compute_route
@@ -94,17 +96,16 @@ def local_experts(rows, group_sizes, w_gate_up, w_down, *, activation, precision
     return ragged_dot(h, w_down, group_sizes, precision, None, group_offset, implementation=implementation)
 
 
-def _runner(name: str):
-    def run(call: Call, config):
-        del config
-        weights, ids = compute_route(route_call_of(call))
-        experts = call.router_logits.shape[1]
-        permuted = permute(call.x, ids, experts, capacity_factor=call.capacity_factor)
-        rows, sizes, order = permuted[:3]
-        y = local_experts(rows, sizes, call.w_gate_up, call.w_down, activation=call.activation,
-                          precision=call.precision, implementation=(name,))
-        return unpermute(y, order, weights.astype(jnp.float32))
-    return run
+def _run(backend: Backend, call: Call, config):
+    """Route, permute, the experts' grouped matmuls by ``backend``, unpermute."""
+    del config
+    weights, ids = compute_route(route_call_of(call))
+    experts = call.router_logits.shape[1]
+    permuted = permute(call.x, ids, experts, capacity_factor=call.capacity_factor)
+    rows, sizes, order = permuted[:3]
+    y = local_experts(rows, sizes, call.w_gate_up, call.w_down, activation=call.activation,
+                      precision=call.precision, implementation=(backend.name,))
+    return unpermute(y, order, weights.astype(jnp.float32))
 
 
 def _tpu_requirements(call: Call) -> str | None:
@@ -123,10 +124,8 @@ def _flops(call: Call) -> float:
 
 moe_mlp_op = register(Op(
     "moe_mlp", family="moe", check=check_moe_mlp, reference=moe_mlp_reference,
-    implementations=[Implementation("mosaic_tpu", _runner("mosaic_tpu"), backend="mosaic_tpu",
-                                    requirements=_tpu_requirements),
-                     Implementation("triton", _runner("triton"), backend="triton"),
-                     Implementation("xla", _runner("xla"))],
+    implementations=retuned(BACKENDS, {"mosaic_tpu": Tuning(requirements=_tpu_requirements), "triton": UNTUNED,
+                                       "xla": UNTUNED}).forward(_run),
     flops=_flops, examples=mlp_examples, benchmarks=mlp_benchmarks,
     differentiable=("x", "router_logits", "w_gate_up", "w_down"),
 ))
@@ -153,7 +152,9 @@ def moe_mlp(x, router_logits, w_gate_up, w_down, *, top_k, scoring="softmax", bi
       implementation: of the grouped matmuls (``None``, ``"mosaic_tpu"``,
         ``"triton"``, ``"xla"``): on a TPU the fused gate/up (``act(gate) · up``
         in the kernel's epilogue) and the down projection are the Mosaic TPU
-        grouped matmul, with its backward kernels.
+        grouped matmul, with its backward kernels. No config of its own: each
+        grouped matmul picks its own (`TpuGroupedMatmulConfig`,
+        `GroupedMatmulConfig` or `XlaGroupedMatmulConfig`).
 
     Returns:
       ``[T, D]`` in ``x.dtype``.

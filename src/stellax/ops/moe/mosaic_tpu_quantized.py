@@ -34,7 +34,8 @@ converted to bfloat16 outside the kernel (exactly: both fit bfloat16);
 integer zero points to float32; both are ``1/kb`` the size of the weights.
 The NVFP4 tensor scale is read from SMEM in the epilogue. fp8 element codes
 (``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8_*``) are DMA'd as fp8 and converted in
-VMEM, so they need a generation with float8 (TPU7x; `tpu_configs`).
+VMEM, so they need a generation with float8 (TPU7x; `configs.quantized_tpu_requirements`).
+Its dlhs (`gmm_transposed`) is the XLA path of `xla_quantized`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ from ...core.pallas import cdiv, mxu_dot, operand, output, pad_axis, tpu_kernel_
 from ..quant import formats as F
 from ..quant.kernel import kernel_operands
 from ..quant.qarray import QArray
+from . import xla_quantized
 from .activations import kernel_activation_fn
+from .configs import xla_block
 from .mosaic_tpu import tile_visits
 from .schedule import group_bounds
 
@@ -213,3 +216,11 @@ def gmm(lhs, rhs: QArray, group_sizes, group_offset, *, activation, precision, o
         dimension_semantics=("parallel", "arbitrary", "arbitrary"), name="stellax_ragged_dot_quantized_tpu",
     )
     return outs.out[:m, :n]
+
+
+def gmm_transposed(dz, rhs: QArray, group_sizes, group_offset, *, precision, out_dtype, k_block, config):
+    """``dlhs [M, K]``: ``dz [M, N] @ dequantize(rhs[g])ᵀ`` per group (zeros outside), by the XLA
+    loop (`xla_quantized.gmm_transposed`) with its default row tile (``config`` is the forward's)."""
+    del config
+    return xla_quantized.gmm_transposed(dz, rhs, group_sizes, group_offset, precision=precision, out_dtype=out_dtype,
+                                        k_block=k_block, config=xla_block(dz.shape[0], rhs.shape[0]))

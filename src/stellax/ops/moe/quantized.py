@@ -28,35 +28,37 @@ Golden: ``dequantize(rhs)`` in float32, then the float32 `ragged_dot` golden.
   float8 (TPU7x); elsewhere the implementation is unsupported and dispatch
   falls back. Its dlhs is the XLA path.
 * ``xla``: the row-tile loop of `xla.py`; each tile dequantizes only its own
-  expert ``rhs[g]`` (`xla.gmm_quantized`).
+  expert ``rhs[g]`` (`xla_quantized.py`).
+
+The three kernel modules are the rows of `base.QUANTIZED_BACKENDS`, each with
+``gmm`` (forward; the pre-activation with ``activation=None``) and
+``gmm_transposed`` (dlhs) of one contract.
 
 Gradients: only w.r.t. ``lhs``. Quantized weights are frozen; the cotangents
-of the QArray's arrays are zero (``None`` in the custom VJP).
+of the QArray's arrays are zero (``None`` in the `core.vjp` rule).
 ``dlhs = dz @ dequantize(rhs[g])^T``: the Triton path decodes the weights in
 the transposed kernel, the XLA path dequantizes per tile (transposed contraction).
 """
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, register
+from ...core import Call, Op, register, vjp
+from ...core.backends import Backend
 from ..quant.qarray import QArray
 from ..quant.reference import dequantize_reference
-from . import mosaic_tpu_quantized, triton_quantized
-from .activations import activation_fn, activation_grad, fusable_in_kernel
-from .base import FAMILY
+from .activations import activation_grad, fusable_in_kernel
+from .base import FAMILY, QUANTIZED_BACKENDS
 from .checks import QUANTIZED_ARRAYS, check_ragged_dot_quantized, flatten_quantized, quantized_rhs
-from .configs import (GroupedMatmulConfig, XlaGroupedMatmulConfig, quantized_dims, quantized_heuristic,
-                      quantized_k_block, quantized_space, quantized_xla_heuristic, xla_space)
+from .configs import quantized_dims, quantized_k_block
 from .examples import QUANTIZED_PEERS, quantized_benchmarks, quantized_examples
 from .reference import ragged_dot_reference
-from .schedule import group_bounds
-from .tpu_configs import (TpuGroupedMatmulConfig, quantized_tpu_heuristic, quantized_tpu_requirements,
-                          quantized_tpu_space)
-from .xla import gmm_quantized as xla_gmm_quantized
+from .xla_quantized import activated
 
 
 def reference(call: Call):
@@ -68,83 +70,52 @@ def reference(call: Call):
          "transpose_rhs": False}))
 
 
-def _preactivation(name: str, call: Call, config, k_block):
-    """``lhs, rhs → z``: the pre-activation (no activation) of implementation ``name``."""
-    options = dict(precision=call.precision, out_dtype=call.out_dtype)
+@dataclasses.dataclass(frozen=True)
+class _QuantizedRaggedDot:
+    """The quantized ``ragged_dot`` by one backend (a `core.vjp` rule): operands ``(lhs, rhs
+    (a QArray), group_sizes, group_offset)``, gradients w.r.t. ``lhs`` only. A named activation
+    is fused into the kernel when nothing differentiates the call; differentiated, the kernel
+    computes the pre-activation ``z`` (saved for the activation gradient) and XLA activates it."""
 
-    def pre(lhs, rhs):
-        if name == "xla":
-            return xla_gmm_quantized(lhs, rhs, call.group_sizes, call.group_offset, transpose=False,
-                                     block_m=config.block_m, **options)
-        if name == "mosaic_tpu":
-            return mosaic_tpu_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=None,
-                                            k_block=k_block, config=config, **options)
-        return triton_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=None,
-                                    k_block=k_block, config=config, **options)
-    return pre
+    backend: Backend
+    config: Any
+    activation: Any
+    precision: Any
+    out_dtype: Any
+    lhs_dtype: Any
+    k_block: int | None
 
+    def _gmm(self, lhs, rhs, group_sizes, group_offset, activation):
+        return self.backend.kernels.gmm(lhs, rhs, group_sizes, group_offset, activation=activation,
+                                        precision=self.precision, out_dtype=self.out_dtype, k_block=self.k_block,
+                                        config=self.config)
 
-def _activated(call: Call, z):
-    """The activation of the pre-activation ``z`` in XLA, zero outside the local groups."""
-    if call.activation is None:
-        return z
-    m = call.lhs.shape[0]
-    bounds = group_bounds(call.group_sizes, call.group_offset, call.rhs_shape[0], m)
-    rows = jnp.arange(m)[:, None]
-    y = activation_fn(call.activation)(z.astype(jnp.float32))
-    return jnp.where((rows >= bounds.begin) & (rows < bounds.end), y, 0.0).astype(call.out_dtype)
+    def _activated(self, z, rhs, group_sizes, group_offset):
+        return activated(z, self.activation, group_sizes, group_offset, rhs.shape[0], self.out_dtype)
 
+    def primal(self, lhs, rhs, group_sizes, group_offset):
+        if fusable_in_kernel(self.activation):
+            return self._gmm(lhs, rhs, group_sizes, group_offset, self.activation)
+        return self._activated(self._gmm(lhs, rhs, group_sizes, group_offset, None), rhs, group_sizes, group_offset)
 
-def _dlhs(name: str, call: Call, config, k_block, dz, rhs):
-    """``dz [M, N] @ dequantize(rhs[g])ᵀ`` in ``lhs.dtype``."""
-    if name == "triton":
-        return triton_quantized.gmm_transposed(dz, rhs, call.group_sizes, call.group_offset,
-                                               precision=call.precision, out_dtype=call.lhs.dtype,
-                                               k_block=k_block, config=config)
-    block_m = quantized_xla_heuristic(call).block_m if name == "mosaic_tpu" else config.block_m  # XLA dlhs on TPU
-    return xla_gmm_quantized(dz, rhs, call.group_sizes, call.group_offset, transpose=True,
-                             precision=call.precision, out_dtype=call.lhs.dtype, block_m=block_m)
+    def forward(self, lhs, rhs, group_sizes, group_offset):
+        z = self._gmm(lhs, rhs, group_sizes, group_offset, None)
+        saved = z if self.activation is not None else None
+        return self._activated(z, rhs, group_sizes, group_offset), (rhs, group_sizes, group_offset, saved)
 
-
-def _runner(name: str):
-    def run(call: Call, config):
-        act_name, k_block = call.activation, quantized_k_block(call)
-        pre = _preactivation(name, call, config, k_block)
-
-        @jax.custom_vjp
-        def grouped(lhs, rhs):
-            if name == "mosaic_tpu" and fusable_in_kernel(act_name):
-                return mosaic_tpu_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=act_name,
-                                                precision=call.precision, out_dtype=call.out_dtype,
-                                                k_block=k_block, config=config)
-            if name == "triton" and (act_name is None or fusable_in_kernel(act_name)):
-                return triton_quantized.gmm(lhs, rhs, call.group_sizes, call.group_offset, activation=act_name,
-                                            precision=call.precision, out_dtype=call.out_dtype, k_block=k_block,
-                                            config=config)
-            return _activated(call, pre(lhs, rhs))
-
-        def forward(lhs, rhs):
-            z = pre(lhs, rhs)
-            return _activated(call, z), (rhs, z if act_name is not None else None)
-
-        def backward(residuals, dy):
-            rhs, z = residuals
-            dz = dy if z is None else activation_grad(act_name, dy, z, False)
-            return _dlhs(name, call, config, k_block, dz.astype(call.lhs.dtype), rhs), None  # frozen weights
-
-        grouped.defvjp(forward, backward)
-        return grouped(call.lhs, quantized_rhs(call))
-    return run
+    def backward(self, residuals, dy):
+        rhs, group_sizes, group_offset, z = residuals
+        dz = dy if z is None else activation_grad(self.activation, dy, z, False)
+        dlhs = self.backend.kernels.gmm_transposed(dz.astype(self.lhs_dtype), rhs, group_sizes, group_offset,
+                                                   precision=self.precision, out_dtype=self.lhs_dtype,
+                                                   k_block=self.k_block, config=self.config)
+        return dlhs, None, None, None  # frozen weights
 
 
-def _triton_requirements(call: Call) -> str | None:
-    if np.dtype(call.lhs.dtype) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
-        return f"the Triton kernel needs float32/bfloat16/float16 lhs, got {np.dtype(call.lhs.dtype).name}"
-    kb = quantized_k_block(call)
-    if kb is not None and (kb < 16 or kb & (kb - 1)):
-        return (f"the Triton kernel needs per-channel scales or K blocks that are powers of two >= 16 "
-                f"(block_k is capped at the K block); rhs has K blocks of {kb}")
-    return None
+def _run(backend: Backend, call: Call, config):
+    rule = _QuantizedRaggedDot(backend, config, call.activation, call.precision, call.out_dtype,
+                               np.dtype(call.lhs.dtype), quantized_k_block(call))
+    return vjp.apply(rule, call.lhs, quantized_rhs(call), call.group_sizes, call.group_offset)
 
 
 def _flops(call: Call) -> float:
@@ -161,15 +132,7 @@ def _bytes(call: Call) -> float:
 
 ragged_dot_quantized_op = register(Op(
     "ragged_dot_quantized", family=FAMILY, check=check_ragged_dot_quantized, reference=reference,
-    implementations=[
-        Implementation("mosaic_tpu", _runner("mosaic_tpu"), backend="mosaic_tpu", config_type=TpuGroupedMatmulConfig,
-                       heuristic=quantized_tpu_heuristic, space=quantized_tpu_space,
-                       requirements=quantized_tpu_requirements),
-        Implementation("triton", _runner("triton"), backend="triton", config_type=GroupedMatmulConfig,
-                       heuristic=quantized_heuristic, space=quantized_space, requirements=_triton_requirements),
-        Implementation("xla", _runner("xla"), config_type=XlaGroupedMatmulConfig, heuristic=quantized_xla_heuristic,
-                       space=xla_space),
-    ],
+    implementations=QUANTIZED_BACKENDS.forward(_run),
     flops=_flops, bytes_accessed=_bytes, examples=quantized_examples, benchmarks=quantized_benchmarks,
     peers=QUANTIZED_PEERS, differentiable=("lhs",),
 ))
@@ -182,7 +145,12 @@ def ragged_dot_quantized(lhs, rhs: QArray, group_sizes, precision=None, preferre
     ``lhs [M, K]`` float32/bfloat16/float16 → ``act(lhs @ dequantize(rhs[g]))`` ``[M, N]``
     in ``preferred_element_type`` (default ``lhs.dtype``); gradients w.r.t. ``lhs`` only.
     ``precision``: of the float32 products (float32 ``lhs``; the weights are decoded to
-    ``lhs.dtype``), forward and backward, as for `ragged_dot` (see `stellax.core.precision`)."""
+    ``lhs.dtype``), forward and backward, as for `ragged_dot` (see `stellax.core.precision`).
+
+    ``implementation``: ``None`` (the best available), ``"mosaic_tpu"`` (config:
+    `TpuGroupedMatmulConfig`; fp8 codes only on generations with float8; its dlhs is the XLA
+    loop), ``"triton"`` (`GroupedMatmulConfig`, ``block_k`` capped at the scales' K block),
+    ``"xla"`` (`XlaGroupedMatmulConfig`) or a sequence tried in order."""
     args, kwargs = flatten_quantized(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
                                      activation)
     return ragged_dot_quantized_op(*args, **kwargs, implementation=implementation, config=config)

@@ -16,10 +16,7 @@ rewritten by the next tile; rows outside the local groups are zeroed at the
 end. ``tgmm`` accumulates ``lhs_tile^T @ rhs_tile`` (rows outside the group
 masked) into ``out[g]`` in float32.
 
-``gmm_quantized`` (a `QArray` rhs) dequantizes only the tile's own expert
-``rhs[g]`` (``[K, N]`` in the activation dtype) per tile — never all experts
-at once. (The work is repeated per tile of a group: the XLA path is the
-portable fallback, not the fast one.)
+The quantized grouped matmul's loop is in `xla_quantized.py`.
 """
 
 from __future__ import annotations
@@ -27,26 +24,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..quant.qarray import QArray
-from ..quant.reference import dequantize_reference
 from .activations import activation_fn
 from .schedule import group_bounds, tile_schedule
 
 
-def _accumulator_dot(a, b, contracting, precision):
+def accumulator_dot(a, b, contracting, precision):
     return jax.lax.dot_general(a, b, (contracting, ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
 
 
 def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation, precision, out_dtype,
-        save_preactivation: bool, block_m: int):
-    """``ragged_dot`` forward: ``(out [M, N], preactivation or None)``.
+        save_preactivation: bool, config):
+    """``ragged_dot`` forward: ``(out [M, N], preactivation or None)``, ``config.block_m``
+    rows (an `XlaGroupedMatmulConfig`) per step.
 
     ``rhs``: ``[L, K, N]``, ``[L, K, 2, N]`` (gated: ``act(gate) * up``) or,
     with ``transpose_rhs``, ``[L, N, K]``. The pre-activation (``[M, N]`` or
     ``[M, 2, N]``) is returned in ``out_dtype`` when requested.
     """
     m, _ = lhs.shape
+    block_m = config.block_m
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
     if gated:
@@ -66,7 +63,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
         start = sched.start[t]
         tile = jax.lax.dynamic_slice_in_dim(padded, start, block_m, 0)
         weight = jax.lax.dynamic_index_in_dim(rhs, sched.group[t], 0, keepdims=False)
-        z = _accumulator_dot(tile, weight, contracting, precision)
+        z = accumulator_dot(tile, weight, contracting, precision)
         y = act(z[:, :n_out]) * z[:, n_out:] if gated else act(z)
         out = jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), start, 0)
         if pre is not None:
@@ -87,11 +84,13 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
 
 
 def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: bool, precision, out_dtype,
-         block_m: int):
+         config):
     """``out[g] = lhs_rows[rows of g]^T @ rhs[rows of g]`` → ``[L, K, N]``.
 
-    ``lhs`` is ``[K, M]`` (or ``[M, K]`` with ``transpose_lhs``), ``rhs [M, N]``.
+    ``lhs`` is ``[K, M]`` (or ``[M, K]`` with ``transpose_lhs``), ``rhs [M, N]``;
+    ``config.block_m`` rows per step.
     """
+    block_m = config.block_m
     a = lhs if transpose_lhs else lhs.T
     m, k = a.shape
     n = rhs.shape[1]
@@ -106,41 +105,10 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
         keep = inside < sched.rows[t]
         a_tile = jnp.where(keep, jax.lax.dynamic_slice_in_dim(a, start, block_m, 0), 0)
         b_tile = jnp.where(keep, jax.lax.dynamic_slice_in_dim(b, start, block_m, 0), 0)
-        partial = _accumulator_dot(a_tile, b_tile, ((0,), (0,)), precision)
+        partial = accumulator_dot(a_tile, b_tile, ((0,), (0,)), precision)
         current = jax.lax.dynamic_index_in_dim(out, g, 0, keepdims=True)
         return jax.lax.dynamic_update_index_in_dim(out, current + partial[None], g, 0)
 
     out = jax.lax.fori_loop(0, sched.count, body, jnp.zeros((num_local, k, n), jnp.float32))
     return out.astype(out_dtype)
 
-
-def _expert(rhs: QArray, g, dtype):
-    """``dequantize(rhs[g])`` ``[K, N]`` in ``dtype`` (``g`` traced)."""
-    pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, g, 0, keepdims=False)  # noqa: E731
-    one = QArray(pick(rhs.values), pick(rhs.scales), pick(rhs.zero_points), rhs.tensor_scale, format=rhs.format,
-                 shape=rhs.shape[1:], block_shape=rhs.block_shape[1:], axis=0, _validate=False)
-    return dequantize_reference(one, dtype)
-
-
-def gmm_quantized(lhs, rhs: QArray, group_sizes, group_offset, *, transpose: bool, precision, out_dtype,
-                  block_m: int):
-    """Pre-activation ``z = lhs [M, K] @ dequantize(rhs[g]) [K, N]`` per group (``transpose``:
-    ``lhs [M, N] @ dequantize(rhs[g])ᵀ → [M, K]``), zeros outside the local groups."""
-    m = lhs.shape[0]
-    num_local, k, n = rhs.shape
-    width = k if transpose else n
-    contracting = ((1,), (1,)) if transpose else ((1,), (0,))
-    bounds = group_bounds(group_sizes, group_offset, num_local, m)
-    sched = tile_schedule(bounds, m, block_m, fill=False)
-    padded = jnp.pad(lhs, ((0, block_m), (0, 0)))
-
-    def body(t, out):
-        start = sched.start[t]
-        tile = jax.lax.dynamic_slice_in_dim(padded, start, block_m, 0)
-        weight = _expert(rhs, sched.group[t], lhs.dtype)
-        z = _accumulator_dot(tile, weight, contracting, precision)
-        return jax.lax.dynamic_update_slice_in_dim(out, z.astype(out.dtype), start, 0)
-
-    out = jax.lax.fori_loop(0, sched.count, body, jnp.zeros((m + block_m, width), out_dtype))
-    rows = jnp.arange(m)[:, None]
-    return jnp.where((rows >= bounds.begin) & (rows < bounds.end), out[:m], 0).astype(out_dtype)
