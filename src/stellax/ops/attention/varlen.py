@@ -81,6 +81,9 @@ def dot_product_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
       Other arguments as in `dot_product_attention`; masks align per sequence.
       precision: float32 contraction precision, as in `dot_product_attention`
         (docs/precision.md).
+      implementation / config: as in `dot_product_attention`: ``"mosaic_tpu"``
+        (`SplashConfig`), ``"triton"`` (`FlashConfig`), ``"xla_chunked"``
+        (`ChunkedConfig`), ``"xla"`` (no config), ``None`` or a sequence.
 
     Returns:
       ``out [total_q, N, Hv]``, or ``(out, lse [N, total_q])`` with ``return_residuals``.
