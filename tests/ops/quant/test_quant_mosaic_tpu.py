@@ -17,8 +17,8 @@ import stellax
 from stellax.core import interpret_mode
 from stellax.core.tpu import KERNEL_GENERATIONS, TPU_GENERATIONS
 from stellax.ops.quant import dequantize_op, hadamard_op, quantize_op, quantized_matmul_op
-from stellax.ops.quant import tpu_configs as C
-from stellax.ops.quant.tpu_configs import QMatmulTpuConfig
+from stellax.ops.quant import configs as C
+from stellax.ops.quant.configs import QMatmulTpuConfig
 from stellax.ops.quant.base import flatten_operands, resolve_block_shape
 from stellax.ops.quant.examples import quantize_example
 from stellax.ops.quant.formats import get_format

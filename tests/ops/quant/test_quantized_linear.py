@@ -269,7 +269,7 @@ def test_training_steps_decrease_loss():
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,block,wblock", [("nvfp4", 16, (16, 16)), ("mxfp8", 32, 32)])
 def test_triton_dual_quantized_matmul_interpret(fmt, block, wblock):
-    from stellax.ops.quant.training_triton import dual_quantized_matmul, fused_quantize_matmul
+    from stellax.ops.quant.triton_training import dual_quantized_matmul, fused_quantize_matmul
     x, w, _ = _inputs(m=40, k=64, n=48)  # M and N not multiples of the 32-tiles: masked edges
     a = stellax.quantize(x, fmt, axis=1, block_size=block)
     b = stellax.quantize(w, fmt, axis=0, block_size=wblock)

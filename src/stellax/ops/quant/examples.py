@@ -15,9 +15,10 @@ import numpy as np
 
 from ...core import Example, Platform
 from . import formats as F
-from .base import flatten_operands, quantize_xla, resolve_block_shape
+from .base import flatten_operands, resolve_block_shape
 from .hadamard import random_signs
 from .qarray import QArray, qarray_fields
+from .xla import quantize_xla
 
 QUANTIZE_FORMATS = (("int8", "channel"), ("int8_asym", 64), ("int4", 32), ("fp8_e4m3", (128, 128)),
                     ("fp8_e5m2", "tensor"), ("mxfp8_e4m3", 32), ("mxfp4", 32), ("nvfp4", 16))

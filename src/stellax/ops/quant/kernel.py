@@ -5,7 +5,7 @@ kernel-friendly layout; inside, `decode_codes` / `decode_packed_pairs` /
 `decode_scale` turn loaded tiles into float32 values. All helpers are
 jnp-only (no gathers, no lookup tables, no 4-bit dtypes), lower through the
 Pallas Triton backend and run in interpret mode. `quantized_matmul`'s kernel
-(`triton.py`) is written with them.
+(`triton_matmul.py`) is written with them.
 
 Recipe for a kernel that contracts over the quantized axis (``w [K, N]``,
 ``axis=0``; for a stacked MoE weight ``[E, K, N]`` with ``axis=1`` index the

@@ -25,7 +25,7 @@ Divisions are true float32 divisions as in the golden (in interpret mode the
 divisor goes through an optimization barrier so XLA keeps the division).
 
 Hadamard: the input is viewed as rows of ``W`` lanes (``W`` a multiple of the
-block, 128 or 256 when the size allows, `tpu_configs.hadamard_lanes`) and each
+block, 128 or 256 when the size allows, `configs.hadamard_lanes`) and each
 step multiplies ``block_rows`` rows by the block-diagonal ``W × W`` matrix
 ``I ⊗ (D·H)`` (forward) or ``I ⊗ (H·D)`` (inverse) held in VMEM, ±1 entries
 scaled by ``1/√b`` after the product; float32 at the call's precision (`mxu_dot`).
@@ -48,7 +48,7 @@ from . import formats as F
 from .hadamard import hadamard_matrix
 from .qarray import QArray, qarray_from_call
 from .reference import div
-from .tpu_configs import hadamard_lanes, quant_block_geometry, quant_tpu_vmem
+from .configs import hadamard_lanes, quant_block_geometry, quant_tpu_vmem
 
 _EXP_MASK = 0x7F800000
 _SEMANTICS = ("parallel",)
@@ -387,7 +387,7 @@ def hadamard(x, signs, *, block: int, inverse: bool, block_rows: int, precision=
     return out.y.reshape(shape)
 
 
-# -- op runners and requirements (registered in quantize.py / dequantize.py / hadamard_transform.py) -----
+# -- op entry points and requirements (a row of api.BACKENDS) -------------------------------------
 def _one_d_last_axis(shape, block_shape, axis) -> str | None:
     ndim = len(shape)
     if axis != ndim - 1 or any(b != 1 for b in block_shape[:-1]):

@@ -48,7 +48,7 @@ from ...core.tpu import target_generation
 from . import formats as F
 from .mosaic_tpu import _vmem_limit, decode_nibbles, float8_values
 from .qarray import QArray, qarray_from_call
-from .tpu_configs import QMatmulTpuConfig, qmm_vmem_bytes
+from .configs import QMatmulTpuConfig, qmm_vmem_bytes
 
 _SEMANTICS = ("parallel", "parallel", "arbitrary")
 
@@ -283,12 +283,12 @@ def int8_matmul(x: QArray, w: QArray, *, out_dtype, config: QMatmulTpuConfig):
     return outs.y
 
 
-# -- op runner and requirements (registered in matmul.py) -----------------------------------
+# -- op entry point and requirements (a row of api.BACKENDS) ------------------------------------
 def _power_of_two(g) -> bool:
     return g is not None and g > 0 and g & (g - 1) == 0
 
 
-def qmatmul_tpu_requirements(call) -> str | None:
+def quantized_matmul_requirements(call) -> str | None:
     """Why the Mosaic TPU quantized matmul cannot run ``call`` (None when it can)."""
     if call.x_format is None:
         dtype = np.dtype(call.x_values.dtype)
@@ -315,7 +315,7 @@ def qmatmul_tpu_requirements(call) -> str | None:
     return None
 
 
-def qmatmul_tpu_run(call, config: QMatmulTpuConfig):
+def quantized_matmul_run(call, config: QMatmulTpuConfig):
     """`quantized_matmul` of ``call`` through `weight_only_matmul` or `int8_matmul`."""
     w = qarray_from_call(call, "w_")
     out_dtype = jnp.dtype(call.preferred_element_type)

@@ -18,9 +18,9 @@ transposed scales). The gradient is exactly this backward — no other
 derivative flows through the quantizers (straight-through); see
 `quantized_linear_reference`.
 
-The GEMMs: on a GPU the Pallas Triton kernel `training_triton.dual_quantized_matmul`
-decodes both operands' codes in registers in its K loop (emulation where there
-are no FP4 tensor cores); elsewhere (and with ``implementation="xla"``) the
+The GEMMs (`GEMMS`, one row per backend): on a GPU the Pallas Triton kernel
+`triton_training.dual_quantized_matmul` decodes both operands' codes in registers in
+its K loop (emulation where there are no FP4 tensor cores); elsewhere (and with ``implementation="xla"``) the
 operands are dequantized to float32 and multiplied by XLA. Both equal
 dequantize-then-matmul in float32.
 """
@@ -34,10 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import checks
+from ...core.backends import Backend, BackendTable
+from . import triton_training
 from . import formats as F
 from .hadamard import hadamard_reference, random_signs
 from .qarray import QArray
-from .quantize import quantize
+from .api import quantize
 from .recipes import QuantRecipe, get_recipe
 from .reference import dequantize_reference, quantize_reference
 
@@ -125,9 +127,27 @@ def wgrad_operands(x2, dy, recipe: QuantRecipe, key_w, key_h):
     return xtq, dyq
 
 
-def _gemm_xla(a: QArray, b: QArray):
-    """``D(a) · D(b)`` in float32 (``a [M, K]``, ``b [K, N]``)."""
-    return jnp.matmul(dequantize_reference(a), dequantize_reference(b), precision=jax.lax.Precision.HIGHEST)
+class _XlaGemms:
+    """The XLA training GEMMs (the ``"xla"`` row of `GEMMS`): dequantize, one float32 matmul."""
+
+    @staticmethod
+    def gemm(a: QArray, b: QArray):
+        """``D(a) · D(b)`` in float32 (``a [M, K]``, ``b [K, N]``)."""
+        return jnp.matmul(dequantize_reference(a), dequantize_reference(b), precision=jax.lax.Precision.HIGHEST)
+
+    @staticmethod
+    def quantize_gemm(x, b: QArray, recipe: QuantRecipe, key=None):
+        """`stellax.quantize` of ``x`` along K, then `gemm`."""
+        xq = quantize(x, recipe.format, axis=1, block_size=recipe.block, stochastic_rounding_key=key)
+        return _XlaGemms.gemm(xq, b)
+
+
+#: The backends of the training GEMMs: each row's kernels provide ``gemm(a, b)`` and
+#: ``quantize_gemm(x, b, recipe, key)``.
+GEMMS = BackendTable("quantized_linear", [
+    Backend("triton", triton_training, "triton"),
+    Backend("xla", _XlaGemms),
+])
 
 
 def _resolve(implementation):
@@ -140,23 +160,15 @@ def gemm(a: QArray, b: QArray, implementation=None):
     """float32 ``D(a) · D(b)`` for ``a [M, K]`` quantized along axis 1 and
     ``b [K, N]`` along axis 0 (same format): the Triton kernel with both
     operands' codes decoded in its K loop, or XLA dequantize-then-matmul."""
-    if _resolve(implementation) == "xla":
-        return _gemm_xla(a, b)
-    from .training_triton import dual_quantized_matmul
-    return dual_quantized_matmul(a, b)
+    return GEMMS.kernels(_resolve(implementation)).gemm(a, b)
 
 
 def quantize_gemm(x, b: QArray, recipe: QuantRecipe, key=None, implementation=None):
     """float32 ``D(Q_K(x; SR with key)) · D(b)`` for float ``x [M, K]``: on the
     Triton path the quantize of ``x`` runs in the kernel's prologue
-    (`training_triton.fused_quantize_matmul`, the noise drawn as
+    (`triton_training.fused_quantize_matmul`, the noise drawn as
     `stellax.quantize` draws it); on the XLA path `stellax.quantize` then `gemm`."""
-    if _resolve(implementation) == "xla":
-        xq = quantize(x, recipe.format, axis=1, block_size=recipe.block, stochastic_rounding_key=key)
-        return _gemm_xla(xq, b)
-    from .training_triton import fused_quantize_matmul
-    noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
-    return fused_quantize_matmul(x, b, format=recipe.format, noise=noise)
+    return GEMMS.kernels(_resolve(implementation)).quantize_gemm(x, b, recipe, key)
 
 
 # -- the custom VJP ------------------------------------------------------------------

@@ -235,4 +235,18 @@ def fused_quantize_matmul(x, b: QArray, *, format: str, noise=None, config: QMat
     return _launch(x, None, ts, nz, b, m=m, k=k, g=g, fmt=fmt.name, a_float=True, config=config)
 
 
-__all__ = ["default_config", "dual_quantized_matmul", "fused_quantize_matmul", "nvfp4_tensor_scale"]
+# -- the training GEMMs' entry points (a row of training.GEMMS) -------------------------------
+def gemm(a: QArray, b: QArray):
+    """float32 ``D(a) · D(b)``: `dual_quantized_matmul`."""
+    return dual_quantized_matmul(a, b)
+
+
+def quantize_gemm(x, b: QArray, recipe, key=None):
+    """float32 ``D(Q_K(x; SR with key)) · D(b)``: `fused_quantize_matmul`, the noise drawn as
+    `stellax.quantize` draws it."""
+    noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+    return fused_quantize_matmul(x, b, format=recipe.format, noise=noise)
+
+
+__all__ = ["default_config", "dual_quantized_matmul", "fused_quantize_matmul", "gemm", "nvfp4_tensor_scale",
+           "quantize_gemm"]
