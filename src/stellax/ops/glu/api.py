@@ -192,6 +192,12 @@ def gated_linear_unit(x, weights, *, activation="silu", precision=None, implemen
 
     Returns:
       ``[..., N]`` in ``x.dtype``; matmuls accumulate in float32.
+
+    Overflow: every implementation computes ``act(x @ Wg)·(x @ Wu)`` in float32 and rounds once to
+    ``x.dtype``, so the output is ``±inf`` (or ``nan`` for ``inf·0``) exactly where that float32 value is,
+    or where it exceeds the range of ``x.dtype`` — never a finite clipped value. Unlike an unfused
+    float16 ``jnp`` version, a gate or up projection beyond float16's range does not overflow by itself
+    when the product is back in range.
     """
     return gated_linear_unit_op(x, weights, activation=activation, precision=precision,
                                 implementation=implementation, config=config)
