@@ -166,7 +166,7 @@ def test_a_new_backend_is_one_kernel_file_and_one_row(tmp_path, monkeypatch):
 #: Files still building a `jax.custom_vjp` inside a function (one per call). issue 36: being removed
 #: family by family; delete an entry when its family moves onto `core.vjp`.
 _PER_CALL_VJP_ALLOWED = {
-    "ops/linear_attention/mosaic_tpu_decode.py", "ops/linear_attention/recurrence.py", "torch/quant.py",
+    "torch/quant.py",
 }
 
 

@@ -27,9 +27,9 @@ from stellax.core import interpret_mode, use_configs
 from stellax.ops.linear_attention.api import fused_recurrent_gated_delta_rule_op, fused_recurrent_kda_op
 from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
 from stellax.ops.linear_attention.ssd import ssd_step_op
-from stellax.ops.linear_attention.tpu_decode_configs import (FusedRecurrentTpuConfig, SsdStepTpuConfig,
-                                                             fused_recurrent_tpu_heuristic, fused_recurrent_tpu_space,
-                                                             ssd_step_tpu_heuristic, ssd_step_tpu_space)
+from stellax.ops.linear_attention.configs import (FusedRecurrentTpuConfig, SsdStepTpuConfig,
+                                                 fused_recurrent_tpu_heuristic, fused_recurrent_tpu_space,
+                                                 ssd_step_tpu_heuristic, ssd_step_tpu_space)
 
 from la_helpers import check_against_golden
 

@@ -14,11 +14,11 @@ import pytest
 import stellax
 from stellax.ops.linear_attention import (chunk_gated_delta_rule_op, chunk_kda_op, gated_recurrence_backward_op,
                                           kda_recurrence_backward_op, ssd_op)
-from stellax.ops.linear_attention.configs import TRITON_CHUNK
+from stellax.ops.linear_attention.configs import (TRITON_CHUNK, TpuLinearAttentionConfig,
+                                                 linear_attention_tpu_heuristic, linear_attention_tpu_requirements,
+                                                 linear_attention_tpu_space)
 from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
 from stellax.ops.linear_attention.mosaic_tpu import recurrence_forward, scalar_spans
-from stellax.ops.linear_attention.tpu_configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic,
-                                                      linear_attention_tpu_requirements, linear_attention_tpu_space)
 from stellax.core import Call
 from stellax.testing import assert_close
 from stellax.testing.numerics import compare, golden

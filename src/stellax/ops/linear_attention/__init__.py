@@ -10,10 +10,15 @@ stage, shared by GDN, KDA and SSD and by the XLA and Triton paths:
     scan       (5) the state scan over chunks
     output     (6) the output O = (Γ⊙Q) S + P Δ
 
-`recurrence` dispatches (XLA scan `xla`, or the Triton kernels `triton_intra`,
-`triton_scan`, `triton_output` chained by `pipeline`); `backward` holds the
-backward ops (`triton_backward`, `triton_kda_backward`); `api` and `ssd` the
-public functions; `examples` their examples and benchmark shapes.
+`base` holds the backend tables (one row per backend: ``mosaic_tpu``,
+``triton``, ``xla``) the ops' implementations are generated from, and the
+shared argument checks; `recurrence` runs a row (the XLA scan `xla`, the
+Triton kernels `triton_intra`, `triton_scan`, `triton_output` chained by
+`pipeline`, or the fused Mosaic TPU kernel `mosaic_tpu`) behind a `core.vjp`
+rule; `backward` holds the backward ops (`pipeline.backward` over
+`triton_backward`, `triton_kda_backward`; `mosaic_tpu_backward`); the decode
+kernels are `mosaic_tpu_decode`; `api` and `ssd` the public functions;
+`configs` every backend's configs; `examples` the examples and benchmark shapes.
 """
 
 from .api import (

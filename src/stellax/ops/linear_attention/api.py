@@ -6,29 +6,29 @@
 fused gate). The golden recurrence is in `reference.py`; the chunked
 algorithm is `recurrence.recurrence` over the pipeline's stages (`decay`,
 `scores`, `solve`, `wy`, `scan`, `output`); examples and benchmark shapes
-are in `examples.py`.
+are in `examples.py`. The ops' implementations are generated from the
+backend tables of `base` (`BACKENDS`: ``mosaic_tpu``, ``triton``, ``xla``;
+`RECURRENT_BACKENDS`: ``mosaic_tpu``, ``xla``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, checks, register
+from ...core import Call, Op, checks, register
+from ...core.backends import Backend
 from ...core.pallas import F32
 from ...core.precision import resolve_precision
-from . import checks as la_checks
-from . import mosaic_tpu_decode
-from .decode_examples import recurrent_benchmarks, recurrent_examples
-from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements
+from . import base
+from .base import BACKENDS, RECURRENT_BACKENDS
 from .costs import delta_rule_bytes, delta_rule_flops, recurrent_flops
-from .examples import delta_rule_benchmarks, delta_rule_examples, naive_scan
+from .examples import (delta_rule_benchmarks, delta_rule_examples, naive_scan, recurrent_benchmarks,
+                       recurrent_examples)
 from .recurrence import recurrence
-from .tpu_configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_requirements,
-                          linear_attention_tpu_space)
-from .reference import delta_rule_recurrence, delta_rule_reference, prepare_delta_inputs
-from .tpu_decode_configs import (FusedRecurrentTpuConfig, fused_recurrent_tpu_heuristic, fused_recurrent_tpu_requirements,
-                                 fused_recurrent_tpu_space)
+from .reference import delta_rule_reference, prepare_delta_inputs
 
 
 # -- argument checks -----------------------------------------------------------
@@ -55,20 +55,20 @@ def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_sta
     checks.require_shape("g", g, g_shape, "[B, T, HV, K]" if per_channel else "[B, T, HV]")
     beta = checks.require_float("beta", beta)
     checks.require_shape("beta", beta, (B, T, HV), "[B, T, HV]")
-    cu_seqlens, n = la_checks.check_cu_seqlens(cu_seqlens, B, T)
-    initial_state = la_checks.check_state("initial_state", initial_state, (n, HV, K, v.shape[3]),
-                                          "[N, HV, K, V] with N = " + ("len(cu_seqlens) - 1" if cu_seqlens is not None
-                                                                       else "B"))
+    cu_seqlens, n = base.check_cu_seqlens(cu_seqlens, B, T)
+    initial_state = base.check_state("initial_state", initial_state, (n, HV, K, v.shape[3]),
+                                     "[N, HV, K, V] with N = " + ("len(cu_seqlens) - 1" if cu_seqlens is not None
+                                                                  else "B"))
     arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state, "cu_seqlens": cu_seqlens}
     options = {
-        "scale": la_checks.check_scale(scale, K),
-        "output_final_state": la_checks.require_bool("output_final_state", output_final_state),
-        "use_qk_l2norm": la_checks.require_bool("use_qk_l2norm", use_qk_l2norm),
-        "chunk_size": la_checks.check_chunk_size(chunk_size),
+        "scale": base.check_scale(scale, K),
+        "output_final_state": base.require_bool("output_final_state", output_final_state),
+        "use_qk_l2norm": base.require_bool("use_qk_l2norm", use_qk_l2norm),
+        "chunk_size": base.check_chunk_size(chunk_size),
         "precision": resolve_precision(precision),
     }
     if per_channel:
-        use_gate = la_checks.require_bool("use_gate_in_kernel", use_gate_in_kernel)
+        use_gate = base.require_bool("use_gate_in_kernel", use_gate_in_kernel)
         if not use_gate:
             for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
                 if value is not None:
@@ -80,7 +80,7 @@ def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_sta
         if dt_bias is not None:
             dt_bias = checks.require_float("dt_bias", dt_bias)
             checks.require_shape("dt_bias", dt_bias, (HV * K,), "[HV * K]")
-        lower_bound = la_checks.check_optional_float("lower_bound", lower_bound)
+        lower_bound = base.check_optional_float("lower_bound", lower_bound)
         if lower_bound is not None and lower_bound >= 0:
             raise ValueError(f"lower_bound: expected a negative float (the smallest log decay per step), "
                              f"got {lower_bound}")
@@ -89,8 +89,8 @@ def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_sta
         _check_log_decay(g)
     if per_channel:
         options.update(use_gate_in_kernel=use_gate, lower_bound=lower_bound,
-                       use_beta_sigmoid_in_kernel=la_checks.require_bool("use_beta_sigmoid_in_kernel",
-                                                                         use_beta_sigmoid_in_kernel))
+                       use_beta_sigmoid_in_kernel=base.require_bool("use_beta_sigmoid_in_kernel",
+                                                                    use_beta_sigmoid_in_kernel))
     return Call(arrays, options)
 
 
@@ -141,72 +141,42 @@ def _initial(call: Call):
     return jnp.zeros((n, call.v.shape[2], call.q.shape[3], call.v.shape[3]), F32)
 
 
-def _chunked_runner(backend: str, per_channel: bool):
-    def run(call: Call, config):
-        tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
-        chunk = la_checks.xla_chunk(call.chunk_size, per_channel)
-        o, final = recurrence(backend, tokens, _preparer(call), _initial(call), call.cu_seqlens,
-                              per_channel=per_channel, chunk_size=chunk, config=config, precision=call.precision)
-        return o.astype(call.v.dtype), (final if call.output_final_state else None)
-    return run
-
-
-def _recurrent_xla(call: Call, config):
-    del config
-    q, k, g, beta = prepare_delta_inputs(call)
-    o, final = delta_rule_recurrence(q, k, call.v, g, beta, scale=call.scale, initial_state=_initial(call),
-                                     cu_seqlens=call.cu_seqlens, precision=call.precision)
+def _run_chunked(row: Backend, call: Call, config, *, per_channel: bool):
+    tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
+    chunk = base.xla_chunk(call.chunk_size, per_channel)
+    o, final = recurrence(row, tokens, _preparer(call), _initial(call), call.cu_seqlens, per_channel=per_channel,
+                          chunk_size=chunk, config=config, precision=call.precision)
     return o.astype(call.v.dtype), (final if call.output_final_state else None)
+
+
+def _run_recurrent(row: Backend, call: Call, config):
+    return row.kernels.fused_recurrent(call, config)
 
 
 # -- ops -------------------------------------------------------------------------
 _DIFFERENTIABLE = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
-def _chunked_op(name: str, per_channel: bool) -> Op:
-    triton = Implementation("triton", _chunked_runner("triton", per_channel), backend="triton",
-                            config_type=LinearAttentionConfig, heuristic=linear_attention_heuristic,
-                            space=linear_attention_space, requirements=triton_requirements(per_channel))
-    tpu = Implementation("mosaic_tpu", _chunked_runner("mosaic_tpu", per_channel), backend="mosaic_tpu",
-                         config_type=TpuLinearAttentionConfig, heuristic=linear_attention_tpu_heuristic,
-                         space=linear_attention_tpu_space, requirements=linear_attention_tpu_requirements)
-    return register(Op(
-        name,
-        family="linear_attention",
-        check=_check_kda if per_channel else _check_gdn,
-        reference=delta_rule_reference,
-        implementations=[tpu, triton, Implementation("xla", _chunked_runner("xla", per_channel))],
-        flops=delta_rule_flops(per_channel),
-        bytes_accessed=delta_rule_bytes,
-        examples=delta_rule_examples(per_channel),
-        benchmarks=delta_rule_benchmarks(per_channel),
-        peers={"naive_scan": naive_scan},
-        differentiable=_DIFFERENTIABLE,
-    ))
+def _delta_rule_op(name: str, per_channel: bool, *, chunked: bool) -> Op:
+    """Register a GDN (KDA: ``per_channel``) op: chunked (`BACKENDS`) or token by token
+    (``chunked=False``, the decode ops: `RECURRENT_BACKENDS`)."""
+    if chunked:
+        implementations = BACKENDS.forward(functools.partial(_run_chunked, per_channel=per_channel))
+        extra = {"flops": delta_rule_flops(per_channel), "examples": delta_rule_examples(per_channel),
+                 "benchmarks": delta_rule_benchmarks(per_channel), "peers": {"naive_scan": naive_scan}}
+    else:
+        implementations = RECURRENT_BACKENDS.forward(_run_recurrent)
+        extra = {"flops": recurrent_flops, "examples": recurrent_examples(per_channel),
+                 "benchmarks": recurrent_benchmarks(per_channel)}
+    return register(Op(name, family="linear_attention", check=_check_kda if per_channel else _check_gdn,
+                       reference=delta_rule_reference, implementations=implementations,
+                       bytes_accessed=delta_rule_bytes, differentiable=_DIFFERENTIABLE, **extra))
 
 
-def _recurrent_op(name: str, per_channel: bool) -> Op:
-    tpu = Implementation("mosaic_tpu", mosaic_tpu_decode.fused_recurrent, backend="mosaic_tpu",
-                         config_type=FusedRecurrentTpuConfig, heuristic=fused_recurrent_tpu_heuristic,
-                         space=fused_recurrent_tpu_space, requirements=fused_recurrent_tpu_requirements)
-    return register(Op(
-        name,
-        family="linear_attention",
-        check=_check_kda if per_channel else _check_gdn,
-        reference=delta_rule_reference,
-        implementations=[tpu, Implementation("xla", _recurrent_xla)],
-        flops=recurrent_flops,
-        bytes_accessed=delta_rule_bytes,
-        examples=recurrent_examples(per_channel),
-        benchmarks=recurrent_benchmarks(per_channel),
-        differentiable=_DIFFERENTIABLE,
-    ))
-
-
-chunk_gated_delta_rule_op = _chunked_op("chunk_gated_delta_rule", per_channel=False)
-fused_recurrent_gated_delta_rule_op = _recurrent_op("fused_recurrent_gated_delta_rule", per_channel=False)
-chunk_kda_op = _chunked_op("chunk_kda", per_channel=True)
-fused_recurrent_kda_op = _recurrent_op("fused_recurrent_kda", per_channel=True)
+chunk_gated_delta_rule_op = _delta_rule_op("chunk_gated_delta_rule", False, chunked=True)
+fused_recurrent_gated_delta_rule_op = _delta_rule_op("fused_recurrent_gated_delta_rule", False, chunked=False)
+chunk_kda_op = _delta_rule_op("chunk_kda", True, chunked=True)
+fused_recurrent_kda_op = _delta_rule_op("fused_recurrent_kda", True, chunked=False)
 
 
 # -- public functions ------------------------------------------------------------
@@ -238,8 +208,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
       chunk_size: tokens per chunk of the XLA path; ``None`` (default) picks the
         fastest (32 on a CPU, 64 elsewhere). The result does not depend on it.
         The Triton kernels always use 64.
-      implementation: ``None`` (best available), ``"triton"``, ``"xla"`` or a sequence.
-      config: a `LinearAttentionConfig` for the Triton kernels.
+      implementation: ``None`` (best available, ending in ``"xla"``), ``"mosaic_tpu"``,
+        ``"triton"``, ``"xla"`` or a sequence tried in order.
+      config: a `TpuLinearAttentionConfig` for the Mosaic TPU kernels or a
+        `LinearAttentionConfig` for the Triton kernels (the XLA path has none).
       precision: of the float32 contractions, forward and backward: ``None``
         (``"highest"`` unless `jax.default_matmul_precision` says otherwise),
         ``"default"``, ``"high"``, ``"highest"`` or a `jax.lax.Precision`
@@ -258,7 +230,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
                                      config=None, use_qk_l2norm_in_kernel=None, precision=None):
     """Gated DeltaNet token by token — the decode path (one or a few tokens per
     step, state in and out). Same arguments and results as `chunk_gated_delta_rule`
-    (``chunk_size`` is ignored)."""
+    (``chunk_size`` is ignored), except: ``implementation`` ``None`` (best available,
+    ending in ``"xla"``), ``"mosaic_tpu"`` (the fused Mosaic TPU kernel), ``"xla"`` or
+    a sequence; ``config`` a `FusedRecurrentTpuConfig` for the Mosaic TPU kernel."""
     return fused_recurrent_gated_delta_rule_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
@@ -278,7 +252,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     ``g ← lower_bound·sigmoid(exp(A_log)·(g + dt_bias))``; ``A_log [HV]``,
     ``dt_bias [HV·K]`` (both optional, differentiable). With
     ``use_beta_sigmoid_in_kernel=True`` ``beta`` holds logits (``β = sigmoid(beta)``).
-    Other arguments and results as in `chunk_gated_delta_rule`.
+    Other arguments and results as in `chunk_gated_delta_rule`: ``implementation``
+    ``None`` (best available, ending in ``"xla"``), ``"mosaic_tpu"``, ``"triton"``,
+    ``"xla"`` or a sequence; ``config`` a `TpuLinearAttentionConfig` (Mosaic TPU) or
+    `LinearAttentionConfig` (Triton).
     """
     return chunk_kda_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -292,7 +269,10 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
                         use_qk_l2norm=False, cu_seqlens=None, chunk_size=None, A_log=None, dt_bias=None,
                         lower_bound=None, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                         implementation=None, config=None, use_qk_l2norm_in_kernel=None, precision=None):
-    """Kimi Delta Attention token by token (decode); arguments as `chunk_kda`."""
+    """Kimi Delta Attention token by token (decode): `fused_recurrent_gated_delta_rule`
+    with `chunk_kda`'s per-channel decay and fused gate, arguments as `chunk_kda`. Its
+    implementations: ``"mosaic_tpu"`` (config `FusedRecurrentTpuConfig`) and ``"xla"``
+    (``None``: the best available, ending in ``"xla"``)."""
     return fused_recurrent_kda_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,

@@ -1,14 +1,24 @@
-"""Config of the linear attention Triton kernels, its heuristic, autotuning
-space and what the kernels can run."""
+"""Configs of every linear-attention backend: config dataclasses, heuristics,
+autotuning spaces and what each backend's kernels can run (``requirements``).
+
+* Triton (`pipeline` and its stage kernels): `LinearAttentionConfig`, forward
+  and backward ops alike;
+* Mosaic TPU, chunked (`mosaic_tpu`, `mosaic_tpu_backward`):
+  `TpuLinearAttentionConfig`, the forward and the backward ops' spaces;
+* Mosaic TPU, decode (`mosaic_tpu_decode`): `FusedRecurrentTpuConfig` and
+  `SsdStepTpuConfig`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-from ...core import Call, TritonConfig, current_platform, product_space
+import numpy as np
+
+from ...core import Call, KernelConfig, TritonConfig, current_platform, product_space
 from ...core.config import require_in
 from ...core.pallas import padded_dim
+from ...core.tpu import target_generation
 
 #: The Triton kernels work on chunks of this many tokens (fla's BT).
 TRITON_CHUNK = 64
@@ -100,7 +110,303 @@ def linear_attention_requirements(call: Call, *, per_channel: bool = False) -> s
     return None
 
 
-def triton_requirements(per_channel: bool):
-    """The ``requirements`` of a Triton implementation for scalar (GDN, SSD) or
-    per-channel (KDA) decays."""
-    return functools.partial(linear_attention_requirements, per_channel=per_channel)
+def triton_requirements(call: Call) -> str | None:
+    """The ``requirements`` of the Triton implementations, forward and backward:
+    `linear_attention_requirements` with the call's decays (per channel when ``g``
+    has the rank of ``k``: KDA's ``[B, T, HV, K]`` and ``[Bs, HV, Tp, K]``; SSD never)."""
+    per_channel = "x" not in call.arrays and call.g.ndim == call.k.ndim
+    return linear_attention_requirements(call, per_channel=per_channel)
+
+
+# == Mosaic TPU, chunked ===========================================================
+# Configs of the Mosaic TPU chunked linear-attention kernels (`mosaic_tpu`,
+# `mosaic_tpu_backward`): chunk length and value columns per program, sized
+# per TPU generation.
+#
+# A grid step holds, double-buffered, the chunk's ``q, k [C, Kp]`` (and
+# per-channel ``g [C, Kp]``), ``v`` and ``o [C, BV]``, the decay and ``β``
+# columns (``[C, 1]``, padded to 128 lanes in VMEM), the ``h0`` and ``final``
+# blocks ``[Kp, BV]``, the float32 state scratch ``[Kp, BV]``, and the chunk's
+# temporaries (scores, the solve's ``[C, C]`` products, ``[C, Kp]`` factors).
+# `tpu_vmem_bytes` estimates that at TPU tiling; configs over the generation's
+# scoped-VMEM default raise ``vmem_limit_bytes`` (never above half the
+# physical VMEM) and those over it are not in the space.
+
+#: Chunk lengths the kernels take (64 is the backward layout's, `TRITON_CHUNK`).
+TPU_CHUNKS = (64, 128)
+#: Value columns of the state per program.
+TPU_BLOCK_V = (128, 256)
+#: Largest key / value head size (the ``[K, V]`` state and ``[C, K]`` tiles in VMEM).
+TPU_MAX_HEAD_DIM = 256
+#: Temporaries of one chunk step, in ``[C, max(C, Kp, BV)]`` float32 tiles (scores,
+#: decays, the solve's products, the factors): an upper estimate.
+_TEMPORARIES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuLinearAttentionConfig(KernelConfig):
+    """``chunk`` tokens per grid step and ``block_v`` value columns of the state per program."""
+
+    chunk: int = 64
+    block_v: int = 128
+
+    def validate(self) -> None:
+        require_in("TpuLinearAttentionConfig", "chunk", self.chunk, TPU_CHUNKS)
+        require_in("TpuLinearAttentionConfig", "block_v", self.block_v, TPU_BLOCK_V)
+
+
+def lanes(d: int) -> int:
+    """A head size padded to whole 128-lane vregs (the kernels' ``Kp``, ``Vp``)."""
+    return max(128, -(-d // 128) * 128)
+
+
+def _tpu_dims(call: Call) -> tuple[int, int, bool]:
+    """``(K, V, per_channel)`` of a GDN/KDA, SSD or backward call."""
+    if "x" in call.arrays:  # ssd: K = state size N, V = head dim P
+        return call.B.shape[-1], call.x.shape[-1], False
+    per_channel = call.g.ndim == call.k.ndim
+    return call.k.shape[-1], call.v.shape[-1], per_channel
+
+
+def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False) -> int:
+    """VMEM bytes of one grid step (module docstring), float32. The backward
+    kernel (``backward``) adds ``do``, the stored state, ``dfinal``/``dh0``, the
+    gradient blocks, and keeps the chunk's forward temporaries for its
+    transpose (counted three times; per channel ``3·C/16`` times)."""
+    g_width = kp if per_channel else 128
+    tokens = 2 * chunk * (2 * kp + g_width + 128 + 2 * bv)  # q k g β v o, double-buffered
+    states = 2 * 2 * kp * bv + kp * bv                      # h0, final, scratch
+    temporaries = _TEMPORARIES * chunk * max(chunk, kp, bv)
+    if backward:
+        tokens += 2 * chunk * (2 * kp + g_width + 128 + bv)  # dq dk dg dβ dv
+        states += 2 * kp * bv
+        # The transpose keeps the forward's temporaries; per channel, those of every
+        # step of the unrolled diagonal loop of `scores.channel_scores` (16 steps of
+        # [C, K] tiles, each step's count growing with the chunk's sub-blocks).
+        temporaries *= 3 * chunk // 16 if per_channel else 3
+    return 4 * (tokens + states + temporaries)
+
+
+def tpu_vmem_limit(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False) -> int | None:
+    """``vmem_limit_bytes`` for a config: ``None`` within the generation's scoped
+    default, else twice the estimate (at most half the physical VMEM)."""
+    generation = target_generation()
+    need = tpu_vmem_bytes(kp, bv, chunk, per_channel, backward)
+    if need <= generation.scoped_vmem_bytes:
+        return None
+    return min(2 * need, generation.vmem_bytes // 2)
+
+
+def linear_attention_tpu_space(call: Call) -> list[TpuLinearAttentionConfig]:
+    """Chunks of 64 or 128 and ``block_v`` 128 or 256 (≤ the padded V) whose VMEM
+    estimate fits half the generation's physical VMEM."""
+    kdim, vdim, per_channel = _tpu_dims(call)
+    kp, vp = lanes(kdim), lanes(vdim)
+    budget = target_generation().vmem_bytes // 2
+    configs = product_space(TpuLinearAttentionConfig, chunk=TPU_CHUNKS, block_v=TPU_BLOCK_V)
+    return [c for c in configs
+            if c.block_v <= vp and vp % c.block_v == 0 and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel) <= budget]
+
+
+def _backward_chunks(call: Call) -> tuple[int, ...]:
+    """Chunks a backward-op call can take: 64 (its layout's, `TRITON_CHUNK`),
+    and 128 for a dense batch whose padded length is a multiple of 128."""
+    dense = call.arrays.get("first") is None
+    return (64, 128) if dense and call.v.shape[2] % 128 == 0 else (64,)
+
+
+def linear_attention_tpu_backward_space(call: Call) -> list[TpuLinearAttentionConfig]:
+    """The backward ops' space: the chunks the call can take (`_backward_chunks`)
+    and ``block_v`` 128 or 256 whose backward VMEM estimate fits half the physical VMEM."""
+    kdim, vdim, per_channel = _tpu_dims(call)
+    kp, vp = lanes(kdim), lanes(vdim)
+    budget = target_generation().vmem_bytes // 2
+    configs = product_space(TpuLinearAttentionConfig, chunk=_backward_chunks(call), block_v=TPU_BLOCK_V)
+    return [c for c in configs if c.block_v <= vp and vp % c.block_v == 0
+            and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel, backward=True) <= budget]
+
+
+def linear_attention_tpu_backward_heuristic(call: Call) -> TpuLinearAttentionConfig:
+    """The backward ops' default: the whole padded V per program (≤ 256) and the
+    largest chunk of the space (chunks of 128 halve the stored chunk states,
+    ``NT·K·V`` per head in HBM)."""
+    _, vdim, _ = _tpu_dims(call)
+    space = linear_attention_tpu_backward_space(call)
+    whole = [c for c in space if c.block_v == min(lanes(vdim), 256)] or space
+    return max(whole, key=lambda c: c.chunk) if whole else TpuLinearAttentionConfig(64, min(lanes(vdim), 256))
+
+
+def linear_attention_tpu_heuristic(call: Call) -> TpuLinearAttentionConfig:
+    """Chunks of 64 (the solve's MXU work per token grows with the chunk) and
+    the whole padded V per program (splitting V repeats the chunk's solve)."""
+    _, vdim, _ = _tpu_dims(call)
+    return TpuLinearAttentionConfig(chunk=64, block_v=min(lanes(vdim), 256))
+
+
+def linear_attention_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU kernels cannot run ``call`` (``None`` when they can)."""
+    kdim, vdim, _ = _tpu_dims(call)
+    if kdim > TPU_MAX_HEAD_DIM or vdim > TPU_MAX_HEAD_DIM:
+        return (f"the Mosaic TPU kernels hold [K, V] states and [C, K] tiles in VMEM: K={kdim}, V={vdim}, "
+                f"the limit is {TPU_MAX_HEAD_DIM}")
+    return None
+
+
+# == Mosaic TPU, decode ============================================================
+# Configs of the Mosaic TPU decode kernels (`mosaic_tpu_decode`): the value
+# tile of the state, and the tokens per grid step of the fused recurrence.
+#
+# `fused_recurrent_gated_delta_rule` / `fused_recurrent_kda`
+# (`FusedRecurrentTpuConfig`): a grid step holds the float32 state tile
+# ``S [K, BV]`` in a VMEM scratch, the initial- and final-state blocks
+# ``[K, BV]`` (double-buffered) and ``block_t`` tokens of ``q, k`` (and KDA's
+# ``g``) ``[block_t, K]``, ``v, o [block_t, BV]`` and the per-token scalars
+# ``[block_t, 2]`` (double-buffered, float32). ``BV = min(block_v, V)``.
+#
+# `ssd_step` (`SsdStepTpuConfig`): a grid step holds ``block_p`` rows of the
+# state ``[block_p, N]`` in and out (double-buffered), the rows' ``dt`` and
+# ``x`` columns, ``B`` and ``C`` rows ``[1, N]`` and, for mamba_ssm's tied
+# shapes, ``A [block_p, N]``.
+#
+# VMEM is estimated at TPU tiling (rows to 8, lanes to 128); configs over the
+# generation's scoped-VMEM default are not in its space (none come near it:
+# the largest, K = V = 256 with 128 tokens per step, takes about 2.4 MiB).
+
+#: Value-tile widths (lanes) of the fused recurrence's state; ``V`` below a tile is taken whole.
+BLOCK_V = (128, 256)
+#: Tokens per grid step of the fused recurrence (a multiple of the 8-row sublane tile).
+BLOCK_T = (8, 32, 128)
+#: Row tiles of `ssd_step`'s state ``[P, N]``.
+BLOCK_P = (64, 128, 256)
+#: Largest ``K``/``V`` (GDN/KDA) and ``N`` (SSD) the decode kernels take.
+DECODE_MAX_HEAD_DIM = 256
+
+
+def _tile_bytes(rows: int, cols: int, itemsize: int = 4) -> int:
+    """VMEM bytes of a ``[rows, cols]`` buffer at TPU tiling (8·(4/itemsize) rows, 128 lanes)."""
+    sub = 8 * max(1, 4 // itemsize)
+    return (-(-rows // sub) * sub) * (-(-cols // 128) * 128) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRecurrentTpuConfig(KernelConfig):
+    """``block_v`` value columns of the state per grid step; ``block_t`` tokens
+    per grid step (the token axis is sequential)."""
+
+    block_v: int = 128
+    block_t: int = 8
+
+    def validate(self) -> None:
+        """``block_v`` one of 128, 256; ``block_t`` one of 8, 32, 128."""
+        require_in("FusedRecurrentTpuConfig", "block_v", self.block_v, BLOCK_V)
+        require_in("FusedRecurrentTpuConfig", "block_t", self.block_t, BLOCK_T)
+
+
+def _recurrent_dims(call: Call) -> tuple[int, int, int, bool]:
+    """``(K, V, tokens per sequence (mean, rounded up), per_channel)`` of a GDN/KDA call."""
+    B, T, _, K = call.q.shape
+    V = call.v.shape[-1]
+    n = B if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
+    per_seq = T if call.cu_seqlens is None else -(-T // max(n, 1))
+    return K, V, per_seq, call.g.ndim == 4
+
+
+def fused_recurrent_tpu_vmem(call: Call, c: FusedRecurrentTpuConfig) -> int:
+    """VMEM bytes of one grid step (see the module doc)."""
+    K, V, _, per_channel = _recurrent_dims(call)
+    bv = min(c.block_v, V)
+    state_item = np.dtype(call.initial_state.dtype).itemsize if call.initial_state is not None else 4
+    state = _tile_bytes(K, bv) + 2 * _tile_bytes(K, bv, state_item) + 2 * _tile_bytes(K, bv)
+    tokens = 2 * ((3 if per_channel else 2) * _tile_bytes(c.block_t, K) + 2 * _tile_bytes(c.block_t, bv)
+                  + _tile_bytes(c.block_t, 2))
+    return state + tokens
+
+
+def fused_recurrent_tpu_space(call: Call) -> list[FusedRecurrentTpuConfig]:
+    """Value tiles 128/256 (one when ``V ≤ 128``: ``V`` is taken whole) × tokens
+    per step 8/32/128 (those below the sequences' mean length and the smallest
+    that holds it: the heuristic's), within the generation's scoped VMEM."""
+    K, V, per_seq, _ = _recurrent_dims(call)
+    budget = target_generation().scoped_vmem_bytes
+    tiles = BLOCK_V if V > BLOCK_V[0] else BLOCK_V[:1]
+    steps = [t for t in BLOCK_T if t < per_seq] + [t for t in BLOCK_T if t >= per_seq][:1]
+    configs = product_space(FusedRecurrentTpuConfig, block_v=tuple(tiles), block_t=tuple(steps))
+    kept = [c for c in configs if fused_recurrent_tpu_vmem(call, c) <= budget]
+    return kept or [FusedRecurrentTpuConfig()]
+
+
+def fused_recurrent_tpu_heuristic(call: Call) -> FusedRecurrentTpuConfig:
+    """The whole value head up to 256 lanes (fewer grid steps per state), and
+    the smallest token step that holds a sequence's mean length (8 for decode,
+    where a step of a few tokens reads and writes the state once), 128 above."""
+    K, V, per_seq, _ = _recurrent_dims(call)
+    block_v = 256 if V > 128 else 128
+    block_t = next((t for t in BLOCK_T if t >= per_seq), BLOCK_T[-1])
+    return FusedRecurrentTpuConfig(block_v=block_v, block_t=block_t)
+
+
+def fused_recurrent_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU fused recurrence cannot run ``call`` (None when it can)."""
+    K, V, _, _ = _recurrent_dims(call)
+    if K > DECODE_MAX_HEAD_DIM or V > DECODE_MAX_HEAD_DIM:
+        return f"the Mosaic TPU fused recurrence takes K, V ≤ {DECODE_MAX_HEAD_DIM}, got K={K}, V={V}"
+    dtype = np.dtype(call.q.dtype)
+    if dtype.name not in ("float32", "bfloat16"):
+        return f"the Mosaic TPU fused recurrence needs float32/bfloat16 inputs, got {dtype.name}"
+    return None
+
+
+# -- ssd_step ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SsdStepTpuConfig(KernelConfig):
+    """``block_p`` rows (head-dim entries) of the ``[P, N]`` state per grid step."""
+
+    block_p: int = 64
+
+    def validate(self) -> None:
+        """``block_p`` one of 64, 128, 256."""
+        require_in("SsdStepTpuConfig", "block_p", self.block_p, BLOCK_P)
+
+
+def _tied_a(call: Call) -> bool:
+    return call.A.ndim == 3
+
+
+def ssd_step_tpu_vmem(call: Call, c: SsdStepTpuConfig) -> int:
+    """VMEM bytes of one `ssd_step` grid step (see the module doc)."""
+    P, N = call.x.shape[-1], call.B.shape[-1]
+    bp = min(c.block_p, P)
+    item = np.dtype(call.state.dtype).itemsize
+    state = 2 * 2 * _tile_bytes(bp, N, item)
+    columns = 2 * 3 * _tile_bytes(bp, 1)  # dt, x, y
+    rows = 2 * 2 * _tile_bytes(1, N)
+    a = 2 * _tile_bytes(bp, N) if _tied_a(call) else 2 * _tile_bytes(1, 1)
+    return state + columns + rows + a
+
+
+def ssd_step_tpu_space(call: Call) -> list[SsdStepTpuConfig]:
+    """Row tiles 64/128/256 (those not above ``P`` rounded up to 64, at least 64),
+    within the generation's scoped VMEM."""
+    P = call.x.shape[-1]
+    budget = target_generation().scoped_vmem_bytes
+    configs = [SsdStepTpuConfig(b) for b in BLOCK_P if b == BLOCK_P[0] or b <= -(-P // 64) * 64]
+    kept = [c for c in configs if ssd_step_tpu_vmem(call, c) <= budget]
+    return kept or [SsdStepTpuConfig()]
+
+
+def ssd_step_tpu_heuristic(call: Call) -> SsdStepTpuConfig:
+    """The whole head (``P`` rows) up to 256: one grid step per (batch, head)."""
+    P = call.x.shape[-1]
+    return SsdStepTpuConfig(next((b for b in BLOCK_P if b >= P), BLOCK_P[-1]))
+
+
+def ssd_step_tpu_requirements(call: Call) -> str | None:
+    """Why the Mosaic TPU `ssd_step` kernel cannot run ``call`` (None when it can)."""
+    N = call.B.shape[-1]
+    if N > DECODE_MAX_HEAD_DIM:
+        return f"the Mosaic TPU ssd_step kernel takes a state size N ≤ {DECODE_MAX_HEAD_DIM}, got N={N}"
+    for name in ("x", "state"):
+        dtype = np.dtype(call.arrays[name].dtype)
+        if dtype.name not in ("float32", "bfloat16"):
+            return f"the Mosaic TPU ssd_step kernel needs float32/bfloat16 {name}, got {dtype.name}"
+    return None

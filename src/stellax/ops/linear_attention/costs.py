@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...core import Call
 from ...core.pallas import nbytes
-from .checks import xla_chunk
+from .base import xla_chunk
 from .configs import TRITON_CHUNK
 
 

@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...core import Call
 from ...core.pallas import F32, cdiv, pad_axis
+from .configs import TRITON_CHUNK
 from .reference import sequence_tokens
 
 
@@ -185,3 +187,49 @@ def check_flat_layout(chunk: int, **arrays) -> None:
                 raise ValueError(f"{name}: expected a head size that is a power of two >= 16, got {x.shape[-1]}")
         if name in ("v", "u", "do", "delta") and x.ndim == 3 and not _is_head_size(x.shape[-1]):
             raise ValueError(f"{name}: expected a value size that is a power of two >= 16, got {x.shape[-1]}")
+
+
+# -- a backward op's call (`backward`: the kernels' layout, chunks of `TRITON_CHUNK`) ----------
+def call_meta(call: Call):
+    """A backward call's ``(first, seq, last)`` (``None``: a dense batch)."""
+    return None if call.first is None else (call.first, call.seq, call.last)
+
+
+def stream_of(call: Call) -> Stream:
+    """The padded token layout of a backward call (``v [Bs, HV, Tp, V]``,
+    packed when ``first, seq, last`` are given)."""
+    bs, _, tp = call.v.shape[:3]
+    return kernel_stream(bs, tp, TRITON_CHUNK, call_meta(call), n_states=call.h0.shape[0])
+
+
+def dfinal_of(call: Call):
+    """A backward call's ``dfinal`` in float32 (zeros when absent)."""
+    return jnp.zeros(call.h0.shape, F32) if call.dfinal is None else call.dfinal.astype(F32)
+
+
+def pass_empty_sequences(call: Call, dh0, dfinal):
+    """An empty packed sequence passes its initial state straight through: its ``dh0`` is ``dfinal``."""
+    if call.first is None:
+        return dh0
+    return jnp.where(stream_of(call).empty[:, None, None, None], dfinal, dh0)
+
+
+def differentiate(call: Call, forward):
+    """``(dq, dk, dv, dg, dβ or None, dh0)``: the VJP of ``forward(call, q, k, v, g, beta, h0)``
+    for a backward call's cotangents ``do`` and ``dfinal``, in float32."""
+    names = ("q", "k", "v", "g", "beta", "h0")
+    has_beta = call.beta is not None
+    args = [call.arrays[n].astype(F32) for n in names if n != "beta" or has_beta]
+
+    def f(*a):
+        a = list(a)
+        if not has_beta:
+            a.insert(4, None)
+        return forward(call, *a)
+
+    out, vjp = jax.vjp(f, *args)
+    dfinal = jnp.zeros(out[1].shape, F32) if call.dfinal is None else call.dfinal.astype(F32)
+    grads = list(vjp((call.do.astype(F32), dfinal)))
+    if not has_beta:
+        grads.insert(4, None)
+    return tuple(grads)

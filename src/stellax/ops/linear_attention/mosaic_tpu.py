@@ -18,7 +18,8 @@ exponent a direct span sum ≤ 0, masked to −inf outside its span):
     U  = T (β V),   W = T (β Γ K)                   (SSD: U = V, no W)
     Δ  = U − W S,   O = (Γ Q) S + P_q Δ,   S ← Γ_C S + K̃ᵀ Δ    (K̃_j = k_j exp(Σ_{t>j} g_t))
 
-Layout (`recurrence`): heads-major, flattened, ``q, k [BH, Tp, Kp]``,
+Layout (`recurrence`; `forward` is the entry of the backend's row in
+`base.BACKENDS`): heads-major, flattened, ``q, k [BH, Tp, Kp]``,
 ``v [BH, Tp, Vp]``, head sizes zero-padded to multiples of 128 lanes;
 scalar decays come twice, as a column ``[BH, Tp, 1]`` and as rows
 ``[BH, NT, 1, C]`` (span sums over lanes stay exact), ``β`` as a column.
@@ -43,7 +44,7 @@ from ...core.pallas import F32, HIGHEST, operand, output, square_iota, tpu_kerne
 from .mxu import mxu_matmul
 from .scores import channel_scores
 from .solve import unit_lower_inverse
-from .tpu_configs import TpuLinearAttentionConfig, tpu_vmem_limit
+from .configs import TRITON_CHUNK, TpuLinearAttentionConfig, tpu_vmem_limit
 
 
 def dense_meta(chunks: int):
@@ -257,3 +258,24 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
         name="linear_attention_channel_forward" if per_channel else "linear_attention_scalar_forward",
     )
     return (outs.states, outs.final) if with_states else (outs.o, outs.final)
+
+
+def layout_chunk(config: TpuLinearAttentionConfig) -> int:
+    """Tokens per chunk of the layout: ``config.chunk``."""
+    return config.chunk
+
+
+def forward(q, k, v, g, beta, h0, meta, config: TpuLinearAttentionConfig, *, per_channel: bool, precision=HIGHEST):
+    """`recurrence_forward` on the heads-major layout ``[Bs, HV, Tp, ...]`` (head
+    sizes padded to 128 lanes) with ``meta`` per chunk of `TRITON_CHUNK` (the
+    backward ops' layout; regrouped for chunks of 128): float32
+    ``(o [Bs, HV, Tp, Vp], final [N, HV, Kp, Vp])``."""
+    heads = v.shape[1]
+    if meta is not None and config.chunk != TRITON_CHUNK:
+        step = config.chunk // TRITON_CHUNK
+        first, seq, last = meta
+        meta = (first[::step], seq[::step], last[step - 1::step])
+    flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])
+    o, final = recurrence_forward(flat(q), flat(k), flat(v), flat(g), flat(beta), flat(h0), meta, heads=heads,
+                                  per_channel=per_channel, config=config, precision=precision)
+    return o.reshape(v.shape), final.reshape(h0.shape)

@@ -19,6 +19,10 @@ the next (earlier) chunk's ``dS'``. A packed sequence's last chunk starts
 from ``dfinal[seq]`` and its first chunk writes ``dh0[seq] = dS_c``
 (int32 ``first, seq, last`` by scalar prefetch, as in the forward).
 
+`backward` is the backward ops' Mosaic TPU implementation (the entry of the
+backend's row in `base.BACKENDS`): head sizes padded to 128 lanes (a no-op
+when the forward's kernels padded them already), gradients sliced back.
+
 The gradients of ``q, k, g, β`` collect over the value blocks: each block
 writes its partial into a leading ``V/BV`` axis, summed in XLA (a fixed
 order: deterministic).
@@ -33,9 +37,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import F32, HIGHEST, operand, output, tpu_kernel_call
+from ...core import Call
+from ...core.pallas import F32, HIGHEST, operand, output, pad_axis, tpu_kernel_call
+from .configs import TpuLinearAttentionConfig, lanes, tpu_vmem_limit
+from .layout import call_meta, dfinal_of, flat, pass_empty_sequences
 from .mosaic_tpu import Specs, channel_chunk, check_layout, decay_operands, dense_meta, recurrence_forward, scalar_chunk
-from .tpu_configs import TpuLinearAttentionConfig, tpu_vmem_limit
 
 
 def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
@@ -128,3 +134,35 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
         dg = dg[..., 0] + total(outs.dg_row).reshape(bh, tp)
     dbeta = None if beta is None else total(outs.dbeta)[..., 0]
     return total(outs.dq), total(outs.dk), outs.dv, dg, dbeta, outs.dh0
+
+
+def _pad_operands(call: Call, per_channel: bool):
+    """The backward call's arrays on the kernel's flat layout, head sizes padded to 128 lanes, float32."""
+    q, k, v, g, beta, h0 = (call.arrays[n] for n in ("q", "k", "v", "g", "beta", "h0"))
+    kp, vp = lanes(k.shape[-1]), lanes(v.shape[-1])
+    pad = lambda x, d: None if x is None else pad_axis(x.astype(F32), x.ndim - 1, d)
+    state = lambda x: None if x is None else pad(pad_axis(x.astype(F32), x.ndim - 2, kp), vp)
+    gp = pad(g, kp) if per_channel else g.astype(F32)
+    return (flat(pad(q, kp)), flat(pad(k, kp)), flat(pad(v, vp)), flat(gp),
+            flat(None if beta is None else beta.astype(F32)), flat(state(h0)), flat(pad(call.do, vp)),
+            flat(state(call.dfinal)))
+
+
+def backward(call: Call, config: TpuLinearAttentionConfig, *, per_channel: bool):
+    """The backward ops' Mosaic TPU implementation: `recurrence_backward` of
+    scalar or per-channel (``per_channel``) decays on the backward call's layout
+    (`backward`), ``(dq, dk, dv, dg, dβ or None, dh0)`` in the operands' dtypes."""
+    q, k, v, g, beta, h0 = (call.arrays[n] for n in ("q", "k", "v", "g", "beta", "h0"))
+    kdim, vdim = k.shape[-1], v.shape[-1]
+    kp, vp = lanes(kdim), lanes(vdim)
+    grads = recurrence_backward(*_pad_operands(call, per_channel), call_meta(call), heads=v.shape[1],
+                                per_channel=per_channel, config=config, precision=call.precision)
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    out = [dq.reshape(q.shape[:3] + (kp,))[..., :kdim], dk.reshape(k.shape[:3] + (kp,))[..., :kdim],
+           dv.reshape(v.shape[:3] + (vp,))[..., :vdim],
+           dg.reshape(g.shape[:3] + (kp,))[..., :kdim] if per_channel else dg.reshape(g.shape),
+           None if dbeta is None else dbeta.reshape(beta.shape)]
+    out = [None if d is None else d.astype(x.dtype) for d, x in zip(out, (q, k, v, g, beta))]
+    dh0 = dh0.reshape(h0.shape[:2] + (kp, vp))[..., :kdim, :vdim]
+    dh0 = pass_empty_sequences(call, dh0, dfinal_of(call))
+    return tuple(out) + (dh0.astype(h0.dtype),)

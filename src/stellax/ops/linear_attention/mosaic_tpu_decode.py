@@ -42,8 +42,8 @@ whether it resets the state to the sequence's initial state, and its token
 count. Padding rows are zeros, which is the identity step (``k = β = g = 0``).
 
 Gradients: the kernels are forward only. `fused_recurrent` and `ssd_step`
-are wrapped in a ``jax.custom_vjp`` whose backward is the VJP of the XLA
-path (`reference.delta_rule_recurrence` / the `ssd_step` golden) recomputed
+run through `core.vjp` rules (`FusedRecurrent`, `SsdStep`) whose backward is
+the VJP of the XLA path (`reference.delta_rule_recurrence` / the `ssd_step` golden) recomputed
 from the inputs: exact gradients, at XLA speed (decode does not train).
 
 SSD step (mamba_ssm ``selective_state_update``), per (batch, head) and tile of
@@ -64,16 +64,19 @@ state buffer is not reused in place; the ops' contract is functional (a new
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core import Call
+from ...core import Call, vjp
 from ...core.pallas import F32, mxu_dot, mxu_dot_tn, operand, output, tpu_kernel_call
 from .reference import prepare_delta_inputs, sequence_tokens, ssd_dt, ssd_epilogue
-from .tpu_decode_configs import BLOCK_T, FusedRecurrentTpuConfig, SsdStepTpuConfig
+from .configs import BLOCK_T, FusedRecurrentTpuConfig, SsdStepTpuConfig
 
 _SLAB = 8  # rows of a float32 sublane tile
 
@@ -274,29 +277,40 @@ def _recurrent_backward(call: Call, arrays, states, d_o, d_final):
     return d_arrays
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedRecurrent:
+    """The fused recurrence as a `core.vjp` rule: the operand is the dict of the call's
+    arrays; ``options`` the call's options as ``(name, value)`` pairs. Not differentiated
+    (`primal`), the kernel runs with ``config``; under ``jax.grad`` it also saves every
+    token's incoming state ``[B, T, HV, K, V]`` (float32, on chunks of 8 tokens: what the
+    XLA scan's VJP would store) and the backward is `_recurrent_backward` in XLA."""
+
+    options: tuple
+    config: Any
+
+    def call(self, arrays) -> Call:
+        return Call(arrays, dict(self.options))
+
+    def primal(self, arrays):
+        return _fused_recurrent_forward(self.call(arrays), self.config)
+
+    def forward(self, arrays):
+        o, final, states = _fused_recurrent_forward(self.call(arrays), self.config, save_states=True)
+        return (o, final), (arrays, states)
+
+    def backward(self, residuals, cotangents):
+        arrays, states = residuals
+        return (_recurrent_backward(self.call(arrays), arrays, states, *cotangents),)
+
+
 def fused_recurrent(call: Call, config: FusedRecurrentTpuConfig):
     """`fused_recurrent_gated_delta_rule` / `fused_recurrent_kda` on the Mosaic
     TPU kernel (module docstring). ``call`` is the op's checked call (GDN
     ``g [B, T, HV]`` or KDA ``g [B, T, HV, K]``, options as the op's).
 
     Returns ``(o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] float32 or
-    None)``. Differentiable: under ``jax.grad`` the kernel also saves every
-    token's incoming state ``[B, T, HV, K, V]`` (float32, what the XLA scan's
-    VJP would store) and the backward is `_recurrent_backward` in XLA."""
-    @jax.custom_vjp
-    def run(arrays):
-        return _fused_recurrent_forward(call.replace_arrays(**arrays), config)
-
-    def fwd(arrays):
-        o, final, states = _fused_recurrent_forward(call.replace_arrays(**arrays), config, save_states=True)
-        return (o, final), (arrays, states)
-
-    def bwd(residuals, cotangents):
-        arrays, states = residuals
-        return (_recurrent_backward(call, arrays, states, *cotangents),)
-
-    run.defvjp(fwd, bwd)
-    o, final = run(dict(call.arrays))
+    None)``, differentiable (`FusedRecurrent`)."""
+    o, final = vjp.apply(FusedRecurrent(tuple(call.options.items()), config), dict(call.arrays))
     return o, (final if call.output_final_state else None)
 
 
@@ -368,22 +382,25 @@ def _ssd_output(call: Call, arrays, h):
     return ssd_epilogue(y, c.x, c.D, c.z).astype(c.x.dtype)
 
 
-def ssd_step(call: Call, config: SsdStepTpuConfig):
-    """`ssd_step` on the Mosaic TPU kernel (module docstring). Returns ``(y [B, H, P]
-    in x.dtype, new_state [B, H, P, N] in state.dtype)``.
-
-    Differentiable: the backward (XLA) takes the VJP of the output stage
+@dataclasses.dataclass(frozen=True)
+class SsdStep:
+    """The `ssd_step` kernel as a `core.vjp` rule (operand and ``options`` as in
+    `FusedRecurrent`). The backward (XLA) takes the VJP of the output stage
     `_ssd_output` at the kernel's new state, then that of `_ssd_state_update`."""
-    @jax.custom_vjp
-    def run(arrays):
-        return _ssd_step_forward(call.replace_arrays(**arrays), config)
 
-    def fwd(arrays):
-        y, new_state = run(arrays)
+    options: tuple
+    config: Any
+
+    def call(self, arrays) -> Call:
+        return Call(arrays, dict(self.options))
+
+    def forward(self, arrays):
+        y, new_state = _ssd_step_forward(self.call(arrays), self.config)
         return (y, new_state), (arrays, new_state)
 
-    def bwd(residuals, cotangents):
+    def backward(self, residuals, cotangents):
         arrays, new_state = residuals
+        call = self.call(arrays)
         d_y, d_new = cotangents
         _, output_vjp = jax.vjp(lambda a, h: _ssd_output(call, a, h), arrays, new_state.astype(F32))
         d_out, d_h = output_vjp(d_y)
@@ -391,5 +408,8 @@ def ssd_step(call: Call, config: SsdStepTpuConfig):
         (d_upd,) = update_vjp(d_h + d_new.astype(F32))
         return (jax.tree_util.tree_map(lambda u, o: (u + o).astype(u.dtype), d_upd, d_out),)
 
-    run.defvjp(fwd, bwd)
-    return run(dict(call.arrays))
+
+def ssd_step(call: Call, config: SsdStepTpuConfig):
+    """`ssd_step` on the Mosaic TPU kernel (module docstring). Returns ``(y [B, H, P]
+    in x.dtype, new_state [B, H, P, N] in state.dtype)``, differentiable (`SsdStep`)."""
+    return vjp.apply(SsdStep(tuple(call.options.items()), config), dict(call.arrays))

@@ -1,94 +1,65 @@
 """The chunked gated (delta-rule) recurrence GDN, KDA and SSD share: one entry
-point, dispatching on the backend and on an explicit per-channel flag.
+point, `recurrence`, run by a row of `base.BACKENDS`.
 
 Every public op prepares its inputs (float32, l2-norm, gates, grouped heads,
 scale; SSD maps ``C, B, dt·x, dt·A`` onto ``q, k, v, g``) and calls
-`recurrence`:
+`recurrence` with its backend's row:
 
-* ``backend="xla"``: `xla.chunked_scan` (one ``lax.scan`` over chunks, the
-  pipeline's stages per step; autodiff through a checkpointed scan);
-* ``backend="triton"``: the tokens go to the kernels' heads-major layout
-  (`layout.heads_major`) and through the Triton pipeline (`pipeline`) of
-  scalar decays (``per_channel=False``: GDN, SSD) or per-channel decays
-  (``per_channel=True``: KDA), behind a ``jax.custom_vjp`` whose backward is
-  the registered op `backward.gated_recurrence_backward_op` /
-  `backward.kda_recurrence_backward_op` (its own implementations and configs);
-* ``backend="mosaic_tpu"``: the same layout with head sizes padded to 128
-  lanes (`tpu_recurrence`), one fused Mosaic TPU kernel per chunk
-  (`mosaic_tpu`), the same custom VJP with the backward ops' ``mosaic_tpu``
-  implementation (`mosaic_tpu_backward`).
+* the XLA row (no kernel ``forward``): `xla.chunked_scan` (one ``lax.scan``
+  over chunks, the pipeline's stages per step; autodiff through a
+  checkpointed scan);
+* a kernel row (Triton: `pipeline`; Mosaic TPU: `mosaic_tpu`): the tokens go
+  to the kernels' heads-major layout (`layout.heads_major`, head sizes padded
+  by the row's ``head_size``, chunks of its ``chunk``) and through the row's
+  ``forward``, differentiated by the `core.vjp` rule `KernelRecurrence`, whose
+  backward is the registered op `backward.gated_recurrence_backward_op`
+  (scalar decays: GDN, SSD) or `backward.kda_recurrence_backward_op`
+  (per-channel decays: KDA) with the same backend's implementation
+  (`core.backends.backward_chain`).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from ...core import Call, Op, backward_implementation
-from ...core.pallas import F32, HIGHEST, padded_dim
-from . import pipeline, xla
-from .backward import gated_recurrence_backward_op, kda_recurrence_backward_op
-from .configs import TRITON_CHUNK, linear_attention_heuristic
+from ...core import Call, vjp
+from ...core.backends import Backend, backward_chain
+from ...core.pallas import F32, HIGHEST
+from . import xla
+from .backward import RECURRENCE_BACKWARD
+from .configs import TRITON_CHUNK
 from .layout import chunk_meta, heads_major, make_stream
-from .mosaic_tpu import recurrence_forward as tpu_forward
-from .tpu_configs import lanes, linear_attention_tpu_heuristic
 
 
-def kernel_recurrence(forward, backward_op: Op, backend: str = "triton"):
-    """A differentiable recurrence on the kernels' layout:
-    ``run(q, k, v, g, beta, h0, meta, config, precision)`` is ``forward`` (a
-    Triton pipeline, called with ``precision=``) and its VJP is ``backward_op`` —
-    a registered op taking ``(q, k, v, g, beta, h0, do, dfinal, first, seq, last)``
-    and the forward's ``precision``, run with its Triton implementation unless
-    the caller chose another (`backward_implementation`)."""
+@dataclasses.dataclass(frozen=True)
+class KernelRecurrence:
+    """A kernel row's recurrence on the heads-major layout, as a `core.vjp` rule:
+    operands ``(q, k, v, g, beta, h0, meta)`` (``meta``: ``None`` or int32
+    ``(first, seq, last)`` per chunk of `TRITON_CHUNK`), outputs float32
+    ``(o, final)``; the backward is the recurrence's backward op (scalar or
+    ``per_channel`` decays) at the forward's ``precision``."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-    def run(q, k, v, g, beta, h0, meta, static):
-        return forward(q, k, v, g, beta, h0, meta, static[0], precision=static[1])
+    row: Backend
+    config: Any
+    per_channel: bool
+    precision: Any
 
-    def run_fwd(q, k, v, g, beta, h0, meta, static):
-        return forward(q, k, v, g, beta, h0, meta, static[0], precision=static[1]), (q, k, v, g, beta, h0, meta)
+    def forward(self, q, k, v, g, beta, h0, meta):
+        out = self.row.kernels.forward(q, k, v, g, beta, h0, meta, self.config, per_channel=self.per_channel,
+                                       precision=self.precision)
+        return out, (q, k, v, g, beta, h0, meta)
 
-    def run_bwd(static, residuals, cotangents):
+    def backward(self, residuals, cotangents):
         q, k, v, g, beta, h0, meta = residuals
         do, dfinal = cotangents
         first, seq, last = meta if meta is not None else (None, None, None)
-        grads = backward_op(q, k, v, g, beta, h0, do, dfinal, first, seq, last, precision=static[1],
-                            implementation=backward_implementation(backward_op, backend))
+        op = RECURRENCE_BACKWARD[self.per_channel]
+        grads = op(q, k, v, g, beta, h0, do, dfinal, first, seq, last, precision=self.precision,
+                   implementation=backward_chain(op, self.row.name))
         return tuple(grads) + (None,)
-
-    run.defvjp(run_fwd, run_bwd)
-    return lambda q, k, v, g, beta, h0, meta, config, precision: run(q, k, v, g, beta, h0, meta, (config, precision))
-
-
-#: The differentiable Triton recurrences of scalar (GDN, SSD) and per-channel (KDA) decays.
-gdn_kernel_recurrence = kernel_recurrence(pipeline.gdn_forward, gated_recurrence_backward_op)
-kda_kernel_recurrence = kernel_recurrence(pipeline.kda_forward, kda_recurrence_backward_op)
-
-
-def _tpu_pipeline(per_channel: bool):
-    """The Mosaic TPU forward (`mosaic_tpu.recurrence_forward`) on the heads-major
-    layout ``[Bs, HV, Tp, ...]`` with ``meta`` per chunk of `TRITON_CHUNK` (the
-    backward ops' layout; regrouped for chunks of 128)."""
-
-    def forward(q, k, v, g, beta, h0, meta, config, *, precision):
-        heads = v.shape[1]
-        if meta is not None and config.chunk != TRITON_CHUNK:
-            step = config.chunk // TRITON_CHUNK
-            first, seq, last = meta
-            meta = (first[::step], seq[::step], last[step - 1::step])
-        flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])
-        o, final = tpu_forward(flat(q), flat(k), flat(v), flat(g), flat(beta), flat(h0), meta, heads=heads,
-                               per_channel=per_channel, config=config, precision=precision)
-        return o.reshape(v.shape), final.reshape(h0.shape)
-    return forward
-
-
-#: The differentiable Mosaic TPU recurrences (backward: the same registered ops).
-gdn_tpu_recurrence = kernel_recurrence(_tpu_pipeline(False), gated_recurrence_backward_op, "mosaic_tpu")
-kda_tpu_recurrence = kernel_recurrence(_tpu_pipeline(True), kda_recurrence_backward_op, "mosaic_tpu")
 
 
 def _fine_meta(stream):
@@ -103,22 +74,23 @@ def _fine_meta(stream):
     return at(first, 0), jnp.repeat(seq, step), at(last, step - 1)
 
 
-def tpu_recurrence(tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, config=None, precision=HIGHEST):
-    """`recurrence` on the Mosaic TPU kernels: the heads-major layout with head
-    sizes padded to 128 lanes, chunks of ``config.chunk``."""
+def _kernel_recurrence(row: Backend, tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, config,
+                       precision):
+    """`recurrence` on a kernel row (module docstring)."""
+    kernels = row.kernels
     q, k, v, g, beta = prepare(tokens)
     B, T, HV, K = k.shape
     V = v.shape[-1]
     if config is None:
-        config = linear_attention_tpu_heuristic(Call({"k": k, "v": v, "g": g}, {}))
-    stream = make_stream(B, T, config.chunk, cu_seqlens)
-    kp, vp = lanes(K), lanes(V)
+        config = row.tuning.heuristic(Call({"k": k, "v": v, "g": g}, {}))
+    stream = make_stream(B, T, kernels.chunk(config), cu_seqlens)
+    kp, vp = kernels.head_size(K), kernels.head_size(V)
     b = None if beta is None else heads_major(stream, beta)
     h0p = jnp.pad(h0.astype(F32), [(0, 0), (0, 0), (0, kp - K), (0, vp - V)])
     args = (heads_major(stream, q, kp), heads_major(stream, k, kp), heads_major(stream, v, vp))
-    gh = heads_major(stream, g, kp) if per_channel else heads_major(stream, g)
-    run = kda_tpu_recurrence if per_channel else gdn_tpu_recurrence
-    o, final = run(*args, gh, b, h0p, _fine_meta(stream), config, precision)
+    gh = heads_major(stream, g, kp) if per_channel else heads_major(stream, g)  # padded channels: exp(0) = 1
+    rule = KernelRecurrence(row, config, per_channel, precision)
+    o, final = vjp.apply(rule, *args, gh, b, h0p, _fine_meta(stream))
     o = stream.unpack(jnp.moveaxis(o, 1, 2))[..., :V]
     final = final[:, :, :K, :V]
     if stream.varlen:
@@ -126,12 +98,12 @@ def tpu_recurrence(tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, 
     return o, final
 
 
-def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, chunk_size: int,
+def recurrence(row: Backend, tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, chunk_size: int,
                config=None, precision=HIGHEST):
     """The gated (delta-rule) recurrence, chunked.
 
     Args:
-      backend: ``"xla"``, ``"triton"`` or ``"mosaic_tpu"`` (`tpu_recurrence`).
+      row: the backend's row of `base.BACKENDS` (module docstring).
       tokens: the op's per-token inputs, ``name → [B, T, ...]`` (any dtype).
       prepare: ``prepare(tokens) → (q, k, v, g, beta)`` in float32 — ``q, k
         [..., HV, K]`` (q scaled, heads expanded), ``v [..., HV, V]``, log decays
@@ -143,38 +115,14 @@ def recurrence(backend: str, tokens: dict, prepare, h0, cu_seqlens, *, per_chann
       cu_seqlens: ``[N+1]`` offsets of packed sequences or ``None``.
       per_channel: the decays are per channel (KDA) rather than one per token and head.
       chunk_size: the XLA path's chunk (the Triton kernels always use `TRITON_CHUNK`).
-      config: the Triton kernels' `LinearAttentionConfig` or the Mosaic TPU
-        kernels' `TpuLinearAttentionConfig` (``None``: the heuristic's).
+      config: the row's config (`LinearAttentionConfig` for the Triton kernels,
+        `TpuLinearAttentionConfig` for the Mosaic TPU kernels; ``None``: the heuristic's).
       precision: a resolved `jax.lax.Precision` for every float32 contraction,
         forward and backward (`stellax.core.precision`).
     Returns float32 ``(o [B, T, HV, V], final [N, HV, K, V])``.
     """
-    if backend == "xla":
+    if row.kernels.forward is None:
         return xla.chunked_scan(tokens, prepare, initial_state=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                 precision=precision)
-    if backend == "mosaic_tpu":
-        return tpu_recurrence(tokens, prepare, h0, cu_seqlens, per_channel=per_channel, config=config,
+    return _kernel_recurrence(row, tokens, prepare, h0, cu_seqlens, per_channel=per_channel, config=config,
                               precision=precision)
-    if backend != "triton":
-        raise ValueError(f"backend: expected 'xla', 'triton' or 'mosaic_tpu', got {backend!r}")
-    q, k, v, g, beta = prepare(tokens)
-    B, T, HV, K = k.shape
-    V = v.shape[-1]
-    stream = make_stream(B, T, TRITON_CHUNK, cu_seqlens)
-    kp, vp = padded_dim(K), padded_dim(V)
-    b = None if beta is None else heads_major(stream, beta)
-    h0p = jnp.pad(h0.astype(F32), [(0, 0), (0, 0), (0, kp - K), (0, vp - V)])
-    args = (heads_major(stream, q, kp), heads_major(stream, k, kp), heads_major(stream, v, vp))
-    if config is None:
-        config = linear_attention_heuristic(Call({"k": args[1], "v": args[2]}, {}))
-    if per_channel:  # padded channels decay by exp(0) = 1
-        o, final = kda_kernel_recurrence(*args, heads_major(stream, g, kp), b, h0p, chunk_meta(stream), config,
-                                         precision)
-    else:
-        o, final = gdn_kernel_recurrence(*args, heads_major(stream, g), b, h0p, chunk_meta(stream), config,
-                                         precision)
-    o = stream.unpack(jnp.moveaxis(o, 1, 2))[..., :V]
-    final = final[:, :, :K, :V]
-    if stream.varlen:
-        final = jnp.where(stream.empty[:, None, None, None], h0.astype(F32), final)
-    return o, final

@@ -221,9 +221,44 @@ def ssd_reference(call: Call):
     return (y, final) if call.return_final_states else y
 
 
+def _is_tied(call: Call) -> bool:
+    """Whether an `ssd_step` call uses mamba_ssm's per-(head, head_dim) shapes."""
+    return call.dt.ndim == 3 or call.A.ndim == 3 or (call.dt_bias is not None and call.dt_bias.ndim == 2)
+
+
+def _tied_step_reference(call: Call, precision=_HIGHEST):
+    """One decode token with ``dt [B, H, P]``, ``A [H, P, N]``, ``dt_bias [H, P]``
+    (mamba_ssm's ``selective_state_update`` with tied head dims; ``[B, H]`` /
+    ``[H]`` operands broadcast over P and N), float32:
+
+        dt ← clip(softplus(dt + dt_bias)),   state ← exp(dt·A)·state + (dt·x) ⊗ B_h
+        y = state · C_h + D·x,  times silu(z)
+    """
+    batch, H, P = call.x.shape
+    group = H // call.B.shape[1]
+    dt = call.dt.astype(F32)
+    dt = jnp.broadcast_to(dt if dt.ndim == 3 else dt[..., None], (batch, H, P))
+    bias = call.dt_bias
+    if bias is not None and bias.ndim == 1:
+        bias = bias[:, None]
+    dt = ssd_dt(dt, bias, call.dt_softplus, call.dt_limit)
+    A = call.A.astype(F32)
+    A = A if A.ndim == 3 else A[:, None, None]
+    Bh = jnp.repeat(call.B.astype(F32), group, axis=1)
+    Ch = jnp.repeat(call.C.astype(F32), group, axis=1)
+    x = call.x.astype(F32)
+    state = call.state.astype(F32) * jnp.exp(dt[..., None] * A) + (dt * x)[..., None] * Bh[:, :, None, :]
+    y = jnp.einsum("bhpn,bhn->bhp", state, Ch, precision=precision)
+    y = ssd_epilogue(y, x, call.D, call.z)
+    return y.astype(call.x.dtype), state.astype(call.state.dtype)
+
+
 def ssd_step_reference(call: Call, precision=_HIGHEST):
-    """Golden `ssd_step`: one decode token. Returns ``(y [B, H, P], new_state [B, H, P, N])``
-    (``precision``: `HIGHEST` for the golden, the call's for the XLA implementation)."""
+    """Golden `ssd_step`, both shape conventions: one decode token. Returns ``(y [B, H, P],
+    new_state [B, H, P, N])`` (``precision``: `HIGHEST` for the golden, the call's for the
+    XLA implementation)."""
+    if _is_tied(call):
+        return _tied_step_reference(call, precision)
     dt = ssd_dt(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit)
     y, final = ssd_recurrence(call.x[:, None], dt[:, None], call.A, call.B[:, None], call.C[:, None],
                               initial_states=call.state, precision=precision)

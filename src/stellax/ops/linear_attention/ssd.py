@@ -16,21 +16,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, checks, register
+from ...core import Call, Op, checks, register
+from ...core.backends import Backend
 from ...core.pallas import F32
-from ...core.precision import HIGHEST, resolve_precision
-from . import checks as la_checks
-from . import mosaic_tpu_decode
-from .decode_examples import ssd_step_benchmarks
-from .configs import LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements
+from ...core.precision import resolve_precision
+from . import base
+from .base import BACKENDS, STEP_BACKENDS
 from .costs import ssd_bytes, ssd_flops
-from .examples import naive_ssd, ssd_benchmarks, ssd_examples, ssd_step_examples
+from .examples import naive_ssd, ssd_benchmarks, ssd_examples, ssd_step_benchmarks, ssd_step_examples
 from .recurrence import recurrence
-from .tpu_configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_requirements,
-                          linear_attention_tpu_space)
 from .reference import ssd_dt, ssd_epilogue, ssd_reference, ssd_step_reference
-from .tpu_decode_configs import (SsdStepTpuConfig, ssd_step_tpu_heuristic, ssd_step_tpu_requirements,
-                                 ssd_step_tpu_space)
 
 _INF = float("inf")
 
@@ -101,16 +96,16 @@ def _check_ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None,
     if z is not None:
         z = checks.require_float("z", z)
         checks.require_shape("z", z, x.shape, "x.shape")
-    cu_seqlens, n = la_checks.check_cu_seqlens(cu_seqlens, batch, T, what="x")
-    initial_states = la_checks.check_state("initial_states", initial_states, (n, H, P, B.shape[-1]),
-                                           "[N, H, P, N_state]")
+    cu_seqlens, n = base.check_cu_seqlens(cu_seqlens, batch, T, what="x")
+    initial_states = base.check_state("initial_states", initial_states, (n, H, P, B.shape[-1]),
+                                      "[N, H, P, N_state]")
     return Call(
         {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
          "initial_states": initial_states, "cu_seqlens": cu_seqlens},
-        {"chunk_size": la_checks.check_chunk_size(chunk_size),
-         "dt_softplus": la_checks.require_bool("dt_softplus", dt_softplus),
+        {"chunk_size": base.check_chunk_size(chunk_size),
+         "dt_softplus": base.require_bool("dt_softplus", dt_softplus),
          "dt_limit": _check_dt_limit(dt_limit),
-         "return_final_states": la_checks.require_bool("return_final_states", return_final_states),
+         "return_final_states": base.require_bool("return_final_states", return_final_states),
          "precision": resolve_precision(precision)},
     )
 
@@ -129,7 +124,7 @@ def _check_ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_s
     C = _check_groups("C", C, (batch,), H)
     checks.require_shape("C", C, B.shape, "B.shape")
     N = B.shape[-1]
-    state = la_checks.check_state("state", state, (batch, H, P, N), "[B, H, P, N]")
+    state = base.check_state("state", state, (batch, H, P, N), "[B, H, P, N]")
     if state is None:
         raise TypeError("state: expected an array [B, H, P, N], got None")
     A, D, dt_bias = _check_step_head_params(H, P, N, D, dt_bias, A)
@@ -137,7 +132,7 @@ def _check_ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_s
         z = checks.require_float("z", z)
         checks.require_shape("z", z, x.shape, "x.shape")
     return Call({"state": state, "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias},
-                {"dt_softplus": la_checks.require_bool("dt_softplus", dt_softplus),
+                {"dt_softplus": base.require_bool("dt_softplus", dt_softplus),
                  "dt_limit": _check_dt_limit(dt_limit), "precision": resolve_precision(precision)})
 
 
@@ -160,76 +155,29 @@ def _transpose_state(s):
     return None if s is None else jnp.swapaxes(s, -1, -2)
 
 
-def _ssd_runner(backend: str):
-    def run(call: Call, config):
-        x = call.x
-        group = x.shape[2] // call.B.shape[2]
+def _run_ssd(row: Backend, call: Call, config):
+    x = call.x
+    group = x.shape[2] // call.B.shape[2]
 
-        def prepare(tokens):  # SSD as gated linear attention: q = C, k = B, v = dt·x, g = dt·A
-            dt = ssd_dt(tokens["dt"], call.dt_bias, call.dt_softplus, call.dt_limit)
-            q = jnp.repeat(tokens["C"].astype(F32), group, axis=-2)
-            k = jnp.repeat(tokens["B"].astype(F32), group, axis=-2)
-            return q, k, tokens["x"].astype(F32) * dt[..., None], dt * call.A.astype(F32), None
+    def prepare(tokens):  # SSD as gated linear attention: q = C, k = B, v = dt·x, g = dt·A
+        dt = ssd_dt(tokens["dt"], call.dt_bias, call.dt_softplus, call.dt_limit)
+        q = jnp.repeat(tokens["C"].astype(F32), group, axis=-2)
+        k = jnp.repeat(tokens["B"].astype(F32), group, axis=-2)
+        return q, k, tokens["x"].astype(F32) * dt[..., None], dt * call.A.astype(F32), None
 
-        n = x.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
-        h0 = (jnp.zeros((n, x.shape[2], call.B.shape[-1], x.shape[3]), F32) if call.initial_states is None
-              else _transpose_state(call.initial_states.astype(F32)))
-        tokens = {"x": x, "dt": call.dt, "B": call.B, "C": call.C}
-        y, final = recurrence(backend, tokens, prepare, h0, call.cu_seqlens, per_channel=False,
-                              chunk_size=la_checks.xla_chunk(call.chunk_size, False), config=config,
-                              precision=call.precision)
-        y = ssd_epilogue(y, x, call.D, call.z).astype(x.dtype)
-        return (y, _transpose_state(final)) if call.return_final_states else y
-    return run
+    n = x.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
+    h0 = (jnp.zeros((n, x.shape[2], call.B.shape[-1], x.shape[3]), F32) if call.initial_states is None
+          else _transpose_state(call.initial_states.astype(F32)))
+    tokens = {"x": x, "dt": call.dt, "B": call.B, "C": call.C}
+    y, final = recurrence(row, tokens, prepare, h0, call.cu_seqlens, per_channel=False,
+                          chunk_size=base.xla_chunk(call.chunk_size, False), config=config,
+                          precision=call.precision)
+    y = ssd_epilogue(y, x, call.D, call.z).astype(x.dtype)
+    return (y, _transpose_state(final)) if call.return_final_states else y
 
 
-def _is_tied(call: Call) -> bool:
-    """Whether a step call uses mamba_ssm's per-(head, head_dim) shapes."""
-    return call.dt.ndim == 3 or call.A.ndim == 3 or (call.dt_bias is not None and call.dt_bias.ndim == 2)
-
-
-def _tied_step_reference(call: Call, precision=HIGHEST):
-    """One decode token with ``dt [B, H, P]``, ``A [H, P, N]``, ``dt_bias [H, P]``
-    (mamba_ssm's ``selective_state_update`` with tied head dims; ``[B, H]`` /
-    ``[H]`` operands broadcast over P and N), float32:
-
-        dt ← clip(softplus(dt + dt_bias)),   state ← exp(dt·A)·state + (dt·x) ⊗ B_h
-        y = state · C_h + D·x,  times silu(z)
-    """
-    batch, H, P = call.x.shape
-    group = H // call.B.shape[1]
-    dt = call.dt.astype(F32)
-    dt = jnp.broadcast_to(dt if dt.ndim == 3 else dt[..., None], (batch, H, P))
-    bias = call.dt_bias
-    if bias is not None and bias.ndim == 1:
-        bias = bias[:, None]
-    dt = ssd_dt(dt, bias, call.dt_softplus, call.dt_limit)
-    A = call.A.astype(F32)
-    A = A if A.ndim == 3 else A[:, None, None]
-    Bh = jnp.repeat(call.B.astype(F32), group, axis=1)
-    Ch = jnp.repeat(call.C.astype(F32), group, axis=1)
-    x = call.x.astype(F32)
-    state = call.state.astype(F32) * jnp.exp(dt[..., None] * A) + (dt * x)[..., None] * Bh[:, :, None, :]
-    y = jnp.einsum("bhpn,bhn->bhp", state, Ch, precision=precision)
-    y = ssd_epilogue(y, x, call.D, call.z)
-    return y.astype(call.x.dtype), state.astype(call.state.dtype)
-
-
-def _step_reference(call: Call, precision=HIGHEST):
-    """Golden `ssd_step` (both shape conventions); the XLA implementation at the call's ``precision``."""
-    if _is_tied(call):
-        return _tied_step_reference(call, precision)
-    return ssd_step_reference(call, precision=precision)
-
-
-def _ssd_step_xla(call: Call, config):
-    del config
-    return _step_reference(call, call.precision)
-
-
-def _ssd_step_mosaic_tpu(call: Call, config):
-    """The Mosaic TPU step kernel (`mosaic_tpu_decode.ssd_step`; its backward is XLA's)."""
-    return mosaic_tpu_decode.ssd_step(call, config)
+def _run_step(row: Backend, call: Call, config):
+    return row.kernels.ssd_step(call, config)
 
 
 ssd_op = register(Op(
@@ -237,15 +185,7 @@ ssd_op = register(Op(
     family="linear_attention",
     check=_check_ssd,
     reference=ssd_reference,
-    implementations=[
-        Implementation("mosaic_tpu", _ssd_runner("mosaic_tpu"), backend="mosaic_tpu",
-                       config_type=TpuLinearAttentionConfig, heuristic=linear_attention_tpu_heuristic,
-                       space=linear_attention_tpu_space, requirements=linear_attention_tpu_requirements),
-        Implementation("triton", _ssd_runner("triton"), backend="triton", config_type=LinearAttentionConfig,
-                       heuristic=linear_attention_heuristic, space=linear_attention_space,
-                       requirements=triton_requirements(per_channel=False)),
-        Implementation("xla", _ssd_runner("xla")),
-    ],
+    implementations=BACKENDS.forward(_run_ssd),
     flops=ssd_flops,
     bytes_accessed=ssd_bytes,
     examples=ssd_examples,
@@ -258,13 +198,8 @@ ssd_step_op = register(Op(
     "ssd_step",
     family="linear_attention",
     check=_check_ssd_step,
-    reference=_step_reference,
-    implementations=[
-        Implementation("mosaic_tpu", _ssd_step_mosaic_tpu, backend="mosaic_tpu", config_type=SsdStepTpuConfig,
-                       heuristic=ssd_step_tpu_heuristic, space=ssd_step_tpu_space,
-                       requirements=ssd_step_tpu_requirements),
-        Implementation("xla", _ssd_step_xla),
-    ],
+    reference=ssd_step_reference,
+    implementations=STEP_BACKENDS.forward(_run_step),
     bytes_accessed=ssd_bytes,
     examples=ssd_step_examples,
     benchmarks=ssd_step_benchmarks,
@@ -291,6 +226,10 @@ def ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_sof
       chunk_size: tokens per chunk of the XLA path; ``None`` (default) picks the
         fastest (32 on a CPU, 64 elsewhere; mamba_ssm's default is 256). The result
         does not depend on it. The Triton kernels always use 64.
+      implementation: ``"mosaic_tpu"`` (config `TpuLinearAttentionConfig`), ``"triton"``
+        (`LinearAttentionConfig`), ``"xla"`` (no config), a sequence of them tried in
+        order, or ``None``: the best available, ending in ``"xla"``.
+      config: the chosen kernels' config (above).
       precision: of the float32 contractions, forward and backward: ``None``
         (``"highest"`` unless `jax.default_matmul_precision` says otherwise),
         ``"default"``, ``"high"``, ``"highest"`` or a `jax.lax.Precision`
@@ -314,7 +253,10 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     (the values may differ per head dim and state dim): ``dt [B, H, P]``,
     ``A [H, P, N]``, ``D`` and ``dt_bias [H, P]`` — what its decode passes
     (``A[:, None, None].expand(-1, P, N)`` and so on).
-    ``precision`` as in `ssd` (`stellax.core.precision`).
+    ``precision`` as in `ssd` (`stellax.core.precision`). ``implementation``:
+    ``None`` (best available, ending in ``"xla"``), ``"mosaic_tpu"`` (the Mosaic TPU
+    step kernel, configs `SsdStepTpuConfig` through `stellax.use_configs`), ``"xla"``
+    or a sequence.
     Returns ``(y [B, H, P] in x.dtype, new_state [B, H, P, N] in state.dtype)``.
     """
     return ssd_step_op(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,

@@ -1,4 +1,6 @@
-"""The chunked algorithm in XLA: one ``lax.scan`` over chunks (the CPU default).
+"""The XLA backend (the ``kernels`` of the ``xla`` rows in `base`): the
+chunked algorithm as one ``lax.scan`` over chunks (the CPU default), the
+backward ops' XLA implementation, and the decode ops' XLA paths.
 
 Each scan step handles one chunk of every (batch, head) pair through the
 pipeline's stages: the intra-chunk part (stages 1–4, `wy.chunk_intra`), the
@@ -10,7 +12,9 @@ Gradients: the step is wrapped in ``jax.checkpoint``, so reverse-mode
 autodiff stores only the state at each chunk boundary and recomputes the
 intra-chunk part during the backward scan (memory ``O(NT·K·V)`` per head,
 like the Triton backward). All exponents are ≤ 0, so the autodiff graph is
-free of inf·0.
+free of inf·0. The backward ops' XLA implementation (`backward`) is the VJP
+of the same scan on their layout; the decode ops (`fused_recurrent`,
+`ssd_step`) run the token recurrences of `reference` at the call's precision.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ...core import Call
 from ...core.pallas import F32, HIGHEST
-from .layout import Stream, from_chunks, make_stream, to_chunks
+from .configs import TRITON_CHUNK
+from .layout import Stream, differentiate, from_chunks, make_stream, per_chunk, stream_of, to_chunks
 from .output import chunk_step
+from .reference import delta_rule_recurrence, prepare_delta_inputs, ssd_step_reference
 from .wy import chunk_intra
 
 
@@ -91,3 +98,37 @@ def chunked_scan(tokens, prepare, *, initial_state, cu_seqlens, chunk_size, prec
     o, final = scan_chunks(xs, initial_state.astype(F32), stream, lambda x: prepare(
         {n: x.get(n) for n in tokens}), precision)
     return stream.unpack(from_chunks(o)), final
+
+
+# -- the backward ops ----------------------------------------------------------------------
+def _forward_on_layout(call: Call, q, k, v, g, beta, h0):
+    """The forward on a backward call's layout (`scan_chunks`)."""
+    stream = stream_of(call)
+    # [Bs, HV, NT, C, ...] → [NT, Bs, C, HV, ...]
+    to_scan = lambda x: None if x is None else jnp.moveaxis(jnp.moveaxis(per_chunk(x, TRITON_CHUNK), 2, 0), 2, 3)
+    o, final = scan_chunks({"q": to_scan(q), "k": to_scan(k), "v": to_scan(v), "g": to_scan(g),
+                            "beta": to_scan(beta)}, h0, stream, precision=call.precision)
+    return jnp.moveaxis(jnp.moveaxis(o, 3, 2), 0, 2).reshape(v.shape), final
+
+
+def backward(call: Call, config=None, *, per_channel: bool):
+    """The backward ops' XLA implementation: the VJP of the chunked scan on their layout."""
+    del config, per_channel
+    return differentiate(call, _forward_on_layout)
+
+
+# -- the decode ops ------------------------------------------------------------------------
+def fused_recurrent(call: Call, config=None):
+    """`fused_recurrent_gated_delta_rule` / `fused_recurrent_kda`: the token recurrence at the
+    call's precision, ``(o in v.dtype, final_state float32 or None)``."""
+    del config
+    q, k, g, beta = prepare_delta_inputs(call)
+    o, final = delta_rule_recurrence(q, k, call.v, g, beta, scale=call.scale, initial_state=call.initial_state,
+                                     cu_seqlens=call.cu_seqlens, precision=call.precision)
+    return o.astype(call.v.dtype), (final if call.output_final_state else None)
+
+
+def ssd_step(call: Call, config=None):
+    """`ssd_step`: the golden step at the call's precision, ``(y in x.dtype, new_state in state.dtype)``."""
+    del config
+    return ssd_step_reference(call, call.precision)
