@@ -329,6 +329,22 @@ def _key_grads_kernel(*, q, k, beta, dpe, dae, dq_in, dk_in, dq, dk, chunk, bloc
     dq[...], dk[...] = jax.lax.fori_loop(0, chunk // block, block_step, (dq_in[...], dk_in[...]))
 
 
+def _check_intra_backward(k, v, states, d_states, chunk: int) -> None:
+    """`gdn_intra_backward`'s layout: ``Tp`` whole chunks, head sizes powers of two ≥ 16,
+    ``states`` and ``d_states`` ``[BH, NT, K, V]``."""
+    bh, tp, kdim = k.shape
+    vdim = v.shape[-1]
+    if tp % chunk:
+        raise ValueError(f"k: expected a padded length that is a multiple of chunk={chunk}, got {tp}")
+    for name, d in (("k", kdim), ("v", vdim)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"{name}: expected a last dimension that is a power of two >= 16 (padded_dim), got {d}")
+    nt = tp // chunk
+    if states.shape != (bh, nt, kdim, vdim) or d_states.shape != states.shape:
+        raise ValueError(f"states, d_states: expected shape {(bh, nt, kdim, vdim)}, "
+                         f"got {states.shape} and {d_states.shape}")
+
+
 def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *, chunk: int,
                        config: LinearAttentionConfig, precision=HIGHEST):
     """Per-chunk gradients of the chunked recurrence's inputs.
@@ -347,17 +363,10 @@ def gdn_intra_backward(q, k, v, g, beta, states, delta, d_states, d_delta, do, *
     warps, one stage; the key-block kernels take ``min(KEY_BLOCK, K)`` key columns each.
     ``precision`` (resolved) of every matmul, as Triton runs it (`core.pallas.triton_precision`).
     """
+    _check_intra_backward(k, v, states, d_states, chunk)
     bh, tp, kdim = k.shape
     vdim = v.shape[-1]
-    if tp % chunk:
-        raise ValueError(f"k: expected a padded length that is a multiple of chunk={chunk}, got {tp}")
-    for name, d in (("k", kdim), ("v", vdim)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"{name}: expected a last dimension that is a power of two >= 16 (padded_dim), got {d}")
     nt = tp // chunk
-    if states.shape != (bh, nt, kdim, vdim) or d_states.shape != states.shape:
-        raise ValueError(f"states, d_states: expected shape {(bh, nt, kdim, vdim)}, "
-                         f"got {states.shape} and {d_states.shape}")
     bk, bv, block = min(KEY_BLOCK, kdim), min(config.block_v, MAX_BLOCK_V, vdim), column_block(chunk)
     nk = kdim // bk
     launch = functools.partial(triton_kernel_call, num_warps=config.num_warps, num_stages=1)

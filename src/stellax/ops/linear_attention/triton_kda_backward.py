@@ -3,7 +3,7 @@ stages 4 → 1 backwards, after the reverse state scan.
 
 `kda_intra_backward` backpropagates, per chunk, the cotangents of the per-chunk
 factors (`triton_intra.kda_intra_forward`'s outputs) that the scans give
-(`backward.factor_cotangents`): ``d(Q⊙Γ)``, ``dK̃``, ``dΓ_C``, ``dP``, ``dU``,
+(`pipeline.factor_cotangents`): ``d(Q⊙Γ)``, ``dK̃``, ``dΓ_C``, ``dP``, ``dU``,
 ``dW``, to ``dq, dk, dv, dg, dβ``. Two kernels, the second reading the
 first's ``dS_k`` and ``dR_W`` from HBM:
 
@@ -145,6 +145,37 @@ def _diagonal_block(qa, ka, ga, dp_aa, dsk_aa, k, start, col_sums, init):
     return dq_a, dk_a, dg_a
 
 
+class _SubBlocks:
+    """The sub-blocks of ``s`` rows of one chunk of `_scores_backward_kernel` and the
+    decay sums over them, from the chunk's log decays ``g [C, bk]``."""
+
+    def __init__(self, g, chunk: int, precision):
+        self.s = s = CHANNEL_SUB_BLOCK
+        self.nb = nb = chunk // s
+        self.g, self.precision = g, precision
+        rows, cols = square_iota(s)
+        self.blocks = jax.lax.broadcasted_iota(jnp.int32, (nb, 1), 0)
+        self.later = (cols > rows).astype(F32)  # [j, t]: t > j, both in one block
+        self.totals = jnp.sum(g[...].astype(F32).reshape(nb, s, g.shape[-1]), axis=1)  # [nb, bk]: Σ_{t in block} g
+
+    def rows(self, ref, a):
+        """Rows of block ``a`` of ``ref``, float32."""
+        return ref[pl.ds(a * self.s, self.s), :].astype(F32)
+
+    def square(self, ref, a, b):
+        """The ``[s, s]`` block ``(a, b)`` of ``ref``."""
+        return ref[pl.ds(a * self.s, self.s), pl.ds(b * self.s, self.s)]
+
+    def whole(self, lo, hi):
+        """Σ g over the whole blocks lo..hi-1, ``[1, bk]`` (same-sign terms)."""
+        inside = (self.blocks >= lo) & (self.blocks < hi)
+        return jnp.sum(jnp.where(inside, self.totals, 0.0), axis=0, keepdims=True)
+
+    def tail(self, a):
+        """Σ_{j<t<(a+1)·s} g for the rows j of block a."""
+        return dot(self.later, self.rows(self.g, a), precision=self.precision)
+
+
 def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq, dk, dg, dbeta, chunk, precision):
     """One chunk, ``bk`` channels: ``dq, dk, dg [C, bk]`` of ``Σ dP⊙P + Σ dS_k⊙S_k``
     and of the decay factors ``Q⊙Γ`` (cotangent ``dqg``), ``K̃`` (``dkg``),
@@ -157,21 +188,9 @@ def _scores_backward_kernel(*, q, k, g, beta, dp, dsk, dqg, dkg, drw, dgamma, dq
     cotangents of the blocks after ``a`` to every ``t`` of it (``prefix_later``).
     Loops rather than unrolled blocks, so no block's operands are live in another's.
     """
-    s = CHANNEL_SUB_BLOCK
-    nb = chunk // s
-    bk = k.shape[-1]
-    rows, cols = square_iota(s)
-    blocks = jax.lax.broadcasted_iota(jnp.int32, (nb, 1), 0)
-    later = (cols > rows).astype(F32)  # [j, t]: t > j, both in one block
-    rows_of = lambda ref, a: ref[pl.ds(a * s, s), :].astype(F32)
-    square = lambda ref, a, b: ref[pl.ds(a * s, s), pl.ds(b * s, s)]
-    totals = jnp.sum(g[...].astype(F32).reshape(nb, s, bk), axis=1)  # [nb, bk]: Σ_{t in block} g
-
-    def whole(lo, hi):  # Σ g over the whole blocks lo..hi-1, [1, bk] (same-sign terms)
-        return jnp.sum(jnp.where((blocks >= lo) & (blocks < hi), totals, 0.0), axis=0, keepdims=True)
-
-    def tail(a):  # Σ_{j<t<(a+1)·s} g for the rows j of block a
-        return dot(later, rows_of(g, a), precision=precision)
+    sub = _SubBlocks(g, chunk, precision)
+    s, nb, bk, blocks = sub.s, sub.nb, k.shape[-1], sub.blocks
+    rows_of, square, whole, tail = sub.rows, sub.square, sub.whole, sub.tail
 
     def suffix_sum(m, sums):  # Σ over block m of K̃'s cotangent of Σ_{t>j} g
         decay = jnp.exp(tail(m) + whole(m + 1, nb))
