@@ -71,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--list", action="store_true", help="print the plan (stages, ops, work, estimated time, what "
                                                         "is done already) and exit")
     p.add_argument("--budget", type=float, default=None, help="seconds for this command (default 540; dry 300)")
-    p.add_argument("--ops", default="", help="comma list of op names (default: every op with a TPU kernel)")
+    p.add_argument("--ops", default="", help="comma list of op names, the registry's or the public function's "
+                                             "(default: every op with a TPU kernel)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma list of stages (default: {','.join(STAGES)})")
     p.add_argument("--skip", default="", help="comma list of stages to leave out")
     p.add_argument("--cases", type=int, default=2, help="benchmark shapes per op in the bench stage (default 2)")
@@ -161,12 +162,13 @@ class Suite:
 def tpu_ops(args) -> list:
     """Ops with a ``mosaic_tpu`` implementation (those named by --ops)."""
     import stellax
+    from stellax._op_names import UnknownOpError, resolve_op_names
 
-    wanted = [n for n in args.ops.split(",") if n]
     ops = stellax.registered_ops()
-    unknown = [n for n in wanted if n not in ops]
-    if unknown:
-        raise SystemExit(f"--ops: unknown op names {unknown}; known: {sorted(ops)}")
+    try:
+        wanted = resolve_op_names([n for n in args.ops.split(",") if n], ops)  # rms_norm is layer_norm
+    except UnknownOpError as e:
+        raise SystemExit(f"--ops: {e}") from None
     return [op for name, op in sorted(ops.items())
             if "mosaic_tpu" in op.implementations and (not wanted or name in wanted)]
 

@@ -32,6 +32,7 @@ def _info(args) -> int:
     table = Table(title="implementations on this device")
     for column in ("op", "implementation", "backend", "runs here"):
         table.add_column(column)
+    from stellax._op_names import display_name
     from stellax.core.op import backend_support
     for name, op in sorted(stellax.registered_ops().items()):
         for impl in op.implementations.values():
@@ -39,7 +40,7 @@ def _info(args) -> int:
             status = "yes" if support else f"no: {support.reason}"
             if support and impl.is_kernel and platform.backend == "cpu":
                 status = "interpreted (explicit request only)"
-            table.add_row(name, impl.name, impl.backend, status)
+            table.add_row(display_name(name), impl.name, impl.backend, status)
     console.print(table)
     tpu_table = Table(title="TPU generations (Mosaic TPU kernels run on v5e and newer)")
     for column in ("generation", "device kind", "VMEM", "scoped VMEM default", "MXU", "cores/device",
@@ -140,15 +141,19 @@ def _check(args) -> int:
     from rich.console import Console
 
     import stellax
+    from stellax._op_names import is_op_name, valid_names
     from stellax.testing import report as check_report
     from stellax.testing.plan import plan_checks, select_ops
 
     console = Console(width=max(Console().width, 150), stderr=bool(args.json == "-"))
     ops = stellax.registered_ops()
-    selected = select_ops(ops, args.ops)
-    if args.ops and not selected:
-        console.print(f"[red]no registered op or family matches {args.ops}; known: {sorted(ops)}")
+    families = sorted({op.family for op in ops.values()})
+    unknown = [n for n in args.ops if not is_op_name(n, ops) and n not in families]
+    if unknown:
+        console.print(f"[red]no registered op or family matches {unknown}; known ops: {valid_names(ops)}; "
+                      f"families: {families}", highlight=False)
         return 2
+    selected = select_ops(ops, args.ops)
     if args.tpu_compile:
         return _check_tpu_compile(args, console, selected)
     try:
@@ -194,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                     "in float32 (gradients too for differentiable ops) through its XLA implementations and the "
                     "kernels that interpret quickly on a CPU; --all runs every example, implementation and "
                     "dtype (float32, bfloat16). Exit code 1 on any failure.")
-    check.add_argument("ops", nargs="*", help="op names or families (default: all)")
+    check.add_argument("ops", nargs="*", help="op names (the registry's or the public function's: rms_norm is "
+                                              "layer_norm) or families (default: all)")
     check.add_argument("--all", action="store_true",
                        help="the full sweep: every example, every implementation, float32 and bfloat16")
     check.add_argument("--dtypes", default="", help="comma-separated dtypes (default: float32; with --all "

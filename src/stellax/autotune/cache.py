@@ -31,8 +31,6 @@ import dataclasses
 import datetime
 import json
 import os
-import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -41,6 +39,7 @@ from typing import Any, Iterable, Iterator
 
 import jax
 
+from .._files import atomic_write_text, user_cache_root  # noqa: F401  (part of this module's API)
 from .._version import __version__
 from . import keys as keys_lib
 
@@ -50,20 +49,6 @@ FORMAT_VERSION = 1
 
 class CacheWarning(UserWarning):
     """A cache file could not be used (corrupted, foreign format, untrusted entry)."""
-
-
-def user_cache_root() -> Path:
-    """``$STELLAX_CACHE_DIR`` or the platform's user cache directory + ``stellax``."""
-    env = os.environ.get("STELLAX_CACHE_DIR", "").strip()
-    if env:
-        return Path(env).expanduser()
-    if sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
-        return base / "stellax" / "Cache"
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "stellax"
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "stellax"
 
 
 def user_autotune_dir() -> Path:
@@ -191,35 +176,6 @@ def dump_cache_text(entries: dict[str, Entry], *, device: str = "", device_kind:
         "entries": {k: entries[k].to_json() for k in sorted(entries)},
     }
     return json.dumps(payload, indent=1, sort_keys=False) + "\n"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new file only."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The writer's pid is in the name: `_clean_temporaries` removes the files of dead writers.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        with contextlib.suppress(OSError):
-            os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if hasattr(os, "O_DIRECTORY"):
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(str(path.parent), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
 
 
 @contextlib.contextmanager

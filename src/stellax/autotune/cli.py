@@ -25,7 +25,8 @@ from rich.console import Console
 import stellax  # noqa: F401  (registers the ops)
 
 from ..bench.inputs import materialize_example
-from ..bench.suites import families, grad_spec
+from .._op_names import UnknownOpError, resolve_op_name, resolve_op_names
+from ..bench.suites import families, grad_spec, only_ops
 from ..core.op import Example, registered_ops
 from ..core.platform import current_platform, interpret_mode
 from ..testing.numerics import random_array
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Tune the kernels of benchmark suites (op families) or of shapes "
                                             "from a JSON file; results go to the user autotuning cache.")
     p.add_argument("suites", nargs="*", help="op families to tune on their benchmark shapes (default: all)")
+    p.add_argument("--ops", default=None,
+                   help="comma list of ops to tune (registry or public names: rms_norm, dot_product_attention); "
+                        "default: every op of the suites")
     p.add_argument("--shapes", metavar="FILE.json", help="tune these calls instead of suites")
     p.add_argument("--from-hlo", metavar="FILE", help="tune the stellax calls of a program from its HLO / StableHLO "
                                                       "text (jax.jit(f).lower(...).as_text()) or an XLA dump "
@@ -88,9 +92,10 @@ def load_shapes(path: str):
     ops = registered_ops()
     out = []
     for i, item in enumerate(data):
-        name = item.get("op")
-        if name not in ops:
-            raise ValueError(f"{path}[{i}].op: unknown op {name!r}; known: {sorted(ops)}")
+        try:
+            name = resolve_op_name(item.get("op"), ops)  # a public function's name works too
+        except UnknownOpError as e:
+            raise ValueError(f"{path}[{i}].op: {e}") from None
         key = jax.random.PRNGKey(i)
         keys = jax.random.split(key, len(item.get("args", [])) + len(item.get("kwargs", {})) + 1)
         args = tuple(_array_from_spec(a, k) for a, k in zip(item.get("args", []), keys))
@@ -100,13 +105,16 @@ def load_shapes(path: str):
     return out
 
 
-def suite_calls(suites, max_cases=None):
+def suite_calls(suites, max_cases=None, ops=None):
+    """The benchmark calls of ``suites`` (all when empty), only those of ``ops`` when given."""
     known = families()
     unknown = [s for s in suites if s not in known]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; known suites: {list(known)}")
+    if ops:
+        known = only_ops(known, ops, suites)
     out = []
-    for family in (suites or list(known)):
+    for family in ([s for s in suites if s in known] if suites else list(known)):
         for op in known[family]:
             examples = op.benchmarks()
             if max_cases is not None:
@@ -160,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_hlo or args.from_trace:
             return _tune_program(args, console, err, device, platform)
         try:
-            calls = load_shapes(args.shapes) if args.shapes else suite_calls(args.suites, args.max_cases)
+            ops = [name for name in args.ops.split(",") if name] if args.ops else None
+            calls = load_shapes(args.shapes) if args.shapes else suite_calls(args.suites, args.max_cases, ops)
+            if ops and args.shapes:
+                wanted = resolve_op_names(ops)
+                calls = [c for c in calls if c[0].name in wanted]
         except (OSError, ValueError) as e:
             err.print(f"stellax autotune: {e}")
             return 2

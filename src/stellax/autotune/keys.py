@@ -12,18 +12,13 @@ about a real accelerator, so they never mix with native ones).
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
+from .._files import slug  # noqa: F401  (part of this module's API)
 from ..core import call as call_lib
 from ..core.platform import Platform, current_platform, interpret_enabled
 
 Key = tuple[str, str, tuple]
-
-
-def slug(text: str) -> str:
-    """``"NVIDIA H100 80GB HBM3"`` → ``"nvidia_h100_80gb_hbm3"``."""
-    return re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_") or "unknown"
 
 
 def device_slug(platform: Platform | None = None, interpret: bool | None = None) -> str:

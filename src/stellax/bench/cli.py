@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from ..autotune.cache import atomic_write_text
+from .._files import atomic_write_text
 from ..core.platform import current_platform
 from . import baseline as baseline_lib
 from . import bisect as bisect_lib
@@ -25,7 +25,7 @@ from . import roofline as roofline_lib
 from .calibrate import calibrate, describe
 from .measurement import MODES
 from .profiler import profile, trace_files
-from .suites import NoMatchingCase, SuiteOptions, families, run_suites
+from .suites import NoMatchingCase, SuiteOptions, families, only_ops, run_suites
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("suites", nargs="*", help="op families to run (default: all); see --list")
     p.add_argument("--list", action="store_true", help="list the suites and their ops, then exit")
+    p.add_argument("--ops", default=None,
+                   help="comma list of ops to run (registry or public names: rms_norm, dot_product_attention); "
+                        "default: every op of the suites")
     p.add_argument("--modes", default=None,
                    help="comma list of forward,backward,forward_backward (default: forward, plus "
                         "forward_backward for differentiable ops)")
@@ -94,6 +97,13 @@ def _options(args, platform, err) -> SuiteOptions | None:
     if unknown:
         err.print(f"unknown suite(s) {unknown}; known suites: {list(known)}")
         return None
+    ops = [name for name in args.ops.split(",") if name] if args.ops else None
+    if ops:
+        try:
+            only_ops(known, ops, args.suites)
+        except ValueError as e:
+            err.print(f"--ops: {e}", highlight=False)
+            return None
     modes = args.modes.split(",") if args.modes else None
     bad = [m for m in modes or () if m not in MODES]
     if bad:
@@ -114,6 +124,7 @@ def _options(args, platform, err) -> SuiteOptions | None:
         peers=not args.no_peers, interpret=args.interpret,
         timer="wall" if (args.profile and args.timer in ("auto", "cupti", "profiler")) else args.timer,
         max_cases=args.max_cases, budget_s=budget, min_time=args.min_time, rounds=args.rounds, case=args.case,
+        ops=ops,
     )
 
 
@@ -125,7 +136,7 @@ def _run(args, platform, console, err):
         console.print(f"calibration on {platform.describe()}: {describe(measurement)}")
         if measurement.get("saved_to"):
             console.print(f"saved to {measurement['saved_to']}")
-        if not args.suites:
+        if not args.suites and not args.ops:
             return 0
     elif roofline_lib.device_peaks(platform) is None:
         calibrate(quick=True, save=False)  # CPU: rough in-process ceilings for the roofline columns
@@ -308,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bisect_cli(argv[1:])
     args = build_parser().parse_args(argv)
-    import stellax  # noqa: F401  (registers the ops; imported here: stellax imports this package)
+    import stellax  # noqa: F401  (registers the ops)
 
     console = Console(stderr=False, width=max(Console().width, 240))
     err = Console(stderr=True, soft_wrap=True)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .._version import __version__
-from ..autotune.cache import atomic_write_text
+from .._files import atomic_write_text
 from ..core.platform import current_platform, interpret_enabled
 from .baseline import RoundsRecord
 from .measurement import BenchmarkRecord

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .._files import atomic_write_text, slug, user_cache_root
 from ..core.platform import Platform, current_platform
 
 T = 1e12
@@ -121,9 +122,6 @@ def datasheet_peaks(device_kind: str) -> Peaks | None:
 
 # -- measured peaks ------------------------------------------------------------
 def _peaks_path(platform: Platform):
-    from ..autotune.cache import user_cache_root
-    from ..autotune.keys import slug
-
     return user_cache_root() / "peaks" / f"{slug(platform.device_kind)}.json"
 
 
@@ -140,8 +138,6 @@ def load_measured(platform: Platform | None = None) -> dict | None:
 
 
 def save_measured(measurement: Mapping[str, Any], platform: Platform | None = None) -> str:
-    from ..autotune.cache import atomic_write_text
-
     platform = platform or current_platform()
     data = dict(measurement)
     data["device_kind"] = platform.device_kind

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 
+from .._op_names import display_name, resolve_op_names
 from ..core.op import Example, Op, UnsupportedError, registered_ops
 from ..core.platform import current_platform, interpret_mode
 from . import baseline as baseline_lib
@@ -59,6 +60,28 @@ def families(ops: dict[str, Op] | None = None) -> dict[str, list[Op]]:
             continue
         out.setdefault(op.family, []).append(op)
     return dict(sorted(out.items()))
+
+
+def only_ops(known: dict[str, list[Op]], names: Sequence[str],
+             suites: Sequence[str] | None = None) -> dict[str, list[Op]]:
+    """The suites of ``known`` (`families`; only ``suites`` when given) cut to the ops
+    ``names`` names (registry or public names: ``rms_norm`` is ``layer_norm``).
+
+    Raises:
+      ValueError: a name that is no op (`UnknownOpError`), an op without benchmarks,
+        or ops in none of ``suites``.
+    """
+    wanted = resolve_op_names(names)
+    have = {op.name for ops in known.values() for op in ops}
+    missing = [display_name(n) for n in wanted if n not in have]
+    if missing:
+        raise ValueError(f"ops {missing} have no benchmarks; ops with benchmarks: {sorted(have)}")
+    cut = {family: [op for op in ops if op.name in wanted] for family, ops in known.items()
+           if not suites or family in suites}
+    cut = {family: ops for family, ops in cut.items() if ops}
+    if not cut:
+        raise ValueError(f"ops {list(names)} are in none of the suites {list(suites or ())}")
+    return cut
 
 
 def suite_names() -> list[str]:
@@ -98,6 +121,7 @@ class SuiteOptions:
     use_examples: bool = False  # the small numerics examples instead of benchmark shapes (dry runs)
     rounds: int = 3  # timing rounds per case (their spread is the noise estimate of --baseline)
     case: str | None = None  # regular expression on the record key op|case|implementation|mode
+    ops: Sequence[str] | None = None  # only these ops (registry or public names: rms_norm is layer_norm)
 
     def __post_init__(self):
         if int(self.rounds) < 1:
@@ -376,10 +400,12 @@ def run_suites(names: Sequence[str] | None = None, options: SuiteOptions | None 
     a pattern that matches no case raises `NoMatchingCase` (a `ValueError`)."""
     options = options or SuiteOptions()
     known = families()
-    names = list(names) if names else list(known)
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names or () if n not in known]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; known suites: {list(known)}")
+    if options.ops:
+        known = only_ops(known, options.ops, names)
+    names = [n for n in names if n in known] if names else list(known)
     if options.budget_s is None:
         records = [r for name in names for r in run_suite(name, options, ops=known[name], progress=progress)]
     else:

@@ -33,6 +33,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
+from .._op_names import OP_ALIASES, UnknownOpError, resolve_op_name
 from ..core import Implementation, Op, registered_ops
 from .errors import LabError
 
@@ -45,11 +46,14 @@ def source_hash(source: str) -> str:
 
 
 def find_op(name: str) -> Op:
-    """The registered op ``name``, or a `LabError` listing the known ones."""
+    """The registered op ``name`` names (its registry name or its public
+    function's: ``rms_norm`` is ``layer_norm``), or a `LabError` listing the
+    known names."""
     ops = registered_ops()
-    if name not in ops:
-        raise LabError(f"--op: no registered op {name!r}; expected one of {sorted(ops)}")
-    return ops[name]
+    try:
+        return ops[resolve_op_name(name, ops)]
+    except UnknownOpError as e:
+        raise LabError(f"--op: {e}") from None
 
 
 def load_module(path: str | Path, module_name: str | None = None) -> ModuleType:
@@ -92,7 +96,7 @@ def implementation_of(module: ModuleType, op: Op, where: str = "candidate") -> I
     """The `Implementation` a loaded candidate module defines for ``op``
     (see the module docstring); `LabError` naming what is missing or wrong."""
     declared = getattr(module, "OP", None)
-    if declared is not None and declared != op.name:
+    if declared is not None and declared != op.name and OP_ALIASES.get(declared) != op.name:
         raise LabError(f"{where}: the file declares OP = {declared!r} but --op is {op.name!r}")
     impl = getattr(module, "IMPLEMENTATION", None)
     if impl is not None:

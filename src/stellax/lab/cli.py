@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import archive as archive_lib
 from . import template
+from .._op_names import display_name
 from .candidate import find_op
 from .errors import LabError
 from .evaluate import DEFAULT_MEMORY_LIMIT_MB, DEFAULT_TIME_LIMIT, evaluate
@@ -97,7 +98,7 @@ def _cmd_new(args) -> int:
     text = template.config_template(op, args.config) if args.config else template.implementation_template(op, base=args.base)
     path.write_text(text)
     print(f"wrote {path}: {'config-only candidate for ' + args.config if args.config else 'candidate from ' + args.base}"
-          f" of {op.name}; evaluate with: stellax lab evaluate {path} --op {op.name}")
+          f" of {display_name(op.name)}; evaluate with: stellax lab evaluate {path} --op {args.op}")
     return 0
 
 

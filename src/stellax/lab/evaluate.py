@@ -199,7 +199,7 @@ def evaluate(candidate: str | os.PathLike, op: str, *, time_limit: float = DEFAU
     if not path.is_file():
         raise LabError(f"candidate: no such file {str(path)!r}")
     from .candidate import find_op
-    find_op(op)
+    op = find_op(op).name  # the registry name (``--op`` may name the public function)
     with Worker(time_limit=time_limit, memory_limit_mb=memory_limit_mb, recycle=1) as worker:
         return worker.evaluate(path.read_text(), op, display=str(path), options=options, shapes=shapes)
 

@@ -96,7 +96,7 @@ class LabTools:
     def evaluate_candidate(self, op: str, source: str, dtypes: list[str] | None = None,
                            max_examples: int | None = None, benchmark: bool = True) -> dict:
         """Evaluate a candidate's source for ``op``; returns the JSON report (``summary`` is the plain text)."""
-        find_op(op)
+        op = find_op(op).name
         options = {"dtypes": dtypes or ["float32", "bfloat16"], "max_examples": max_examples, "benchmark": benchmark}
         return self.worker.evaluate(source, op, display="mcp-candidate.py", options=options)
 

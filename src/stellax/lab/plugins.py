@@ -24,6 +24,7 @@ import re
 from importlib import metadata
 from pathlib import Path
 
+from .._op_names import is_op_name, resolve_op_name
 from ..core import registered_ops
 from .candidate import add_implementation, implementation_of, load_module
 from .errors import LabError
@@ -40,15 +41,15 @@ def _register(module, source: str) -> str:
     if not op_name:
         raise LabError(f"plugin {source}: defines no OP = '<op name>'")
     ops = registered_ops()
-    if op_name not in ops:
+    if not is_op_name(op_name, ops):
         raise LabError(f"plugin {source}: OP = {op_name!r} is not a registered op")
-    op = ops[op_name]
+    op = ops[resolve_op_name(op_name, ops)]
     position = getattr(module, "POSITION", "first")
     if position not in ("first", "last"):
         raise LabError(f"plugin {source}: POSITION must be 'first' or 'last', got {position!r}")
     impl = implementation_of(module, op, f"plugin {source}")
     add_implementation(op, impl, first=position == "first")
-    return f"{op_name}/{impl.name}"
+    return f"{op.name}/{impl.name}"
 
 
 def _path_entries(value: str) -> list[Path]:

@@ -62,6 +62,7 @@ def search(op: str, proposer, *, budget: int, seed_source: str, archive: Archive
            progress: Callable[[str], None] | None = print, worker: Worker | None = None) -> dict:
     """Run (or resume) a search; returns ``{"run", "best", "evaluated", "stopped"}``."""
     op_obj = find_op(op)
+    op = op_obj.name  # the registry name (``--op`` may name the public function)
     if budget < 1:
         raise LabError(f"--budget: expected at least 1 evaluation, got {budget}")
     if population < 1:

@@ -23,6 +23,7 @@ from typing import Iterable, Mapping
 
 import jax.numpy as jnp
 
+from .._op_names import OP_ALIASES
 from ..core import Op, current_platform, interpret_enabled, interpret_mode
 from .validation import CheckResult, examples_of, safe_check_example
 
@@ -93,11 +94,13 @@ class CheckJob:
 
 
 def select_ops(ops: Mapping[str, Op], names: Iterable[str]) -> dict[str, Op]:
-    """The ops named in ``names`` by op name or family (all when empty)."""
+    """The ops named in ``names`` by op name (the registry's or the public
+    function's: ``rms_norm`` selects ``layer_norm``) or family (all when empty)."""
     names = list(names)
     if not names:
         return dict(ops)
-    return {n: op for n, op in ops.items() if n in names or op.family in names}
+    op_names = {OP_ALIASES.get(n, n) for n in names}
+    return {n: op for n, op in ops.items() if n in op_names or op.family in names}
 
 
 def _dtype_names(dtypes: Iterable[str] | None, full: bool) -> list[str]:
@@ -138,3 +141,18 @@ def plan_checks(ops: Mapping[str, Op], *, full: bool = False, dtypes: Iterable[s
                 indices = range(max(1, len(examples_of(op, dtype)))) if full else [None]
                 jobs += [CheckJob(op, impl, dtype, i, grads, precision) for i in indices]
     return jobs
+
+
+def row_of(job: CheckJob, result: CheckResult, seconds: float, cpu_seconds: float = 0.0) -> dict:
+    """The report row of one finished check."""
+    w = result.worst
+    outcome = "skip" if result.skipped else ("ok" if result.passed else "fail")
+    return {
+        "op": result.op, "implementation": result.implementation, "dtype": result.dtype,
+        "example": result.example, "gradients": job.gradients, "result": outcome,
+        "rel_l2": None if w is None else w.rel_l2, "tolerance": None if w is None else w.tolerance,
+        "max_abs": None if w is None else w.max_abs,
+        "fraction_within": None if w is None else w.fraction_within,
+        "detail": result.skipped or result.detail, "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu_seconds, 3),
+    }

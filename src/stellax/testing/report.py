@@ -19,8 +19,7 @@ import sys
 import time
 from typing import Iterable
 
-from .plan import CheckJob
-from .validation import CheckResult
+from .plan import CheckJob, row_of
 
 
 @dataclasses.dataclass
@@ -67,21 +66,6 @@ def host_memory() -> dict:
     except (OSError, ImportError, ValueError):
         pass
     return out
-
-
-def row_of(job: CheckJob, result: CheckResult, seconds: float, cpu_seconds: float = 0.0) -> dict:
-    """The report row of one finished check."""
-    w = result.worst
-    outcome = "skip" if result.skipped else ("ok" if result.passed else "fail")
-    return {
-        "op": result.op, "implementation": result.implementation, "dtype": result.dtype,
-        "example": result.example, "gradients": job.gradients, "result": outcome,
-        "rel_l2": None if w is None else w.rel_l2, "tolerance": None if w is None else w.tolerance,
-        "max_abs": None if w is None else w.max_abs,
-        "fraction_within": None if w is None else w.fraction_within,
-        "detail": result.skipped or result.detail, "seconds": round(seconds, 3),
-        "cpu_seconds": round(cpu_seconds, 3),
-    }
 
 
 def _sequential(jobs: Iterable[CheckJob]):

@@ -8,7 +8,7 @@ built once, by one worker), balanced by job count; it re-creates its jobs from
 the registry by name (ops are not picklable) and reports, through a queue:
 
 * ``("start", index)`` before a job runs;
-* ``("done", index, row)`` with the finished row (`report.row_of`);
+* ``("done", index, row)`` with the finished row (`plan.row_of`);
 * ``("cpu", seconds)`` with its CPU time once its jobs are done.
 
 `events` turns these into ``(kind, job, value)`` for the parent; a worker that
@@ -22,7 +22,7 @@ import queue as queue_lib
 import time
 from typing import Iterator
 
-from .plan import CheckJob
+from .plan import CheckJob, row_of
 from .validation import CheckResult
 
 Event = tuple[str, CheckJob | None, object]
@@ -45,7 +45,6 @@ def _spec(index: int, job: CheckJob) -> tuple:
 
 def _worker(specs: list[tuple], events) -> None:  # pragma: no cover - runs in a child process
     from ..core import registered_ops
-    from . import report
 
     ops = registered_ops()
     for index, name, implementation, dtype, example, gradients, precision in specs:
@@ -53,7 +52,7 @@ def _worker(specs: list[tuple], events) -> None:  # pragma: no cover - runs in a
         events.put(("start", index))
         t0, c0 = time.perf_counter(), time.process_time()
         result = job.run()
-        events.put(("done", index, report.row_of(job, result, time.perf_counter() - t0, time.process_time() - c0)))
+        events.put(("done", index, row_of(job, result, time.perf_counter() - t0, time.process_time() - c0)))
     events.put(("cpu", time.process_time()))
 
 
@@ -67,7 +66,6 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
     dealt to the threads one by one."""
     import concurrent.futures
 
-    from . import report
     from .validation import examples_of
 
     for op, dtype in dict.fromkeys((job.op, job.dtype) for job in jobs):
@@ -86,7 +84,7 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
                 job = jobs[index]
                 result = CheckResult(job.op.name, job.implementation, job.dtype, "-", False, None,
                                      detail=f"{type(e).__name__}: {e}"[:300])
-            results.put(("done", index, report.row_of(jobs[index], result, time.perf_counter() - t0)))
+            results.put(("done", index, row_of(jobs[index], result, time.perf_counter() - t0)))
 
     parts = [list(range(i, len(jobs), threads)) for i in range(min(threads, len(jobs)))]
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="stellax-check") as pool:
@@ -109,8 +107,6 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
 
 def events(jobs: list[CheckJob], workers: int) -> Iterator[Event]:
     """Run ``jobs`` in ``workers`` spawned processes, yielding events as they come."""
-    from . import report
-
     context = multiprocessing.get_context("spawn")  # jax must not be forked
     queue = context.Queue()
     processes = [context.Process(target=_worker, args=([_spec(i, jobs[i]) for i in part], queue), daemon=True)
@@ -144,4 +140,4 @@ def events(jobs: list[CheckJob], workers: int) -> Iterator[Event]:
         job = jobs[index]
         result = CheckResult(job.op.name, job.implementation, job.dtype, "-", False, None,
                              detail="the worker process running this check died")
-        yield "done", job, report.row_of(job, result, 0.0)
+        yield "done", job, row_of(job, result, 0.0)

@@ -37,9 +37,9 @@ _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
 
 def _fused_loss():
-    import stellax.torch as st
+    from .loss import linear_cross_entropy
 
-    return getattr(st, "linear_cross_entropy", None)
+    return linear_cross_entropy
 
 
 def _token_loss(self, hidden, labels, shift_labels, kwargs):

@@ -31,7 +31,7 @@ from stellax.ops import paged_attention as _paged
 from . import bridge
 from .options import int32, left_window, opt_float
 from .registry import define_op
-from .structs import PAGES, decode_kvquant, encode_kvquant
+from .structs import PAGES, decode_kvquant, encode_kvquant, register_twin
 
 _FORWARD_ONLY = ("a serving op over a paged KV cache; stellax (JAX) defines no gradient for it (its kernels have "
                  "no backward). Train with stellax.torch.dot_product_attention(_varlen) instead.")
@@ -102,6 +102,9 @@ class QuantizedPages:
         conv = lambda a: None if a is None else bridge.to_torch(a)
         return cls(conv(pages.data), conv(pages.scale), conv(pages.zero), conv(pages.signs), conv(pages.window),
                    pages.spec, int(pages.head_dim))
+
+
+register_twin(PAGES, QuantizedPages)
 
 
 def _pool(name: str, pool):

@@ -23,7 +23,7 @@ from stellax import QArray
 from . import bridge
 from .options import dtype_name, opt_int, precision_name
 from .registry import _cached, define_op
-from .structs import QARRAY
+from .structs import QARRAY, register_twin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,9 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`dequantize` of this tensor in ``dtype``."""
         return dequantize(self, dtype)
+
+
+register_twin(QARRAY, QTensor)
 
 
 def _block_size(spec: str | None):

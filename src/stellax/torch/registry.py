@@ -24,9 +24,7 @@
 
 from __future__ import annotations
 
-import collections
 import sys
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -35,47 +33,13 @@ import numpy as np
 import torch
 
 from . import bridge
+from .compiled import _cache, _cached, cache_info, clear_cache  # noqa: F401  (part of this module's API)
 from .fake import fake_shapes
 from .signature import Signature, derive, explicit
 
 __all__ = ["ForwardOnlyError", "TorchOp", "define_op", "cache_info", "clear_cache"]
 
 NAMESPACE = "stellax"
-
-# -- compiled-function cache ----------------------------------------------------------
-_CACHE_SIZE = 1024
-_cache: "collections.OrderedDict[tuple, Callable]" = collections.OrderedDict()
-_lock = threading.Lock()
-_stats = {"hits": 0, "misses": 0}
-
-
-def _cached(key: tuple, build: Callable[[], Callable]) -> Callable:
-    fn = _cache.get(key)
-    if fn is not None:
-        _stats["hits"] += 1
-        return fn
-    with _lock:
-        fn = _cache.get(key)
-        if fn is None:
-            _stats["misses"] += 1
-            fn = build()
-            _cache[key] = fn
-            if len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
-    return fn
-
-
-def cache_info() -> dict:
-    """Hits, misses and size of the compiled-function cache."""
-    return {**_stats, "size": len(_cache)}
-
-
-def clear_cache() -> None:
-    """Drop every cached compiled function (they are rebuilt on the next call)."""
-    with _lock:
-        _cache.clear()
-        _stats.update(hits=0, misses=0)
-
 
 # -- op definition -----------------------------------------------------------------------
 def _signature(t):

@@ -36,7 +36,7 @@ import torch
 from stellax import KVQuant, QArray, QuantizedPages
 from stellax.ops.quant import get_format
 
-__all__ = ["PAGES", "QARRAY", "Struct", "decode_kvquant", "encode_kvquant", "struct_of"]
+__all__ = ["PAGES", "QARRAY", "Struct", "decode_kvquant", "encode_kvquant", "register_twin", "struct_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +56,9 @@ class Struct:
       build_jax: ``(children, option values) -> JAX pytree``.
       present: ``twin statics -> tuple[bool]``: which children exist.
       jax_type: the JAX pytree class.
-      torch_type: a zero-argument function giving the twin class (imported
-        late: the twins live in the front-end modules, which import this one).
+      torch_type: a zero-argument function giving the twin class (the twins
+        live in the front-end modules, which import this one and bind their
+        twin with `register_twin`).
     """
 
     name: str
@@ -121,9 +122,23 @@ class Struct:
         return [empty if c is None else c for c in children]
 
 
-def _qtensor_type():
-    from .quant import QTensor
-    return QTensor
+#: JAX class name -> its torch twin, bound by the module defining the twin
+#: (`stellax.torch.quant`: `QTensor`, `stellax.torch.paged`: `QuantizedPages`).
+_TWINS: dict[str, type] = {}
+
+
+def register_twin(struct: "Struct", twin: type) -> None:
+    """Bind ``twin``, the torch class a ``struct`` operand crosses as."""
+    _TWINS[struct.name] = twin
+
+
+def _twin(name: str) -> Callable[[], type]:
+    def torch_type() -> type:
+        try:
+            return _TWINS[name]
+        except KeyError:
+            raise RuntimeError(f"no torch twin of {name} registered (import stellax.torch)") from None
+    return torch_type
 
 
 def _qarray_present(statics):
@@ -139,13 +154,8 @@ QARRAY = Struct(
     twin_statics=("format", "shape", "block_shape", "axis", "rotation"),
     option_values=lambda q: (q.format, list(q.shape), list(q.block_shape), int(q.axis), q.rotation),
     build_jax=lambda c, o: QArray.tree_unflatten((o[0], tuple(o[1]), tuple(o[2]), o[3], o[4]), c),
-    present=_qarray_present, jax_type=QArray, torch_type=_qtensor_type,
+    present=_qarray_present, jax_type=QArray, torch_type=_twin("QArray"),
 )
-
-
-def _torch_pages_type():
-    from .paged import QuantizedPages
-    return QuantizedPages
 
 
 def _pages_present(statics):
@@ -188,7 +198,7 @@ PAGES = Struct(
     options={"quant": "str", "head_dim": "int"},
     twin_statics=("spec", "head_dim", "quant"),
     option_values=lambda p: (p.quant, int(p.head_dim)),
-    build_jax=_jax_pages, present=_pages_present, jax_type=QuantizedPages, torch_type=_torch_pages_type,
+    build_jax=_jax_pages, present=_pages_present, jax_type=QuantizedPages, torch_type=_twin("QuantizedPages"),
 )
 
 

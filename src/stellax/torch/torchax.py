@@ -181,7 +181,7 @@ def call(op, flat: tuple):
       TypeError: a torchax tensor mixed with an ordinary torch tensor, naming
         the argument and its device.
     """
-    from .registry import _cached  # the compiled-function cache the custom ops use
+    from .compiled import _cached  # the compiled-function cache the custom ops use
 
     tensors, opts = op._split(flat)
     if not any(is_torchax_tensor(t) for t in tensors):
