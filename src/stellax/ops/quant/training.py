@@ -256,8 +256,10 @@ def quantized_linear(x, w, recipe="nvfp4", *, key=None, implementation=None):
         Hadamard signs (required to differentiate when the recipe uses either;
         the forward ignores it; the same key gives bit-identical gradients).
         Use a fresh key per step.
-      implementation: ``None`` (Triton GEMMs on a GPU, XLA elsewhere),
-        ``"xla"`` or ``"triton"``.
+      implementation: ``None`` (Triton GEMMs on a GPU, XLA elsewhere, a TPU included: there
+        is no ``"mosaic_tpu"`` row in `GEMMS`), ``"xla"`` (dequantize, float32 matmul) or
+        ``"triton"`` (Pallas Triton, `triton_training`). No config: the Triton GEMMs take
+        `triton_training.default_config`.
 
     Returns:
       ``[..., N]`` in ``x.dtype``: ``D(Q(x)) · D(Q(w))`` accumulated in float32.
