@@ -29,7 +29,7 @@ import numpy as np
 
 def quant_error(batch=4, context=1024, kv_heads=4, q_heads=16, head_dim=128, page_size=16, outliers=4, seed=0):
     from stellax.ops.paged_attention import KVQuant, paged_attention, quantize_pages
-    from stellax.paged import paged_inputs
+    from stellax.ops.paged_attention import paged_inputs
 
     q, k, v, tables, lengths = paged_inputs(seed, lengths=[context] * batch, page_size=page_size,
                                             kv_heads=kv_heads, q_heads=q_heads, head_dim=head_dim,
@@ -96,7 +96,7 @@ def copy_bandwidth(nbytes=2 * 1024**3):
 
 def decode(out_path=None):
     from stellax.ops.paged_attention import KVQuant, paged_attention_op
-    from stellax.paged import paged_inputs
+    from stellax.ops.paged_attention import paged_inputs
 
     bw = copy_bandwidth()
     results = {"device": jax.devices()[0].device_kind, "copy_GBps": bw / 1e9, "rows": []}

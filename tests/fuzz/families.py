@@ -216,7 +216,7 @@ def attention_cases(draw):
 def paged_cases(draw):
     import stellax
     jnp = _jnp()
-    from stellax.paged import random_block_tables
+    from stellax.ops.paged_attention import random_block_tables
     rng = _rng(draw(st.integers(0, 2**16)))
     lengths = np.array(draw(st.sampled_from([[3, 20], [0, 16], [1], [33, 5, 0]])), np.int32)
     ps, kh, n, h = 16, 1, 2, 16

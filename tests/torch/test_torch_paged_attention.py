@@ -9,7 +9,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import stellax  # noqa: E402
 import stellax.torch as st  # noqa: E402
-from stellax import paged as jpaged  # noqa: E402
+from stellax.ops import paged_attention as jpaged  # noqa: E402
 from stellax.torch import paged as st_paged  # noqa: E402
 
 PAGE, PAGES, K, N, H = 4, 16, 2, 4, 8

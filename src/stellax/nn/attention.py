@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import stellax
-import stellax.paged
 
 from ..core.precision import check_precision
+from ..ops.paged_attention import update_kv_cache
 from ._params import check_sharding, dense, param, positive, zeros
 
 _default_kernel = nnx.initializers.lecun_normal()
@@ -122,7 +122,7 @@ class Attention(nnx.Module):
                              f"appending {t} would exceed it")
         page = jnp.take_along_axis(tables, pos // page_size, axis=1, mode="clip")
         slots = (page * page_size + pos % page_size).reshape(-1)
-        k_pages, v_pages = stellax.paged.update_kv_cache(
+        k_pages, v_pages = update_kv_cache(
             c.k[...], c.v[...], k.reshape(b * t, *k.shape[2:]).astype(c.k.dtype),
             v.reshape(b * t, *v.shape[2:]).astype(c.v.dtype), slots)
         lengths = c.lengths[...] + t

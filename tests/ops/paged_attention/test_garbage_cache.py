@@ -32,7 +32,7 @@ from stellax.ops.paged_attention import (
     KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, mla_decode, paged_attention,
     ragged_paged_attention,
 )
-from stellax.paged import mla_inputs, paged_inputs, ragged_inputs
+from stellax.ops.paged_attention import mla_inputs, paged_inputs, ragged_inputs
 
 QUANTS = [None, KVQuant("int8"), KVQuant("fp8"), KVQuant("int4", group_size=32),
           KVQuant("int2", group_size=32, rotation=True), KVQuant("int4", group_axis="token", group_size=8),

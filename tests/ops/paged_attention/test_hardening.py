@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import stellax
-from stellax.paged import paged_inputs
+from stellax.ops.paged_attention import paged_inputs
 
 
 @pytest.mark.parametrize("args,kw,error,match", [

@@ -330,7 +330,7 @@ def test_minilm_calibrated_rotation_beats_hadamard_on_int2():
 def test_mla_latent_with_a_shared_rotation_matches_golden():
     """A head-less MLA latent pool (keys and values at once) takes one ``[R, R]`` rotation."""
     from stellax.ops.paged_attention import mla_decode, mla_decode_op
-    from stellax.paged import mla_inputs
+    from stellax.ops.paged_attention import mla_inputs
 
     qn, qr, latent, pe, tables, lengths = mla_inputs(11, lengths=[9, 30], page_size=16, heads=4, latent_dim=H,
                                                      rope_dim=16, dtype=jnp.float32)

@@ -8,7 +8,7 @@ from stellax.core import use_configs
 from stellax.ops.paged_attention import (
     KVQuant, mla_decode_op, paged_attention_op, ragged_paged_attention_op,
 )
-from stellax.paged import mla_inputs, paged_inputs, ragged_inputs
+from stellax.ops.paged_attention import mla_inputs, paged_inputs, ragged_inputs
 from stellax.testing import (
     TRITON_CUSTOM_CALL, assert_custom_call, assert_fits_smem, check_op_lowering, compile_triton_to_ptx,
     lower_for_gpu, triton_compiler_available,

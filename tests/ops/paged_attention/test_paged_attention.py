@@ -10,7 +10,7 @@ import pytest
 
 import stellax
 from stellax.ops.paged_attention import PagedConfig, paged_attention, paged_attention_op
-from stellax.paged import paged_inputs
+from stellax.ops.paged_attention import paged_inputs
 from stellax.testing import assert_close
 
 

@@ -12,7 +12,7 @@ from stellax.ops.paged_attention import (
     KVQuant, dequantize_pages, init_kv_cache, paged_attention, paged_attention_op, quantize_pages,
     update_kv_cache, validate,
 )
-from stellax.paged import paged_inputs, ragged_inputs
+from stellax.ops.paged_attention import paged_inputs, ragged_inputs
 from stellax.testing import assert_close
 
 

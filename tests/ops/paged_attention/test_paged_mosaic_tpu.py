@@ -36,9 +36,9 @@ from stellax.ops.paged_attention import (
     KVQuant, mla_decode, mla_decode_op, paged_attention, paged_attention_op, quantize_pages, ragged_paged_attention,
     ragged_paged_attention_op,
 )
-from stellax.ops.paged_attention import tpu_configs
-from stellax.ops.paged_attention.tpu_configs import TpuMlaConfig, TpuPagedConfig, TpuRaggedConfig
-from stellax.paged import mla_inputs, paged_inputs, ragged_inputs
+from stellax.ops.paged_attention import configs
+from stellax.ops.paged_attention.configs import TpuMlaConfig, TpuPagedConfig, TpuRaggedConfig
+from stellax.ops.paged_attention import mla_inputs, paged_inputs, ragged_inputs
 from stellax.testing import assert_close
 
 MIXED = dict(q_lens=[1, 7, 1, 12, 3], kv_lens=[9, 7, 40, 30, 3])  # decodes, a prefill, chunked prefills
@@ -92,8 +92,8 @@ def test_configs_heuristic_space_requirements():
     call = paged_attention_op.check(q, k, v, t, lengths)
     for generation, tokens in (("v5e", 256), ("v6e", 512)):
         with lowering_target(generation):
-            space = tpu_configs.paged_tpu_space(call)
-            best = tpu_configs.paged_tpu_heuristic(call)
+            space = configs.paged_tpu_space(call)
+            best = configs.paged_tpu_heuristic(call)
         assert best in space
         # The table is 19 pages wide: blocks of at most 32 pages are in the space.
         assert max(c.pages_per_block for c in space) == 32
@@ -105,7 +105,7 @@ def test_configs_heuristic_space_requirements():
     # int4 groups of 3 channels would straddle the two nibbles of a byte: refused, dispatch falls back.
     qq, kq, vq, tq, lq = paged_inputs(0, lengths=[5], page_size=8, kv_heads=1, q_heads=1, head_dim=24,
                                       dtype=jnp.float32, quant=KVQuant("int4", group_size=3))
-    reason = tpu_configs.paged_tpu_requirements(paged_attention_op.check(qq, kq, vq, tq, lq))
+    reason = configs.paged_tpu_requirements(paged_attention_op.check(qq, kq, vq, tq, lq))
     assert reason and "multiple of 2" in reason
 
 

@@ -14,7 +14,7 @@ from stellax.ops.paged_attention import (
     paged_attention_op, quantize_pages, ragged_paged_attention, ragged_paged_attention_op, rotate,
     rotation_signs, unpack_codes, unrotate,
 )
-from stellax.paged import paged_inputs, ragged_inputs
+from stellax.ops.paged_attention import paged_inputs, ragged_inputs
 from stellax.testing import assert_close
 
 

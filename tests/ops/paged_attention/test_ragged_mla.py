@@ -14,7 +14,7 @@ from stellax.ops.paged_attention import (
     MlaConfig, RaggedConfig, mla_decode, mla_decode_op, paged_attention_op, ragged_paged_attention,
     ragged_paged_attention_op,
 )
-from stellax.paged import mla_inputs, ragged_inputs
+from stellax.ops.paged_attention import mla_inputs, ragged_inputs
 from stellax.testing import assert_close
 
 MIXED = dict(q_lens=[1, 7, 1, 20, 3], kv_lens=[9, 7, 40, 35, 3])  # decodes, a prefill, chunked prefills

@@ -7,7 +7,7 @@ import pytest
 import stellax
 from stellax.core import host_platform
 from stellax.ops.paged_attention import KVQuant, mla_decode_op, paged_attention_op, ragged_paged_attention_op
-from stellax.paged import paged_inputs
+from stellax.ops.paged_attention import paged_inputs
 from stellax.testing import check_op
 
 OPS = [paged_attention_op, ragged_paged_attention_op, mla_decode_op]

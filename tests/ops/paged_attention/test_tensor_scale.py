@@ -17,7 +17,7 @@ from stellax.ops.paged_attention import (
     ragged_paged_attention, ragged_paged_attention_op, update_kv_cache,
 )
 from stellax.ops.paged_attention.quant_cache import combined_quantized_pages, quantize_with_scale
-from stellax.paged import paged_inputs, ragged_inputs
+from stellax.ops.paged_attention import paged_inputs, ragged_inputs
 from stellax.testing import assert_close
 
 def _combined(k, v, fmt, k_scale=0.02, v_scale=0.5):

@@ -1,27 +1,18 @@
 """Serving attention over paged KV caches: decode, ragged batches, MLA, quantized caches.
 
-One op per module: `paged` (`paged_attention`), `ragged`
-(`ragged_paged_attention`) and `mla` (`mla_decode`); their shared checks,
-cost-model pieces and op constructor in `base`; the cache layout and updates
-in `cache` / `quant_cache`, `validate` in `validation`; one internal problem
-for both paths in `plan`, run by `xla` and the Triton kernels in `triton`."""
+The public functions and ops (`paged_attention`, `ragged_paged_attention`,
+`mla_decode`), their backend tables and the cache helpers are in `api`; the
+shared checks and cost models in `base`; the cache layout and updates in
+`cache` / `quant_cache`, calibrated rotations in `rotation`, `validate` in
+`validation`; one internal problem for every path in `plan`, run by `xla`,
+the Triton kernels in `triton` and the Mosaic TPU kernels in `mosaic_tpu` /
+`mosaic_tpu_mla`; all configs in `configs`."""
 
-from .cache import init_kv_cache, update_kv_cache
-from .configs import MlaConfig, PagedConfig, RaggedConfig
-from .mla import mla_decode, mla_decode_op
-from .paged import paged_attention, paged_attention_op
-from .quant_cache import (
-    KVQuant, QuantizedPages, dequantize_pages, hadamard, pack_codes, quantize_pages, rotate, rotation_signs,
-    unpack_codes, unrotate,
+from .api import (
+    KVClip, KVQuant, KVRotation, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, TpuMlaConfig, TpuPagedConfig,
+    TpuRaggedConfig, calibrate_kv_clip, calibrate_kv_rotation, dequantize_pages, hadamard, init_kv_cache,
+    load_kv_rotation, mla_decode, mla_decode_op, mla_inputs, pack_codes, paged_attention, paged_attention_op,
+    paged_inputs, quantize_pages, ragged_inputs, ragged_paged_attention, ragged_paged_attention_op,
+    random_block_tables, rotate, rotation_signs, save_kv_rotation, unpack_codes, unrotate, update_kv_cache, validate,
 )
-from .ragged import ragged_paged_attention, ragged_paged_attention_op
-from .rotation import KVClip, KVRotation, calibrate_kv_clip, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation
-from .validation import validate
-
-__all__ = [
-    "KVQuant", "MlaConfig", "PagedConfig", "QuantizedPages", "RaggedConfig", "dequantize_pages", "hadamard",
-    "init_kv_cache", "mla_decode", "mla_decode_op", "pack_codes", "paged_attention", "paged_attention_op",
-    "quantize_pages", "ragged_paged_attention", "ragged_paged_attention_op", "rotate", "rotation_signs",
-    "unpack_codes", "unrotate", "update_kv_cache", "validate",
-    "KVClip", "KVRotation", "calibrate_kv_clip", "calibrate_kv_rotation", "load_kv_rotation", "save_kv_rotation",
-]
+from .api import __all__

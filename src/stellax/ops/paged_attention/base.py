@@ -1,17 +1,20 @@
-"""What the three serving ops share: argument checks of the page pools,
-windows, scales and sinks; the cost-model pieces (live tokens, bytes per
-cached token); and `serving_op`, the op constructor wiring the Triton
-kernel and the XLA path of one op."""
+"""What the three serving ops share: the argument checks (of the page pools,
+windows, scales and sinks, and each op's `check_paged` / `check_ragged` /
+`check_mla`, which `validation` reuses) and the cost models (live tokens,
+bytes per cached token, each op's FLOPs and bytes). The ops themselves, with
+their backend tables, are in `api`."""
 
 from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from ...core.precision import resolve_precision
-from ...core import Call, Implementation, Op, checks, register
+from ...core import Call, checks
 from ...core.pallas import nbytes
+from .cache import pool_entries
 from .quant_cache import QuantizedPages
 
 
@@ -132,6 +135,114 @@ def common_options(scale, logits_soft_cap, local_window_size, head_dim, precisio
             "window_left": window_left(local_window_size)}
 
 
+def check_tables(block_tables, rows: int, layout: str, lengths_name: str | None = None, lengths=None):
+    """Integer ``block_tables [rows, max_pages]`` (``layout`` in the error) and, when
+    ``lengths_name`` is given, integer ``lengths [rows]``."""
+    checks.require_int("block_tables", block_tables)
+    checks.require_ndim("block_tables", block_tables, 2)
+    checks.require_shape("block_tables", block_tables, (rows, None), layout)
+    if lengths_name is not None:
+        int_array(lengths_name, lengths, (rows,))
+
+
+def pools_entries(**pools) -> tuple[dict, dict]:
+    """The named arrays and options of several pools (`cache.pool_entries`), in argument order."""
+    arrays, options = {}, {}
+    for prefix, pages in pools.items():
+        pool_arrays, pool_options = pool_entries(prefix, pages)
+        arrays.update(pool_arrays)
+        options.update(pool_options)
+    return arrays, options
+
+
+# -- the ops' checks -------------------------------------------------------------------
+def check_paged(q, k_pages, v_pages, block_tables, lengths, *, scale=None, logits_soft_cap=None,
+                local_window_size=None, sinks=None, precision=None) -> Call:
+    """Checked `paged_attention_op` arguments (see `paged_attention`); pools become named
+    arrays and options (`cache.pool_entries`)."""
+    q = checks.require_float("q", q)
+    checks.require_ndim("q", q, (3, 4))
+    b, n, h = q.shape[0], q.shape[-2], q.shape[-1]
+    check_pools(q.dtype, h, n, k_pages, v_pages)
+    check_tables(block_tables, b, "[batch, max_pages_per_seq]", "lengths", lengths)
+    sinks = check_sinks(sinks, n)
+    check_windows(k_pages, v_pages, b, "one per batch row")
+    pool_arrays, pool_opts = pools_entries(k=k_pages, v=v_pages)
+    arrays = {"q": q, **pool_arrays, "block_tables": block_tables, "lengths": lengths, "sinks": sinks}
+    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, h, precision), **pool_opts})
+
+
+def _num_seqs(value):
+    """``num_seqs`` (an int or a size-1 int array) as an int32 ``[1]`` array."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return jnp.asarray([value], jnp.int32)
+    checks.require_int("num_seqs", value)
+    if value.size != 1:
+        raise ValueError(f"num_seqs: expected a scalar or a [1] array, got shape {tuple(value.shape)}")
+    if tuple(value.shape) == (1,):   # also abstract values (the compile tier's ShapeDtypeStructs)
+        return value
+    return value.reshape(1)
+
+
+def check_ragged(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, *, scale=None,
+                 logits_soft_cap=None, local_window_size=None, sinks=None, precision=None) -> Call:
+    """Checked `ragged_paged_attention_op` arguments (see `ragged_paged_attention`)."""
+    q = checks.require_float("q", q)
+    checks.require_ndim("q", q, 3)
+    _, n, h = q.shape
+    check_pools(q.dtype, h, n, k_pages, v_pages)
+    checks.require_int("kv_lens", kv_lens)
+    checks.require_ndim("kv_lens", kv_lens, 1)
+    s = kv_lens.shape[0]
+    check_tables(block_tables, s, "[S, max_pages_per_seq], S = kv_lens.shape[0]")
+    int_array("cu_q_lens", cu_q_lens, (s + 1,))
+    num_seqs = _num_seqs(num_seqs)
+    sinks = check_sinks(sinks, n)
+    check_windows(k_pages, v_pages, s, "one per sequence")
+    pool_arrays, pool_opts = pools_entries(k=k_pages, v=v_pages)
+    arrays = {"q": q, **pool_arrays, "kv_lens": kv_lens, "block_tables": block_tables,
+              "cu_q_lens": cu_q_lens, "num_seqs": num_seqs, "sinks": sinks}
+    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, h, precision), **pool_opts})
+
+
+def _check_mla_pools(q_nope, q_pe, latent_pages, pe_pages):
+    """The latent ``[num_pages, page_size, R]`` and rope ``[num_pages, page_size, P]`` pools."""
+    r, p = q_nope.shape[-1], q_pe.shape[-1]
+    check_pool("latent_pages", latent_pages, ranks=(3,))
+    check_pool("pe_pages", pe_pages, ranks=(3,))
+    num_pages, page_size, lr = latent_pages.shape
+    if lr != r:
+        raise ValueError(f"latent_pages: expected latent dim {r} (q_nope.shape[-1]), got {lr}")
+    if tuple(pe_pages.shape) != (num_pages, page_size, p):
+        raise ValueError(f"pe_pages: expected shape {(num_pages, page_size, p)} ([num_pages, page_size, "
+                         f"q_pe.shape[-1]]), got {tuple(pe_pages.shape)}")
+    for name, pool in (("latent_pages", latent_pages), ("pe_pages", pe_pages)):
+        if not isinstance(pool, QuantizedPages) and np.dtype(pool.dtype) != np.dtype(q_nope.dtype):
+            raise TypeError(f"{name}: expected dtype {np.dtype(q_nope.dtype).name} (q_nope's), "
+                            f"got {np.dtype(pool.dtype).name}")
+
+
+def check_mla(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, scale=None, logits_soft_cap=None,
+              local_window_size=None, precision=None) -> Call:
+    """Checked `mla_decode_op` arguments (see `mla_decode`); ``scale`` is required."""
+    q_nope = checks.require_float("q_nope", q_nope)
+    checks.require_ndim("q_nope", q_nope, (3, 4))
+    q_pe = checks.require_float("q_pe", q_pe)
+    checks.require_same_dtype("q_pe", q_pe, "q_nope", q_nope)
+    checks.require_shape("q_pe", q_pe, (*q_nope.shape[:-1], None), "q_nope's leading dims")
+    b = q_nope.shape[0]
+    _check_mla_pools(q_nope, q_pe, latent_pages, pe_pages)
+    check_tables(block_tables, b, "[batch, max_pages_per_seq]", "lengths", lengths)
+    if scale is None:
+        raise TypeError("scale: mla_decode needs an explicit scale (1/sqrt(qk_nope_dim + qk_rope_dim) "
+                        "of the un-absorbed model)")
+    check_windows(latent_pages, pe_pages, b, "one per batch row")
+    pool_arrays, pool_opts = pools_entries(latent=latent_pages, pe=pe_pages)
+    arrays = {"q_nope": q_nope, "q_pe": q_pe, **pool_arrays, "block_tables": block_tables, "lengths": lengths}
+    return Call(arrays, {**common_options(scale, logits_soft_cap, local_window_size, q_nope.shape[-1], precision),
+                         **pool_opts})
+
+
 # -- cost models ----------------------------------------------------------------------------
 def concrete_sum(x, default: float) -> float:
     """``sum(x)`` of a concrete array, ``default`` when ``x`` is traced or abstract."""
@@ -169,27 +280,53 @@ def value_dim(call: Call, head_dim: int) -> int:
     return call.v_pages.shape[-1]
 
 
-# -- ops -------------------------------------------------------------------------------------
-def serving_op(name: str, *, check, reference, triton, xla, config_type, heuristic, space, requirements, flops,
-               bytes_accessed, examples, benchmarks, mosaic_tpu: dict | None = None) -> Op:
-    """Register a serving op: ``triton(call, config)`` (with its config type,
-    heuristic, autotuning space and requirements) and ``xla(call, config)``;
-    ``mosaic_tpu`` (``run``, ``config_type``, ``heuristic``, ``space``,
-    ``requirements``) adds the Mosaic TPU kernel first."""
-    on_tpu = [] if mosaic_tpu is None else [Implementation("mosaic_tpu", backend="mosaic_tpu", **mosaic_tpu)]
-    return register(Op(
-        name,
-        family="paged_attention",
-        check=check,
-        reference=reference,
-        implementations=[
-            *on_tpu,
-            Implementation("triton", triton, backend="triton", config_type=config_type, heuristic=heuristic,
-                           space=space, requirements=requirements),
-            Implementation("xla", xla),
-        ],
-        flops=flops,
-        bytes_accessed=bytes_accessed,
-        examples=examples,
-        benchmarks=benchmarks,
-    ))
+def pool_read_bytes(call: Call, lengths, prefixes) -> float:
+    """Bytes of the pools ``prefixes`` the call reads (`live_tokens` × `pool_bytes_per_token`)."""
+    tokens = live_tokens(call, lengths, call.block_tables)
+    return tokens * sum(pool_bytes_per_token(call, prefix) for prefix in prefixes)
+
+
+def decode_flops(call: Call, q, dims: int) -> float:
+    """``2 · Q · N · dims`` FLOPs per live cached token of a decode query ``q [B, (Q,) N, *]``."""
+    nq = 1 if q.ndim == 3 else q.shape[1]
+    return 2.0 * nq * q.shape[-2] * dims * live_tokens(call, call.lengths, call.block_tables)
+
+
+def paged_flops(call: Call) -> float:
+    h = call.q.shape[-1]
+    return decode_flops(call, call.q, h + value_dim(call, h))
+
+
+def paged_bytes(call: Call) -> float:
+    kv = pool_read_bytes(call, call.lengths, ("k", "v"))
+    return kv + 2 * nbytes(call.q) + nbytes(call.block_tables) + nbytes(call.lengths)
+
+
+def ragged_flops(call: Call) -> float:
+    n, h = call.q.shape[-2], call.q.shape[-1]
+    hv = value_dim(call, h)
+    # Upper bound without concrete lengths: every token against its whole sequence.
+    try:
+        cu = np.asarray(call.cu_q_lens)
+        kv = np.asarray(call.kv_lens)
+        ns = int(np.asarray(call.num_seqs).reshape(-1)[0])
+        q_len = np.diff(cu)[:ns]
+        pairs = float(np.sum(q_len * kv[:ns] - q_len * (q_len - 1) / 2))
+    except Exception:
+        pairs = float(call.q.shape[0]) * call.block_tables.shape[1] * call.k_pages.shape[1]
+    return 2.0 * n * (h + hv) * pairs
+
+
+def ragged_bytes(call: Call) -> float:
+    kv = pool_read_bytes(call, call.kv_lens, ("k", "v"))
+    return kv + 2 * nbytes(call.q) + nbytes(call.block_tables)
+
+
+def mla_flops(call: Call) -> float:
+    r, p = call.q_nope.shape[-1], call.q_pe.shape[-1]
+    return decode_flops(call, call.q_nope, 2 * r + p)
+
+
+def mla_bytes(call: Call) -> float:
+    kv = pool_read_bytes(call, call.lengths, ("latent", "pe"))
+    return kv + 2 * nbytes(call.q_nope) + nbytes(call.q_pe) + nbytes(call.block_tables)

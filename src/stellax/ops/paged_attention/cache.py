@@ -35,14 +35,14 @@ import numpy as np
 from ...core import checks
 
 from .quant_cache import (
-    KVQuant, QuantizedPages, codes_for_range, init_quantized_pages, load_codes, pool_rotation, quantize_rows,
-    rotate, store_codes,
+    KVQuant, PagedData, QuantizedPages, codes_for_range, init_quantized_pages, load_codes, pool_rotation,
+    quantize_rows, rotate, store_codes,
 )
 
 
 # -- sources: one paged tensor as the kernels see it ---------------------------------
 @dataclasses.dataclass(frozen=True)
-class Source:
+class Source(PagedData):
     """One paged tensor normalized for the kernels: ``data [NP, PS, K, H']``
     (or the combined ``[NP, PS, 2, K, H]`` with ``part`` 0/1), and for a
     quantized pool its scales, zero points, rotation signs and windows (all
@@ -60,14 +60,6 @@ class Source:
     @property
     def quantized(self) -> bool:
         return self.spec is not None
-
-    @property
-    def num_pages(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def page_size(self) -> int:
-        return self.data.shape[1]
 
     @property
     def num_heads(self) -> int:

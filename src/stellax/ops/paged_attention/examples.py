@@ -53,6 +53,16 @@ def random_pool(key, num_pages, page_size, kv_heads, head_dim, dtype, *, outlier
     return x.astype(dtype)
 
 
+def _quantize_pools(k, v, quant, value_quant, tables, lengths):
+    """``(k, v)`` quantized with ``quant`` (keys) and ``value_quant`` (values; ``None``: as the keys)."""
+    if quant is not None:
+        k = quantize_pages(k, quant, block_tables=tables, lengths=lengths)
+    value_quant = quant if value_quant is None else value_quant
+    if value_quant is not None:
+        v = quantize_pages(v, value_quant, block_tables=tables, lengths=lengths)
+    return k, v
+
+
 def paged_inputs(seed: int, *, lengths, page_size: int, kv_heads: int, q_heads: int, head_dim: int, dtype,
                  q_tokens: int | None = None, max_pages: int | None = None, shared_prefix_pages: int = 0,
                  value_dim: int | None = None, quant: KVQuant | str | None = None,
@@ -71,11 +81,7 @@ def paged_inputs(seed: int, *, lengths, page_size: int, kv_heads: int, q_heads: 
     k = random_pool(kk, num_pages, page_size, kv_heads, head_dim, dtype, outlier_channels=outlier_channels)
     v = random_pool(kv, num_pages, page_size, kv_heads, value_dim or head_dim, dtype)
     lengths = jnp.asarray(lengths)
-    if quant is not None:
-        k = quantize_pages(k, quant, block_tables=tables, lengths=lengths)
-    value_quant = quant if value_quant is None else value_quant
-    if value_quant is not None:
-        v = quantize_pages(v, value_quant, block_tables=tables, lengths=lengths)
+    k, v = _quantize_pools(k, v, quant, value_quant, tables, lengths)
     return q, k, v, tables, lengths
 
 
@@ -100,11 +106,7 @@ def ragged_inputs(seed: int, *, q_lens, kv_lens, page_size: int, kv_heads: int, 
     k = random_pool(kk, num_pages, page_size, kv_heads, head_dim, dtype)
     v = random_pool(kv, num_pages, page_size, kv_heads, head_dim, dtype)
     kv_all = jnp.asarray(kv_all)
-    if quant is not None:
-        k = quantize_pages(k, quant, block_tables=tables, lengths=kv_all)
-    value_quant = quant if value_quant is None else value_quant
-    if value_quant is not None:
-        v = quantize_pages(v, value_quant, block_tables=tables, lengths=kv_all)
+    k, v = _quantize_pools(k, v, quant, value_quant, tables, kv_all)
     return q, k, v, kv_all, tables, jnp.asarray(cu), jnp.asarray([len(q_lens)], jnp.int32)
 
 

@@ -78,10 +78,7 @@ from ...core.pallas import (
 from . import plan as plan_mod
 from .cache import Source
 from .plan import Problem, key_range, visible, window_partial
-from .tpu_configs import (
-    TpuPagedConfig, TpuRaggedConfig, paged_tpu_heuristic, paged_tpu_requirements, paged_tpu_space,
-    ragged_tpu_heuristic, ragged_tpu_requirements, ragged_tpu_space,
-)
+from .configs import TpuPagedConfig, TpuRaggedConfig
 
 F32 = jnp.float32
 LANES = 128
@@ -512,20 +509,14 @@ def _tables(call, problem: Problem):
     return jnp.clip(call.block_tables.astype(jnp.int32), 0, problem.k.num_pages - 1)
 
 
-def run_paged(call, config):
+def run_paged(call, config: TpuPagedConfig):
     """`paged_attention` on the Mosaic TPU kernel."""
     problem, finish = plan_mod.paged_problem(call)
     return finish(attention_rows(problem, _tables(call, problem), pages_per_block=config.pages_per_block))
 
 
-def run_ragged(call, config):
+def run_ragged(call, config: TpuRaggedConfig):
     """`ragged_paged_attention` on the Mosaic TPU kernel (programs of ``config.block_q`` tokens)."""
     problem, finish = plan_mod.ragged_problem(call, block_q=config.block_q)
     return finish(attention_rows(problem, _tables(call, problem), pages_per_block=config.pages_per_block))
 
-
-#: The `mosaic_tpu` Implementation's pieces for `paged_attention` / `ragged_paged_attention`.
-PAGED_IMPLEMENTATION = dict(run=run_paged, config_type=TpuPagedConfig, heuristic=paged_tpu_heuristic,
-                            space=paged_tpu_space, requirements=paged_tpu_requirements)
-RAGGED_IMPLEMENTATION = dict(run=run_ragged, config_type=TpuRaggedConfig, heuristic=ragged_tpu_heuristic,
-                             space=ragged_tpu_space, requirements=ragged_tpu_requirements)

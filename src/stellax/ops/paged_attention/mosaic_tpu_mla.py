@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from . import plan as plan_mod
 from .mosaic_tpu import block_range, dequantize, init_state, launch_rows, pipeline, run_pipeline, write_results
 from .plan import Problem
-from .tpu_configs import TpuMlaConfig, mla_tpu_heuristic, mla_tpu_requirements, mla_tpu_space
+from .configs import TpuMlaConfig
 
 
 def _mla_kernel(tables, seq, kv_lens, key_lo, key_hi, *, row_pos, q, q_pe, sinks, out, o_part, m_part, l_part,
@@ -68,7 +68,3 @@ def run_mla(call, config: TpuMlaConfig):
     tables = jnp.clip(call.block_tables.astype(jnp.int32), 0, problem.k.num_pages - 1)
     return finish(mla_rows(problem, tables, pages_per_block=config.pages_per_block))
 
-
-#: The `mosaic_tpu` Implementation's pieces for `mla_decode`.
-MLA_IMPLEMENTATION = dict(run=run_mla, config_type=TpuMlaConfig, heuristic=mla_tpu_heuristic, space=mla_tpu_space,
-                          requirements=mla_tpu_requirements)

@@ -439,8 +439,21 @@ def dequantize_rows(data, scale, zero, spec: KVQuant):
 
 
 # -- the page pool ------------------------------------------------------------------
+class PagedData:
+    """``num_pages`` and ``page_size`` of a paged tensor whose ``data`` is ``[num_pages, page_size, ...]``
+    (`QuantizedPages`, `cache.Source`)."""
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.data.shape[1]
+
+
 @dataclasses.dataclass(frozen=True)
-class QuantizedPages:
+class QuantizedPages(PagedData):
     """A quantized page pool (a pytree; see the module doc for the layout).
 
     Logical shape ``[num_pages, page_size, K, H]`` (or ``[num_pages,
@@ -473,14 +486,6 @@ class QuantizedPages:
     def dtype(self):
         """The stored code dtype (int8 / float8_e4m3fn / uint8)."""
         return self.data.dtype
-
-    @property
-    def num_pages(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def page_size(self) -> int:
-        return self.data.shape[1]
 
     @property
     def has_heads(self) -> bool:

@@ -11,10 +11,8 @@ import jax
 import numpy as np
 
 from ...core.pallas import cdiv
+from .base import check_mla, check_paged, check_ragged
 from .cache import pages_shape
-from .mla import check_mla
-from .paged import check_paged
-from .ragged import check_ragged
 
 
 def _host(name, value):
