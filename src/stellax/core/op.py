@@ -329,3 +329,20 @@ def backward_implementation(backward_op: Op, forward_name: str) -> tuple[str, ..
 
 def names_of(implementations: Iterable[Implementation]) -> list[str]:
     return [impl.name for impl in implementations]
+
+
+def refuse_interpreted_tpu_collectives(where: str, implementation, devices: int) -> None:
+    """Refuse, before anything runs, a Mosaic TPU kernel interpreted on a CPU between collectives over
+    ``devices`` > 1 simulated devices: jax's TPU interpreter runs each kernel as host callbacks that
+    meet every device of the mesh, and with XLA:CPU's collectives in between the devices' threads
+    wait on each other (seen: ring attention's backward, expert parallelism; a 2-core machine hangs
+    or aborts in a rendezvous timeout). ``implementation`` is the user's choice (``None``: the
+    default, which never picks an interpreted kernel on a CPU)."""
+    if implementation is None or devices <= 1 or not interpret_enabled() or current_platform().backend != "cpu":
+        return
+    names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    if "mosaic_tpu" in names:
+        raise UnsupportedError(
+            f"{where}: implementation={implementation!r} in interpret mode across {devices} simulated CPU "
+            f"devices: jax's Mosaic TPU interpreter deadlocks between collectives; interpreted, use "
+            f"'triton', 'xla_chunked' or 'xla' (or the default), or run the Mosaic TPU kernels on a TPU")

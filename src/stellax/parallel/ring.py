@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..core.op import refuse_interpreted_tpu_collectives
+from ..core.platform import current_platform
 from ..core.precision import resolve_precision
 from ..ops.attention import attention_backward_op, backward_kernels
 from .local import F32, LocalAttention, merge_partials
@@ -65,7 +67,10 @@ def _flash_backward_chain(implementation):
     (the ``xla`` golden recomputes its own softmax, so it must not get the
     merged statistics)."""
     if implementation is None:
-        return FLASH_BACKWARDS
+        # As the forward's own default: interpreted kernels are never picked by themselves on a CPU.
+        on_cpu = current_platform().backend == "cpu"
+        return tuple(n for n in FLASH_BACKWARDS
+                     if not (on_cpu and attention_backward_op.implementations[n].is_kernel))
     names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
     return names if all(n in FLASH_BACKWARDS for n in names) else ()
 
@@ -189,4 +194,5 @@ def ring_attention_shard(q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None, *, loc
       axis_name, axis_size: the ring's mesh axis and its size ``P``.
     Returns ``(out [B, L, N, Hv] q.dtype, lse [B, N, L] float32)``, differentiable in q, k, v.
     """
+    refuse_interpreted_tpu_collectives("ring attention", local.implementation, int(axis_size))
     return _ring(local, axis_name, int(axis_size), q, k, v, q_pos, kv_pos, q_seg, kv_seg)

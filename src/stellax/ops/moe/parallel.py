@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ...core import current_platform
+from ...core.op import refuse_interpreted_tpu_collectives
 from .dispatch import capacity, permute, unpermute
 from .mlp import check_moe_mlp, local_experts, route_call_of
 from .routing import compute_route
@@ -116,6 +117,7 @@ def moe_mlp_shard(x, router_logits, w_gate_up, w_down, *, axis_name, top_k, scor
     if collective not in _COLLECTIVES:
         raise ValueError(f"collective: expected one of {list(_COLLECTIVES)}, got {collective!r}")
     devices = jax.lax.axis_size(axis_name)
+    refuse_interpreted_tpu_collectives("moe_mlp_shard", implementation, devices)
     experts = router_logits.shape[1]
     if experts % devices:
         raise ValueError(f"router_logits: expected a number of experts divisible by the size of axis "
