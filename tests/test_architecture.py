@@ -61,13 +61,7 @@ KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 # issue 36: being removed family by family. Known import cycles, each as the set of its modules;
 # delete an entry when its cycle goes (the test fails on an entry that no longer occurs).
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # ops/paged_attention: quant_cache.py and rotation.py import each other inside functions
-    frozenset({"stellax.ops.paged_attention.quant_cache", "stellax.ops.paged_attention.rotation"}),
-    # core/tpu.py: `target_generation` imports core.platform inside the function, and core/platform.py
-    # imports core.tpu (not under ops/, but core/ is another helper's; reported to it)
-    frozenset({"stellax.core.platform", "stellax.core.tpu"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 # -- the graph ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from .core import (
     registered_ops,
     use_configs,
 )
+from .core.runtime_checks import checked
 from .core.selection import register_config_source as _register_config_source
 
 # Op families (one line each; keep alphabetical).
@@ -28,7 +29,7 @@ from .ops.linear_attention import (LinearAttentionConfig, chunk_gated_delta_rule
 from .ops.loss import ChunkedConfig, LinearCrossEntropyConfig, linear_cross_entropy
 from .ops.moe import (GroupedMatmulConfig, XlaGroupedMatmulConfig, load_balancing_loss, moe_mlp, moe_mlp_expert_parallel, moe_mlp_shard, permute, ragged_dot, ragged_dot_general, ragged_dot_tgmm, route, router_z_loss, unpermute)
 from .ops.norm import NormConfig, layer_norm, rms_norm
-from .paged import (KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, init_kv_cache, mla_decode, paged_attention, ragged_paged_attention, update_kv_cache)
+from .ops.paged_attention import (KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, init_kv_cache, mla_decode, paged_attention, ragged_paged_attention, update_kv_cache)
 from .ops.paged_attention.rotation import (
     KVClip, KVRotation, calibrate_kv_clip, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation,
 )

@@ -154,3 +154,12 @@ def lowering_target(target: str | Platform = "h100"):
     finally:
         _INTERPRET.reset(interp)
         _TARGET.reset(token)
+
+
+def target_generation(platform=None) -> TpuGeneration:
+    """The generation TPU kernels are configured for: the platform's own (a
+    TPU device or a `stellax.lowering_target`), else v6e, so interpret-mode
+    runs on a CPU pick the configs a v6e would."""
+    if platform is None:
+        platform = current_platform()
+    return platform.tpu or TPU_GENERATIONS["v6e"]

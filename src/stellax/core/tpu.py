@@ -88,14 +88,3 @@ def tpu_generation(device_kind: str) -> TpuGeneration | None:
         if kind in generation.device_kinds:
             return generation
     return None
-
-
-def target_generation(platform=None) -> TpuGeneration:
-    """The generation TPU kernels are configured for: the platform's own (a
-    TPU device or a `stellax.lowering_target`), else v6e, so interpret-mode
-    runs on a CPU pick the configs a v6e would."""
-    if platform is None:
-        from .platform import current_platform
-
-        platform = current_platform()
-    return platform.tpu or TPU_GENERATIONS["v6e"]

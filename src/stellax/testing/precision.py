@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core below; not loaded by `import jax`)
 import numpy as np
 
 from ..core.pallas import TF32X3

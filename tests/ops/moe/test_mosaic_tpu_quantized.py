@@ -154,6 +154,6 @@ def test_space_and_heuristic_fit_the_scoped_vmem_and_the_packing():
     for generation in ("v5e", "v6e"):
         with lowering_target(generation):
             space, best = quantized_tpu_space(call), quantized_tpu_heuristic(call)
-            budget = stellax.core.tpu.target_generation().scoped_vmem_bytes
+            budget = stellax.core.platform.target_generation().scoped_vmem_bytes
         assert best in space and len(space) > 3
         assert all(c.block_k >= 256 and quantized_tpu_vmem(call, c) <= budget for c in space)

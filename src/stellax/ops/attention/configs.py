@@ -251,7 +251,7 @@ def _preferred_blocks(generation) -> list[tuple[int, int]]:
 
 
 def _heuristic_blocks(call: Call, *, backward: bool) -> tuple[int, int]:
-    from ...core.tpu import target_generation
+    from ...core.platform import target_generation
 
     generation = target_generation()
     t, s = _tpu_shape(call)[:2]
@@ -263,7 +263,7 @@ def _heuristic_blocks(call: Call, *, backward: bool) -> tuple[int, int]:
 
 def splash_heuristic(call: Call) -> SplashConfig:
     """The largest preferred blocks whose estimated VMEM fits the generation's
-    scoped-VMEM default (`stellax.core.tpu.target_generation`), clamped to the
+    scoped-VMEM default (`stellax.core.platform.target_generation`), clamped to the
     sequence lengths."""
     bq, bk = _heuristic_blocks(call, backward=False)
     return SplashConfig(block_q=bq, block_kv=bk)
@@ -277,7 +277,7 @@ def splash_backward_heuristic(call: Call) -> SplashBackwardConfig:
 def _tpu_block_pairs(call: Call, *, backward: bool) -> list[tuple[int, int]]:
     """Distinct (block_q, block_kv) pairs (clamped to the lengths) whose
     estimated VMEM fits three quarters of the generation's VMEM."""
-    from ...core.tpu import target_generation
+    from ...core.platform import target_generation
 
     generation = target_generation()
     t, s = _tpu_shape(call)[:2]

@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ...core.pallas import (
     cdiv, mxu_dot, mxu_dot_nt, mxu_dot_tn, online_softmax_step, operand, output, pad_axis, tpu_kernel_call,
 )
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 from .configs import splash_vmem_bytes
 from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn
 

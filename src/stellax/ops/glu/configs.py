@@ -8,7 +8,7 @@ import numpy as np
 
 from ...core import Call, KernelConfig
 from ...core.config import MatmulTileConfig, require_positive
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 
 
 @dataclasses.dataclass(frozen=True)

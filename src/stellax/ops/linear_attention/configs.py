@@ -18,7 +18,7 @@ import numpy as np
 from ...core import Call, KernelConfig, TritonConfig, current_platform, product_space
 from ...core.config import require_in
 from ...core.pallas import padded_dim
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 
 #: The Triton kernels work on chunks of this many tokens (fla's BT).
 TRITON_CHUNK = 64

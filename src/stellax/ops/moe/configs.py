@@ -29,7 +29,8 @@ import numpy as np
 
 from ...core import Call, KernelConfig, next_power_of_two, product_space
 from ...core.config import MatmulTileConfig, require_in
-from ...core.tpu import TPU_GENERATIONS, target_generation
+from ...core.platform import target_generation
+from ...core.tpu import TPU_GENERATIONS
 
 #: Shared memory a Triton program may use on sm_90 / sm_80 (bytes), minus slack.
 SMEM_BUDGET = 200 * 1024

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...core import Call, KernelConfig, TritonConfig, next_power_of_two, product_space
 from ...core.config import require_positive, require_power_of_two
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 
 #: Longest row (elements) a Triton program holds in registers at once.
 MAX_ROW_BLOCK = 65536

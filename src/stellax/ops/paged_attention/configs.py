@@ -42,7 +42,7 @@ from ...core import (Call, KernelConfig, TritonConfig, current_platform, is_powe
                      product_space)
 from ...core.config import require_in, require_power_of_two
 from ...core.pallas import cdiv
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 from .quant_cache import KVQuant
 
 #: Smallest dot dimension on tensor cores (rows, tokens per step, head dims).

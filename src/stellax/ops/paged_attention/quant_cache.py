@@ -321,7 +321,7 @@ def unrotate(y, signs, *, head_axis: int = -2):
 def pool_rotation(spec: KVQuant, rotation, num_heads: int | None, head_dim: int, what: str = "rotation"):
     """``(spec, signs)`` of a new pool: the array it stores in its ``signs``
     field (the Hadamard signs when ``spec.rotation is True``, the checked
-    calibrated ``rotation`` (see `rotation.check_rotation`), or None) and its
+    calibrated ``rotation`` (see `check_rotation`), or None) and its
     spec (``rotation="calibrated"`` when matrices are given)."""
     if rotation is None:
         if spec.rotation == "calibrated":
@@ -331,8 +331,48 @@ def pool_rotation(spec: KVQuant, rotation, num_heads: int | None, head_dim: int,
     if spec.rotation is True:
         raise ValueError(f"{what}: a calibrated rotation replaces the random Hadamard one (it already holds a "
                          "Hadamard transform); use it with KVQuant(rotation=False) or 'calibrated'")
-    from .rotation import check_rotation
     return dataclasses.replace(spec, rotation="calibrated"), check_rotation(what, rotation, num_heads, head_dim)
+
+
+# -- calibrated rotations ------------------------------------------------------
+#: Largest ``max |R Rᵀ - I|`` accepted for a float32 rotation.
+ORTHOGONALITY_TOLERANCE = 1e-3
+
+
+def orthogonality_error(rotation) -> float:
+    """``max |R Rᵀ - I|`` over all matrices of ``rotation [..., H, H]``."""
+    r = np.asarray(rotation, np.float64)
+    eye = np.eye(r.shape[-1])
+    return float(np.max(np.abs(np.einsum("...ij,...kj->...ik", r, r) - eye))) if r.size else 0.0
+
+
+def check_rotation(name: str, rotation, num_heads: int | None, head_dim: int):
+    """Validate a cache rotation: float ``[K, H, H]`` (or ``[H, H]``, shared by
+    all heads; the only form for a head-less MLA pool, where ``[1, H, H]`` is
+    accepted too) and orthogonal (checked when concrete, i.e. outside
+    ``jit``). Returns it as a float32 jax array ``[K, H, H]`` / ``[H, H]``."""
+    if not hasattr(rotation, "shape") or not hasattr(rotation, "dtype"):
+        raise TypeError(f"{name}: expected an array [num_kv_heads, head_dim, head_dim], got "
+                        f"{type(rotation).__name__}")
+    shape = tuple(rotation.shape)
+    if not jnp.issubdtype(rotation.dtype, jnp.floating):
+        raise TypeError(f"{name}: expected a floating dtype, got {np.dtype(rotation.dtype).name}")
+    if num_heads is None:
+        if shape == (1, head_dim, head_dim):
+            rotation, shape = rotation[0], (head_dim, head_dim)
+        expected = [(head_dim, head_dim)]
+    else:
+        expected = [(num_heads, head_dim, head_dim), (head_dim, head_dim)]
+    if shape not in expected:
+        want = " or ".join(str(e) for e in expected)
+        raise ValueError(f"{name}: expected shape {want} ([num_kv_heads, head_dim, head_dim] of the cache), "
+                         f"got {shape}")
+    if not isinstance(rotation, jax.core.Tracer):
+        err = orthogonality_error(rotation)
+        if not err <= ORTHOGONALITY_TOLERANCE:
+            raise ValueError(f"{name}: expected an orthogonal rotation (max |R Rᵀ - I| <= "
+                             f"{ORTHOGONALITY_TOLERANCE}), got max |R Rᵀ - I| = {err:.3g}")
+    return jnp.asarray(rotation, jnp.float32)
 
 
 # -- packing -----------------------------------------------------------------------

@@ -57,8 +57,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-#: Largest ``max |R Rᵀ - I|`` accepted for a float32 rotation.
-ORTHOGONALITY_TOLERANCE = 1e-3
+from .quant_cache import (ORTHOGONALITY_TOLERANCE, KVQuant, check_rotation, dequantize_pages, orthogonality_error,
+                          quantize_pages)
+
 _FORMAT = "stellax.kv_rotation/1"
 
 
@@ -141,44 +142,6 @@ def rotation_from_covariance(cov, group_size: int | None = None) -> np.ndarray:
 
 
 # -- checks -------------------------------------------------------------------------
-def orthogonality_error(rotation) -> float:
-    """``max |R Rᵀ - I|`` over all matrices of ``rotation [..., H, H]``."""
-    r = np.asarray(rotation, np.float64)
-    eye = np.eye(r.shape[-1])
-    return float(np.max(np.abs(np.einsum("...ij,...kj->...ik", r, r) - eye))) if r.size else 0.0
-
-
-def check_rotation(name: str, rotation, num_heads: int | None, head_dim: int):
-    """Validate a cache rotation: float ``[K, H, H]`` (or ``[H, H]``, shared by
-    all heads; the only form for a head-less MLA pool, where ``[1, H, H]`` is
-    accepted too) and orthogonal (checked when concrete, i.e. outside
-    ``jit``). Returns it as a float32 jax array ``[K, H, H]`` / ``[H, H]``."""
-    import jax.numpy as jnp
-
-    if not hasattr(rotation, "shape") or not hasattr(rotation, "dtype"):
-        raise TypeError(f"{name}: expected an array [num_kv_heads, head_dim, head_dim], got "
-                        f"{type(rotation).__name__}")
-    shape = tuple(rotation.shape)
-    if not jnp.issubdtype(rotation.dtype, jnp.floating):
-        raise TypeError(f"{name}: expected a floating dtype, got {np.dtype(rotation.dtype).name}")
-    if num_heads is None:
-        if shape == (1, head_dim, head_dim):
-            rotation, shape = rotation[0], (head_dim, head_dim)
-        expected = [(head_dim, head_dim)]
-    else:
-        expected = [(num_heads, head_dim, head_dim), (head_dim, head_dim)]
-    if shape not in expected:
-        want = " or ".join(str(e) for e in expected)
-        raise ValueError(f"{name}: expected shape {want} ([num_kv_heads, head_dim, head_dim] of the cache), "
-                         f"got {shape}")
-    if not isinstance(rotation, jax.core.Tracer):
-        err = orthogonality_error(rotation)
-        if not err <= ORTHOGONALITY_TOLERANCE:
-            raise ValueError(f"{name}: expected an orthogonal rotation (max |R Rᵀ - I| <= "
-                             f"{ORTHOGONALITY_TOLERANCE}), got max |R Rᵀ - I| = {err:.3g}")
-    return jnp.asarray(rotation, jnp.float32)
-
-
 def _as_calibration(name, x, rank):
     a = np.asarray(jax.device_get(x)) if hasattr(x, "shape") else None
     if a is None:
@@ -329,7 +292,6 @@ def calibrate_kv_rotation(queries, keys, values, *, lengths=None, causal: bool =
 
 
 def _clip_spec(spec, head_dim: int, group_size: int | None):
-    from .quant_cache import KVQuant
 
     if isinstance(spec, str):
         spec = KVQuant(spec, group_size=group_size)
@@ -365,7 +327,6 @@ def calibrate_kv_clip(queries, keys, values, spec, *, key_rotation=None, value_r
     Returns:
       `KVClip` of float32 ``[L]`` (``[]`` for rank-4 inputs).
     """
-    from .quant_cache import dequantize_pages, quantize_pages
 
     q, k, v, lens, sc, single = _calibration_inputs(queries, keys, values, lengths, scale)
     nl, s, t, n, h = q.shape

@@ -29,7 +29,7 @@ import numpy as np
 from ...core import Call, KernelConfig, TritonConfig, product_space
 from ...core.config import MatmulTileConfig, require_in, require_power_of_two
 from ...core.pallas import cdiv
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 from . import formats as F
 
 

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 
 from ...core.pallas import F32, HIGHEST, dot, mxu_dot, operand, output, tpu_kernel_call
 from ...core.platform import interpret_enabled
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 from . import formats as F
 from .hadamard import hadamard_matrix
 from .qarray import QArray, qarray_from_call

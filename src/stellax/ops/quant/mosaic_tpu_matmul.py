@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import F32, HIGHEST, cdiv, dot, mxu_dot, operand, output, tpu_kernel_call
-from ...core.tpu import target_generation
+from ...core.platform import target_generation
 from . import formats as F
 from .mosaic_tpu import _vmem_limit, decode_nibbles, float8_values
 from .qarray import QArray, qarray_from_call
