@@ -85,21 +85,20 @@ def reorder_for_load_balance(x, axis_size: int, strategy="zigzag", *, axis: int 
       strategy: ``"zigzag"``, ``"striped"`` or ``None`` (identity).
     Returns ``x`` with the sequence permuted: ``out[..., g, ...] = x[..., perm[g], ...]``.
     """
-    x = checks.as_array("x", x)
-    axis = checks.normalize_axis("axis", axis, x.ndim)
-    check_divisible(x.shape[axis], axis_size, check_load_balance(strategy), what=f"x: sequence length (axis {axis})")
-    perm = load_balance_permutation(x.shape[axis], axis_size, strategy)
-    if strategy is None:
-        return x
-    return jnp.take(x, jnp.asarray(perm), axis=axis)
+    x, axis, perm = _checked_permutation(x, axis_size, strategy, axis)
+    return x if perm is None else jnp.take(x, jnp.asarray(perm), axis=axis)
 
 
 def restore_from_load_balance(x, axis_size: int, strategy="zigzag", *, axis: int = 1):
     """The inverse of `reorder_for_load_balance` (same arguments)."""
+    x, axis, perm = _checked_permutation(x, axis_size, strategy, axis)
+    return x if perm is None else jnp.take(x, jnp.asarray(np.argsort(perm).astype(np.int32)), axis=axis)
+
+
+def _checked_permutation(x, axis_size: int, strategy, axis: int):
+    """``(x as an array, the normalized axis, the load-balance permutation or None for no strategy)``."""
     x = checks.as_array("x", x)
     axis = checks.normalize_axis("axis", axis, x.ndim)
     check_divisible(x.shape[axis], axis_size, check_load_balance(strategy), what=f"x: sequence length (axis {axis})")
     perm = load_balance_permutation(x.shape[axis], axis_size, strategy)
-    if strategy is None:
-        return x
-    return jnp.take(x, jnp.asarray(np.argsort(perm).astype(np.int32)), axis=axis)
+    return x, axis, (None if strategy is None else perm)
