@@ -52,6 +52,7 @@ from .examples import (FORWARD_PEERS, TGMM_PEERS, backward_examples, forward_ben
                        tgmm_benchmarks, tgmm_examples)
 from .quantized import ragged_dot_quantized
 from .reference import ragged_dot_backward_reference, ragged_dot_reference, ragged_dot_tgmm_reference
+from .schedule import poison_bad_offset
 
 
 # -- ragged_dot ------------------------------------------------------------------------------
@@ -92,7 +93,8 @@ class _RaggedDot:
 
 def _run_ragged_dot(backend: Backend, call: Call, config):
     rule = _RaggedDot(backend, config, call.transpose_rhs, call.activation, call.precision, call.out_dtype)
-    return vjp.apply(rule, call.lhs, call.rhs, call.group_sizes, call.group_offset)
+    out = vjp.apply(rule, call.lhs, call.rhs, call.group_sizes, call.group_offset)
+    return poison_bad_offset(out, call.group_sizes, call.group_offset, call.rhs.shape[0])
 
 
 ragged_dot_op = register(Op(
@@ -136,7 +138,8 @@ class _Tgmm:
 
 def _run_tgmm(backend: Backend, call: Call, config):
     rule = _Tgmm(backend, config, call.num_local_groups, call.transpose_lhs, call.precision, call.out_dtype)
-    return vjp.apply(rule, call.lhs, call.rhs, call.group_sizes, call.group_offset)
+    out = vjp.apply(rule, call.lhs, call.rhs, call.group_sizes, call.group_offset)
+    return poison_bad_offset(out, call.group_sizes, call.group_offset, call.num_local_groups)
 
 
 ragged_dot_tgmm_op = register(Op(
@@ -206,8 +209,8 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         expert-sharded weights: ``rhs`` holds groups ``[offset, offset + G)``
         of ``group_sizes`` (``G = rhs.shape[0]``, the local group count);
         rows of the other groups give zeros. Eagerly an offset outside ``[0,
-        len(group_sizes) - G]`` raises; under ``jit`` it selects no group (all
-        rows zero).
+        len(group_sizes) - G]`` raises; under ``jit`` it names no group and
+        the whole result is NaN (never a plausible zero).
       activation: ``None``, ``"silu"``, ``"gelu"``, ``"gelu_tanh"``,
         ``"relu"``, ``"sigmoid"`` or a callable, applied to the product
         (to the gate half for a gated rhs). Callables are applied by XLA after
@@ -230,6 +233,14 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
 
     Returns:
       ``[M, N]`` in ``preferred_element_type``.
+
+    Data-dependent checks (values under ``jit``; eagerly they raise `ValueError`): in checked mode
+    (`stellax.checked`, ``STELLAX_CHECKS=1``) each is a ``checkify`` check naming the argument and
+    the bad value; without checks, the result documented above:
+
+    * ``group_sizes`` non-negative — else a negative size counts as 0;
+    * ``sum(group_sizes) <= M`` — else the group running past row M is cut at M;
+    * ``0 <= group_offset <= len(group_sizes) - G`` — else every element of the result is NaN.
     """
     if isinstance(rhs, QArray):
         return ragged_dot_quantized(lhs, rhs, group_sizes, precision, preferred_element_type, group_offset,
@@ -247,6 +258,11 @@ def ragged_dot_tgmm(lhs, rhs, group_sizes, precision=None, preferred_element_typ
     ``[offset, offset + num_local_groups)`` are computed. An empty group gives
     zeros. ``precision``: of the float32 products, as for `ragged_dot` (see
     `stellax.core.precision`).
+
+    Data-dependent checks, as for `ragged_dot` (checked mode: ``checkify`` checks naming the
+    argument; without: the documented result): negative ``group_sizes`` count as 0, a group
+    running past row M is cut at M, and a ``group_offset`` outside ``[0, len(group_sizes) -
+    num_local_groups]`` makes the whole ``[G, K, N]`` result NaN.
 
     ``implementation``: ``None`` (the best available), ``"mosaic_tpu"``
     (config: `TpuGroupedMatmulConfig`), ``"triton"`` (`GroupedMatmulConfig`),
@@ -284,6 +300,8 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
     ``implementation`` and ``config`` as for `ragged_dot` (forward layouts) and
     `ragged_dot_tgmm` (tgmm layouts): ``"mosaic_tpu"`` (`TpuGroupedMatmulConfig`),
     ``"triton"`` (`GroupedMatmulConfig`), ``"xla"`` (`XlaGroupedMatmulConfig`).
+    Data-dependent checks (``group_sizes``, ``group_offset``) and their unchecked results: as for
+    `ragged_dot`.
     """
     dims = ragged_dot_dimension_numbers
     if not isinstance(dims, jax.lax.RaggedDotDimensionNumbers):

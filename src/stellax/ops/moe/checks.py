@@ -11,6 +11,7 @@ import numpy as np
 
 from ...core import Call, checks
 from ...core.precision import resolve_precision
+from ...core.runtime_checks import require
 from ..quant.qarray import QArray
 from .activations import check_activation
 from .configs import gmm_dims
@@ -71,9 +72,28 @@ def check_group_offset(group_offset):
     return jnp.asarray(group_offset, jnp.int32).reshape(())
 
 
+def require_group_values(group_sizes, group_offset, num_local: int, rows: int, rows_name: str) -> None:
+    """Checked mode (`stellax.checked`): the value checks of `check_group_values` as ``checkify``
+    checks, for traced values (nothing is added to the program with checks off)."""
+    sizes = group_sizes.astype(jnp.int32)
+    first_negative = lambda: jnp.argmax(sizes < 0)
+    require(lambda: jnp.all(sizes >= 0), "group_sizes: expected non-negative sizes, got {size} at index {index}",
+            size=lambda: sizes[first_negative()], index=first_negative)
+    require(lambda: jnp.sum(jnp.clip(sizes, 0, rows + 1)) <= rows,
+            f"group_sizes: expected sum(group_sizes) <= {rows} ({rows_name}), got {{total}}",
+            total=lambda: jnp.sum(jnp.maximum(sizes, 0)))
+    if group_offset is not None:
+        high = group_sizes.shape[0] - num_local
+        offset = group_offset.astype(jnp.int32)
+        require(lambda: (offset >= 0) & (offset <= high),
+                f"group_offset: expected a value in [0, {high}] (len(group_sizes) - local groups), got {{offset}}",
+                offset=lambda: offset)
+
+
 def check_group_values(group_sizes, group_offset, num_local: int, rows: int, rows_name: str) -> None:
-    """Eager value checks (skipped for traced values; under ``jit`` sizes are
-    clamped instead, see `schedule.group_bounds`)."""
+    """Eager value checks (raise `ValueError`); traced values are checked only in checked mode
+    (`require_group_values`), else sizes are clamped (`schedule.group_bounds`) and an
+    out-of-range offset gives NaN (`schedule.poison_bad_offset`)."""
     sizes = concrete(group_sizes)
     if sizes is not None:
         if (sizes < 0).any():
@@ -87,6 +107,8 @@ def check_group_values(group_sizes, group_offset, num_local: int, rows: int, row
         if not 0 <= int(offset) <= length - num_local:
             raise ValueError(f"group_offset: expected a value in [0, {length - num_local}] "
                              f"(len(group_sizes) - local groups), got {int(offset)}")
+    if not isinstance(group_sizes, jax.ShapeDtypeStruct) and not isinstance(group_offset, jax.ShapeDtypeStruct):
+        require_group_values(group_sizes, group_offset, num_local, rows, rows_name)
 
 
 def check_groups(group_sizes, group_offset, num_local: int, rows: int, rows_name: str):

@@ -58,6 +58,7 @@ from .checks import QUANTIZED_ARRAYS, check_ragged_dot_quantized, flatten_quanti
 from .configs import quantized_dims, quantized_k_block
 from .examples import QUANTIZED_PEERS, quantized_benchmarks, quantized_examples
 from .reference import ragged_dot_reference
+from .schedule import poison_bad_offset
 from .xla_quantized import activated
 
 
@@ -115,7 +116,8 @@ class _QuantizedRaggedDot:
 def _run(backend: Backend, call: Call, config):
     rule = _QuantizedRaggedDot(backend, config, call.activation, call.precision, call.out_dtype,
                                np.dtype(call.lhs.dtype), quantized_k_block(call))
-    return vjp.apply(rule, call.lhs, quantized_rhs(call), call.group_sizes, call.group_offset)
+    out = vjp.apply(rule, call.lhs, quantized_rhs(call), call.group_sizes, call.group_offset)
+    return poison_bad_offset(out, call.group_sizes, call.group_offset, call.rhs_shape[0])
 
 
 def _flops(call: Call) -> float:

@@ -10,7 +10,8 @@
 
     out[g] = lhs[:, rows of g] @ rhs[rows of g, :]     lhs [K, M], rhs [M, N]
 
-Group rows follow the clamping of `schedule.group_bounds`. Math in float32 at
+Group rows follow the clamping of `schedule.group_bounds`; a traced offset out
+of range gives NaN everywhere (`schedule.poison_bad_offset`). Math in float32 at
 ``Precision.HIGHEST``; results in the output dtype.
 """
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from ...core import Call
 from .activations import activation_fn
-from .schedule import group_bounds
+from .schedule import group_bounds, poison_bad_offset
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -53,6 +54,7 @@ def ragged_dot_reference(call: Call):
             y = act(jnp.dot(lhs, rhs[g], precision=_HI))
         y = jnp.where(masks[g][:, None], y, 0.0)
         out = y if out is None else out + y
+    out = poison_bad_offset(out, call.group_sizes, call.group_offset, rhs.shape[0])
     return out.astype(call.out_dtype)
 
 
@@ -66,7 +68,8 @@ def ragged_dot_tgmm_reference(call: Call):
     masks = _row_masks(call, lhs.shape[0], call.num_local_groups)
     outs = [jnp.dot(jnp.where(masks[g][:, None], lhs, 0.0).T, rhs, precision=_HI)
             for g in range(call.num_local_groups)]
-    return jnp.stack(outs).astype(call.out_dtype)
+    out = poison_bad_offset(jnp.stack(outs), call.group_sizes, call.group_offset, call.num_local_groups)
+    return out.astype(call.out_dtype)
 
 
 def ragged_dot_backward_reference(call: Call):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
+from ...core.runtime_checks import require
 from .examples import route_examples
 
 _SCORINGS = ("softmax", "sigmoid")
@@ -136,6 +137,10 @@ def load_balancing_loss(router_logits, expert_ids, *, scoring="softmax"):
     scores normalized per token (``"sigmoid"``, as DeepSeek-V3's
     sequence-wise balance loss). Differentiable w.r.t. ``router_logits``
     through ``P``.
+
+    Data-dependent check: ``expert_ids`` in ``[0, E)`` (eagerly a `ValueError`; under ``jit`` a
+    ``checkify`` check in checked mode). Without checks a copy with an id outside ``[0, E)``
+    (``-1`` included: not wrapped) counts for no expert, as `permute` drops it.
     """
     router_logits = checks.require_float("router_logits", router_logits)
     checks.require_ndim("router_logits", router_logits, 2)
@@ -144,10 +149,25 @@ def load_balancing_loss(router_logits, expert_ids, *, scoring="softmax"):
     checks.require_shape("expert_ids", expert_ids, (router_logits.shape[0], None), "logits.shape[0], k")
     checks.require_choice("scoring", scoring, _SCORINGS)
     tokens, experts = router_logits.shape
+    ids = checks.concrete_values(expert_ids)
+    if ids is not None:
+        bad = np.argwhere((ids < 0) | (ids >= experts))
+        if bad.size:
+            t, j = (int(i) for i in bad[0])
+            raise ValueError(f"expert_ids[{t}, {j}]: expected an expert in [0, {experts}) "
+                             f"(router_logits.shape[1]), got {int(ids[t, j])}")
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    outside = lambda: (flat < 0) | (flat >= experts)
+    first = lambda: jnp.argmax(outside())
+    top_k = expert_ids.shape[1]
+    require(lambda: ~jnp.any(outside()),
+            f"expert_ids[{{token}}, {{slot}}]: expected an expert in [0, {experts}) (router_logits.shape[1]), "
+            f"got {{value}}", token=lambda: first() // top_k, slot=lambda: first() % top_k,
+            value=lambda: flat[first()])
     probs = _scores(router_logits, scoring)
     if scoring == "sigmoid":
         probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    counts = jnp.zeros((experts,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
+    counts = jnp.zeros((experts,), jnp.float32).at[jnp.where(outside(), experts, flat)].add(1.0, mode="drop")
     fraction = counts / expert_ids.size
     return experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
 

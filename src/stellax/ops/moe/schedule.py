@@ -11,7 +11,8 @@ every stellax grouped matmul reads them (the documented behaviour under
 A shard that holds groups ``[offset, offset + L)`` (expert parallelism) only
 computes the rows of those groups; rows outside ``[begin, end)`` — the rows
 of other groups and the rows past ``sum(group_sizes)`` — are zero in the
-output.
+output. A traced offset outside ``[0, len(group_sizes) - L]`` names no groups:
+the ops return NaN everywhere (`poison_bad_offset`), never a plausible zero.
 
 The tile schedule splits every local group into tiles of ``block_m`` rows
 that *start at the group's first row*: a tile never holds rows of two groups
@@ -33,6 +34,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ...core.checks import concrete_values
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupBounds:
@@ -51,8 +54,8 @@ def group_bounds(group_sizes, group_offset, num_local: int, m: int) -> GroupBoun
     m]`` and summed with a saturating add (in uint32: the running sum of
     sizes near 2³¹ would wrap around in int32), so every group ends at or
     before row ``m``; an offset outside ``[0, len(group_sizes) - num_local]``
-    selects no group (every row gives zeros), it is not clamped onto other
-    groups."""
+    selects no group here (every row zero), it is not clamped onto other
+    groups; the ops then poison their whole result with NaN (`poison_bad_offset`)."""
     sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m).astype(jnp.uint32)
     cap = jnp.uint32(m)
     ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), sizes).astype(jnp.int32)
@@ -62,6 +65,23 @@ def group_bounds(group_sizes, group_offset, num_local: int, m: int) -> GroupBoun
     local_starts = jnp.where(in_range, jax.lax.dynamic_slice_in_dim(starts, offset, num_local), 0)
     local_ends = jnp.where(in_range, jax.lax.dynamic_slice_in_dim(ends, offset, num_local), 0)
     return GroupBounds(local_starts, local_ends - local_starts, local_starts[0], local_ends[-1])
+
+
+def offset_in_range(group_sizes, group_offset, num_local: int):
+    """Whether ``group_offset`` selects ``num_local`` groups of ``group_sizes``: ``0 <= offset <=
+    len(group_sizes) - num_local`` (a traced bool scalar)."""
+    offset = group_offset.astype(jnp.int32)
+    return (offset >= 0) & (offset <= group_sizes.shape[0] - num_local)
+
+
+def poison_bad_offset(out, group_sizes, group_offset, num_local: int):
+    """``out`` with every element NaN when a *traced* ``group_offset`` is outside ``[0,
+    len(group_sizes) - num_local]`` (it names no groups: no row of the result is defined). Nothing
+    is added when there is no offset or it is concrete (checked on the host, `checks.check_group_values`)."""
+    if group_offset is None or concrete_values(group_offset) is not None:
+        return out
+    ok = offset_in_range(group_sizes, group_offset, num_local)
+    return jnp.where(ok, out, jnp.array(jnp.nan, out.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
