@@ -230,3 +230,19 @@ def test_load_balancing_loss_bad_id():
     with stellax.checked():
         err, _ = checkify.checkify(jax.jit(lambda *a: load_balancing_loss(*a)))(logits, IDS.at[1, 0].set(-1))
         assert "expert_ids[1, 0]: expected an expert in [0, 3) (router_logits.shape[1]), got -1" in err.get()
+
+
+def test_quantized_ragged_dot_bad_offset_is_nan_and_checked():
+    lhs, rhs = _inputs()
+    q = stellax.quantize(rhs, "int8", axis=1, block_size=K)
+    gs = jnp.array(SIZES, jnp.int32)
+    f = jax.jit(lambda l, w, g, o: ragged_dot(l, w, g, group_offset=o))
+    assert bool(jnp.all(jnp.isnan(f(lhs, q, gs, jnp.int32(-1)))))
+    good = f(lhs, q, gs, jnp.int32(1))
+    assert not bool(jnp.any(jnp.isnan(good)))
+    np.testing.assert_allclose(good, _numpy_groups(lhs, stellax.dequantize(q, jnp.float32), SIZES, 1),
+                               rtol=1e-4, atol=1e-4)
+    with stellax.checked():
+        err, _ = checkify.checkify(jax.jit(lambda l, w, g, o: ragged_dot(l, w, g, group_offset=o)))(
+            lhs, q, gs, jnp.int32(-1))
+        assert "group_offset: expected a value in [0, 2]" in err.get() and "got -1" in err.get()
