@@ -66,3 +66,13 @@ def test_the_environment_switch(monkeypatch):
     monkeypatch.setenv(runtime_checks.ENV, "sometimes")
     with pytest.raises(ValueError, match=r"STELLAX_CHECKS: expected one of .* got 'sometimes'"):
         checks_enabled()
+
+
+def test_a_jitted_function_is_traced_again_when_checks_turn_on():
+    jitted = jax.jit(_positive_double)
+    bad = jnp.array([-1.0, 2.0])
+    assert jnp.array_equal(jitted(bad), 2 * bad)  # traced with checks off: no check in its program
+    with checked():
+        err, _ = checkify.checkify(jitted)(bad)
+        assert "got -1.0" in err.get()
+    assert jnp.array_equal(jitted(bad), 2 * bad)  # off again: the unchecked program

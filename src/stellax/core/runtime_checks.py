@@ -14,16 +14,17 @@ defined result, or NaN in exactly the affected rows); in checked mode it also st
 Off (the default), `require` adds nothing to the program: the jaxpr is the same as without it.
 On, a jitted function calling an op must be wrapped in `checkify.checkify` (JAX refuses to stage a
 check otherwise: "Cannot abstractly evaluate a checkify.check which was not functionalized").
-Whether checks are on is read when the op is traced.
+Whether checks are on is read when the op is traced; a `checked` block is part of `jax.jit`'s cache
+key, so a function jitted outside one is traced again inside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from typing import Any, Callable
 
+import jax
 from jax.experimental import checkify
 
 #: The environment variable that turns checked mode on for the whole process.
@@ -31,7 +32,9 @@ ENV = "STELLAX_CHECKS"
 _ON = ("1", "true", "on", "yes")
 _OFF = ("", "0", "false", "off", "no")
 
-_state = threading.local()
+#: The innermost `checked` block's setting (None outside any). Part of jit's cache key, so a function
+#: jitted with checks off is traced again when called with checks on (and the other way round).
+_CHECKED = jax.make_user_context(default_value=None)
 
 
 def _from_environment() -> bool:
@@ -46,10 +49,8 @@ def _from_environment() -> bool:
 def checks_enabled() -> bool:
     """Whether ops state their data-dependent preconditions as checks here (innermost `checked`
     block, else `STELLAX_CHECKS`)."""
-    stack = getattr(_state, "stack", None)
-    if stack:
-        return stack[-1]
-    return _from_environment()
+    inner = _CHECKED.value
+    return _from_environment() if inner is None else inner
 
 
 @contextlib.contextmanager
@@ -58,14 +59,8 @@ def checked(enabled: bool = True):
     checks (``enabled=False`` turns them off inside an enclosing block). Blocks nest."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    stack.append(enabled)
-    try:
+    with _CHECKED(enabled):
         yield
-    finally:
-        stack.pop()
 
 
 def require(predicate: Callable[[], Any], message: str, **values: Callable[[], Any]) -> None:
