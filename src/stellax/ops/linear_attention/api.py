@@ -22,7 +22,7 @@ from ...core import Call, Op, checks, register
 from ...core.backends import Backend
 from ...core.pallas import F32
 from ...core.precision import resolve_precision
-from . import base
+from . import bad_data, base
 from .base import BACKENDS, RECURRENT_BACKENDS
 from .costs import delta_rule_bytes, delta_rule_flops, recurrent_flops
 from .examples import (delta_rule_benchmarks, delta_rule_examples, naive_scan, recurrent_benchmarks,
@@ -87,6 +87,8 @@ def _check(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_sta
         arrays.update(A_log=A_log, dt_bias=dt_bias)
     if not (per_channel and options_use_gate(use_gate_in_kernel)):
         _check_log_decay(g)
+        bad_data.require_decay(g)
+    bad_data.require_cu_seqlens(cu_seqlens, T)
     if per_channel:
         options.update(use_gate_in_kernel=use_gate, lower_bound=lower_bound,
                        use_beta_sigmoid_in_kernel=base.require_bool("use_beta_sigmoid_in_kernel",
@@ -100,7 +102,7 @@ def options_use_gate(use_gate_in_kernel) -> bool:
 
 def _check_log_decay(g) -> None:
     """``g`` is a log-space decay: every value ``<= 0`` (checked when concrete;
-    under ``jit`` a positive value is clamped to 0, i.e. no decay)."""
+    under ``jit`` a positive or NaN value makes its (sequence, head) NaN: `bad_data`)."""
     values = checks.concrete_values(g)
     if values is None:
         return
@@ -141,6 +143,30 @@ def _initial(call: Call):
     return jnp.zeros((n, call.v.shape[2], call.q.shape[3], call.v.shape[3]), F32)
 
 
+def _decay_name(call: Call):
+    """The array `bad_data.guard` range-checks: ``g``, unless KDA's fused gate makes it (≤ 0 then)."""
+    return None if call.options.get("use_gate_in_kernel") else "g"
+
+
+def _guarded(run):
+    """``run(row, call, config, ...)`` on `bad_data.guard`'s call (valid offsets), its outputs NaN
+    where the data is bad (`bad_data`); valid data unchanged."""
+    @functools.wraps(run)
+    def guarded(row: Backend, call: Call, config, **kwargs):
+        call, scales = bad_data.guard(call, decay=_decay_name(call))
+        o, final = run(row, call, config, **kwargs)
+        return bad_data.poison(scales, o, final)
+    return guarded
+
+
+def _guarded_reference(call: Call):
+    """The golden with the ops' documented bad-data result (`bad_data`)."""
+    call, scales = bad_data.guard(call, decay=_decay_name(call))
+    o, final = delta_rule_reference(call)
+    return bad_data.poison(scales, o, final)
+
+
+@_guarded
 def _run_chunked(row: Backend, call: Call, config, *, per_channel: bool):
     tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
     chunk = base.xla_chunk(call.chunk_size, per_channel)
@@ -149,6 +175,7 @@ def _run_chunked(row: Backend, call: Call, config, *, per_channel: bool):
     return o.astype(call.v.dtype), (final if call.output_final_state else None)
 
 
+@_guarded
 def _run_recurrent(row: Backend, call: Call, config):
     return row.kernels.fused_recurrent(call, config)
 
@@ -169,7 +196,7 @@ def _delta_rule_op(name: str, per_channel: bool, *, chunked: bool) -> Op:
         extra = {"flops": recurrent_flops, "examples": recurrent_examples(per_channel),
                  "benchmarks": recurrent_benchmarks(per_channel)}
     return register(Op(name, family="linear_attention", check=_check_kda if per_channel else _check_gdn,
-                       reference=delta_rule_reference, implementations=implementations,
+                       reference=_guarded_reference, implementations=implementations,
                        bytes_accessed=delta_rule_bytes, differentiable=_DIFFERENTIABLE, **extra))
 
 
@@ -196,7 +223,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
       q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` with ``HV % H == 0`` (value
         head ``hv`` reads query/key head ``hv // (HV // H)``); same dtype.
       g: ``[B, T, HV]`` log-space decay (≤ 0; −20 per step is fine). A positive
-        (or NaN) value raises eagerly; under ``jit`` positive values are clamped to 0.
+        (or NaN) value raises eagerly; under ``jit`` it makes every output row and
+        the final state of its (sequence, value head) NaN (the chunked algorithm is
+        not exact for positive ``g``: `bad_data`).
       beta: ``[B, T, HV]`` write strength.
       scale: query scale, default ``K ** -0.5``.
       initial_state: ``[N, HV, K, V]`` (N = B, or the number of sequences).
@@ -205,6 +234,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
         ``use_qk_l2norm_in_kernel``, accepted as an alias).
       cu_seqlens: ``[N+1]`` int offsets of packed sequences (B must be 1); each
         sequence starts from its own initial state and has its own final state.
+        Starting at 0, non-decreasing, ending at T: checked eagerly; under ``jit``
+        invalid offsets make every output and final state NaN.
       chunk_size: tokens per chunk of the XLA path; ``None`` (default) picks the
         fastest (32 on a CPU, 64 elsewhere). The result does not depend on it.
         The Triton kernels always use 64.
@@ -218,6 +249,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
         (what each means per backend: `stellax.core.precision`).
 
     Returns ``(o [B, T, HV, V] in v.dtype, final_state or None)``.
+
+    Data-dependent checks (`stellax.checked` mode: ``checkify`` checks naming the
+    argument and the bad value): ``g <= 0`` and ``cu_seqlens`` valid; without them,
+    the NaN results above (`bad_data`, docs/linear_attention.md).
     """
     return chunk_gated_delta_rule_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -232,7 +267,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
     step, state in and out). Same arguments and results as `chunk_gated_delta_rule`
     (``chunk_size`` is ignored), except: ``implementation`` ``None`` (best available,
     ending in ``"xla"``), ``"mosaic_tpu"`` (the fused Mosaic TPU kernel), ``"xla"`` or
-    a sequence; ``config`` a `FusedRecurrentTpuConfig` for the Mosaic TPU kernel."""
+    a sequence; ``config`` a `FusedRecurrentTpuConfig` for the Mosaic TPU kernel. The same
+    data-dependent checks and NaN results for bad ``g`` / ``cu_seqlens`` (`bad_data`)."""
     return fused_recurrent_gated_delta_rule_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
@@ -255,7 +291,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     Other arguments and results as in `chunk_gated_delta_rule`: ``implementation``
     ``None`` (best available, ending in ``"xla"``), ``"mosaic_tpu"``, ``"triton"``,
     ``"xla"`` or a sequence; ``config`` a `TpuLinearAttentionConfig` (Mosaic TPU) or
-    `LinearAttentionConfig` (Triton).
+    `LinearAttentionConfig` (Triton). Data-dependent checks and bad-data results as in
+    `chunk_gated_delta_rule` (``g <= 0`` is not required of the raw gate input).
     """
     return chunk_kda_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -272,7 +309,8 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
     """Kimi Delta Attention token by token (decode): `fused_recurrent_gated_delta_rule`
     with `chunk_kda`'s per-channel decay and fused gate, arguments as `chunk_kda`. Its
     implementations: ``"mosaic_tpu"`` (config `FusedRecurrentTpuConfig`) and ``"xla"``
-    (``None``: the best available, ending in ``"xla"``)."""
+    (``None``: the best available, ending in ``"xla"``). Data-dependent checks and
+    bad-data results as in `chunk_kda`."""
     return fused_recurrent_kda_op(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,

@@ -158,7 +158,8 @@ def prepare_delta_inputs(call: Call):
     if call.options.get("use_gate_in_kernel"):
         g = kda_gate(g, call.A_log, call.dt_bias, call.lower_bound)
     # g is a log decay (<= 0). A positive traced g (eagerly an error, see `api`) is clamped to 0
-    # (no decay): exp(g) > 1 compounds over the chunk and overflows to inf/NaN.
+    # here so that no kernel overflows (exp(g) > 1 compounds over the chunk); the ops then make its
+    # (sequence, head) NaN (`bad_data`), never this finite clamped result.
     g = jnp.where(g > 0, 0.0, g)  # (not jnp.minimum: its gradient at g == 0 is halved)
     beta = call.beta.astype(F32)
     if call.options.get("use_beta_sigmoid_in_kernel"):

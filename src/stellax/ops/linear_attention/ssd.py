@@ -20,7 +20,8 @@ from ...core import Call, Op, checks, register
 from ...core.backends import Backend
 from ...core.pallas import F32
 from ...core.precision import resolve_precision
-from . import base
+from ...core.runtime_checks import require
+from . import bad_data, base
 from .base import BACKENDS, STEP_BACKENDS
 from .costs import ssd_bytes, ssd_flops
 from .examples import naive_ssd, ssd_benchmarks, ssd_examples, ssd_step_benchmarks, ssd_step_examples
@@ -41,9 +42,12 @@ def _check_dt_limit(dt_limit):
 
 def _check_negative_A(A) -> None:
     """``A`` is the per-step log decay per unit of ``dt`` (``dt·A ≤ 0``): every
-    value must be ``<= 0`` and finite. Checked when concrete; under ``jit`` a
-    positive ``A`` is not caught and grows the state exponentially, as in
-    mamba_ssm."""
+    value must be ``<= 0`` and finite. Checked when concrete and in checked mode;
+    unchecked under ``jit`` a positive ``A`` grows the state exponentially, as in
+    mamba_ssm (SSD has no delta rule: the chunked form matches the recurrence
+    wherever both are finite, and may overflow to inf/NaN a token earlier)."""
+    require(lambda: jnp.all(A <= 0), "A: expected a decay rate <= 0 everywhere (Mamba2's A = -exp(A_log)), "
+            "got a largest value of {largest}", largest=lambda: jnp.max(A))
     values = checks.concrete_values(A)
     if values is None:
         return
@@ -97,6 +101,7 @@ def _check_ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None,
         z = checks.require_float("z", z)
         checks.require_shape("z", z, x.shape, "x.shape")
     cu_seqlens, n = base.check_cu_seqlens(cu_seqlens, batch, T, what="x")
+    bad_data.require_cu_seqlens(cu_seqlens, T)
     initial_states = base.check_state("initial_states", initial_states, (n, H, P, B.shape[-1]),
                                       "[N, H, P, N_state]")
     return Call(
@@ -156,6 +161,22 @@ def _transpose_state(s):
 
 
 def _run_ssd(row: Backend, call: Call, config):
+    """`ssd` on ``row``: invalid ``cu_seqlens`` make every output NaN (`bad_data`)."""
+    call, scales = bad_data.guard(call, decay=None)
+    y, final = _run_ssd_valid(row, call, config)
+    y, final = bad_data.poison(scales, y, final)
+    return (y, final) if call.return_final_states else y
+
+
+def _ssd_reference(call: Call):
+    """The golden with `ssd`'s documented result for invalid ``cu_seqlens`` (`bad_data`)."""
+    call, scales = bad_data.guard(call, decay=None)
+    out = ssd_reference(call)
+    y, final = bad_data.poison(scales, *(out if call.return_final_states else (out, None)))
+    return (y, final) if call.return_final_states else y
+
+
+def _run_ssd_valid(row: Backend, call: Call, config):
     x = call.x
     group = x.shape[2] // call.B.shape[2]
 
@@ -173,7 +194,7 @@ def _run_ssd(row: Backend, call: Call, config):
                           chunk_size=base.xla_chunk(call.chunk_size, False), config=config,
                           precision=call.precision)
     y = ssd_epilogue(y, x, call.D, call.z).astype(x.dtype)
-    return (y, _transpose_state(final)) if call.return_final_states else y
+    return y, (_transpose_state(final) if call.return_final_states else None)
 
 
 def _run_step(row: Backend, call: Call, config):
@@ -184,7 +205,7 @@ ssd_op = register(Op(
     "ssd",
     family="linear_attention",
     check=_check_ssd,
-    reference=ssd_reference,
+    reference=_ssd_reference,
     implementations=BACKENDS.forward(_run_ssd),
     flops=ssd_flops,
     bytes_accessed=ssd_bytes,
@@ -222,7 +243,9 @@ def ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_sof
       B, C: ``[B, T, G, N]`` with ``H % G == 0``; D: ``[H]`` or ``[H, P]``;
       z: ``[B, T, H, P]``; dt_bias: ``[H]``;
       initial_states: ``[N_seq, H, P, N]`` (N_seq = B, or the number of packed sequences);
-      cu_seqlens: ``[N_seq + 1]`` offsets of packed sequences (B must be 1);
+      cu_seqlens: ``[N_seq + 1]`` offsets of packed sequences (B must be 1); starting
+        at 0, non-decreasing, ending at T (checked eagerly; under ``jit`` invalid offsets
+        make every output and final state NaN: `bad_data`);
       chunk_size: tokens per chunk of the XLA path; ``None`` (default) picks the
         fastest (32 on a CPU, 64 elsewhere; mamba_ssm's default is 256). The result
         does not depend on it. The Triton kernels always use 64.
@@ -236,6 +259,10 @@ def ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_sof
         (what each means per backend: `stellax.core.precision`).
     Returns ``y [B, T, H, P]`` in x.dtype, or ``(y, final_states [N_seq, H, P, N] float32)``
     with ``return_final_states``.
+
+    Data-dependent checks (`stellax.checked` mode, ``checkify`` checks naming the argument):
+    ``A <= 0`` (unchecked under ``jit``, a positive ``A`` grows the state as in mamba_ssm;
+    the chunked form matches the recurrence wherever finite) and ``cu_seqlens`` valid.
     """
     return ssd_op(x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                   dt_limit=dt_limit, initial_states=initial_states, cu_seqlens=cu_seqlens,
@@ -258,6 +285,8 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus
     step kernel, configs `SsdStepTpuConfig` through `stellax.use_configs`), ``"xla"``
     or a sequence.
     Returns ``(y [B, H, P] in x.dtype, new_state [B, H, P, N] in state.dtype)``.
+    Data-dependent check (`stellax.checked` mode): ``A <= 0``; unchecked, a positive ``A``
+    grows the state exactly (one step of the recurrence).
     """
     return ssd_step_op(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                        dt_limit=dt_limit, implementation=implementation, precision=precision)
