@@ -8,6 +8,14 @@ masks are aligned bottom-right *per sequence* (query ``i`` of a sequence with
 ``len_q`` queries and ``len_k`` keys sees keys ``j <= i + len_k - len_q``).
 Block skipping works on the packed layout directly (blocks of different
 sequences are empty), so no padding to ``max_seqlen`` happens.
+
+Bad offsets (issue 43). An offset ``cu[j]`` is bad when ``cu[0] != 0``, ``cu[j] < 0``,
+``cu[j] > total`` or ``cu[j] < cu[j - 1]``. Concrete offsets raise (`check_offsets`); under
+``jit`` the first bad offset ``j`` (of either array) makes sequence ``max(j - 1, 0)`` and every
+later one invalid, and their query rows are NaN (`poison_rows`): the rows from that sequence's
+start (from row 0 when it is sequence 0) to ``cu_seqlens_q[-1]``, or to ``total_q`` when
+``cu_seqlens_q`` itself is bad (where its padding starts is then unknown). Rows of the sequences
+before it are exact. In checked mode (`stellax.checked`) the same conditions are checkify checks.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import checks
+from ...core.runtime_checks import require
 from .api import attention_op
 
 
@@ -40,6 +49,48 @@ def check_offsets(name: str, cu_seqlens, total: int, what: str) -> None:
         raise ValueError(f"{name}[{i}] = {values[i]}: expected >= {name}[{i - 1}] = {values[i - 1]} (non-decreasing)")
     if values[-1] > total:
         raise ValueError(f"{name}[-1] = {values[-1]}: expected <= {total} ({what}; tokens past it are padding)")
+
+
+def _first_bad_offset(cu_seqlens, total: int):
+    """Index of the first bad offset (``cu[0] != 0``, negative, past ``total``, or below the one
+    before it); ``len(cu)`` when every offset is good."""
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    idx = jnp.arange(cu.shape[0], dtype=jnp.int32)
+    prev = jnp.concatenate([cu[:1], cu[:-1]])
+    bad = (cu < 0) | (cu > total) | (cu < prev) | ((idx == 0) & (cu != 0))
+    return jnp.min(jnp.where(bad, idx, cu.shape[0]))
+
+
+def poisoned_rows(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """Bool ``[total_q]``: the query rows of sequences whose offsets are invalid (module doc)."""
+    n1 = cu_seqlens_q.shape[0]
+    jq, jk = _first_bad_offset(cu_seqlens_q, total_q), _first_bad_offset(cu_seqlens_k, total_k)
+    j = jnp.minimum(jq, jk)
+    cu_q = _safe_offsets(cu_seqlens_q, total_q)
+    s0 = jnp.clip(j - 1, 0, n1 - 1)
+    start = jnp.where(s0 == 0, 0, cu_q[s0])
+    end = jnp.where(jq < n1, total_q, cu_q[-1])
+    idx = jnp.arange(total_q, dtype=jnp.int32)
+    return (j < n1) & (idx >= start) & (idx < end)
+
+
+def poison_rows(x, rows, axis: int):
+    """``x`` with NaN where ``rows`` (along ``axis``) is true."""
+    shape = [1] * x.ndim
+    shape[axis] = rows.shape[0]
+    return jnp.where(rows.reshape(shape), jnp.asarray(jnp.nan, x.dtype), x)
+
+
+def require_offsets(name: str, cu_seqlens, total: int, what: str) -> None:
+    """Checked mode: ``cu_seqlens`` starts at 0, is non-decreasing and ends within ``total``."""
+    cu = jnp.asarray(cu_seqlens)
+    require(lambda: cu[0] == 0, f"{name}[0]: expected 0, got {{value}}", value=lambda: cu[0])
+    steps = lambda: cu[1:] - cu[:-1]
+    require(lambda: jnp.all(steps() >= 0),
+            f"{name}: expected non-decreasing offsets, got {name}[{{index}}] = {{value}} below the one before it",
+            index=lambda: jnp.argmax(steps() < 0) + 1, value=lambda: cu[jnp.argmax(steps() < 0) + 1])
+    require(lambda: cu[-1] <= total, f"{name}[-1]: expected <= {total} ({what}), got {{value}}",
+            value=lambda: cu[-1])
 
 
 def _segments_and_positions(cu_seqlens, total: int, pad_segment: int):
@@ -73,9 +124,14 @@ def dot_product_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     Args:
       q: ``[total_q, N, H]``; k: ``[total_kv, K, H]``; v: ``[total_kv, K, Hv]``.
       cu_seqlens_q / cu_seqlens_k: ``[num_seqs + 1]`` int cumulative lengths
-        (``cu[0] == 0``, non-decreasing, ``cu[-1] <= total``: checked eagerly;
-        under ``jit`` clamped into ``[0, total]`` and made non-decreasing);
-        tokens past ``cu[-1]`` are padding (zero output).
+        (``cu[0] == 0``, non-decreasing, ``cu[-1] <= total``); tokens past
+        ``cu_seqlens_q[-1]`` are padding (zero output). Data-dependent checks:
+        concrete offsets raise ``ValueError`` naming the entry; under ``jit``
+        the rows of the sequences from the first bad offset on are NaN (see
+        the module doc), the rows before them exact; in checked mode
+        (`stellax.checked`) ``cu_seqlens_q[0] == 0``, non-decreasing and
+        ``cu_seqlens_q[-1] <= total_q`` (the same for ``cu_seqlens_k``
+        against ``total_kv``) are checkify checks naming the argument.
       max_seqlen_q / max_seqlen_k: the longest sequence (an int, as in
         FlashAttention; validated to be ≥ 1, otherwise only informative).
       Other arguments as in `dot_product_attention`; masks align per sequence.
@@ -105,13 +161,16 @@ def dot_product_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     total_q, total_k = q.shape[0], k.shape[0]
     check_offsets("cu_seqlens_q", cu_seqlens_q, total_q, "q.shape[0]")
     check_offsets("cu_seqlens_k", cu_seqlens_k, total_k, "k.shape[0]")
+    require_offsets("cu_seqlens_q", cu_seqlens_q, total_q, "q.shape[0]")
+    require_offsets("cu_seqlens_k", cu_seqlens_k, total_k, "k.shape[0]")
     q_seg, kv_seg, q_pos, kv_pos = varlen_masks(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     result = attention_op(
         q[None], k[None], v[None], scale=scale, is_causal=is_causal, local_window_size=local_window_size,
         chunk_size=chunk_size, q_segment_ids=q_seg[None], kv_segment_ids=kv_seg[None],
         logits_soft_cap=logits_soft_cap, sinks=sinks, precision=precision, return_residuals=return_residuals,
         q_positions=q_pos[None], kv_positions=kv_pos[None], implementation=implementation, config=config)
+    bad = poisoned_rows(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     if return_residuals:
         out, lse = result
-        return out[0], lse[0]
-    return result[0]
+        return poison_rows(out[0], bad, 0), poison_rows(lse[0], bad, 1)
+    return poison_rows(result[0], bad, 0)

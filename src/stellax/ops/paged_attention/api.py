@@ -37,7 +37,7 @@ from .quant_cache import (
 )
 from .reference import mla_decode_reference, paged_attention_reference, ragged_paged_attention_reference
 from .rotation import KVClip, KVRotation, calibrate_kv_clip, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation
-from .validation import validate
+from .validation import bad_batch_rows, bad_ragged_tokens, poison, validate
 
 # -- backends ------------------------------------------------------------------------------
 PAGED_BACKENDS = BackendTable("paged_attention", [
@@ -63,32 +63,53 @@ MLA_BACKENDS = BackendTable("mla_decode", [
 ])
 
 
+# Every implementation and the golden give bad metadata the same documented result (NaN rows,
+# `validation.bad_batch_rows` / `bad_ragged_tokens`), outside the kernels, which read clamped
+# metadata; in checked mode the same conditions are checks, traced once per call.
 def _run_paged(backend: Backend, call: Call, config):
-    return backend.kernels.run_paged(call, config)
+    bad = bad_batch_rows(call, "k")
+    return poison(backend.kernels.run_paged(call, config), bad)
 
 
 def _run_ragged(backend: Backend, call: Call, config):
-    return backend.kernels.run_ragged(call, config)
+    bad = bad_ragged_tokens(call)
+    return poison(backend.kernels.run_ragged(call, config), bad)
 
 
 def _run_mla(backend: Backend, call: Call, config):
-    return backend.kernels.run_mla(call, config)
+    bad = bad_batch_rows(call, "latent")
+    return poison(backend.kernels.run_mla(call, config), bad)
+
+
+def _paged_reference(call: Call):
+    """The golden (`reference.paged_attention_reference`) with bad metadata's NaN rows."""
+    return poison(paged_attention_reference(call), bad_batch_rows(call, "k"))
+
+
+def _ragged_reference(call: Call):
+    """The golden (`reference.ragged_paged_attention_reference`) with bad metadata's NaN tokens."""
+    return poison(ragged_paged_attention_reference(call), bad_ragged_tokens(call))
+
+
+def _mla_reference(call: Call):
+    """The golden (`reference.mla_decode_reference`) with bad metadata's NaN rows."""
+    return poison(mla_decode_reference(call), bad_batch_rows(call, "latent"))
 
 
 # -- ops -------------------------------------------------------------------------------------
 paged_attention_op = register(Op(
-    "paged_attention", family="paged_attention", check=check_paged, reference=paged_attention_reference,
+    "paged_attention", family="paged_attention", check=check_paged, reference=_paged_reference,
     implementations=PAGED_BACKENDS.forward(_run_paged), flops=paged_flops, bytes_accessed=paged_bytes,
     examples=examples.paged_examples, benchmarks=examples.paged_benchmarks))
 
 ragged_paged_attention_op = register(Op(
     "ragged_paged_attention", family="paged_attention", check=check_ragged,
-    reference=ragged_paged_attention_reference, implementations=RAGGED_BACKENDS.forward(_run_ragged),
+    reference=_ragged_reference, implementations=RAGGED_BACKENDS.forward(_run_ragged),
     flops=ragged_flops, bytes_accessed=ragged_bytes, examples=examples.ragged_examples,
     benchmarks=examples.ragged_benchmarks))
 
 mla_decode_op = register(Op(
-    "mla_decode", family="paged_attention", check=check_mla, reference=mla_decode_reference,
+    "mla_decode", family="paged_attention", check=check_mla, reference=_mla_reference,
     implementations=MLA_BACKENDS.forward(_run_mla), flops=mla_flops, bytes_accessed=mla_bytes,
     examples=examples.mla_examples, benchmarks=examples.mla_benchmarks))
 
@@ -125,8 +146,15 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, l
       config: a `TpuPagedConfig` for the Mosaic TPU kernel or a `PagedConfig`
         for the Triton kernels (the XLA path has none).
 
-    Returns ``[B, (Q,) N, Hv]`` in ``q.dtype``. Out-of-range metadata is
-    clamped under jit; use `stellax.ops.paged_attention.validate` to get errors.
+    Returns ``[B, (Q,) N, Hv]`` in ``q.dtype``.
+
+    Data-dependent checks (docs/paged_attention.md): ``lengths[b]`` in ``[0,
+    max_pages * page_size]`` and the live entries of ``block_tables[b]`` (the
+    first ``ceil(lengths[b] / page_size)``) in ``[0, num_pages)``. Without
+    checks, row ``b`` of a sequence that breaks them is NaN (every other row
+    exact); in checked mode (`stellax.checked`) they are checkify checks naming
+    the argument, index and value; `stellax.ops.paged_attention.validate`
+    raises eagerly.
     """
     return paged_attention_op(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                               logits_soft_cap=logits_soft_cap, local_window_size=local_window_size, sinks=sinks,
@@ -158,6 +186,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens
       precision: float32 contraction precision, as in `paged_attention` (docs/precision.md).
 
     Returns ``[total_q_tokens, N, Hv]`` in ``q.dtype``.
+
+    Data-dependent checks (docs/paged_attention.md): ``0 <= num_seqs <= S``;
+    ``cu_q_lens[0] == 0``, non-decreasing up to ``cu_q_lens[num_seqs] <=
+    total_q_tokens``; for each live sequence ``kv_lens`` in ``[0, max_pages *
+    page_size]``, ``q_len <= kv_len`` and live block-table entries in ``[0,
+    num_pages)``. Without checks the tokens of a sequence that breaks them
+    are NaN; the first bad offset ``cu_q_lens[j]`` makes every token from
+    the start of sequence ``max(j - 1, 0)`` to the end NaN, a bad
+    ``num_seqs`` every token; the other tokens are exact. In checked mode
+    (`stellax.checked`) they are checkify checks naming the argument;
+    `validate` raises eagerly.
     """
     return ragged_paged_attention_op(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
                                      scale=scale, logits_soft_cap=logits_soft_cap,
@@ -189,6 +228,10 @@ def mla_decode(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, *, s
       precision: float32 contraction precision, as in `paged_attention` (docs/precision.md).
 
     Returns ``[B, (Q,) N, R]`` in ``q_nope.dtype`` (project with ``W_UV`` after).
+
+    Data-dependent checks: as `paged_attention` (``lengths``, live
+    ``block_tables`` entries): without checks a bad row is NaN; in checked
+    mode (`stellax.checked`) they are checkify checks naming the argument.
     """
     return mla_decode_op(q_nope, q_pe, latent_pages, pe_pages, block_tables, lengths, scale=scale,
                          logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,

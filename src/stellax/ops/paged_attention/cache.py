@@ -9,16 +9,14 @@ in page ``block_tables[b, p // page_size]`` at offset ``p % page_size``;
 Any page pool may be a `QuantizedPages` (see `quant_cache`).
 
 Behaviour on out-of-range metadata under ``jit`` (where values cannot be
-checked; call `validate` eagerly to get errors instead):
-
-* ``lengths``/``kv_lens`` are clamped into ``[0, max_pages * page_size]``;
-* block-table entries are clamped into ``[0, num_pages)`` (entries past a
-  sequence's live pages are never read);
-* ragged ``cu_q_lens`` are clamped into ``[0, total_q]`` and made
-  non-decreasing, ``num_seqs`` into ``[0, S]``; a sequence whose ``q_len``
-  exceeds its ``kv_len`` gets zeros for the queries before position 0;
-* update slots outside ``[0, num_pages * page_size)`` are skipped like
-  padding (negative slots).
+checked; call `validate` eagerly, or use checked mode, `stellax.checked`, to
+get errors instead; docs/paged_attention.md): the kernels read clamped
+metadata (lengths into ``[0, max_pages * page_size]``, table entries into
+``[0, num_pages)``, ``cu_q_lens`` into ``[0, total_q]`` made non-decreasing,
+``num_seqs`` into ``[0, S]``) and the output rows of the sequences whose
+metadata is invalid are then NaN (`validation.bad_batch_rows`,
+`validation.bad_ragged_tokens`); update slots outside ``[0, num_pages *
+page_size)`` are skipped like padding (negative slots).
 
 No kernel reads outside its arrays.
 """
@@ -33,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...core import checks
+from ...core.runtime_checks import require
 
 from .quant_cache import (
     KVQuant, PagedData, QuantizedPages, codes_for_range, init_quantized_pages, load_codes, pool_rotation,
@@ -350,6 +349,21 @@ def _check_new(name, new, pages, slot_mapping):
         raise TypeError(f"{name}: expected a floating dtype, got {np.dtype(new.dtype).name}")
 
 
+def _require_slots(slot_mapping, shape) -> None:
+    """Checked mode: every slot is padding (negative) or in ``[0, num_pages * page_size)``, and unique."""
+    capacity = shape[0] * shape[1]
+    slots = slot_mapping.astype(jnp.int32)
+    past = lambda: slots >= capacity
+    require(lambda: ~jnp.any(past()),
+            f"slot_mapping[{{index}}] = {{value}}: expected a slot in [0, {capacity}) (num_pages {shape[0]} x "
+            f"page_size {shape[1]}) or a negative padding slot",
+            index=lambda: jnp.argmax(past()), value=lambda: slots[jnp.argmax(past())])
+    ordered = lambda: jnp.sort(slots)
+    repeated = lambda: (ordered()[1:] == ordered()[:-1]) & (ordered()[1:] >= 0)
+    require(lambda: ~jnp.any(repeated()), "slot_mapping: slot {slot} appears more than once; expected unique slots",
+            slot=lambda: ordered()[1:][jnp.argmax(repeated())])
+
+
 def update_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, positions=None, seq_ids=None):
     """Write new tokens into a paged cache; returns the new ``(k_pages, v_pages)``.
 
@@ -364,6 +378,10 @@ def update_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, positions=N
       slot_mapping: ``[T_new]`` int: ``slot = page * page_size + offset``;
         a negative slot is padding and skipped (as are slots past the pool).
         Slots should be unique (a repeated slot keeps an unspecified one).
+        Data-dependent checks: in checked mode (`stellax.checked`) a slot past
+        the pool or a repeated slot is a checkify error naming
+        ``slot_mapping``; without checks the first is dropped, the second
+        keeps one of its rows (unspecified which).
       positions, seq_ids: ``[T_new]`` int, needed only by quantized pools
         with full-precision windows: each token's position in its sequence
         and the sequence's window row.
@@ -387,6 +405,7 @@ def update_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, positions=N
         if value is not None and tuple(value.shape) != tuple(slot_mapping.shape):
             raise ValueError(f"{name}: expected shape {tuple(slot_mapping.shape)} (slot_mapping's), "
                              f"got {tuple(value.shape)}")
+    _require_slots(slot_mapping, pages_shape(k_pages))
     if v_pages is None:
         if isinstance(k_pages, QuantizedPages) or k_pages.ndim != 5 or k_pages.shape[2] != 2:
             raise ValueError("v_pages: None is only allowed with a combined kv_pages [num_pages, page_size, 2, K, H]")

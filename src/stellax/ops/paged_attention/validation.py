@@ -1,18 +1,24 @@
-"""`validate`: the eager argument check of the paged ops and `update_kv_cache`.
+"""`validate`: the eager argument check of the paged ops and `update_kv_cache`;
+and the same value conditions under ``jit`` (issue 43).
 
-Under ``jit`` the ops clamp out-of-range metadata (see `cache`); `validate`
-raises instead, naming the argument, the index, the expected and the actual
-value.
+Under ``jit`` the kernels read clamped metadata (see `cache`) and the ops make
+the rows of sequences with invalid metadata NaN (`bad_batch_rows`,
+`bad_ragged_tokens`, applied with `poison` to every implementation's output
+and the golden's); in checked mode (`stellax.checked`) the same conditions are
+checkify checks. `validate` raises eagerly, naming the argument, the index,
+the expected and the actual value.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ...core.pallas import cdiv
+from ...core.runtime_checks import require
 from .base import check_mla, check_paged, check_ragged
-from .cache import pages_shape
+from .cache import pages_shape, pool_from_call
 
 
 def _host(name, value):
@@ -111,3 +117,100 @@ def _validate_slots(pages, slot_mapping) -> None:
     if (counts > 1).any():
         dup = int(uniq[np.argmax(counts > 1)])
         raise ValueError(f"slot_mapping: slot {dup} appears {int(counts.max())} times; expected unique slots")
+
+
+# -- under jit: documented results for bad metadata, and the checked-mode checks (issue 43) ----------
+def _pool_geometry(call, prefix: str) -> tuple[int, int]:
+    shape = pages_shape(pool_from_call(call, prefix))
+    return shape[0], shape[1]
+
+
+def _bad_tables(tables, lengths, num_pages: int, page_size: int):
+    """Bool ``[rows, max_pages]``: live entries (``j < ceil(clip(L) / page_size)``) outside ``[0, num_pages)``."""
+    capacity = tables.shape[1] * page_size
+    live = (jnp.clip(lengths.astype(jnp.int32), 0, capacity) + page_size - 1) // page_size
+    j = jnp.arange(tables.shape[1], dtype=jnp.int32)
+    return (j[None, :] < live[:, None]) & ((tables < 0) | (tables >= num_pages))
+
+
+def _bad_lengths(lengths, capacity: int):
+    return (lengths < 0) | (lengths > capacity)
+
+
+def _require_tables(tables, lengths, lname: str, num_pages: int, page_size: int, rows_live=None) -> None:
+    capacity = tables.shape[1] * page_size
+    lens = lengths if rows_live is None else jnp.where(rows_live, lengths, 0)
+    require(lambda: ~jnp.any(_bad_lengths(lens, capacity)),
+            f"{lname}: expected values in [0, {capacity}] (block_tables.shape[1] {tables.shape[1]} pages x "
+            f"page_size {page_size}), got {lname}[{{index}}] = {{value}}",
+            index=lambda: jnp.argmax(_bad_lengths(lens, capacity)),
+            value=lambda: lens[jnp.argmax(_bad_lengths(lens, capacity))])
+    bad = lambda: _bad_tables(tables, lens, num_pages, page_size).reshape(-1)
+    cols = tables.shape[1]
+    require(lambda: ~jnp.any(bad()),
+            f"block_tables: expected page indices in [0, {num_pages}) for every live page (the first "
+            f"ceil({lname}[b] / page_size)), got block_tables[{{row}}, {{col}}] = {{value}}",
+            row=lambda: jnp.argmax(bad()) // cols, col=lambda: jnp.argmax(bad()) % cols,
+            value=lambda: tables.reshape(-1)[jnp.argmax(bad())])
+
+
+def bad_batch_rows(call, prefix: str):
+    """`paged_attention` / `mla_decode`: bool ``[B]``, the rows whose ``lengths`` is outside
+    ``[0, capacity]`` or whose live block-table entries are outside ``[0, num_pages)``; in checked
+    mode the same as checks."""
+    num_pages, page_size = _pool_geometry(call, prefix)
+    tables, lengths = jnp.asarray(call.block_tables), jnp.asarray(call.lengths)
+    _require_tables(tables, lengths, "lengths", num_pages, page_size)
+    capacity = tables.shape[1] * page_size
+    return _bad_lengths(lengths, capacity) | jnp.any(_bad_tables(tables, lengths, num_pages, page_size), axis=1)
+
+
+def bad_ragged_tokens(call):
+    """`ragged_paged_attention`: bool ``[total_q]``, the query tokens whose result is undefined
+    (see `ragged_paged_attention`); in checked mode the same as checks."""
+    num_pages, page_size = _pool_geometry(call, "k")
+    tables, kv_lens = jnp.asarray(call.block_tables), jnp.asarray(call.kv_lens)
+    cu = jnp.asarray(call.cu_q_lens).astype(jnp.int32)
+    total, s = call.q.shape[0], kv_lens.shape[0]
+    capacity = tables.shape[1] * page_size
+    n_raw = jnp.asarray(call.num_seqs).reshape(-1)[0].astype(jnp.int32)
+    require(lambda: (n_raw >= 0) & (n_raw <= s), f"num_seqs: expected a value in [0, {s}] (block_tables rows), "
+            "got {value}", value=lambda: n_raw)
+    n = jnp.clip(n_raw, 0, s)
+    idx = jnp.arange(s + 1, dtype=jnp.int32)
+    prev = jnp.concatenate([cu[:1], cu[:-1]])
+    require(lambda: cu[0] == 0, "cu_q_lens[0]: expected 0, got {value}", value=lambda: cu[0])
+    decreasing = lambda: (cu < prev) & (idx <= n)
+    require(lambda: ~jnp.any(decreasing()), "cu_q_lens: expected non-decreasing offsets up to num_seqs, got "
+            "cu_q_lens[{index}] = {value} below the one before it",
+            index=lambda: jnp.argmax(decreasing()), value=lambda: cu[jnp.argmax(decreasing())])
+    require(lambda: cu[n] <= total, f"cu_q_lens[num_seqs]: expected <= {total} (q.shape[0]), got {{value}}",
+            value=lambda: cu[n])
+    seq_live = jnp.arange(s) < n
+    _require_tables(tables, kv_lens, "kv_lens", num_pages, page_size, rows_live=seq_live)
+    cu_safe = jax.lax.cummax(jnp.clip(cu, 0, total))
+    q_len = cu_safe[1:] - cu_safe[:-1]
+    too_many = lambda: seq_live & (q_len > kv_lens)
+    require(lambda: ~jnp.any(too_many()), "cu_q_lens: expected q_len <= kv_len for every live sequence, got "
+            "sequence {index} with {q_len} new tokens and kv_lens = {kv_len}",
+            index=lambda: jnp.argmax(too_many()), q_len=lambda: q_len[jnp.argmax(too_many())],
+            kv_len=lambda: kv_lens[jnp.argmax(too_many())])
+    # Offsets: the first bad one invalidates its sequence and every later one, padding included.
+    bad_offset = ((cu < 0) | (cu > total) | (cu < prev) | ((idx == 0) & (cu != 0))) & (idx <= n)
+    j = jnp.min(jnp.where(bad_offset, idx, s + 1))
+    s0 = jnp.clip(j - 1, 0, s)
+    start = jnp.where(j > s, total, jnp.where(s0 == 0, 0, cu_safe[s0]))
+    bad_seq = seq_live & (_bad_lengths(kv_lens, capacity) | (q_len > kv_lens)
+                          | jnp.any(_bad_tables(tables, jnp.where(seq_live, kv_lens, 0), num_pages, page_size),
+                                    axis=1))
+    t = jnp.arange(total, dtype=jnp.int32)
+    tseq = jnp.searchsorted(cu_safe[1:], t, side="right").astype(jnp.int32)
+    in_live = (t < cu_safe[n]) & (tseq < n)
+    bad = (in_live & bad_seq[jnp.minimum(tseq, s - 1)]) | (t >= start)
+    return bad | (n_raw < 0) | (n_raw > s)
+
+
+def poison(out, bad):
+    """``out`` with NaN in the leading-axis rows where ``bad`` is true."""
+    mask = bad.reshape(bad.shape + (1,) * (out.ndim - 1))
+    return jnp.where(mask, jnp.asarray(jnp.nan, out.dtype), out)
