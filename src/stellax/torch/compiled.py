@@ -13,7 +13,7 @@ from typing import Callable
 
 _CACHE_SIZE = 1024
 _cache: "collections.OrderedDict[tuple, Callable]" = collections.OrderedDict()
-_lock = threading.Lock()
+_lock = threading.RLock()  # a build may trace an op that takes its own function from here
 _stats = {"hits": 0, "misses": 0}
 
 
