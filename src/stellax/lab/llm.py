@@ -49,7 +49,7 @@ def op_context(op) -> str:
     fn = getattr(stellax, op.name, None)
     doc = inspect.getdoc(fn) if fn is not None else None
     try:
-        ref = inspect.getsource(op.reference_fn)
+        ref = inspect.getsource(inspect.unwrap(op.reference_fn))  # past bad-data wrappers: the math
     except (OSError, TypeError):
         ref = "(source unavailable)"
     impls = ", ".join(f"{n} ({i.backend}{', ' + i.config_type.__name__ if i.config_type else ''})"

@@ -176,6 +176,9 @@ def _ssd_reference(call: Call):
     return (y, final) if call.return_final_states else y
 
 
+_ssd_reference.__wrapped__ = ssd_reference  # what the lab shows as the golden (inspect.unwrap)
+
+
 def _run_ssd_valid(row: Backend, call: Call, config):
     x = call.x
     group = x.shape[2] // call.B.shape[2]

@@ -86,14 +86,23 @@ def _paged_reference(call: Call):
     return poison(paged_attention_reference(call), bad_batch_rows(call, "k"))
 
 
+_paged_reference.__wrapped__ = paged_attention_reference  # what the lab shows as the golden (inspect.unwrap)
+
+
 def _ragged_reference(call: Call):
     """The golden (`reference.ragged_paged_attention_reference`) with bad metadata's NaN tokens."""
     return poison(ragged_paged_attention_reference(call), bad_ragged_tokens(call))
 
 
+_ragged_reference.__wrapped__ = ragged_paged_attention_reference  # what the lab shows as the golden (inspect.unwrap)
+
+
 def _mla_reference(call: Call):
     """The golden (`reference.mla_decode_reference`) with bad metadata's NaN rows."""
     return poison(mla_decode_reference(call), bad_batch_rows(call, "latent"))
+
+
+_mla_reference.__wrapped__ = mla_decode_reference  # what the lab shows as the golden (inspect.unwrap)
 
 
 # -- ops -------------------------------------------------------------------------------------
