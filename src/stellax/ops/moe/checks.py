@@ -23,6 +23,20 @@ _OUT_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float
 concrete = checks.concrete_values
 
 
+def reject_expert_ids(expert_ids, num_experts: int, bound: str) -> None:
+    """Concrete (eager) ``expert_ids [T, k]``: raise on the first id outside ``[0, num_experts)``;
+    ``bound`` names where ``num_experts`` comes from. Traced ids are left to the op's documented
+    result and its checked-mode `require`."""
+    ids = checks.concrete_values(expert_ids)
+    if ids is None:
+        return
+    bad = np.argwhere((ids < 0) | (ids >= num_experts))
+    if bad.size:
+        t, j = (int(i) for i in bad[0])
+        raise ValueError(f"expert_ids[{t}, {j}]: expected an expert in [0, {num_experts}) ({bound}), "
+                         f"got {int(ids[t, j])}")
+
+
 def check_out_dtype(preferred_element_type, default):
     """``preferred_element_type`` (default ``default``) as a float32/bfloat16/float16 numpy dtype."""
     if preferred_element_type is None:

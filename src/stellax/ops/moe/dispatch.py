@@ -43,6 +43,7 @@ import numpy as np
 
 from ...core import checks
 from ...core.runtime_checks import require
+from .checks import reject_expert_ids
 
 
 def _check_ids(expert_ids, tokens: int, num_experts):
@@ -53,13 +54,7 @@ def _check_ids(expert_ids, tokens: int, num_experts):
         raise TypeError(f"num_experts: expected a positive int, got {type(num_experts).__name__} {num_experts!r}")
     if num_experts < 1:
         raise ValueError(f"num_experts: expected a positive int, got {num_experts!r}")
-    ids = checks.concrete_values(expert_ids)
-    if ids is not None:
-        bad = np.argwhere((ids < 0) | (ids >= num_experts))
-        if bad.size:
-            t, j = (int(i) for i in bad[0])
-            raise ValueError(f"expert_ids[{t}, {j}]: expected an expert in [0, {num_experts}) "
-                             f"(num_experts), got {int(ids[t, j])}")
+    reject_expert_ids(expert_ids, num_experts, "num_experts")
     return expert_ids
 
 

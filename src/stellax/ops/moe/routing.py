@@ -23,6 +23,7 @@ import numpy as np
 
 from ...core import Call, Implementation, Op, checks, register
 from ...core.runtime_checks import require
+from .checks import reject_expert_ids
 from .examples import route_examples
 
 _SCORINGS = ("softmax", "sigmoid")
@@ -149,13 +150,7 @@ def load_balancing_loss(router_logits, expert_ids, *, scoring="softmax"):
     checks.require_shape("expert_ids", expert_ids, (router_logits.shape[0], None), "logits.shape[0], k")
     checks.require_choice("scoring", scoring, _SCORINGS)
     tokens, experts = router_logits.shape
-    ids = checks.concrete_values(expert_ids)
-    if ids is not None:
-        bad = np.argwhere((ids < 0) | (ids >= experts))
-        if bad.size:
-            t, j = (int(i) for i in bad[0])
-            raise ValueError(f"expert_ids[{t}, {j}]: expected an expert in [0, {experts}) "
-                             f"(router_logits.shape[1]), got {int(ids[t, j])}")
+    reject_expert_ids(expert_ids, experts, "router_logits.shape[1]")
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     outside = lambda: (flat < 0) | (flat >= experts)
     first = lambda: jnp.argmax(outside())
