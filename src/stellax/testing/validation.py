@@ -9,6 +9,7 @@ import inspect
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend.core in _evaluate_only; `import jax` does not load it)
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,7 +57,7 @@ def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
 
     try:
         metadata = iter(_evaluate_only(jax.make_jaxpr(build)()))
-    except Exception:  # noqa: BLE001 - a builder that needs concrete values: build it for real
+    except jax.errors.JAXTypeError:  # a builder that needs concrete values (np.asarray, int(...)): build it for real
         box = list(make())
         return [Example(e.label, _abstract_floats(e.args), _abstract_floats(e.kwargs)) for e in box]
 
