@@ -1,5 +1,5 @@
 """g is a log decay (<= 0): a positive value raises eagerly (naming g and its
-index); under jit its (sequence, head) is NaN (issue 43; more in test_bad_data.py)."""
+index); under jit its (sequence, head) is NaN (issue 43; more in test_linear_attention_bad_data.py)."""
 
 import jax
 import jax.numpy as jnp

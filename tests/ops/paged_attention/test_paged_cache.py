@@ -229,7 +229,7 @@ def test_validate_ragged_and_slots():
 def test_jit_bad_metadata_gives_nan_rows_and_never_reads_out_of_bounds():
     """Issue 43: the kernels read clamped metadata (no out-of-bounds read); the row of a sequence
     with a bad live table entry or length is NaN, the other rows exact (tests/ops/paged_attention/
-    test_bad_data.py covers every op and checked mode)."""
+    test_paged_attention_bad_data.py covers every op and checked mode)."""
     q, k, v, t, l = _case()
     f = jax.jit(functools.partial(paged_attention, implementation="xla"))
     good = np.asarray(f(q, k, v, t, l))
