@@ -53,6 +53,21 @@ def test_a_table_generates_one_implementation_per_row_in_order():
     assert [i.name for i in table.forward(_run, only=("xla",))] == ["xla"]
 
 
+def test_retuned_keeps_the_backends_and_gives_another_ops_tuning():
+    table = BackendTable("toy", [
+        Backend("triton", "triton-kernels", "triton", _tuning(8), backward_tuning=_tuning(16)),
+        Backend("xla", "xla-kernels", tuning=_tuning(4)),
+    ])
+    other = table.retuned({"triton": _tuning(32)}, kernels={"triton": "other-kernels"},
+                          writes_float8={"triton": bool})
+    assert other.names == table.names and other.family == "toy"
+    assert other["triton"].tuning.heuristic(None) == _Cfg(block=32) and other["xla"].tuning is UNTUNED
+    assert other.kernels("triton") == "other-kernels" and other.kernels("xla") == "xla-kernels"
+    assert other["triton"].writes_float8 is bool and other["xla"].writes_float8 is None
+    assert other["triton"].backward_tuning == table["triton"].backward_tuning  # only the forward is retuned
+    assert table["triton"].tuning.heuristic(None) == _Cfg(block=8)  # the original is unchanged
+
+
 def test_table_errors_name_the_family_and_the_choices():
     with pytest.raises(ValueError, match=r"'toy'.*'xla' row"):
         BackendTable("toy", [Backend("triton", object(), "triton")])

@@ -21,17 +21,17 @@ a backward of a ring step uses, which module a quantized path takes) go through 
 
 Differentiation goes through `core.vjp`: a run function wraps its kernel in a frozen rule object
 whose ``backward`` calls the family's backward op with the implementation chain
-`backward_chain` gives, and `vjp.apply` (one ``jax.custom_vjp`` for every op) differentiates it.
+`core.op.backward_implementation` gives, and `vjp.apply` (one ``jax.custom_vjp`` for every op) differentiates it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from .call import Call
-from .op import Implementation, Op, backward_implementation
+from .op import Implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +130,19 @@ class BackendTable:
         return [row.implementation(run, row.backward_tuning or row.tuning) for row in self._rows(only)
                 if row.backward]
 
+    def retuned(self, tunings: Mapping[str, Tuning], *, kernels: Mapping[str, Any] | None = None,
+                writes_float8: Mapping[str, Callable[[Call], bool]] | None = None) -> "BackendTable":
+        """The same backends, in order, for another op of the family: each row's forward tuning is
+        ``tunings[name]`` (absent: `UNTUNED`), its kernel module ``kernels[name]`` and its
+        ``writes_float8`` ``writes_float8[name]`` where those name it."""
+        kernels, writes_float8 = kernels or {}, writes_float8 or {}
+        return BackendTable(self.family, [
+            dataclasses.replace(row, tuning=tunings.get(row.name, UNTUNED), kernels=kernels.get(row.name, row.kernels),
+                                writes_float8=writes_float8.get(row.name, row.writes_float8))
+            for row in self.rows])
+
     def _rows(self, only: Iterable[str] | None) -> tuple[Backend, ...]:
         if only is None:
             return self.rows
         wanted = tuple(only)
         return tuple(self[name] for name in wanted)
-
-
-def backward_chain(backward_op: Op, forward_name: str) -> tuple[str, ...]:
-    """The implementation chain the backward of forward implementation ``forward_name`` runs with:
-    the same backend when the backward op has it, else the backward op's default chain."""
-    return backward_implementation(backward_op, forward_name)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...core import Call, Op, checks, register, vjp
-from ...core.backends import Backend, backward_chain
+from ...core import Call, Op, backward_implementation, checks, register, vjp
+from ...core.backends import Backend
 from ...core.precision import resolve_precision
 from . import examples
 from .base import BACKENDS, Canonical, backward_bytes, backward_canonical, backward_flops, canonicalize, finalize
@@ -112,7 +112,7 @@ class _Attend:
         dq, dk, dv, dbias, dsinks = attention_backward_op(
             f.q, f.k, f.v, f.bias, f.mask, f.sinks, out, lse, d_out.astype(out.dtype), d_lse, f.q_pos, f.kv_pos,
             f.q_seg, f.kv_seg, **f.statics,
-            implementation=backward_chain(attention_backward_op, self.backend.name))
+            implementation=backward_implementation(attention_backward_op, self.backend.name))
         quantized = c.row_scales or (None, None, None)
         dq, dk, dv = (None if s is not None else g.astype(x.dtype)
                       for g, x, s in zip((dq, dk, dv), (c.q, c.k, c.v), quantized))

@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...core import Call, Op, register
+from ...core import Call, Op, backward_implementation, register
 from ...core import checks, vjp
-from ...core.backends import Backend, BackendTable, Tuning, backward_chain
+from ...core.backends import Backend, BackendTable, Tuning
 from ...core.precision import resolve_precision
 from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
@@ -143,7 +143,7 @@ class _Glu:
         x, w_gate, w_up = residuals
         return gated_linear_unit_backward_op(
             dy, x, w_gate, w_up, activation=self.activation, precision=self.precision,
-            implementation=backward_chain(gated_linear_unit_backward_op, self.backend.name))
+            implementation=backward_implementation(gated_linear_unit_backward_op, self.backend.name))
 
 
 def _run_forward(backend: Backend, call: Call, config):

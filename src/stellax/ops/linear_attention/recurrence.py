@@ -15,7 +15,7 @@ scale; SSD maps ``C, B, dt·x, dt·A`` onto ``q, k, v, g``) and calls
   backward is the registered op `backward.gated_recurrence_backward_op`
   (scalar decays: GDN, SSD) or `backward.kda_recurrence_backward_op`
   (per-channel decays: KDA) with the same backend's implementation
-  (`core.backends.backward_chain`).
+  (`core.backward_implementation`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ...core import Call, vjp
-from ...core.backends import Backend, backward_chain
+from ...core import Call, backward_implementation, vjp
+from ...core.backends import Backend
 from ...core.pallas import F32, HIGHEST
 from . import xla
 from .backward import RECURRENCE_BACKWARD
@@ -58,7 +58,7 @@ class KernelRecurrence:
         first, seq, last = meta if meta is not None else (None, None, None)
         op = RECURRENCE_BACKWARD[self.per_channel]
         grads = op(q, k, v, g, beta, h0, do, dfinal, first, seq, last, precision=self.precision,
-                   implementation=backward_chain(op, self.row.name))
+                   implementation=backward_implementation(op, self.row.name))
         return tuple(grads) + (None,)
 
 

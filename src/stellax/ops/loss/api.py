@@ -9,9 +9,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, register
+from ...core import Call, Op, backward_implementation, register
 from ...core import vjp
-from ...core.backends import Backend, BackendTable, Tuning, backward_chain
+from ...core.backends import Backend, BackendTable, Tuning
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from . import xla_chunked as xla_chunked_kernels
@@ -96,7 +96,7 @@ class _CrossEntropy:
         a, b, e = coefficients(self.loss, token_scale(self.loss, labels), lse, d_loss, d_lse, d_z)
         dx, dw = linear_cross_entropy_backward_op(
             x, w, labels, lse, a, b, e, **self._options(),
-            implementation=backward_chain(linear_cross_entropy_backward_op, self.backend.name))
+            implementation=backward_implementation(linear_cross_entropy_backward_op, self.backend.name))
         return dx, dw, None
 
 

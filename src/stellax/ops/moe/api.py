@@ -42,8 +42,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...core import Call, Op, register, vjp
-from ...core.backends import Backend, backward_chain
+from ...core import Call, Op, backward_implementation, register, vjp
+from ...core.backends import Backend
 from ..quant.qarray import QArray
 from .activations import activation_grad
 from .base import BACKENDS, FAMILY, TGMM_BACKENDS, gmm_bytes, gmm_flops, tgmm_bytes, tgmm_flops
@@ -87,7 +87,7 @@ class _RaggedDot:
         dlhs, drhs = ragged_dot_backward_op(
             dy, lhs, rhs, group_sizes, group_offset, pre, activation=self.activation,
             transpose_rhs=self.transpose_rhs, precision=self.precision,
-            implementation=backward_chain(ragged_dot_backward_op, self.backend.name))
+            implementation=backward_implementation(ragged_dot_backward_op, self.backend.name))
         return dlhs, drhs, None, None
 
 
@@ -128,7 +128,7 @@ class _Tgmm:
         lhs, rhs, group_sizes, group_offset = residuals
         rows_lhs = lhs if self.transpose_lhs else lhs.T
         dout = dout.astype(lhs.dtype)
-        impl = backward_chain(ragged_dot_op, self.backend.name)
+        impl = backward_implementation(ragged_dot_op, self.backend.name)
         da = ragged_dot_op(rhs, dout, group_sizes, self.precision, lhs.dtype, group_offset,
                            transpose_rhs=True, implementation=impl)
         db = ragged_dot_op(rows_lhs, dout, group_sizes, self.precision, rhs.dtype, group_offset,

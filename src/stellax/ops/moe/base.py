@@ -10,14 +10,13 @@ kernel module (`mosaic_tpu.py`, `triton.py`, `xla.py`, each with ``gmm`` and
 ``tgmm`` of one contract) and the tuning of ``ragged_dot`` (forward) and
 ``ragged_dot_backward`` (backward: no configs, the row's requirements). The
 other ops over the same kernels take the rows with their own tuning
-(`retuned`): ``ragged_dot_tgmm``, ``moe_mlp``. `QUANTIZED_BACKENDS` holds the
+(`BackendTable.retuned`): ``ragged_dot_tgmm``, ``moe_mlp``. `QUANTIZED_BACKENDS` holds the
 quantized ``ragged_dot``'s kernel modules (`mosaic_tpu_quantized.py`,
 `triton_quantized.py`, `xla_quantized.py`: ``gmm`` and ``gmm_transposed``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -107,12 +106,7 @@ BACKENDS = BackendTable(FAMILY, [
 ])
 
 
-def retuned(table: BackendTable, tunings: dict[str, Tuning]) -> BackendTable:
-    """``table``'s rows (kernels, backend, order) with another op's forward tuning, by row name."""
-    return BackendTable(table.family, [dataclasses.replace(row, tuning=tunings[row.name]) for row in table.rows])
-
-
-TGMM_BACKENDS = retuned(BACKENDS, {
+TGMM_BACKENDS = BACKENDS.retuned({
     "mosaic_tpu": Tuning(TpuGroupedMatmulConfig, tgmm_tpu_heuristic, tgmm_tpu_space, gmm_tpu_requirements),
     "triton": Tuning(GroupedMatmulConfig, tgmm_heuristic, tgmm_space, triton_requirements),
     "xla": Tuning(XlaGroupedMatmulConfig, tgmm_xla_heuristic, xla_space),

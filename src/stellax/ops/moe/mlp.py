@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call, Op, checks, register
-from ...core.backends import UNTUNED, Backend, Tuning
+from ...core.backends import Backend, Tuning
 from ...core.precision import resolve_precision
 from .activations import activation_fn, check_activation
 from .api import ragged_dot
-from .base import BACKENDS, retuned
+from .base import BACKENDS
 from .dispatch import capacity, permute, unpermute
 from .examples import mlp_benchmarks, mlp_examples
 from .routing import check_route, compute_route
@@ -124,8 +124,7 @@ def _flops(call: Call) -> float:
 
 moe_mlp_op = register(Op(
     "moe_mlp", family="moe", check=check_moe_mlp, reference=moe_mlp_reference,
-    implementations=retuned(BACKENDS, {"mosaic_tpu": Tuning(requirements=_tpu_requirements), "triton": UNTUNED,
-                                       "xla": UNTUNED}).forward(_run),
+    implementations=BACKENDS.retuned({"mosaic_tpu": Tuning(requirements=_tpu_requirements)}).forward(_run),
     flops=_flops, examples=mlp_examples, benchmarks=mlp_benchmarks,
     differentiable=("x", "router_logits", "w_gate_up", "w_down"),
 ))

@@ -9,9 +9,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, register
+from ...core import Call, Op, backward_implementation, register
 from ...core import checks, vjp
-from ...core.backends import Backend, BackendTable, Tuning, backward_chain
+from ...core.backends import Backend, BackendTable, Tuning
 from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
@@ -145,7 +145,7 @@ class _Normalize:
         dy, dh = cotangents if self.has_residual else (cotangents, None)
         dx, dscale, doffset = layer_norm_backward_op(
             dy, normed, scale, offset, mean, rstd, dh, epsilon=self.epsilon, subtract_mean=self.subtract_mean,
-            implementation=backward_chain(layer_norm_backward_op, self.backend.name),
+            implementation=backward_implementation(layer_norm_backward_op, self.backend.name),
         )
         return dx, (dx if self.has_residual else None), dscale, doffset
 

@@ -11,15 +11,14 @@ checks in `base`. `quantized_linear` (the training GEMMs, not an op) is in `trai
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, checks, register
-from ...core.backends import UNTUNED, Backend, BackendTable, Tuning
+from ...core import Call, Op, checks, register
+from ...core.backends import Backend, BackendTable, Tuning
 from . import examples
 from . import formats as F
 from . import hadamard as H
@@ -44,16 +43,6 @@ BACKENDS = BackendTable("quant", [
 
 #: `quantized_matmul`'s kernel module per backend (where it is not the row's).
 MATMUL_KERNELS = {"mosaic_tpu": mosaic_tpu_matmul, "triton": triton_matmul}
-
-
-def implementations(run, tunings: dict[str, Tuning], *, kernels=None, writes_float8=None) -> list[Implementation]:
-    """One op's implementations: one per row of `BACKENDS`, running ``run(row, call, config)`` with
-    the op's tuning of that backend (``tunings[name]``; none: untuned), the row's kernel module
-    replaced where ``kernels`` names another, and ``writes_float8[name]`` where given."""
-    kernels, writes_float8 = kernels or {}, writes_float8 or {}
-    rows = [dataclasses.replace(row, tuning=tunings.get(row.name, UNTUNED), kernels=kernels.get(row.name, row.kernels),
-                                writes_float8=writes_float8.get(row.name)) for row in BACKENDS.rows]
-    return BackendTable(BACKENDS.family, rows).forward(run)
 
 
 def _run_quantize(row: Backend, call: Call, config) -> QArray:
@@ -117,11 +106,11 @@ quantize_op = register(Op(
     family="quant",
     check=check_quantize,
     reference=xla.quantize_run,
-    implementations=implementations(_run_quantize, {
+    implementations=BACKENDS.retuned({
         "mosaic_tpu": Tuning(QuantTpuConfig, quantize_tpu_heuristic, quantize_tpu_space,
                              mosaic_tpu.quantize_requirements),
         "triton": Tuning(QuantizeConfig, quantize_heuristic, quantize_space, triton.quantize_requirements),
-    }, writes_float8={"triton": triton.quantize_writes_float8}),
+    }, writes_float8={"triton": triton.quantize_writes_float8}).forward(_run_quantize),
     flops=lambda call: float(np.prod(call.x.shape)) * 6,
     bytes_accessed=_quantize_bytes,
     examples=examples.quantize_examples,
@@ -133,11 +122,11 @@ dequantize_op = register(Op(
     family="quant",
     check=check_dequantize,
     reference=xla.dequantize_run,
-    implementations=implementations(_run_dequantize, {
+    implementations=BACKENDS.retuned({
         "mosaic_tpu": Tuning(QuantTpuConfig, dequantize_tpu_heuristic, dequantize_tpu_space,
                              mosaic_tpu.dequantize_requirements),
         "triton": Tuning(DequantConfig, dequant_heuristic, dequant_space, triton.dequantize_requirements),
-    }),
+    }).forward(_run_dequantize),
     flops=lambda call: float(np.prod(call.shape)) * 3,
     bytes_accessed=_dequantize_bytes,
     examples=examples.dequantize_examples,
@@ -149,11 +138,11 @@ hadamard_op = register(Op(
     family="quant",
     check=check_hadamard,
     reference=_hadamard_reference,
-    implementations=implementations(_run_hadamard, {
+    implementations=BACKENDS.retuned({
         "mosaic_tpu": Tuning(HadamardTpuConfig, hadamard_tpu_heuristic, hadamard_tpu_space,
                              mosaic_tpu.hadamard_requirements),
         "triton": Tuning(HadamardConfig, hadamard_heuristic, hadamard_space, triton.hadamard_requirements),
-    }),
+    }).forward(_run_hadamard),
     flops=lambda call: float(np.prod(call.x.shape)) * math.log2(call.block),
     bytes_accessed=lambda call: 2.0 * float(np.prod(call.x.shape)) * np.dtype(call.x.dtype).itemsize,
     examples=examples.hadamard_examples,
@@ -165,11 +154,11 @@ quantized_matmul_op = register(Op(
     family="quant",
     check=check_quantized_matmul,
     reference=_quantized_matmul_reference,
-    implementations=implementations(_run_quantized_matmul, {
+    implementations=BACKENDS.retuned({
         "mosaic_tpu": Tuning(QMatmulTpuConfig, qmatmul_tpu_heuristic, qmatmul_tpu_space,
                              mosaic_tpu_matmul.quantized_matmul_requirements),
         "triton": Tuning(QMatmulConfig, qmatmul_heuristic, qmatmul_space, triton_matmul.quantized_matmul_requirements),
-    }, kernels=MATMUL_KERNELS),
+    }, kernels=MATMUL_KERNELS).forward(_run_quantized_matmul),
     flops=lambda call: 2.0 * call.m * call.n * call.k,
     bytes_accessed=_matmul_bytes,
     examples=examples.matmul_examples,
