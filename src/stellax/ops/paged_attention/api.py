@@ -47,20 +47,16 @@ PAGED_BACKENDS = BackendTable("paged_attention", [
     Backend("xla", xla_kernels),
 ])
 
-RAGGED_BACKENDS = BackendTable("ragged_paged_attention", [
-    Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
-            Tuning(TpuRaggedConfig, ragged_tpu_heuristic, ragged_tpu_space, ragged_tpu_requirements)),
-    Backend("triton", triton_kernels, "triton",
-            Tuning(RaggedConfig, ragged_heuristic, ragged_space, ragged_requirements)),
-    Backend("xla", xla_kernels),
-])
+#: The other two ops run on the same backends with their own configs (MLA's TPU kernels in their own file).
+RAGGED_BACKENDS = PAGED_BACKENDS.retuned({
+    "mosaic_tpu": Tuning(TpuRaggedConfig, ragged_tpu_heuristic, ragged_tpu_space, ragged_tpu_requirements),
+    "triton": Tuning(RaggedConfig, ragged_heuristic, ragged_space, ragged_requirements),
+})
 
-MLA_BACKENDS = BackendTable("mla_decode", [
-    Backend("mosaic_tpu", mosaic_tpu_mla_kernels, "mosaic_tpu",
-            Tuning(TpuMlaConfig, mla_tpu_heuristic, mla_tpu_space, mla_tpu_requirements)),
-    Backend("triton", triton_kernels, "triton", Tuning(MlaConfig, mla_heuristic, mla_space, mla_requirements)),
-    Backend("xla", xla_kernels),
-])
+MLA_BACKENDS = PAGED_BACKENDS.retuned({
+    "mosaic_tpu": Tuning(TpuMlaConfig, mla_tpu_heuristic, mla_tpu_space, mla_tpu_requirements),
+    "triton": Tuning(MlaConfig, mla_heuristic, mla_space, mla_requirements),
+}, kernels={"mosaic_tpu": mosaic_tpu_mla_kernels})
 
 
 # Every implementation and the golden give bad metadata the same documented result (NaN rows,
