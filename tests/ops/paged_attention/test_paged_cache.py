@@ -222,7 +222,7 @@ def test_validate_ragged_and_slots():
         validate(q, k, v, t, kv_lens, cu_q_lens=cu, num_seqs=jnp.asarray([4]))
     with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 999"):
         validate(k_pages=k, slot_mapping=jnp.asarray([0, 999], jnp.int32))
-    with pytest.raises(ValueError, match="appears 2 times"):
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] = 3: the slot is already written by slot_mapping\[0\]"):
         validate(k_pages=k, slot_mapping=jnp.asarray([3, -1, 3], jnp.int32))
 
 

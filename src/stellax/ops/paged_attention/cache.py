@@ -16,7 +16,8 @@ metadata (lengths into ``[0, max_pages * page_size]``, table entries into
 ``num_seqs`` into ``[0, S]``) and the output rows of the sequences whose
 metadata is invalid are then NaN (`validation.bad_batch_rows`,
 `validation.bad_ragged_tokens`); update slots outside ``[0, num_pages *
-page_size)`` are skipped like padding (negative slots).
+page_size)`` are skipped like padding (negative slots), and of a slot written
+by several tokens the last write wins (`_flat_index`).
 
 No kernel reads outside its arrays.
 """
@@ -187,10 +188,24 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
 
 
 # -- update ----------------------------------------------------------------------------
+def _written_again(slots):
+    """Bool ``[T]``: token ``t``'s slot is written again by a later token (``slots[u] == slots[t]``,
+    ``u > t``). A stable sort puts equal slots together in token order; all but the last of a run
+    are overwritten."""
+    if slots.shape[0] < 2:
+        return jnp.zeros(slots.shape, bool)
+    order = jnp.argsort(slots, stable=True)
+    ordered = slots[order]
+    again = jnp.concatenate([ordered[1:] == ordered[:-1], jnp.zeros((1,), bool)])
+    return jnp.zeros(slots.shape, bool).at[order].set(again, unique_indices=True)
+
+
 def _flat_index(slot_mapping, capacity: int):
-    """Slots → flat indices; padding (negative) and out-of-range slots → ``capacity`` (dropped)."""
+    """Slots → flat indices; padding (negative) slots, slots past the pool and slots that a later
+    token writes again → ``capacity`` (dropped). The in-range indices left are unique, so the scatter
+    is deterministic: the last write of a slot wins, on every backend."""
     slots = slot_mapping.astype(jnp.int32)
-    valid = (slots >= 0) & (slots < capacity)
+    valid = (slots >= 0) & (slots < capacity) & ~_written_again(slots)
     return jnp.where(valid, slots, capacity), valid
 
 
@@ -350,7 +365,8 @@ def _check_new(name, new, pages, slot_mapping):
 
 
 def _require_slots(slot_mapping, shape) -> None:
-    """Checked mode: every slot is padding (negative) or in ``[0, num_pages * page_size)``, and unique."""
+    """Checked mode: every slot is padding (negative) or in ``[0, num_pages * page_size)``, and no slot
+    is written twice (the first repeat in token order is named, with the token that wrote it first)."""
     capacity = shape[0] * shape[1]
     slots = slot_mapping.astype(jnp.int32)
     past = lambda: slots >= capacity
@@ -358,10 +374,21 @@ def _require_slots(slot_mapping, shape) -> None:
             f"slot_mapping[{{index}}] = {{value}}: expected a slot in [0, {capacity}) (num_pages {shape[0]} x "
             f"page_size {shape[1]}) or a negative padding slot",
             index=lambda: jnp.argmax(past()), value=lambda: slots[jnp.argmax(past())])
-    ordered = lambda: jnp.sort(slots)
-    repeated = lambda: (ordered()[1:] == ordered()[:-1]) & (ordered()[1:] >= 0)
-    require(lambda: ~jnp.any(repeated()), "slot_mapping: slot {slot} appears more than once; expected unique slots",
-            slot=lambda: ordered()[1:][jnp.argmax(repeated())])
+    if slots.shape[0] < 2:
+        return
+
+    def first_repeat():  # (index, earlier index) of the first token whose slot an earlier token wrote
+        order = jnp.argsort(slots, stable=True)
+        ordered = slots[order]
+        repeat = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+        j = jnp.argmin(jnp.where(repeat, order[1:], slots.shape[0]))
+        return repeat[j], order[1:][j], order[:-1][j]
+
+    require(lambda: ~first_repeat()[0],
+            "slot_mapping[{index}] = {slot}: the slot is already written by slot_mapping[{earlier}]; expected "
+            "unique slots (without checks the last write of a slot wins)",
+            index=lambda: first_repeat()[1], slot=lambda: slots[first_repeat()[1]],
+            earlier=lambda: first_repeat()[2])
 
 
 def update_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, positions=None, seq_ids=None):
@@ -377,11 +404,16 @@ def update_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, positions=N
       new_k, new_v: ``[T_new, (K,) H]`` rows to write.
       slot_mapping: ``[T_new]`` int: ``slot = page * page_size + offset``;
         a negative slot is padding and skipped (as are slots past the pool).
-        Slots should be unique (a repeated slot keeps an unspecified one).
-        Data-dependent checks: in checked mode (`stellax.checked`) a slot past
-        the pool or a repeated slot is a checkify error naming
-        ``slot_mapping``; without checks the first is dropped, the second
-        keeps one of its rows (unspecified which).
+        Slots should be unique. A repeated slot is well defined: the last
+        write wins (the row of the last token in ``slot_mapping`` order with
+        that slot; the earlier ones are dropped like padding, in dense and
+        quantized pools and their windows alike), deterministically, eagerly
+        and under ``jit``, on every backend. Data-dependent checks: in
+        checked mode (`stellax.checked`) a slot past the pool or a repeated
+        slot is a checkify error naming ``slot_mapping``, the index and the
+        slot (for a repeat, the first repeating token and the token that
+        wrote the slot before it); without checks the first is dropped, the
+        second keeps the last write.
       positions, seq_ids: ``[T_new]`` int, needed only by quantized pools
         with full-precision windows: each token's position in its sequence
         and the sequence's window row.

@@ -107,16 +107,20 @@ def _validate_slots(pages, slot_mapping) -> None:
     shape = pages_shape(pages)
     capacity = shape[0] * shape[1]
     slots = _host("slot_mapping", slot_mapping).astype(np.int64).reshape(-1)
-    live = slots[slots >= 0]
     bad = np.nonzero(slots >= capacity)[0]
     if bad.size:
         t = int(bad[0])
         raise ValueError(f"slot_mapping[{t}] = {int(slots[t])}: expected a slot in [0, {capacity}) "
                          f"(num_pages {shape[0]} x page_size {shape[1]}) or a negative padding slot")
-    uniq, counts = np.unique(live, return_counts=True)
-    if (counts > 1).any():
-        dup = int(uniq[np.argmax(counts > 1)])
-        raise ValueError(f"slot_mapping: slot {dup} appears {int(counts.max())} times; expected unique slots")
+    first_writer: dict[int, int] = {}
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        if slot in first_writer:
+            raise ValueError(f"slot_mapping[{t}] = {slot}: the slot is already written by "
+                             f"slot_mapping[{first_writer[slot]}]; expected unique slots (without checks the last "
+                             "write of a slot wins)")
+        first_writer[slot] = t
 
 
 # -- under jit: documented results for bad metadata, and the checked-mode checks (issue 43) ----------
