@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec
 
 from ...core import current_platform
 from ...core.op import refuse_interpreted_tpu_collectives
+from ...core.runtime_checks import checks_enabled, require
 from .dispatch import capacity, permute, unpermute
 from .mlp import check_moe_mlp, local_experts, route_call_of
 from .routing import compute_route
@@ -67,28 +68,143 @@ def _segments(sizes, length: int):
     return seg, clipped, pos - starts
 
 
+def _poison_value(dtype):
+    """What the rows of an exchange with invalid metadata hold: NaN for floats, the lowest value
+    for integers, False for booleans."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.nan
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).min
+    return False
+
+
+def _first(mask):
+    """Index of the first True of a flat bool mask (0 when none)."""
+    return jnp.argmax(mask.reshape(-1))
+
+
+def _overlaps(starts, sizes):
+    """Bool ``[N]``: slice ``k`` (rows ``[starts[k], starts[k] + sizes[k])``, empty when
+    ``sizes[k] <= 0``) overlaps the non-empty slice that starts next (sorted by start; two sorted
+    intervals overlap iff some consecutive pair does). Returns the mask over the sorted order and
+    the order."""
+    live = sizes > 0
+    key = jnp.where(live, starts, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, stable=True)
+    s, z, l = starts[order], sizes[order], live[order]
+    clash = l[:-1] & l[1:] & (s[1:] - s[:-1] < z[:-1])
+    return clash, order
+
+
+def _require_exchange(sizes, input_offsets, output_offsets, totals, *, operand_rows, output_rows,
+                      max_send, recv_sizes, sent, received_offsets, clash, order, per_device) -> None:
+    """Checked mode: each invalid slice of `ragged_all_to_all_padded`, naming the argument, the index
+    and the values (``sizes``, ``totals``: this device's send sizes and per-destination sums; ``sent``,
+    ``received_offsets``: what the sources say about the slices this device receives). Off, nothing."""
+    if not checks_enabled():
+        return
+    neg = sizes < 0
+    require(lambda: ~jnp.any(neg), "send_sizes[{index}] = {value}: expected a size >= 0",
+            index=lambda: _first(neg), value=lambda: sizes[_first(neg)])
+    outside_in = (input_offsets < 0) | (sizes > operand_rows - input_offsets)
+    require(lambda: ~jnp.any(outside_in & ~neg),
+            f"input_offsets[{{index}}] = {{offset}} with send_sizes[{{index}}] = {{size}}: expected a slice inside "
+            f"the {operand_rows} rows of operand",
+            index=lambda: _first(outside_in & ~neg), offset=lambda: input_offsets[_first(outside_in & ~neg)],
+            size=lambda: sizes[_first(outside_in & ~neg)])
+    outside_out = (output_offsets < 0) | (sizes > output_rows - output_offsets)
+    require(lambda: ~jnp.any(outside_out & ~neg),
+            f"output_offsets[{{index}}] = {{offset}} with send_sizes[{{index}}] = {{size}}: expected a slice inside "
+            f"the {output_rows} rows of output",
+            index=lambda: _first(outside_out & ~neg), offset=lambda: output_offsets[_first(outside_out & ~neg)],
+            size=lambda: sizes[_first(outside_out & ~neg)])
+    over = totals > max_send
+    require(lambda: ~jnp.any(over),
+            f"send_sizes: {{total}} rows for device {{device}} (the sum of its {per_device} slices): expected at "
+            f"most max_send = {max_send}",
+            total=lambda: totals[_first(over)], device=lambda: _first(over))
+    flat_recv, flat_sent = recv_sizes.reshape(-1), sent.reshape(-1)
+    mismatch = flat_recv != flat_sent
+    require(lambda: ~jnp.any(mismatch),
+            "recv_sizes[{index}] = {value}: expected the size its source sends, {sent} (send_sizes on device "
+            "{source}; recv_sizes must equal all_to_all(send_sizes))",
+            index=lambda: _first(mismatch), value=lambda: flat_recv[_first(mismatch)],
+            sent=lambda: flat_sent[_first(mismatch)], source=lambda: _first(mismatch) // per_device)
+    starts = received_offsets.reshape(-1)
+    require(lambda: ~jnp.any(clash),
+            "output_offsets: the slices received from device {source_a} (rows [{start_a}, {end_a})) and from device "
+            "{source_b} (rows [{start_b}, {end_b})) overlap; expected disjoint slices of output",
+            source_a=lambda: order[_first(clash)] // per_device, start_a=lambda: starts[order[_first(clash)]],
+            end_a=lambda: starts[order[_first(clash)]] + flat_recv[order[_first(clash)]],
+            source_b=lambda: order[_first(clash) + 1] // per_device, start_b=lambda: starts[order[_first(clash) + 1]],
+            end_b=lambda: starts[order[_first(clash) + 1]] + flat_recv[order[_first(clash) + 1]])
+
+
 def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                              axis_name, max_send: int):
-    """``jax.lax.ragged_all_to_all`` semantics from a padded ``all_to_all``.
+    """``jax.lax.ragged_all_to_all`` semantics from a padded ``all_to_all`` (call inside
+    ``jax.shard_map`` over ``axis_name``, size P).
 
-    ``max_send`` bounds the rows one device sends to one destination (the sum
-    of its slices for that destination). Differentiable (gather, all_to_all
-    and scatter)."""
+    Args:
+      operand: ``[N_in, ...]`` rows this device sends from.
+      output: ``[N_out, ...]`` rows the received slices are written into (others kept).
+      input_offsets, send_sizes, output_offsets: ``[P · S]`` integers: slice ``j`` (``S`` per
+        destination) is ``operand[input_offsets[j] : + send_sizes[j]]``, sent to device ``j // S``
+        and written there at ``output_offsets[j]``.
+      recv_sizes: ``[P · S]``: the size of slice ``i`` received from device ``s`` at ``s · S + i``
+        (equal to what ``s`` sends: ``all_to_all(send_sizes)``).
+      axis_name: the mesh axis.
+      max_send: a static bound on the rows one device sends to one destination (the sum of its
+        ``S`` slices); the padded buffers are ``[P, max_send, ...]``.
+
+    Returns the new ``output``. Differentiable (gather, all_to_all and scatter).
+
+    Invalid metadata (which values cannot be checked on the host under ``jit``): a slice with a
+    negative size, an input range outside ``operand``, an output range outside ``output``, a
+    destination whose slices sum past ``max_send``, a ``recv_sizes`` entry that differs from its
+    source's ``send_sizes``, or received slices whose output ranges overlap. Then **every row of the
+    output of each device that receives such a slice is NaN** (the dtype's lowest value for
+    integers, False for booleans): which rows a bad offset or size meant is unknown, so no row of
+    that device is trusted; devices that receive only valid slices are exact. Checked mode
+    (`stellax.checked`) states each condition as a checkify check naming the argument, the index
+    and the values (``send_sizes[3] = -1: expected a size >= 0``, ``recv_sizes[2] = 4: expected
+    the size its source sends, 3 ...``). ``jax.lax.ragged_all_to_all`` itself (``collective=
+    "ragged"``) leaves invalid metadata undefined.
+    """
     p = jax.lax.axis_size(axis_name)
     per_device = input_offsets.shape[0] // p
-    # Pack: row c of the buffer for destination d comes from slice seg of d.
+    rows_in, rows_out = operand.shape[0], output.shape[0]
+    input_offsets, send_sizes = input_offsets.astype(jnp.int32), send_sizes.astype(jnp.int32)
+    output_offsets, recv_sizes = output_offsets.astype(jnp.int32), recv_sizes.astype(jnp.int32)
+    # Sender: which of its slices are invalid (negative size, outside operand or output, or past max_send).
     sizes = send_sizes.reshape(p, per_device)
-    seg, clipped, inner = _segments(sizes, max_send)                      # [P, C]
+    totals = jnp.sum(jnp.maximum(sizes, 0), axis=1)                                  # [P] rows per destination
+    bad_send = ((send_sizes < 0) | (input_offsets < 0) | (send_sizes > rows_in - input_offsets)
+                | (output_offsets < 0) | (send_sizes > rows_out - output_offsets)
+                | jnp.repeat(totals > max_send, per_device))
+    # Pack: row c of the buffer for destination d comes from slice seg of d.
+    seg, clipped, inner = _segments(jnp.maximum(sizes, 0), max_send)                  # [P, C]
     src = jnp.take_along_axis(input_offsets.reshape(p, per_device), clipped, axis=-1) + inner
     valid = seg < per_device
-    packed = operand[jnp.clip(src, 0, operand.shape[0] - 1)]
+    packed = operand[jnp.clip(src, 0, rows_in - 1)]
     packed = jnp.where(valid.reshape(valid.shape + (1,) * (operand.ndim - 1)), packed, 0)
-    received = jax.lax.all_to_all(packed, axis_name, 0, 0)                 # [P(src), C, ...]
-    offsets = jax.lax.all_to_all(output_offsets.reshape(p, per_device), axis_name, 0, 0)
-    seg, clipped, inner = _segments(recv_sizes.reshape(p, per_device), max_send)
+    received = jax.lax.all_to_all(packed, axis_name, 0, 0)                            # [P(src), C, ...]
+    # The slices' metadata travels with them: (output offset, size sent, invalid at the sender).
+    meta = jnp.stack([output_offsets, send_sizes, bad_send.astype(jnp.int32)], axis=-1)
+    meta = jax.lax.all_to_all(meta.reshape(p, per_device, 3), axis_name, 0, 0)       # [P(src), S, 3]
+    offsets, sent, bad_from = meta[..., 0], meta[..., 1], meta[..., 2] > 0
+    mine = recv_sizes.reshape(p, per_device)
+    clash, order = _overlaps(offsets.reshape(-1), mine.reshape(-1))
+    bad = (jnp.any(bad_from) | jnp.any(mine != sent) | jnp.any(mine < 0) | jnp.any(clash)
+           | jnp.any(jnp.sum(jnp.maximum(mine, 0), axis=1) > max_send))
+    _require_exchange(send_sizes, input_offsets, output_offsets, totals, operand_rows=rows_in,
+                      output_rows=rows_out, max_send=max_send, recv_sizes=mine, sent=sent,
+                      received_offsets=offsets, clash=clash, order=order, per_device=per_device)
+    seg, clipped, inner = _segments(jnp.maximum(mine, 0), max_send)
     dest = jnp.take_along_axis(offsets, clipped, axis=-1) + inner
-    dest = jnp.where(seg < per_device, dest, output.shape[0]).reshape(-1)
-    return output.at[dest].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
+    dest = jnp.where(seg < per_device, dest, rows_out).reshape(-1)
+    out = output.at[dest].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
+    return jnp.where(bad, jnp.asarray(_poison_value(out.dtype), out.dtype), out)
 
 
 def _exchange(collective, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
