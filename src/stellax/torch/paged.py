@@ -26,6 +26,7 @@ from jax import Array
 
 import stellax
 from stellax import KVQuant
+from stellax.core.runtime_checks import checks_enabled
 from stellax.ops import paged_attention as _paged
 
 from . import bridge
@@ -307,18 +308,40 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
     return conv(k), conv(v)
 
 
+def _written_again(slots: torch.Tensor) -> torch.Tensor:
+    """Bool ``[T]``: a later token writes the same slot (equal slots sorted stably, in token order;
+    all but the last of a run are overwritten)."""
+    order = torch.argsort(slots, stable=True)
+    ordered = slots[order]
+    again_sorted = torch.zeros_like(slots, dtype=torch.bool)
+    again_sorted[:-1] = ordered[1:] == ordered[:-1]
+    again = torch.empty_like(again_sorted)
+    again[order] = again_sorted
+    return again
+
+
 def update_kv_cache_(k_pages: torch.Tensor, v_pages: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
     """Write new tokens into dense page pools **in place** (pure torch, the
     torch counterpart of `stellax.paged.update_kv_cache`): row ``i`` of
     ``new_k``/``new_v [T_new, K, H]`` goes to slot ``slot_mapping[i] = page *
-    page_size + offset``; negative slots are padding and skipped. Quantized
-    pools: use the functional `update_kv_cache`."""
+    page_size + offset``; negative slots are padding and skipped, as are slots
+    past the pool. Of a slot written by several tokens the last write wins
+    (deterministic on every device: ``index_copy_`` only sees unique slots).
+    In checked mode (`stellax.checked` / ``STELLAX_CHECKS=1``) a slot past the
+    pool or a repeated slot raises ``ValueError`` naming ``slot_mapping``, the
+    index and the slot (`stellax.paged.validate`). Quantized pools: use the
+    functional `update_kv_cache`."""
     if not isinstance(k_pages, torch.Tensor) or not isinstance(v_pages, torch.Tensor):
         raise TypeError("k_pages/v_pages: update_kv_cache_ writes dense torch.Tensor pools in place; for "
                         "QuantizedPages use the functional update_kv_cache")
-    slots = slot_mapping.to(torch.long)
-    keep = slots >= 0
+    slots = int32(slot_mapping, "slot_mapping").to(torch.long)
+    if slots.ndim != 1:
+        raise ValueError(f"slot_mapping: expected rank 1 [T_new], got shape {tuple(slots.shape)}")
+    if checks_enabled():
+        _paged.validate(k_pages=k_pages, slot_mapping=slots.cpu().numpy())
+    capacity = k_pages.shape[0] * k_pages.shape[1]
+    keep = (slots >= 0) & (slots < capacity) & ~_written_again(slots)
     if not bool(keep.all()):
         slots, new_k, new_v = slots[keep], new_k[keep], new_v[keep]
     k_pages.view(-1, *k_pages.shape[2:]).index_copy_(0, slots, new_k.to(k_pages.dtype))

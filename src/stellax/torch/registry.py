@@ -20,6 +20,15 @@
   VJP recomputes the forward inside the backward's XLA program (as
   FlashAttention does) instead of carrying JAX residuals across the bridge,
   so nothing but the inputs is saved for backward.
+
+Checked mode (`stellax.checked()` or ``STELLAX_CHECKS=1``, issue 43): the
+forward runs the JAX function under ``checkify`` (a function of its own in the
+cache) and raises ``ValueError("stellax::<name>: <check message>")`` naming
+the argument and the bad value (``cu_seqlens_q[0]: expected 0, got 1``,
+``lengths[1] = 33``, ``expert_ids[1, 0]: ... got 3``, ``g: ... largest value of
+30.0``) before any output crosses back. Without checks the ops return the
+documented result for bad data (NaN rows, dropped copies). The backward runs
+with checks off: the forward has already checked the same inputs.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.experimental import checkify
 
+from ..core.runtime_checks import checked, checks_enabled
 from . import bridge
 from .compiled import _cache, _cached, cache_info, clear_cache  # noqa: F401  (part of this module's API)
 from .fake import fake_shapes
@@ -179,6 +190,26 @@ class TorchOp:
     def _maybe_jit(self, fn):
         return jax.jit(fn) if self.jit else fn
 
+    def _checked_fn(self, fn):
+        """``fn`` under ``checkify`` (its checked-mode checks functionalized), jitted like ``fn``."""
+        return self._maybe_jit(checkify.checkify(fn))
+
+    def raise_failed_check(self, err) -> None:
+        """Raise the first failed checked-mode check of a ``checkify`` error as a ``ValueError``
+        naming the op (nothing when every check passed)."""
+        message = err.get()
+        if message is not None:
+            raise ValueError(f"stellax::{self.name}: {message}")
+
+    def run_jax(self, key: tuple, build: Callable[[], Callable], arrays) -> tuple:
+        """Run the cached function ``build()`` on ``arrays``; in checked mode the ``checkify`` form
+        of it (cached under its own key) instead, raising on a failed check."""
+        if not checks_enabled():
+            return _cached(key, lambda: self._maybe_jit(build()))(*arrays)
+        err, outs = _cached(key + ("checked",), lambda: self._checked_fn(build()))(*arrays)
+        self.raise_failed_check(err)
+        return outs
+
     @staticmethod
     def _outputs_to_torch(outs, inputs) -> list[torch.Tensor]:
         result = []
@@ -211,8 +242,7 @@ class TorchOp:
         self._check_devices(tensors)
         present = [i for i, t in enumerate(tensors) if t is not None]
         key = (self.name, "fwd", tuple(_signature(t) for t in tensors), self._opts_key(opts))
-        fn = _cached(key, lambda: self._maybe_jit(self._call_jax(present, opts)))
-        outs = fn(*[bridge.to_jax(tensors[i]) for i in present])
+        outs = self.run_jax(key, lambda: self._call_jax(present, opts), [bridge.to_jax(tensors[i]) for i in present])
         result = self._outputs_to_torch(outs, tensors)
         return result[0] if self.outputs == 1 else tuple(result)
 
@@ -277,7 +307,8 @@ class TorchOp:
         fn = _cached(key, build)
         arrays = tuple(bridge.to_jax(tensors[i]) for i in present)
         cts = tuple(bridge.to_jax(g) for g in grads)
-        outs = fn(arrays, cts)
+        with checked(False):  # the forward checked these inputs; a staged check here could not be raised
+            outs = fn(arrays, cts)
         return self._outputs_to_torch(outs, tensors + grads)
 
     def _backward_fake(self, *args):

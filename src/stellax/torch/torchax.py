@@ -40,6 +40,7 @@ import importlib
 import sys
 from typing import Any, Sequence
 
+import jax
 import torch
 
 __all__ = ["MISSING_OVERLOADS", "RemovedOverload", "call", "import_torchax", "install_compat", "is_torchax_tensor",
@@ -195,8 +196,13 @@ def call(op, flat: tuple):
                 f"first (t.to('jax') inside `with torchax.default_env():`)")
     present = [i for i, t in enumerate(tensors) if t is not None]
     key = (op.name, "torchax", tuple(present), op._opts_key(opts))
-    fn = _cached(key, lambda: op._maybe_jit(op._call_jax(present, opts)))
-    outs = fn(*[jax_array(tensors[i]) for i in present])
+    arrays = [jax_array(tensors[i]) for i in present]
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+        # Inside a torchax jit: run in the caller's trace (in checked mode its checks are staged there, for
+        # the caller's checkify, as in JAX).
+        outs = _cached(key, lambda: op._maybe_jit(op._call_jax(present, opts)))(*arrays)
+    else:  # concrete arrays: checked mode raises here, naming the argument, as the custom op does
+        outs = op.run_jax(key, lambda: op._call_jax(present, opts), arrays)
     env = _environment(tensors)
     from torchax.tensor import Tensor
     result = [Tensor(o, env) for o in outs]
