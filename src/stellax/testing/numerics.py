@@ -76,9 +76,22 @@ def upcast(tree):
 
 
 def golden(fn: Callable[..., Any], *args, **kwargs):
-    """``fn`` on float32-upcast arguments at the highest matmul precision."""
+    """``fn`` on float32-upcast arguments at the highest matmul precision, on the host CPU.
+
+    On an accelerator the golden still runs on the CPU: a TPU's float32 ``exp``
+    (and with it XLA's softmax) is an approximation, ~5e-6 relative on a v5e,
+    which a softmax gradient's cancellation grows to ~2e-5, so a golden computed
+    there cannot hold an implementation to float32's 1e-5. The CPU's float32
+    functions are correctly rounded to an ulp or two; the examples are small."""
+    args, kwargs = upcast(args), upcast(kwargs)
     with jax.default_matmul_precision("highest"):
-        return fn(*upcast(args), **upcast(kwargs))
+        if jax.default_backend() == "cpu":
+            return fn(*args, **kwargs)
+        cpu = jax.devices("cpu")[0]
+        to_cpu = lambda x: jax.device_put(x, cpu) if isinstance(x, (jax.Array, np.ndarray)) else x
+        args, kwargs = jax.tree_util.tree_map(to_cpu, (args, kwargs))
+        with jax.default_device(cpu):
+            return fn(*args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

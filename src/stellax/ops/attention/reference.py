@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ...core.precision import float32_log, float32_tanh
 from .masks import MaskSpec, dense_mask
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -52,7 +53,7 @@ def attention_forward_reference(q, k, v, bias, mask, sinks, q_pos, kv_pos, q_seg
     s = s * jnp.float32(scale)
     if logits_soft_cap is not None:
         cap = jnp.float32(logits_soft_cap)
-        s = cap * jnp.tanh(s / cap)
+        s = cap * float32_tanh(s * (1.0 / cap))
     if bias is not None:
         s = s + group_heads(bias.astype(jnp.float32), kh)
     valid = dense_mask(spec, q_pos, kv_pos, q_seg, kv_seg)
@@ -75,6 +76,6 @@ def attention_forward_reference(q, k, v, bias, mask, sinks, q_pos, kv_pos, q_seg
     o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32), precision=precision)
     l_safe = jnp.where(l > 0, l, 1.0)
     o = o / jnp.moveaxis(l_safe, -1, 1)[..., None]
-    lse = jnp.where(l > 0, m + jnp.log(l_safe), -jnp.inf)
+    lse = jnp.where(l > 0, m + float32_log(l_safe), -jnp.inf)
     out = o.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
     return out, lse.reshape(b, n, t)

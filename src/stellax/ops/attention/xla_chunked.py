@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ...core.pallas import cdiv, pad_axis
+from ...core.precision import accurate_functions, float32_log, float32_tanh
 from .masks import MaskSpec, classify_blocks, mask_fn, visit_schedule
 
 F32 = jnp.float32
@@ -57,6 +58,7 @@ class _Layout:
         self.scale = c.scale
         self.cap = c.logits_soft_cap
         self.precision = c.precision
+        self.tanh = float32_tanh if accurate_functions(q.dtype, c.precision) else jnp.tanh
         self.q = pad_axis(self.to_rows(q), 2, self.tp)
         self.k = pad_axis(k.transpose(0, 2, 1, 3), 2, self.sp)
         self.v = pad_axis(v.transpose(0, 2, 1, 3), 2, self.sp)
@@ -122,7 +124,7 @@ class _Layout:
         s = s.reshape(self.b, self.kh, self.bq, self.g, self.bk) * jnp.float32(self.scale)
         tanh = None
         if self.cap is not None:
-            tanh = jnp.tanh(s / jnp.float32(self.cap))
+            tanh = self.tanh(s * jnp.float32(1.0 / self.cap))
             s = jnp.float32(self.cap) * tanh
         if self.bias is not None:
             s = s + self._slice_dense(self.bias, i, j).astype(jnp.float32)
@@ -195,7 +197,7 @@ def forward(c, config):
             acc, l, m = alpha[..., None] * acc, alpha * l + jnp.exp(sink - m_new), m_new
         l_safe = jnp.where(l > 0, l, 1.0)
         out = acc / l_safe[..., None]
-        lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(l_safe), -jnp.inf)
+        lse = jnp.where(l > 0, jnp.where(m == -jnp.inf, 0.0, m) + float32_log(l_safe), -jnp.inf)
         return (out.reshape(L.b, L.kh, L.bq, L.g, L.hv).astype(c.q.dtype),
                 lse.reshape(L.b, L.kh, L.bq, L.g))
 

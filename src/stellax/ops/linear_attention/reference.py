@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call
+from ...core.precision import float32_exp, float32_softplus
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
@@ -52,9 +53,10 @@ def kda_gate(g, A_log=None, dt_bias=None, lower_bound=None):
     g = g.astype(F32)
     if dt_bias is not None:
         g = g + dt_bias.astype(F32).reshape(hv, kdim)
-    a = jnp.ones((hv, 1), F32) if A_log is None else jnp.exp(A_log.astype(F32)).reshape(hv, 1)
+    # float32-accurate exp and softplus: a TPU's own are off by up to 5e-6 (`core.precision`)
+    a = jnp.ones((hv, 1), F32) if A_log is None else float32_exp(A_log.astype(F32)).reshape(hv, 1)
     if lower_bound is None:
-        return -a * jax.nn.softplus(g)
+        return -a * float32_softplus(g)
     return lower_bound * jax.nn.sigmoid(a * g)
 
 
@@ -64,7 +66,7 @@ def ssd_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
     if dt_bias is not None:
         dt = dt + dt_bias.astype(F32)
     if dt_softplus:
-        dt = jax.nn.softplus(dt)
+        dt = float32_softplus(dt)  # float32-accurate on a TPU too (`core.precision`)
     lo, hi = dt_limit
     if lo > 0.0 or hi != float("inf"):
         dt = jnp.clip(dt, lo, hi)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call
+from ...core.precision import float32_logsumexp, float32_tanh
 from .base import finalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -38,7 +39,7 @@ def logits(x, w, *, transpose_w: bool, logit_soft_cap):
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
     z = jnp.matmul(x, w.T if transpose_w else w, precision=HIGHEST)
     if logit_soft_cap is not None:
-        z = logit_soft_cap * jnp.tanh(z / logit_soft_cap)
+        z = logit_soft_cap * float32_tanh(z * (1.0 / logit_soft_cap))
     return z
 
 
@@ -46,7 +47,7 @@ def token_stats(c, labels):
     """``(lse, target, total)`` per token from ``c [T, V]``: the log-sum-exp, the
     label's logit (0 for a label outside ``[0, V)``) and the sum of the logits."""
     vocab = c.shape[-1]
-    lse = jax.nn.logsumexp(c, axis=-1)
+    lse = float32_logsumexp(c, axis=-1)
     in_vocab = (labels >= 0) & (labels < vocab)
     safe = jnp.where(in_vocab, labels, 0)
     target = jnp.where(in_vocab, jnp.take_along_axis(c, safe[:, None], axis=1)[:, 0], 0.0)

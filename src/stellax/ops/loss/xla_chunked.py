@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core.pallas import cdiv, pad_axis
+from ...core.precision import accurate_functions, float32_log, float32_tanh
 from .reference import HIGHEST
 from .xla import gradients
 
@@ -56,7 +57,10 @@ def _tile(x_c, w_j, transpose_w, logit_soft_cap, precision):
     """The logits tile ``c [bt, bv]`` (float32 accumulation, soft-capped)."""
     z = jax.lax.dot_general(x_c, w_j, (((1,), (1 if transpose_w else 0,)), ((), ())),
                             precision=precision, preferred_element_type=jnp.float32)
-    return z if logit_soft_cap is None else logit_soft_cap * jnp.tanh(z / logit_soft_cap)
+    if logit_soft_cap is None:
+        return z
+    tanh = float32_tanh if accurate_functions(x_c.dtype, precision) else jnp.tanh
+    return logit_soft_cap * tanh(z * (1.0 / logit_soft_cap))
 
 
 def _chunk_stats(x_c, y_c, w, *, bv, vocab, chunks, transpose_w, logit_soft_cap, precision, keep_tiles):
@@ -78,7 +82,7 @@ def _chunk_stats(x_c, y_c, w, *, bv, vocab, chunks, transpose_w, logit_soft_cap,
     zeros = jnp.zeros((bt,), jnp.float32)
     init = (jnp.full((bt,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
     (m, s, target, total), tiles = jax.lax.scan(step, init, jnp.arange(chunks))
-    return (m + jnp.log(s), target, total), tiles
+    return (m + float32_log(s), target, total), tiles
 
 
 def forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, config, precision=HIGHEST):

@@ -75,6 +75,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ...core.pallas import (
     cdiv, dot, mxu_dot, mxu_dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call,
 )
+from ...core.precision import accurate_functions, float32_tanh_raw
 from . import plan as plan_mod
 from .cache import Source
 from .plan import Problem, key_range, visible, window_partial
@@ -319,7 +320,8 @@ class Softmax:
             s = d if s is None else s + d
         s = s * F32(self.scale)
         if self.soft_cap is not None:
-            s = F32(self.soft_cap) * jnp.tanh(s / F32(self.soft_cap))
+            tanh = float32_tanh_raw if accurate_functions(self.dtype, self.precision) else jnp.tanh
+            s = F32(self.soft_cap) * tanh(s * F32(1.0 / self.soft_cap))
         pos = block * self.tokens + jax.lax.broadcasted_iota(jnp.int32, (1, self.tokens), 1)
         mask = visible(pos, row_pos, kv_len, window_left=self.window_left, sink_tokens=self.sink_tokens,
                        recent_tokens=self.recent_tokens)

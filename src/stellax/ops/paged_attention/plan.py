@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from ...core import Call
 from ...core.pallas import cdiv
+from ...core.precision import accurate_functions, float32_tanh
 from .cache import Source, as_source, pool_from_call
 from .quant_cache import expand_token_groups, load_codes, rotate, unrotate
 
@@ -363,7 +364,8 @@ def scores(problem: Problem, kx, pex, *, dot_dtype=None):
         s = s + dot(problem.q_pe, pex)
     s = s * problem.scale
     if problem.soft_cap is not None:
-        s = problem.soft_cap * jnp.tanh(s / problem.soft_cap)
+        tanh = float32_tanh if accurate_functions(problem.q.dtype, problem.precision) else jnp.tanh
+        s = problem.soft_cap * tanh(s * (1.0 / problem.soft_cap))
     return s
 
 

@@ -209,8 +209,10 @@ def round_to_element(v, element: Element, noise=None):
     if noise is None:
         # a/q ≤ 2^(mantissa_bits + 1), so `rne` is exact; so is the rescale.
         r = rne(a * inv_q) * q
-        r = jnp.where(c < 0, -r, r)
-        r = jnp.where(c == 0, c, r)  # keep the sign of zero
+        # c's sign bit onto the magnitude, by bits: a negation can be lowered as 0 - r, which
+        # makes -0.0 (a tiny negative value rounded to zero) +0.0 (seen in Mosaic on a v5e)
+        sign = jax.lax.bitcast_convert_type(c, jnp.int32) & jnp.int32(-(2 ** 31))
+        r = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(r, jnp.int32) | sign, jnp.float32)
     else:
         lo = jnp.floor(c * inv_q) * q
         r = lo + jnp.where(noise < (c - lo) * inv_q, q, jnp.float32(0))

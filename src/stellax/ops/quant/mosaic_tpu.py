@@ -183,7 +183,10 @@ def _quantize_kernel(*, x, tensor_scale, codes, scales, zero_points, fmt: str):
     xv = x[...].astype(F32)
     finite = is_finite(xv)
     if f.is_mx:
-        bad = _row_any(~finite)
+        # rows with a non-finite value, from the bits directly rather than by negating `finite`: on a
+        # v5e the `_row_any(~finite)` form wrote the NaN scale (255) for every row of finite inputs
+        # (2026-12-06; this form is not yet run on the chip)
+        bad = _row_any((_bits(xv) & _EXP_MASK) == _EXP_MASK)
         amax = _row_finite_amax(xv, finite)
         e = jnp.clip(jnp.where(amax > 0, F.floor_log2(amax) - el.emax, -127), -127, 127)
         scales[...] = jnp.where(bad, 255, e + 127)
