@@ -96,6 +96,17 @@ def _overlaps(starts, sizes):
     return clash, order
 
 
+def _require_slices_inside(offsets, sizes, negative, name: str, rows: int, target: str) -> None:
+    """Checked mode: every slice ``[offsets[i], offsets[i] + sizes[i])`` (of a non-negative size) lies
+    inside the ``rows`` rows of ``target``."""
+    outside = ((offsets < 0) | (sizes > rows - offsets)) & ~negative
+    require(lambda: ~jnp.any(outside),
+            f"{name}[{{index}}] = {{offset}} with send_sizes[{{index}}] = {{size}}: expected a slice inside "
+            f"the {rows} rows of {target}",
+            index=lambda: _first(outside), offset=lambda: offsets[_first(outside)],
+            size=lambda: sizes[_first(outside)])
+
+
 def _require_exchange(sizes, input_offsets, output_offsets, totals, *, operand_rows, output_rows,
                       max_send, recv_sizes, sent, received_offsets, clash, order, per_device) -> None:
     """Checked mode: each invalid slice of `ragged_all_to_all_padded`, naming the argument, the index
@@ -106,18 +117,9 @@ def _require_exchange(sizes, input_offsets, output_offsets, totals, *, operand_r
     neg = sizes < 0
     require(lambda: ~jnp.any(neg), "send_sizes[{index}] = {value}: expected a size >= 0",
             index=lambda: _first(neg), value=lambda: sizes[_first(neg)])
-    outside_in = (input_offsets < 0) | (sizes > operand_rows - input_offsets)
-    require(lambda: ~jnp.any(outside_in & ~neg),
-            f"input_offsets[{{index}}] = {{offset}} with send_sizes[{{index}}] = {{size}}: expected a slice inside "
-            f"the {operand_rows} rows of operand",
-            index=lambda: _first(outside_in & ~neg), offset=lambda: input_offsets[_first(outside_in & ~neg)],
-            size=lambda: sizes[_first(outside_in & ~neg)])
-    outside_out = (output_offsets < 0) | (sizes > output_rows - output_offsets)
-    require(lambda: ~jnp.any(outside_out & ~neg),
-            f"output_offsets[{{index}}] = {{offset}} with send_sizes[{{index}}] = {{size}}: expected a slice inside "
-            f"the {output_rows} rows of output",
-            index=lambda: _first(outside_out & ~neg), offset=lambda: output_offsets[_first(outside_out & ~neg)],
-            size=lambda: sizes[_first(outside_out & ~neg)])
+    for offsets, name, rows, target in ((input_offsets, "input_offsets", operand_rows, "operand"),
+                                        (output_offsets, "output_offsets", output_rows, "output")):
+        _require_slices_inside(offsets, sizes, neg, name, rows, target)
     over = totals > max_send
     require(lambda: ~jnp.any(over),
             f"send_sizes: {{total}} rows for device {{device}} (the sum of its {per_device} slices): expected at "
