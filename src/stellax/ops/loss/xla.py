@@ -7,17 +7,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core.precision import accurate_functions, float32_tanh
-from .reference import HIGHEST, token_stats
+from ...core.precision import accurate_functions
+from .reference import HIGHEST, soft_cap, token_stats
 
 
 def _naive_logits(x, w, *, transpose_w, logit_soft_cap, precision):
     z = jax.lax.dot_general(x, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
                             precision=precision, preferred_element_type=jnp.float32)
-    if logit_soft_cap is None:
-        return z
-    tanh = float32_tanh if accurate_functions(x.dtype, precision) else jnp.tanh
-    return logit_soft_cap * tanh(z * (1.0 / logit_soft_cap))
+    return soft_cap(z, logit_soft_cap, accurate=accurate_functions(x.dtype, precision))
 
 
 def forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, precision=HIGHEST, config=None):
