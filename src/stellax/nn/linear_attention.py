@@ -18,7 +18,7 @@ from flax import nnx
 
 import stellax
 
-from ._params import check_sharding, dense, ones, param, positive, zeros
+from ._params import check_sharding, dense, ones, param, positive
 
 _default_kernel = nnx.initializers.lecun_normal()
 
@@ -43,10 +43,14 @@ class _DeltaMixer(nnx.Module):
     """Projections shared by `GatedDeltaNet` and `KimiDeltaAttention`."""
 
     _name = "DeltaMixer"
+    _per_channel_decay = False           # KDA: a decay per key channel, [B, T, HV, K]
+    _chunk = staticmethod(stellax.chunk_gated_delta_rule)
 
-    def __init__(self, features, num_heads, head_dim, num_v_heads, v_head_dim, per_channel_decay, *, epsilon,
-                 dtype, param_dtype, kernel_init, sharding, rngs):
-        name = self._name
+    def __init__(self, features: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
+                 v_head_dim: int | None = None, *, epsilon: float = 1e-6, dtype=None, param_dtype=jnp.float32,
+                 kernel_init=_default_kernel, sharding: Mapping[str, Sequence[str | None]] | None = None,
+                 rngs: nnx.Rngs):
+        name, per_channel_decay = self._name, self._per_channel_decay
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         positive(name, features=features, num_heads=num_heads, head_dim=head_dim, num_v_heads=num_v_heads,
@@ -85,6 +89,14 @@ class _DeltaMixer(nnx.Module):
         y = jnp.einsum("bthv,hvd->btd", o, self.o[...].astype(o.dtype), precision="highest")
         return y if self.dtype is None else y.astype(self.dtype)
 
+    def __call__(self, x, *, initial_state=None, return_state: bool = False):
+        """``x [B, T, D] -> [B, T, D]`` (``, state [B, HV, K, V]`` with ``return_state``)."""
+        q, k, v, g, beta = self._inputs(x)
+        o, state = self._chunk(q, k, v, g, beta, use_qk_l2norm=True, initial_state=initial_state,
+                               output_final_state=return_state)
+        y = self._output(x, o)
+        return (y, state) if return_state else y
+
 
 class GatedDeltaNet(_DeltaMixer):
     """Gated DeltaNet (Qwen3-Next's linear attention) over `stellax.chunk_gated_delta_rule`.
@@ -102,21 +114,6 @@ class GatedDeltaNet(_DeltaMixer):
 
     _name = "GatedDeltaNet"
 
-    def __init__(self, features: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
-                 v_head_dim: int | None = None, *, epsilon: float = 1e-6, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=_default_kernel, sharding: Mapping[str, Sequence[str | None]] | None = None,
-                 rngs: nnx.Rngs):
-        super().__init__(features, num_heads, head_dim, num_v_heads, v_head_dim, False, epsilon=epsilon,
-                         dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, sharding=sharding, rngs=rngs)
-
-    def __call__(self, x, *, initial_state=None, return_state: bool = False):
-        """``x [B, T, D] -> [B, T, D]`` (``, state [B, HV, K, V]`` with ``return_state``)."""
-        q, k, v, g, beta = self._inputs(x)
-        o, state = stellax.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, initial_state=initial_state,
-                                                  output_final_state=return_state)
-        y = self._output(x, o)
-        return (y, state) if return_state else y
-
 
 class KimiDeltaAttention(_DeltaMixer):
     """Kimi Delta Attention (Kimi Linear) over `stellax.chunk_kda`: `GatedDeltaNet`
@@ -124,21 +121,8 @@ class KimiDeltaAttention(_DeltaMixer):
     and ``S ← diag(exp(g_t)) S + k_t ⊗ β_t (v_t − Sᵀ k_t)``. Arguments as `GatedDeltaNet`."""
 
     _name = "KimiDeltaAttention"
-
-    def __init__(self, features: int, num_heads: int, head_dim: int, num_v_heads: int | None = None,
-                 v_head_dim: int | None = None, *, epsilon: float = 1e-6, dtype=None, param_dtype=jnp.float32,
-                 kernel_init=_default_kernel, sharding: Mapping[str, Sequence[str | None]] | None = None,
-                 rngs: nnx.Rngs):
-        super().__init__(features, num_heads, head_dim, num_v_heads, v_head_dim, True, epsilon=epsilon,
-                         dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, sharding=sharding, rngs=rngs)
-
-    def __call__(self, x, *, initial_state=None, return_state: bool = False):
-        """``x [B, T, D] -> [B, T, D]`` (``, state [B, HV, K, V]`` with ``return_state``)."""
-        q, k, v, g, beta = self._inputs(x)
-        o, state = stellax.chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, initial_state=initial_state,
-                                     output_final_state=return_state)
-        y = self._output(x, o)
-        return (y, state) if return_state else y
+    _per_channel_decay = True
+    _chunk = staticmethod(stellax.chunk_kda)
 
 
 class Mamba2(nnx.Module):
