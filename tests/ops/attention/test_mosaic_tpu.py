@@ -321,3 +321,22 @@ def test_float32_precision_default_is_one_bf16_pass_high_is_float32_accurate():
             errors[precision] = compare(out, ref).rel_l2
     assert 1e-4 < errors["default"] < 3e-2, errors
     assert errors["high"] < 1e-4, errors
+
+
+@pytest.mark.parametrize("generation, heads, kv_heads, forward, backward", [
+    ("v5e", 16, 16, (1024, 1024), (512, 512)),   # MHA: the large forward blocks measured faster on a v5e
+    ("v5p", 16, 16, (1024, 1024), (512, 512)),
+    ("v5e", 32, 8, (256, 256), (256, 256)),      # GQA: G·block_q rows outgrow the budget; the preference list
+    ("v6e", 16, 16, (1024, 512), (1024, 512)),   # 256-wide MXU: its own list
+])
+def test_heuristic_blocks_per_generation(generation, heads, kv_heads, forward, backward):
+    from stellax.core import lowering_target
+    from stellax.ops.attention.configs import splash_backward_heuristic, splash_heuristic
+
+    q = jax.ShapeDtypeStruct((1, 8192, heads, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
+    with lowering_target(generation):
+        call = stellax.registered_ops()["attention"].check(q, kv, kv, is_causal=True)
+        fwd, bwd = splash_heuristic(call), splash_backward_heuristic(call)
+    assert (fwd.block_q, fwd.block_kv) == forward
+    assert (bwd.block_q_dq, bwd.block_kv_dq, bwd.block_q_dkv, bwd.block_kv_dkv) == backward * 2
