@@ -227,7 +227,11 @@ def quantized_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
 
 
 # -- Mosaic TPU ------------------------------------------------------------------------------
-TILES = (128, 256, 512)
+TILES = (128, 256, 512, 1024)
+#: The heuristics choose among tiles up to 512 (what has been measured on a chip); the autotuning
+#: spaces also hold 1024, where megablox's best v5e tiling was (512, 1024, 1024) on M=16384 K=7168
+#: N=2048 G=64 (5.38 ms against 8.70 ms for stellax's best 512-capped tile; issue 38).
+HEURISTIC_TILE_MAX = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +243,7 @@ class TpuGroupedMatmulConfig(KernelConfig):
     block_n: int = 256
 
     def validate(self) -> None:
-        """Every tile one of 128, 256, 512."""
+        """Every tile one of `TILES` (128, 256, 512, 1024)."""
         for name in ("block_m", "block_k", "block_n"):
             require_in("TpuGroupedMatmulConfig", name, getattr(self, name), TILES)
 
@@ -275,8 +279,14 @@ def _fitting_tiles(call: Call, useful, vmem) -> list[TpuGroupedMatmulConfig]:
     return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
 
 
+def _heuristic_pool(space: list[TpuGroupedMatmulConfig]) -> list[TpuGroupedMatmulConfig]:
+    """The configs of ``space`` a heuristic may pick: every tile at most `HEURISTIC_TILE_MAX`."""
+    small = [c for c in space if max(c.block_m, c.block_k, c.block_n) <= HEURISTIC_TILE_MAX]
+    return small or space
+
+
 def gmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
-    """Tiles of 128–512 that the call's dimensions can use and that fit the
+    """Tiles of 128–1024 that the call's dimensions can use and that fit the
     scoped VMEM of the generation the configs are for."""
     return _fitting_tiles(call, _useful, gmm_tpu_vmem)
 
@@ -286,7 +296,7 @@ def gmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
     ``block_n`` the MXU width or wider (512 when the dimensions allow), the
     largest that fits the generation's scoped VMEM."""
     mxu = target_generation().mxu
-    space = gmm_tpu_space(call)
+    space = _heuristic_pool(gmm_tpu_space(call))
     preferred = [c for c in space if c.block_m == 128 and c.block_k >= mxu and c.block_n >= mxu]
     pool = preferred or space
     return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n))
@@ -316,7 +326,7 @@ def _tgmm_useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
 
 
 def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
-    """Tiles of 128–512 that the `ragged_dot_tgmm` call can use and that fit the
+    """Tiles of 128–1024 that the `ragged_dot_tgmm` call can use and that fit the
     scoped VMEM of the generation the configs are for."""
     return _fitting_tiles(call, _tgmm_useful, tgmm_tpu_vmem)
 
@@ -330,7 +340,7 @@ def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
     m, _, _, g = tgmm_dims(call)
     mxu = target_generation().mxu
     bm = 256 if m // max(g, 1) >= 1024 else 128
-    space = tgmm_tpu_space(call)
+    space = _heuristic_pool(tgmm_tpu_space(call))
     preferred = [c for c in space if c.block_m == bm and c.block_k >= mxu and c.block_n >= mxu]
     pool = preferred or [c for c in space if c.block_m == 128] or space
     return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_m))
@@ -365,7 +375,7 @@ def quantized_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
 
 
 def quantized_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
-    """Tiles of 128–512 the call can use (`_quantized_fits`) within the generation's scoped VMEM."""
+    """Tiles of 128–1024 the call can use (`_quantized_fits`) within the generation's scoped VMEM."""
     m, k, n, _ = quantized_dims(call)
     budget = target_generation().scoped_vmem_bytes
     configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
@@ -378,7 +388,7 @@ def quantized_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
 def quantized_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
     """``block_m`` 128, ``block_k`` and ``block_n`` at least the MXU width, the largest tile that fits."""
     mxu = target_generation().mxu
-    space = quantized_tpu_space(call)
+    space = _heuristic_pool(quantized_tpu_space(call))
     preferred = [c for c in space if c.block_m == 128 and c.block_k >= mxu and c.block_n >= mxu]
     pool = preferred or [c for c in space if c.block_m == 128] or space
     return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_k))
