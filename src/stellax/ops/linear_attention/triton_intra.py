@@ -113,7 +113,7 @@ def _gdn_wy_blocked_kernel(*, k, v, g, beta, u, w, chunk, precision):
     ``W_a = Σ_{c≤a} T_ac (β⊙Γ⊙K)_c`` (one loop per block row ``a``: only ``T``'s
     row ``a`` is live in it). Every matmul has a ``[32, ≤64]`` left and a
     ``[≤64, ≤64]`` right operand, so mma.sync's register operands stay small."""
-    kdim, vdim = k.shape[-1], v.shape[-1]
+    kdim = k.shape[-1]
     s, step_k = WY_BLOCK, min(kdim, WY_SCORE_BLOCK_K)
     nb = chunk // s
     rows = [pl.ds(a * s, s) for a in range(nb)]
