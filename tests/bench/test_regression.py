@@ -72,7 +72,10 @@ def _loop_op(steps: int) -> Op:
               family="regression_probe")
 
 
-def test_rerun_is_not_flagged_and_a_1_5x_slowdown_is():
+def _rerun_and_slowdown_verdicts() -> list[str]:
+    """Measure base / again (same work) / slow (1.5x the work) interleaved in rounds and
+    return what is wrong with the comparisons (empty when a rerun is not flagged and the
+    slowdown is)."""
     ops = {"base": _loop_op(40), "again": _loop_op(40), "slow": _loop_op(60)}
     options = suites.SuiteOptions(rounds=1, min_time=0.2, peers=False)
     runs = {name: [] for name in ops}
@@ -89,14 +92,36 @@ def test_rerun_is_not_flagged_and_a_1_5x_slowdown_is():
     baseline.measure_rounds({name: measure(name) for name in ops}, rounds=5)
     merged = {name: baseline.merge_rounds(runs[name]) for name in ops}
     assert len(baseline.rounds_of(merged["base"][0])) == 5
+    problems = []
     same = baseline.compare(merged["again"], merged["base"])
     # Not flagged: nothing over the 10% threshold. A rerun may still land just outside the
-    # measured noise on a loaded machine (CI measured 1.07x next to a compiling test worker),
-    # which the comparison reports as a regression below the threshold, not a failure.
-    assert same.ok and not same.failures, same.report()
+    # measured noise on a loaded machine, which the comparison reports as a regression below
+    # the threshold, not a failure.
+    if not same.ok or same.failures:
+        problems.append("rerun flagged: " + same.report())
     slow = baseline.compare(merged["slow"], merged["base"])
-    assert [c.key for c in slow.failures] == ["regression_probe|96x96|xla|forward"], slow.report()
-    assert slow.failures[0].method == "rounds" and slow.failures[0].ratio > 1.25
+    if [c.key for c in slow.failures] != ["regression_probe|96x96|xla|forward"]:
+        problems.append("1.5x slowdown not flagged: " + slow.report())
+    elif not (slow.failures[0].method == "rounds" and slow.failures[0].ratio > 1.25):
+        problems.append(f"1.5x slowdown measured as {slow.failures[0].ratio:.2f}x "
+                        f"({slow.failures[0].method})")
+    return problems
+
+
+def test_rerun_is_not_flagged_and_a_1_5x_slowdown_is():
+    # Wall-clock times on a 2-core CI runner that another test worker shares: a compile
+    # in the other worker can halve this process's speed for seconds, longer than the
+    # ABBA rounds can absorb (seen as a false 1.59x on a rerun and as a missed slowdown).
+    # So the measurement is repeated, up to three times, until one is free of such an
+    # episode; the bounds are not loosened, and a comparison that is wrong on a quiet
+    # machine fails all three.
+    attempts = []
+    for _ in range(3):
+        problems = _rerun_and_slowdown_verdicts()
+        if not problems:
+            return
+        attempts.append(problems)
+    pytest.fail("in all three measurements:\n" + "\n".join("; ".join(p) for p in attempts))
 
 
 def test_suite_records_carry_their_rounds():
