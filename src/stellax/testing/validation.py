@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import hashlib
 import inspect
+import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -156,6 +159,63 @@ def takes_precision(op: Op) -> bool:
         return False
 
 
+class GoldenCache:
+    """The golden outputs and gradients of recently checked examples, shared by
+    every implementation checked on them.
+
+    `stellax check` runs each example once per implementation (``mosaic_tpu``,
+    ``xla``, ``xla_chunked``, ...) and the golden is the same for all of them;
+    compiling and running it is a quarter to a third of a check's time. An entry
+    is keyed on the op, the dtype, the example's label, its static arguments
+    and the bytes of every array it passes (and of the gradients' cotangents),
+    so a changed example is a miss, never a stale hit. Examples whose arrays
+    exceed ``max_bytes`` (benchmark shapes) are not kept."""
+
+    def __init__(self, entries: int = 128, max_bytes: int = 1 << 24):
+        self.entries, self.max_bytes = entries, max_bytes
+        self.hits = self.misses = 0
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def key(self, *parts) -> str | None:
+        """A digest of ``parts`` (arrays by dtype, shape and bytes; anything else
+        by its repr), or None when their arrays are too large to keep."""
+        leaves, structure = jax.tree_util.tree_flatten(parts)
+        digest, size = hashlib.sha256(str(structure).encode()), 0
+        for leaf in leaves:
+            if hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+                data = np.asarray(leaf)
+                size += data.nbytes
+                if size > self.max_bytes:
+                    return None
+                digest.update(f"{data.dtype}{data.shape}".encode())
+                digest.update(np.ascontiguousarray(data).tobytes())
+            else:
+                digest.update(repr(leaf).encode())
+        return digest.hexdigest()
+
+    def get(self, key: str | None, compute: Callable[[], Any]) -> Any:
+        """The cached value of ``key``, else ``compute()`` (kept unless ``key`` is None)."""
+        if key is None:
+            return compute()
+        with self._lock:
+            if key in self._items:
+                self.hits += 1
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = jax.block_until_ready(compute())
+        with self._lock:
+            self.misses += 1
+            self._items[key] = value
+            while len(self._items) > self.entries:
+                self._items.popitem(last=False)
+        return value
+
+
+#: The goldens `check_example` shares across implementations.
+GOLDENS = GoldenCache()
+
+
 def check_example(op: Op, implementation: str, example: Example, dtype, *, gradients: bool = True,
                   config: Any = None, precision: str | None = "highest") -> CheckResult:
     """Run one example with one implementation and compare (forward and, for
@@ -196,7 +256,9 @@ def check_example(op: Op, implementation: str, example: Example, dtype, *, gradi
         return contract_tolerance(leaf_dtype, contract.get("precision"), gradient=gradient)
 
     out = jax.jit(run)(*example.args, **array_kwargs)
-    expected = golden(jax.jit(ref), *example.args, **array_kwargs)
+    identity = (op.name, dtype_name, example.label, sorted(static_kwargs.items(), key=lambda kv: kv[0]))
+    expected = GOLDENS.get(GOLDENS.key("forward", identity, example.args, array_kwargs),
+                           lambda: golden(jax.jit(ref), *example.args, **array_kwargs))
     worst = None
     out_leaves = jax.tree_util.tree_leaves(out)
     ref_leaves = jax.tree_util.tree_leaves(expected)
@@ -216,8 +278,10 @@ def check_example(op: Op, implementation: str, example: Example, dtype, *, gradi
         grads = jax.jit(jax.grad(projected_loss(run, example.args, array_kwargs, positions, cots),
                                  argnums=tuple(range(len(positions)))))(*diff_args)
         ref_args, ref_kwargs = upcast(list(example.args)), upcast(array_kwargs)
-        ref_grads = golden(jax.jit(jax.grad(projected_loss(ref, ref_args, ref_kwargs, positions, cots),
-                                            argnums=tuple(range(len(positions))))), *diff_args)
+        ref_grads = GOLDENS.get(
+            GOLDENS.key("gradients", identity, positions, example.args, array_kwargs, cots),
+            lambda: golden(jax.jit(jax.grad(projected_loss(ref, ref_args, ref_kwargs, positions, cots),
+                                            argnums=tuple(range(len(positions))))), *diff_args))
         summaries += [compare(g, r, dtype=dtype, gradient=True, rel_l2_tolerance=tolerance_of(dtype, gradient=True))
                       for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads))]
     worst = max(summaries, key=lambda s: (not s.passed, s.rel_l2 / max(s.tolerance, 1e-30)))
