@@ -15,8 +15,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from stellax.core.precision import (
-    float32_exp, float32_exp_raw, float32_log, float32_log_raw, float32_logsumexp, float32_softplus,
-    float32_tanh, float32_tanh_raw,
+    HIGH, HIGHEST, float32_exp, float32_log, float32_logsumexp, float32_softplus, float32_tanh, soft_cap,
+    soft_cap_tanh,
 )
 
 CASES = {  # name: (function, sample points, float64 truth, max relative error)
@@ -76,11 +76,12 @@ def test_logsumexp_value_gradient_and_empty_rows():
 
 
 @pytest.mark.parametrize("name, fn, lo, hi, exact", [
-    ("exp", float32_exp_raw, -30.0, 0.0, np.exp), ("log", float32_log_raw, 1e-3, 1e3, np.log),
-    ("tanh", float32_tanh_raw, -5.0, 5.0, np.tanh),
+    ("exp", float32_exp, -30.0, 0.0, np.exp), ("log", float32_log, 1e-3, 1e3, np.log),
+    ("tanh", float32_tanh, -5.0, 5.0, np.tanh),
 ])
 def test_inside_a_pallas_kernel(name, fn, lo, hi, exact):
-    """The raw forms run inside a kernel body (interpreted here) with the same accuracy."""
+    """The functions, derivative rules and all, run inside a kernel body (interpreted here) with
+    the same accuracy."""
     x = np.linspace(lo, hi, 16 * 128, dtype=np.float32).reshape(16, 128)
 
     def kernel(x_ref, y_ref):
@@ -92,15 +93,26 @@ def test_inside_a_pallas_kernel(name, fn, lo, hi, exact):
     assert rel.max() < 3e-7, name
 
 
-def test_raw_forms_lower_for_mosaic_tpu():
+def test_functions_lower_for_mosaic_tpu():
     """Bit casts, shifts and masks on float32 vectors are what Mosaic must lower."""
     from stellax.core import lowering_target
 
     def kernel(x_ref, y_ref):
         x = x_ref[...]
-        y_ref[...] = float32_exp_raw(-jnp.abs(x)) + float32_log_raw(jnp.abs(x) + 1.0) + float32_tanh_raw(x)
+        y_ref[...] = float32_exp(-jnp.abs(x)) + float32_log(jnp.abs(x) + 1.0) + float32_tanh(x)
 
     call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))
     with lowering_target("v5e"):
         text = jax.jit(call).trace(jnp.ones((8, 128), jnp.float32)).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
+
+
+def test_soft_cap_takes_the_accurate_tanh_only_for_float32_at_highest():
+    assert soft_cap_tanh(jnp.float32, HIGHEST) is float32_tanh
+    assert soft_cap_tanh(jnp.float32, None) is float32_tanh  # None resolves to HIGHEST
+    assert soft_cap_tanh(jnp.float32, HIGH) is jnp.tanh
+    assert soft_cap_tanh(jnp.bfloat16, HIGHEST) is jnp.tanh
+    s = jnp.linspace(-40.0, 40.0, 101, dtype=jnp.float32)
+    assert soft_cap(s, None) is s
+    np.testing.assert_array_equal(soft_cap(s, 7.0), 7.0 * float32_tanh(s * (1.0 / 7.0)))
+    np.testing.assert_array_equal(soft_cap(s, 7.0, jnp.bfloat16, HIGHEST), 7.0 * jnp.tanh(s * (1.0 / 7.0)))

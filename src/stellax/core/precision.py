@@ -125,8 +125,8 @@ def _pow2(k):
     return jax.lax.bitcast_convert_type(jax.lax.shift_left(k.astype(jnp.int32) + 127, jnp.int32(23)), jnp.float32)
 
 
-def float32_exp_raw(x):
-    """`float32_exp` without its derivative rule (for Mosaic kernel bodies)."""
+def _exp(x):
+    """The value of `float32_exp` (its derivative rule aside)."""
     x = jnp.asarray(x, jnp.float32)
     clipped = jnp.clip(x, _EXP_MIN, _EXP_MAX)
     k = jnp.floor(clipped * jnp.float32(_LOG2E) + jnp.float32(0.5))
@@ -144,8 +144,8 @@ def float32_exp_raw(x):
     return jnp.where(jnp.isnan(x), x, y)
 
 
-def float32_log_raw(x):
-    """`float32_log` without its derivative rule (for Mosaic kernel bodies)."""
+def _log(x):
+    """The value of `float32_log` (its derivative rule aside)."""
     x = jnp.asarray(x, jnp.float32)
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     biased = jax.lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF
@@ -171,7 +171,7 @@ def float32_exp(x):
     """``exp(x)`` of float32 ``x`` to < 2e-7 relative on every device (a TPU's own
     ``exp`` is off by up to 5.4e-6). ``-inf`` gives 0, NaN gives NaN, values past
     float32's range give 0 or ``inf``. Differentiable (``d exp = exp · dx``)."""
-    return float32_exp_raw(x)
+    return _exp(x)
 
 
 @float32_exp.defjvp
@@ -185,7 +185,7 @@ def float32_log(x):
     """``log(x)`` of float32 ``x`` to < 2e-7 relative (away from ``x = 1``, where
     the absolute error is < 1e-7) on every device; a TPU's own ``log`` is off by
     6.5e-6 rms. 0 gives ``-inf``, negative or NaN gives NaN. Differentiable."""
-    return float32_log_raw(x)
+    return _log(x)
 
 
 @float32_log.defjvp
@@ -211,14 +211,14 @@ def float32_softplus(x):
     device (`jax.nn.softplus` on a TPU inherits its ``log``'s 6.5e-6 error), as
     ``max(x, 0) + log1p(exp(-|x|))``. Differentiable (``d = sigmoid(x)·dx``)."""
     x = jnp.asarray(x, jnp.float32)
-    return jnp.maximum(x, 0.0) + _log1p_unit(float32_exp_raw(-jnp.abs(x)))
+    return jnp.maximum(x, 0.0) + _log1p_unit(_exp(-jnp.abs(x)))
 
 
 @float32_softplus.defjvp
 def _float32_softplus_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     x = jnp.asarray(x, jnp.float32)
-    e = float32_exp_raw(-jnp.abs(x))
+    e = _exp(-jnp.abs(x))
     sigmoid = jnp.where(x >= 0, 1.0, e) * _reciprocal(1.0 + e)
     return float32_softplus(x), sigmoid * dx
 
@@ -228,15 +228,15 @@ _TANH_TAYLOR = (1.0, -1.0 / 3, 2.0 / 15, -17.0 / 315, 62.0 / 2835, -1382.0 / 155
 _TANH_SERIES_BELOW = 0.4  # the series' remainder there is < 1e-7 relative; above, 1 - e^{-2|x|} cannot cancel
 
 
-def float32_tanh_raw(x):
-    """`float32_tanh` without its derivative rule (for Mosaic kernel bodies)."""
+def _tanh(x):
+    """The value of `float32_tanh` (its derivative rule aside)."""
     x = jnp.asarray(x, jnp.float32)
     a = jnp.abs(x)
     x2 = x * x
     series = jnp.full_like(x, _TANH_TAYLOR[-1])
     for c in _TANH_TAYLOR[-2::-1]:
         series = series * x2 + c
-    e = float32_exp_raw(-2.0 * a)
+    e = _exp(-2.0 * a)
     large = (1.0 - e) * _reciprocal(1.0 + e)
     y = jnp.where(a < _TANH_SERIES_BELOW, x * series, jnp.where(x < 0, -large, large))
     return jnp.where(jnp.isnan(x), x, y)
@@ -247,14 +247,14 @@ def float32_tanh(x):
     """``tanh(x)`` of float32 ``x`` to < 3e-7 relative on every device (a TPU's own
     ``tanh`` is off by up to 8e-5): a series below |x| = 0.4, ``(1 - e^{-2|x|}) /
     (1 + e^{-2|x|})`` above. Differentiable (``d = (1 - tanh²)·dx``)."""
-    return float32_tanh_raw(x)
+    return _tanh(x)
 
 
 @float32_tanh.defjvp
 def _float32_tanh_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     # 1 - tanh² as 4e/(1 + e)², e = exp(-2|x|): no cancellation where tanh is near ±1
-    e = float32_exp_raw(-2.0 * jnp.abs(jnp.asarray(x, jnp.float32)))
+    e = _exp(-2.0 * jnp.abs(jnp.asarray(x, jnp.float32)))
     r = _reciprocal(1.0 + e)
     return float32_tanh(x), 4.0 * e * r * r * dx
 
@@ -265,6 +265,26 @@ def accurate_functions(dtype, precision: Any) -> bool:
     `resolve_precision` does); lower precisions keep the hardware's faster function.
     Per-row logs (a log-sum-exp) always use `float32_log`: they cost nothing."""
     return np.dtype(dtype) == _F32 and resolve_precision(precision) == HIGHEST
+
+
+def soft_cap_tanh(dtype, precision: Any):
+    """The ``tanh`` of a soft cap ``cap·tanh(s / cap)`` over operands of ``dtype`` contracted at
+    ``precision``: `float32_tanh` where `accurate_functions` says so (float32 at ``HIGHEST``),
+    else `jax.numpy.tanh` (the hardware's, faster). Works inside Pallas kernel bodies too."""
+    return float32_tanh if accurate_functions(dtype, precision) else jnp.tanh
+
+
+def soft_cap(s, cap: float | None, dtype=_F32, precision: Any = HIGHEST):
+    """``cap·tanh(s / cap)`` of float32 logits ``s`` (``s`` itself when ``cap`` is None), with the
+    `soft_cap_tanh` of operands of ``dtype`` at ``precision`` (by default `float32_tanh`: the golden's)."""
+    if cap is None:
+        return s
+    return cap * soft_cap_tanh(dtype, precision)(s * (1.0 / cap))
+
+
+#: `float32_tanh` under its former name (the functions with derivative rules run inside Pallas
+#: kernel bodies, interpreted and lowered by Mosaic alike); use `soft_cap_tanh` or `float32_tanh`.
+float32_tanh_raw = float32_tanh
 
 
 def float32_logsumexp(x, axis: int = -1):

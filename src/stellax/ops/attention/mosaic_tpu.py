@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ from ...core.pallas import (
     cdiv, mxu_dot, mxu_dot_nt, mxu_dot_tn, online_softmax_step, operand, output, pad_axis, tpu_kernel_call,
 )
 from ...core.platform import target_generation
-from ...core.precision import accurate_functions, float32_log_raw, float32_tanh_raw
+from ...core.precision import float32_log, soft_cap_tanh
 from .configs import splash_vmem_bytes
 from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn
 
@@ -179,13 +179,13 @@ class TileMath:
     padded_keys: bool     # the key length is not a block multiple
     block_kv: int
     precision: Any
-    accurate_tanh: bool   # float32 operands at HIGHEST: the soft cap's tanh is `float32_tanh`
+    tanh: Callable        # the soft cap's tanh (`core.precision.soft_cap_tanh`)
 
     @classmethod
     def of(cls, c, tiling: Tiling) -> "TileMath":
         # the call's resolved precision (`core.precision`); non-float32 operands stay native
         return cls(c.spec, c.scale, c.logits_soft_cap, tiling.s, tiling.sp != tiling.s, tiling.bk, c.precision,
-                   accurate_functions(c.q.dtype, c.precision))
+                   soft_cap_tanh(c.q.dtype, c.precision))
 
     def logits(self, q, k):
         """``(s, tanh)``: the float32 logits ``[R, bk]`` of ``q [R, H]``,
@@ -193,7 +193,7 @@ class TileMath:
         s = mxu_dot_nt(q, k, self.precision) * F32(self.scale)
         if self.cap is None:
             return s, None
-        tanh = (float32_tanh_raw if self.accurate_tanh else jnp.tanh)(s * F32(1.0 / self.cap))
+        tanh = self.tanh(s * F32(1.0 / self.cap))
         return F32(self.cap) * tanh, tanh
 
     def visible(self, col, q_pos, kv_pos, q_seg, kv_seg):
@@ -374,7 +374,7 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
         positive = l > 0
         l_safe = jnp.where(positive, l, 1.0)
         out[...] = (acc / l_safe).astype(out.dtype)
-        lse[...] = jnp.where(positive, jnp.where(m == -jnp.inf, 0.0, m) + float32_log_raw(l_safe), -jnp.inf)
+        lse[...] = jnp.where(positive, jnp.where(m == -jnp.inf, 0.0, m) + float32_log(l_safe), -jnp.inf)
         if visits is not None:
             visits[...] = jnp.full(visits.shape, count_scr[0] * 65536 + count_scr[1], jnp.int32)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core.precision import float32_log, float32_tanh
+from ...core.precision import float32_log, soft_cap
 from .masks import MaskSpec, dense_mask
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -52,8 +52,7 @@ def attention_forward_reference(q, k, v, bias, mask, sinks, q_pos, kv_pos, q_seg
     s = jnp.einsum("btkgh,bskh->bkgts", qf, k.astype(jnp.float32), precision=precision)
     s = s * jnp.float32(scale)
     if logits_soft_cap is not None:
-        cap = jnp.float32(logits_soft_cap)
-        s = cap * float32_tanh(s * (1.0 / cap))
+        s = soft_cap(s, jnp.float32(logits_soft_cap))
     if bias is not None:
         s = s + group_heads(bias.astype(jnp.float32), kh)
     valid = dense_mask(spec, q_pos, kv_pos, q_seg, kv_seg)

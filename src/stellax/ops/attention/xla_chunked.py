@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ...core.pallas import cdiv, pad_axis
-from ...core.precision import accurate_functions, float32_log, float32_tanh
+from ...core.precision import float32_log, soft_cap_tanh
 from .masks import MaskSpec, classify_blocks, mask_fn, visit_schedule
 
 F32 = jnp.float32
@@ -58,7 +58,7 @@ class _Layout:
         self.scale = c.scale
         self.cap = c.logits_soft_cap
         self.precision = c.precision
-        self.tanh = float32_tanh if accurate_functions(q.dtype, c.precision) else jnp.tanh
+        self.tanh = soft_cap_tanh(q.dtype, c.precision)
         self.q = pad_axis(self.to_rows(q), 2, self.tp)
         self.k = pad_axis(k.transpose(0, 2, 1, 3), 2, self.sp)
         self.v = pad_axis(v.transpose(0, 2, 1, 3), 2, self.sp)

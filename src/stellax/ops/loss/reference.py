@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core import Call
-from ...core.precision import float32_logsumexp, float32_tanh
+from ...core.precision import float32_logsumexp, soft_cap
 from .base import finalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -39,14 +39,6 @@ def logits(x, w, *, transpose_w: bool, logit_soft_cap):
     x, w = x.astype(jnp.float32), w.astype(jnp.float32)
     z = jnp.matmul(x, w.T if transpose_w else w, precision=HIGHEST)
     return soft_cap(z, logit_soft_cap)
-
-
-def soft_cap(z, logit_soft_cap, *, accurate: bool = True):
-    """``cap·tanh(z / cap)`` of float32 logits ``z`` (``z`` itself without a cap); the tanh is
-    `core.precision.float32_tanh` when ``accurate`` (a TPU's own is off by up to 8e-5)."""
-    if logit_soft_cap is None:
-        return z
-    return logit_soft_cap * (float32_tanh if accurate else jnp.tanh)(z * (1.0 / logit_soft_cap))
 
 
 def token_stats(c, labels):

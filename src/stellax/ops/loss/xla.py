@@ -7,14 +7,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core.precision import accurate_functions
-from .reference import HIGHEST, soft_cap, token_stats
+from ...core.precision import soft_cap
+from .reference import HIGHEST, token_stats
 
 
 def _naive_logits(x, w, *, transpose_w, logit_soft_cap, precision):
     z = jax.lax.dot_general(x, w, (((1,), (1 if transpose_w else 0,)), ((), ())),
                             precision=precision, preferred_element_type=jnp.float32)
-    return soft_cap(z, logit_soft_cap, accurate=accurate_functions(x.dtype, precision))
+    return soft_cap(z, logit_soft_cap, x.dtype, precision)
 
 
 def forward_stats(x, w, labels, *, transpose_w, logit_soft_cap, precision=HIGHEST, config=None):

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from ...core.pallas import cdiv, pad_axis
-from ...core.precision import accurate_functions, float32_log
-from .reference import HIGHEST, soft_cap
+from ...core.precision import float32_log, soft_cap
+from .reference import HIGHEST
 from .xla import gradients
 
 
@@ -57,7 +57,7 @@ def _tile(x_c, w_j, transpose_w, logit_soft_cap, precision):
     """The logits tile ``c [bt, bv]`` (float32 accumulation, soft-capped)."""
     z = jax.lax.dot_general(x_c, w_j, (((1,), (1 if transpose_w else 0,)), ((), ())),
                             precision=precision, preferred_element_type=jnp.float32)
-    return soft_cap(z, logit_soft_cap, accurate=accurate_functions(x_c.dtype, precision))
+    return soft_cap(z, logit_soft_cap, x_c.dtype, precision)
 
 
 def _chunk_stats(x_c, y_c, w, *, bv, vocab, chunks, transpose_w, logit_soft_cap, precision, keep_tiles):
