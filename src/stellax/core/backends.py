@@ -11,8 +11,10 @@ A family declares its backends once::
 and builds its ops' implementation lists from it with one run function per op, which takes the row
 (its ``kernels`` module and ``name``) as its first argument::
 
-    Op("layer_norm", implementations=BACKENDS.forward(run_forward), ...)
-    Op("layer_norm_backward", implementations=BACKENDS.backward(run_backward), ...)
+    layer_norm_op = BACKENDS.op("layer_norm", run_forward, check=..., reference=..., ...)
+    layer_norm_backward_op = BACKENDS.op("layer_norm_backward", run_backward, backward=True, ...)
+
+(`BackendTable.op` registers ``Op(name, family=..., implementations=BACKENDS.forward(run), ...)``).
 
 A new backend is then a kernel module (``<backend>.py``, ``<backend>_backward.py``) with the entry
 points the family's run functions call, plus one row. Lookups by implementation name (which kernels
@@ -31,7 +33,7 @@ import functools
 from typing import Any, Callable, Iterable, Mapping
 
 from .call import Call
-from .op import Implementation
+from .op import Implementation, Op, register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,15 @@ class BackendTable:
         with the row's ``backward_tuning``."""
         return [row.implementation(run, row.backward_tuning or row.tuning) for row in self._rows(only)
                 if row.backward]
+
+    def op(self, name: str, run: Callable[..., Any], *, backward: bool = False, only: Iterable[str] | None = None,
+           family: str | None = None, **fields: Any) -> Op:
+        """The registered `Op` ``name`` whose implementations are this table's rows (those named in
+        ``only``) running ``run(row, call, config)``: `forward` (`backward`, with the rows' backward
+        tunings, when ``backward``). ``family``: the op's family (default: the table's); ``fields``:
+        the other arguments of `Op` (``check``, ``reference``, cost models, examples, ...)."""
+        implementations = self.backward(run, only=only) if backward else self.forward(run, only=only)
+        return register(Op(name, family=family or self.family, implementations=implementations, **fields))
 
     def retuned(self, tunings: Mapping[str, Tuning], *, kernels: Mapping[str, Any] | None = None,
                 writes_float8: Mapping[str, Callable[[Call], bool]] | None = None) -> "BackendTable":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ...core import Op, register
 from . import examples
 from .backward import attention_backward_op, run_forward
 from .base import (BACKENDS, Canonical, canonicalize, check_attention, forward_bytes, forward_flops, normalize_window,
@@ -35,19 +34,10 @@ __all__ = [
     "dot_product_attention", "normalize_window",
 ]
 
-attention_op = register(Op(
-    "attention",
-    family="attention",
-    check=check_attention,
-    reference=reference,
-    implementations=BACKENDS.forward(run_forward),
-    flops=forward_flops,
-    bytes_accessed=forward_bytes,
-    examples=examples.forward_examples,
-    benchmarks=examples.benchmarks,
-    peers=examples.peers(),
-    differentiable=("query", "key", "value", "bias", "sinks"),
-))
+attention_op = BACKENDS.op(
+    "attention", run_forward, check=check_attention, reference=reference, flops=forward_flops,
+    bytes_accessed=forward_bytes, examples=examples.forward_examples, benchmarks=examples.benchmarks,
+    peers=examples.peers(), differentiable=("query", "key", "value", "bias", "sinks"))
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,

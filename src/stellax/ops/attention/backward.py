@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...core import Call, Op, backward_implementation, checks, register, vjp
+from ...core import Call, backward_implementation, checks, vjp
 from ...core.backends import Backend
 from ...core.precision import resolve_precision
 from . import examples
@@ -71,16 +71,10 @@ def attention_backward_reference(call: Call, config=None):
     return _run_backward(BACKENDS["xla"], call, config)
 
 
-attention_backward_op = register(Op(
-    "attention_backward",
-    family="attention",
-    check=check_attention_backward,
-    reference=attention_backward_reference,
-    implementations=BACKENDS.backward(_run_backward),
-    flops=backward_flops,
-    bytes_accessed=backward_bytes,
-    examples=examples.backward_examples,
-))
+attention_backward_op = BACKENDS.op(
+    "attention_backward", _run_backward, backward=True, check=check_attention_backward,
+    reference=attention_backward_reference, flops=backward_flops, bytes_accessed=backward_bytes,
+    examples=examples.backward_examples)
 
 
 def backward_kernels() -> tuple[str, ...]:

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Example, Op, checks, register
+from ...core import Call, Example, checks
 from ..quant import QArray, quantize_op
 from .backward import run_forward
 from .base import BACKENDS, FP8_BACKENDS, check_attention, forward_bytes, forward_flops, reference
@@ -150,15 +150,7 @@ def fp8_benchmarks(platform):
             for t, causal in ((16384, False), (16384, True), (8192, False))]
 
 
-attention_fp8_op = register(Op(
-    "attention_fp8",
-    family="attention",
-    check=check_fp8_attention,
-    reference=reference,
-    examples=fp8_examples,
-    benchmarks=fp8_benchmarks,
-    implementations=BACKENDS.forward(run_forward, only=FP8_BACKENDS),
-    flops=forward_flops,
-    bytes_accessed=forward_bytes,
-    differentiable=("bias", "sinks"),
-))
+attention_fp8_op = BACKENDS.op(
+    "attention_fp8", run_forward, only=FP8_BACKENDS, check=check_fp8_attention, reference=reference,
+    flops=forward_flops, bytes_accessed=forward_bytes, examples=fp8_examples, benchmarks=fp8_benchmarks,
+    differentiable=("bias", "sinks"))

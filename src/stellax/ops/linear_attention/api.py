@@ -18,7 +18,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, checks, register
+from ...core import Call, Op, checks
 from ...core.backends import Backend
 from ...core.pallas import F32
 from ...core.precision import resolve_precision
@@ -191,16 +191,16 @@ def _delta_rule_op(name: str, per_channel: bool, *, chunked: bool) -> Op:
     """Register a GDN (KDA: ``per_channel``) op: chunked (`BACKENDS`) or token by token
     (``chunked=False``, the decode ops: `RECURRENT_BACKENDS`)."""
     if chunked:
-        implementations = BACKENDS.forward(functools.partial(_run_chunked, per_channel=per_channel))
+        table, run = BACKENDS, functools.partial(_run_chunked, per_channel=per_channel)
         extra = {"flops": delta_rule_flops(per_channel), "examples": delta_rule_examples(per_channel),
                  "benchmarks": delta_rule_benchmarks(per_channel), "peers": {"naive_scan": naive_scan}}
     else:
-        implementations = RECURRENT_BACKENDS.forward(_run_recurrent)
+        table, run = RECURRENT_BACKENDS, _run_recurrent
         extra = {"flops": recurrent_flops, "examples": recurrent_examples(per_channel),
                  "benchmarks": recurrent_benchmarks(per_channel)}
-    return register(Op(name, family="linear_attention", check=_check_kda if per_channel else _check_gdn,
-                       reference=_guarded_reference, implementations=implementations,
-                       bytes_accessed=delta_rule_bytes, differentiable=_DIFFERENTIABLE, **extra))
+    return table.op(name, run, family="linear_attention", check=_check_kda if per_channel else _check_gdn,
+                    reference=_guarded_reference, bytes_accessed=delta_rule_bytes, differentiable=_DIFFERENTIABLE,
+                    **extra)
 
 
 chunk_gated_delta_rule_op = _delta_rule_op("chunk_gated_delta_rule", False, chunked=True)
@@ -210,8 +210,16 @@ fused_recurrent_kda_op = _delta_rule_op("fused_recurrent_kda", True, chunked=Fal
 
 
 # -- public functions ------------------------------------------------------------
-def _l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel):
-    return use_qk_l2norm if use_qk_l2norm_in_kernel is None else use_qk_l2norm_in_kernel
+def _delta_rule(op: Op, arguments: dict):
+    """``op`` called with a public function's arguments (its ``locals()`` on entry): ``q, k, v, g,
+    beta`` by position, the rest by name, fla's ``use_qk_l2norm_in_kernel`` (when given) as
+    ``use_qk_l2norm``."""
+    options = dict(arguments)
+    operands = [options.pop(name) for name in ("q", "k", "v", "g", "beta")]
+    in_kernel = options.pop("use_qk_l2norm_in_kernel")
+    if in_kernel is not None:
+        options["use_qk_l2norm"] = in_kernel
+    return op(*operands, **options)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -257,10 +265,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     argument and the bad value): ``g <= 0`` and ``cu_seqlens`` valid; without them,
     the NaN results above (`bad_data`, docs/linear_attention.md).
     """
-    return chunk_gated_delta_rule_op(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, implementation=implementation, config=config, precision=precision)
+    return _delta_rule(chunk_gated_delta_rule_op, locals())
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -272,10 +277,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
     ending in ``"xla"``), ``"mosaic_tpu"`` (the fused Mosaic TPU kernel), ``"xla"`` or
     a sequence; ``config`` a `FusedRecurrentTpuConfig` for the Mosaic TPU kernel. The same
     data-dependent checks and NaN results for bad ``g`` / ``cu_seqlens`` (`bad_data`)."""
-    return fused_recurrent_gated_delta_rule_op(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, implementation=implementation, config=config, precision=precision)
+    return _delta_rule(fused_recurrent_gated_delta_rule_op, locals())
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm=False,
@@ -297,12 +299,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     `LinearAttentionConfig` (Triton). Data-dependent checks and bad-data results as in
     `chunk_gated_delta_rule` (``g <= 0`` is not required of the raw gate input).
     """
-    return chunk_kda_op(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        implementation=implementation, config=config, precision=precision)
+    return _delta_rule(chunk_kda_op, locals())
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -314,9 +311,4 @@ def fused_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, out
     implementations: ``"mosaic_tpu"`` (config `FusedRecurrentTpuConfig`) and ``"xla"``
     (``None``: the best available, ending in ``"xla"``). Data-dependent checks and
     bad-data results as in `chunk_kda`."""
-    return fused_recurrent_kda_op(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm=_l2norm_flag(use_qk_l2norm, use_qk_l2norm_in_kernel), cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        implementation=implementation, config=config, precision=precision)
+    return _delta_rule(fused_recurrent_kda_op, locals())

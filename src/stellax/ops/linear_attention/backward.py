@@ -27,7 +27,7 @@ import functools
 
 import jax.numpy as jnp
 
-from ...core import Call, Op, checks, register
+from ...core import Call, Op, checks
 from ...core.backends import Backend
 from ...core.precision import resolve_precision
 from .base import BACKENDS
@@ -114,15 +114,9 @@ def recurrence_backward_op(name: str, *, per_channel: bool) -> Op:
     (``g [Bs, HV, Tp, K]``) or one per token (``[Bs, HV, Tp]``): one
     implementation per row of `base.BACKENDS`, the VJP of the token recurrence
     as the golden. Returns ``(dq, dk, dv, dg, dβ, dh0)``."""
-    return register(Op(
-        name,
-        family="linear_attention",
-        check=backward_checker(per_channel=per_channel),
-        reference=recurrence_backward_reference,
-        implementations=BACKENDS.backward(functools.partial(_run_backward, per_channel=per_channel)),
-        flops=backward_flops,
-        examples=backward_examples(per_channel=per_channel),
-    ))
+    return BACKENDS.op(name, functools.partial(_run_backward, per_channel=per_channel), backward=True,
+                       check=backward_checker(per_channel=per_channel), reference=recurrence_backward_reference,
+                       flops=backward_flops, examples=backward_examples(per_channel=per_channel))
 
 
 gated_recurrence_backward_op = recurrence_backward_op("gated_recurrence_backward", per_channel=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, checks, register
+from ...core import Call, checks
 from ...core.backends import Backend
 from ...core.pallas import F32
 from ...core.precision import resolve_precision
@@ -204,31 +204,15 @@ def _run_step(row: Backend, call: Call, config):
     return row.kernels.ssd_step(call, config)
 
 
-ssd_op = register(Op(
-    "ssd",
-    family="linear_attention",
-    check=_check_ssd,
-    reference=_ssd_reference,
-    implementations=BACKENDS.forward(_run_ssd),
-    flops=ssd_flops,
-    bytes_accessed=ssd_bytes,
-    examples=ssd_examples,
-    benchmarks=ssd_benchmarks,
-    peers={"naive_scan": naive_ssd},
-    differentiable=("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"),
-))
+ssd_op = BACKENDS.op(
+    "ssd", _run_ssd, check=_check_ssd, reference=_ssd_reference, flops=ssd_flops, bytes_accessed=ssd_bytes,
+    examples=ssd_examples, benchmarks=ssd_benchmarks, peers={"naive_scan": naive_ssd},
+    differentiable=("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"))
 
-ssd_step_op = register(Op(
-    "ssd_step",
-    family="linear_attention",
-    check=_check_ssd_step,
-    reference=ssd_step_reference,
-    implementations=STEP_BACKENDS.forward(_run_step),
-    bytes_accessed=ssd_bytes,
-    examples=ssd_step_examples,
-    benchmarks=ssd_step_benchmarks,
-    differentiable=("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"),
-))
+ssd_step_op = STEP_BACKENDS.op(
+    "ssd_step", _run_step, family="linear_attention", check=_check_ssd_step, reference=ssd_step_reference,
+    bytes_accessed=ssd_bytes, examples=ssd_step_examples, benchmarks=ssd_step_benchmarks,
+    differentiable=("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias"))
 
 
 def ssd(x, dt, A, B, C, *, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, _INF),

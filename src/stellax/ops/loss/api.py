@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, backward_implementation, register
+from ...core import Call, backward_implementation
 from ...core import vjp
 from ...core.backends import Backend, BackendTable, Tuning
 from . import triton as triton_kernels
@@ -39,16 +39,10 @@ def _run_backward(backend: Backend, call: Call, config):
     return dx.astype(call.x.dtype), dw.astype(call.w.dtype)
 
 
-linear_cross_entropy_backward_op = register(Op(
-    "linear_cross_entropy_backward",
-    family="loss",
-    check=check_backward,
-    reference=linear_cross_entropy_backward_reference,
-    implementations=BACKENDS.backward(_run_backward),
-    flops=backward_flops,
-    bytes_accessed=backward_bytes,
-    examples=backward_examples,
-))
+linear_cross_entropy_backward_op = BACKENDS.op(
+    "linear_cross_entropy_backward", _run_backward, backward=True, check=check_backward,
+    reference=linear_cross_entropy_backward_reference, flops=backward_flops, bytes_accessed=backward_bytes,
+    examples=backward_examples)
 
 
 # -- forward op ----------------------------------------------------------------------------------
@@ -107,18 +101,10 @@ def _run_forward(backend: Backend, call: Call, config):
     return outputs(loss, *vjp.apply(rule, call.x.reshape(-1, call.x.shape[-1]), call.w, call.labels.reshape(-1)))
 
 
-linear_cross_entropy_op = register(Op(
-    "linear_cross_entropy",
-    family="loss",
-    check=check_forward,
-    reference=linear_cross_entropy_reference,
-    implementations=BACKENDS.forward(_run_forward),
-    flops=forward_flops,
-    bytes_accessed=forward_bytes,
-    examples=forward_examples,
-    benchmarks=benchmarks,
-    differentiable=("x", "w"),
-))
+linear_cross_entropy_op = BACKENDS.op(
+    "linear_cross_entropy", _run_forward, check=check_forward, reference=linear_cross_entropy_reference,
+    flops=forward_flops, bytes_accessed=forward_bytes, examples=forward_examples, benchmarks=benchmarks,
+    differentiable=("x", "w"))
 
 
 def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_soft_cap=None,

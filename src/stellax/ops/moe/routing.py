@@ -122,7 +122,8 @@ def route(logits, top_k, *, scoring="softmax", bias=None, num_groups=None, top_k
       normalize_weights: divide the k weights by their sum.
       routed_scaling: multiply the weights by this factor.
 
-    Ties are broken towards the lower expert (and group) index.
+    Ties are broken towards the lower expert (and group) index. One implementation, ``"xla"``
+    (elementwise scores and a top-k: no kernel pays here); ``route`` takes no ``implementation``.
     """
     return route_op(logits, top_k, scoring=scoring, bias=bias, num_groups=num_groups, top_k_groups=top_k_groups,
                     normalize_weights=normalize_weights, routed_scaling=routed_scaling)

@@ -7,94 +7,14 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
-from ...core import Call, Op, backward_implementation, register
-from ...core import checks, vjp
-from ...core.backends import Backend, BackendTable, Tuning
-from . import mosaic_tpu as mosaic_tpu_kernels
-from . import triton as triton_kernels
-from . import xla as xla_kernels
-from .configs import (NormConfig, NormTpuConfig, norm_heuristic, norm_requirements, norm_space, norm_tpu_heuristic,
-                      norm_tpu_requirements, norm_tpu_space)
+from ...core import Call, backward_implementation
+from ...core import vjp
+from ...core.backends import Backend
+from .base import (BACKENDS, backward_bytes, backward_flops, check_backward, check_layer_norm, forward_bytes,
+                   forward_flops)
 from .examples import backward_examples, benchmarks, forward_examples
 from .reference import layer_norm_backward_reference, layer_norm_reference
-
-
-# -- argument checks -----------------------------------------------------------
-def _check_layer_norm(x, scale=None, offset=None, *, axis=-1, epsilon=1e-6, subtract_mean=True,
-                      residual=None) -> Call:
-    x = checks.require_float("x", x)
-    if x.ndim < 1:
-        raise ValueError("x: expected rank >= 1, got rank 0")
-    axis = checks.normalize_axis("axis", axis, x.ndim)
-    features = x.shape[axis]
-    for name, value in (("scale", scale), ("offset", offset)):
-        if value is not None:
-            checks.require_float(name, value)
-            checks.require_shape(name, value, (features,), f"x.shape[{axis}]")
-    if residual is not None:
-        checks.require_float("residual", residual)
-        checks.require_shape("residual", residual, x.shape, "x.shape")
-        checks.require_same_dtype("residual", residual, "x", x)
-    epsilon = checks.require_positive_float("epsilon", epsilon)
-    if not isinstance(subtract_mean, bool):
-        raise TypeError(f"subtract_mean: expected a bool, got {type(subtract_mean).__name__}")
-    return Call(
-        {"x": x, "scale": scale, "offset": offset, "residual": residual},
-        {"axis": axis, "epsilon": epsilon, "subtract_mean": subtract_mean},
-    )
-
-
-def _check_backward(dy, x, scale, offset, mean, rstd, dh=None, *, epsilon=1e-6, subtract_mean=True) -> Call:
-    x = checks.require_float("x", x)
-    checks.require_ndim("x", x, 2)
-    rows, features = x.shape
-    checks.require_shape("dy", dy, x.shape, "x.shape")
-    for name, value in (("scale", scale), ("offset", offset)):
-        if value is not None:
-            checks.require_shape(name, value, (features,), "x.shape[1]")
-    for name, value in (("mean", mean), ("rstd", rstd)):
-        checks.require_shape(name, value, (rows,), "x.shape[0]")
-    if dh is not None:
-        checks.require_shape("dh", dh, x.shape, "x.shape")
-    return Call(
-        {"dy": dy, "x": x, "scale": scale, "offset": offset, "mean": mean, "rstd": rstd, "dh": dh},
-        {"axis": -1, "epsilon": float(epsilon), "subtract_mean": bool(subtract_mean)},
-    )
-
-
-# -- cost models ---------------------------------------------------------------
-def _itemsize(a) -> int:
-    return 0 if a is None else int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-
-
-def _forward_flops(call: Call) -> float:
-    n = float(np.prod(call.x.shape))
-    return n * (7 + (call.scale is not None) + (call.offset is not None) + (call.residual is not None))
-
-
-def _forward_bytes(call: Call) -> float:
-    io = _itemsize(call.x) * (2 if call.residual is None else 4)
-    return float(io + _itemsize(call.scale) + _itemsize(call.offset))
-
-
-def _backward_flops(call: Call) -> float:
-    return float(np.prod(call.x.shape)) * 12
-
-
-def _backward_bytes(call: Call) -> float:
-    return float(_itemsize(call.dy) + 2 * _itemsize(call.x) + _itemsize(call.dh)
-                 + 2 * _itemsize(call.scale) + 2 * _itemsize(call.offset))
-
-
-# -- backends ------------------------------------------------------------------
-BACKENDS = BackendTable("norm", [
-    Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
-            Tuning(NormTpuConfig, norm_tpu_heuristic, norm_tpu_space, norm_tpu_requirements)),
-    Backend("triton", triton_kernels, "triton", Tuning(NormConfig, norm_heuristic, norm_space, norm_requirements)),
-    Backend("xla", xla_kernels),
-])
 
 
 # -- backward op ---------------------------------------------------------------
@@ -110,16 +30,9 @@ def _run_backward(backend: Backend, call: Call, config):
     )
 
 
-layer_norm_backward_op = register(Op(
-    "layer_norm_backward",
-    family="norm",
-    check=_check_backward,
-    reference=layer_norm_backward_reference,
-    implementations=BACKENDS.backward(_run_backward),
-    flops=_backward_flops,
-    bytes_accessed=_backward_bytes,
-    examples=backward_examples,
-))
+layer_norm_backward_op = BACKENDS.op(
+    "layer_norm_backward", _run_backward, backward=True, check=check_backward, reference=layer_norm_backward_reference,
+    flops=backward_flops, bytes_accessed=backward_bytes, examples=backward_examples)
 
 
 # -- forward op ----------------------------------------------------------------
@@ -165,18 +78,10 @@ def _run_forward(backend: Backend, call: Call, config):
     return unrows(out)
 
 
-layer_norm_op = register(Op(
-    "layer_norm",
-    family="norm",
-    check=_check_layer_norm,
-    reference=layer_norm_reference,
-    implementations=BACKENDS.forward(_run_forward),
-    flops=_forward_flops,
-    bytes_accessed=_forward_bytes,
-    examples=forward_examples,
-    benchmarks=benchmarks,
-    differentiable=("x", "scale", "offset", "residual"),
-))
+layer_norm_op = BACKENDS.op(
+    "layer_norm", _run_forward, check=check_layer_norm, reference=layer_norm_reference, flops=forward_flops,
+    bytes_accessed=forward_bytes, examples=forward_examples, benchmarks=benchmarks,
+    differentiable=("x", "scale", "offset", "residual"))
 
 
 def layer_norm(x, scale=None, offset=None, *, axis=-1, epsilon=1e-6, subtract_mean=True, residual=None,
@@ -209,6 +114,7 @@ def layer_norm(x, scale=None, offset=None, *, axis=-1, epsilon=1e-6, subtract_me
 
 def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-6, residual=None, implementation=None, config=None):
     """RMSNorm: ``x / sqrt(mean(x²) + epsilon) * scale`` — `layer_norm` with
-    ``subtract_mean=False`` and no offset."""
+    ``subtract_mean=False`` and no offset; the other arguments as there (``implementation``:
+    ``None``, ``"mosaic_tpu"``, ``"triton"``, ``"xla"`` or a sequence tried in order)."""
     return layer_norm(x, scale, None, axis=axis, epsilon=epsilon, subtract_mean=False, residual=residual,
                       implementation=implementation, config=config)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, checks, register
+from ...core import Call, checks
 from ...core.backends import Backend, BackendTable, Tuning
 from . import examples
 from . import formats as F
@@ -101,70 +101,46 @@ def _quantized_matmul_reference(call: Call):
 
 
 # -- ops -----------------------------------------------------------------------------------
-quantize_op = register(Op(
-    "quantize",
-    family="quant",
-    check=check_quantize,
-    reference=xla.quantize_run,
-    implementations=BACKENDS.retuned({
-        "mosaic_tpu": Tuning(QuantTpuConfig, quantize_tpu_heuristic, quantize_tpu_space,
-                             mosaic_tpu.quantize_requirements),
-        "triton": Tuning(QuantizeConfig, quantize_heuristic, quantize_space, triton.quantize_requirements),
-    }, writes_float8={"triton": triton.quantize_writes_float8}).forward(_run_quantize),
-    flops=lambda call: float(np.prod(call.x.shape)) * 6,
-    bytes_accessed=_quantize_bytes,
-    examples=examples.quantize_examples,
-    benchmarks=examples.quantize_benchmarks,
-))
+def _op(name: str, run, tpu: Tuning, gpu: Tuning, *, writes_float8=None, kernels=None, **fields):
+    """Register the quant op ``name`` over the family's rows (`BACKENDS`), its ``mosaic_tpu`` row
+    tuned by ``tpu`` and its ``triton`` row by ``gpu``; ``kernels`` / ``writes_float8`` as in
+    `BackendTable.retuned`, ``fields`` the rest of the `Op`."""
+    table = BACKENDS.retuned({"mosaic_tpu": tpu, "triton": gpu}, kernels=kernels, writes_float8=writes_float8)
+    return table.op(name, run, **fields)
 
-dequantize_op = register(Op(
-    "dequantize",
-    family="quant",
-    check=check_dequantize,
-    reference=xla.dequantize_run,
-    implementations=BACKENDS.retuned({
-        "mosaic_tpu": Tuning(QuantTpuConfig, dequantize_tpu_heuristic, dequantize_tpu_space,
-                             mosaic_tpu.dequantize_requirements),
-        "triton": Tuning(DequantConfig, dequant_heuristic, dequant_space, triton.dequantize_requirements),
-    }).forward(_run_dequantize),
-    flops=lambda call: float(np.prod(call.shape)) * 3,
-    bytes_accessed=_dequantize_bytes,
-    examples=examples.dequantize_examples,
-    benchmarks=examples.dequantize_benchmarks,
-))
 
-hadamard_op = register(Op(
-    "hadamard_transform",
-    family="quant",
-    check=check_hadamard,
-    reference=_hadamard_reference,
-    implementations=BACKENDS.retuned({
-        "mosaic_tpu": Tuning(HadamardTpuConfig, hadamard_tpu_heuristic, hadamard_tpu_space,
-                             mosaic_tpu.hadamard_requirements),
-        "triton": Tuning(HadamardConfig, hadamard_heuristic, hadamard_space, triton.hadamard_requirements),
-    }).forward(_run_hadamard),
+quantize_op = _op(
+    "quantize", _run_quantize,
+    Tuning(QuantTpuConfig, quantize_tpu_heuristic, quantize_tpu_space, mosaic_tpu.quantize_requirements),
+    Tuning(QuantizeConfig, quantize_heuristic, quantize_space, triton.quantize_requirements),
+    writes_float8={"triton": triton.quantize_writes_float8}, check=check_quantize, reference=xla.quantize_run,
+    flops=lambda call: float(np.prod(call.x.shape)) * 6, bytes_accessed=_quantize_bytes,
+    examples=examples.quantize_examples, benchmarks=examples.quantize_benchmarks)
+
+dequantize_op = _op(
+    "dequantize", _run_dequantize,
+    Tuning(QuantTpuConfig, dequantize_tpu_heuristic, dequantize_tpu_space, mosaic_tpu.dequantize_requirements),
+    Tuning(DequantConfig, dequant_heuristic, dequant_space, triton.dequantize_requirements),
+    check=check_dequantize, reference=xla.dequantize_run, flops=lambda call: float(np.prod(call.shape)) * 3,
+    bytes_accessed=_dequantize_bytes, examples=examples.dequantize_examples,
+    benchmarks=examples.dequantize_benchmarks)
+
+hadamard_op = _op(
+    "hadamard_transform", _run_hadamard,
+    Tuning(HadamardTpuConfig, hadamard_tpu_heuristic, hadamard_tpu_space, mosaic_tpu.hadamard_requirements),
+    Tuning(HadamardConfig, hadamard_heuristic, hadamard_space, triton.hadamard_requirements),
+    check=check_hadamard, reference=_hadamard_reference,
     flops=lambda call: float(np.prod(call.x.shape)) * math.log2(call.block),
     bytes_accessed=lambda call: 2.0 * float(np.prod(call.x.shape)) * np.dtype(call.x.dtype).itemsize,
-    examples=examples.hadamard_examples,
-    benchmarks=examples.hadamard_benchmarks,
-))
+    examples=examples.hadamard_examples, benchmarks=examples.hadamard_benchmarks)
 
-quantized_matmul_op = register(Op(
-    "quantized_matmul",
-    family="quant",
-    check=check_quantized_matmul,
-    reference=_quantized_matmul_reference,
-    implementations=BACKENDS.retuned({
-        "mosaic_tpu": Tuning(QMatmulTpuConfig, qmatmul_tpu_heuristic, qmatmul_tpu_space,
-                             mosaic_tpu_matmul.quantized_matmul_requirements),
-        "triton": Tuning(QMatmulConfig, qmatmul_heuristic, qmatmul_space, triton_matmul.quantized_matmul_requirements),
-    }, kernels=MATMUL_KERNELS).forward(_run_quantized_matmul),
-    flops=lambda call: 2.0 * call.m * call.n * call.k,
-    bytes_accessed=_matmul_bytes,
-    examples=examples.matmul_examples,
-    benchmarks=examples.matmul_benchmarks,
-    peers={"bf16_matmul": _bf16_peer},
-))
+quantized_matmul_op = _op(
+    "quantized_matmul", _run_quantized_matmul,
+    Tuning(QMatmulTpuConfig, qmatmul_tpu_heuristic, qmatmul_tpu_space, mosaic_tpu_matmul.quantized_matmul_requirements),
+    Tuning(QMatmulConfig, qmatmul_heuristic, qmatmul_space, triton_matmul.quantized_matmul_requirements),
+    kernels=MATMUL_KERNELS, check=check_quantized_matmul, reference=_quantized_matmul_reference,
+    flops=lambda call: 2.0 * call.m * call.n * call.k, bytes_accessed=_matmul_bytes,
+    examples=examples.matmul_examples, benchmarks=examples.matmul_benchmarks, peers={"bf16_matmul": _bf16_peer})
 
 
 # -- public functions ----------------------------------------------------------------------
