@@ -48,11 +48,35 @@ class CheckReport:
         return {"platform": self.platform, "mode": self.mode, "rows": self.rows, "summary": self.summary()}
 
 
+#: Mappings that are an accelerator's memory or registers seen through the PCI
+#: bus, not host RAM: on a TPU v5e the runtime maps two 4 GiB windows of the
+#: chip (``anon_inode:[vfio-device]``), and Linux counts them in RSS.
+DEVICE_MAPPINGS = ("anon_inode:[vfio-device]", "/dev/")
+
+
+def _device_mapped_bytes(smaps: str = "/proc/self/smaps") -> int | None:
+    """Resident bytes of this process's device mappings (`DEVICE_MAPPINGS`), from /proc/self/smaps."""
+    try:
+        total, device = 0, False
+        with open(smaps) as f:
+            for line in f:
+                head = line.split(None, 6)
+                if head and "-" in head[0] and not head[0].endswith(":"):
+                    device = len(head) > 5 and head[5].strip().startswith(DEVICE_MAPPINGS)
+                elif device and head and head[0] == "Rss:":
+                    total += int(head[1]) * 1024
+        return total
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def host_memory() -> dict:
-    """This process's host memory in bytes: ``peak_rss`` (the most it held), and now
-    ``rss`` split into ``anonymous`` (what it allocated) and ``file``/``shared``
-    mappings (an accelerator runtime maps device and library memory into the
-    process: counted in RSS, not host RAM it allocated). Linux only; empty elsewhere."""
+    """This process's memory in bytes: ``peak_rss`` (the most it held) and ``rss``
+    now, as Linux counts them; ``device_mapped``, the part of ``rss`` that is an
+    accelerator's memory mapped into the process (`DEVICE_MAPPINGS`); and
+    ``peak_host``, the peak less those mappings (which are mapped at start-up and
+    stay): the host RAM the run needed. Where the kernel reports them, ``rss``
+    split into ``anonymous`` / ``file`` / ``shared`` too. Linux only; empty elsewhere."""
     out: dict = {}
     try:
         import resource
@@ -64,7 +88,11 @@ def host_memory() -> dict:
             if key in fields:
                 out[name] = int(fields[key].split()[0]) * 1024
     except (OSError, ImportError, ValueError):
-        pass
+        return out
+    device = _device_mapped_bytes()
+    if device is not None:
+        out["device_mapped"] = device
+        out["peak_host"] = max(0, out["peak_rss"] - device)
     return out
 
 
@@ -152,9 +180,14 @@ def _memory_text(memory: dict) -> str:
     if "peak_rss" not in memory:
         return ""
     gb = 1e9
-    return (f"peak host RSS {memory['peak_rss'] / gb:.1f} GB (now {memory.get('rss', 0) / gb:.1f} GB: "
-            f"{memory.get('anonymous', 0) / gb:.1f} allocated, {memory.get('file', 0) / gb:.1f} file-mapped, "
-            f"{memory.get('shared', 0) / gb:.1f} shared) ")
+    text = f"peak host RSS {memory['peak_rss'] / gb:.1f} GB"
+    if memory.get("device_mapped"):
+        text += (f" ({memory['device_mapped'] / gb:.1f} GB of it the accelerator's memory mapped in: "
+                 f"{memory['peak_host'] / gb:.1f} GB host memory at the peak)")
+    elif "anonymous" in memory:
+        text += (f" (now {memory.get('rss', 0) / gb:.1f} GB: {memory['anonymous'] / gb:.1f} allocated, "
+                 f"{memory.get('file', 0) / gb:.1f} file-mapped, {memory.get('shared', 0) / gb:.1f} shared)")
+    return text + " "
 
 
 def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, workers: int = 1,

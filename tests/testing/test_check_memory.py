@@ -1,0 +1,55 @@
+"""`stellax check`'s memory figures: an accelerator's memory mapped into the
+process is told apart from host RAM, and the check starts the TPU runtime with a
+small transfer buffer unless the user chose one."""
+
+from __future__ import annotations
+
+import os
+
+from stellax import cli
+from stellax.testing import report
+
+SMAPS = """\
+7f0000000000-7f0100000000 rw-s 00000000 00:0f 1234     anon_inode:[vfio-device]
+Size:            4194304 kB
+Rss:             4194304 kB
+7f0100000000-7f0200000000 rw-p 00000000 00:00 0
+Size:            4194304 kB
+Rss:             1048576 kB
+7f0200000000-7f0200001000 r-xp 00000000 08:01 42       /usr/lib/libtpu.so
+Size:                  4 kB
+Rss:                   4 kB
+7f0300000000-7f0300100000 rw-s 00000000 00:05 7        /dev/accel0
+Size:               1024 kB
+Rss:                1024 kB
+"""
+
+
+def test_device_mappings_are_counted_apart(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    assert report._device_mapped_bytes(str(smaps)) == (4194304 + 1024) * 1024
+    assert report._device_mapped_bytes(str(tmp_path / "absent")) is None
+
+
+def test_memory_text_names_the_host_part():
+    gb = 10 ** 9
+    text = report._memory_text({"peak_rss": 18 * gb, "rss": 17 * gb, "device_mapped": 8 * gb, "peak_host": 10 * gb})
+    assert "peak host RSS 18.0 GB" in text and "8.0 GB of it the accelerator's memory" in text
+    assert "10.0 GB host memory at the peak" in text
+    plain = report._memory_text({"peak_rss": 2 * gb, "rss": gb, "anonymous": gb // 2, "file": gb // 2,
+                                 "device_mapped": 0})
+    assert "0.5 allocated" in plain and "accelerator" not in plain
+    measured = report.host_memory()
+    if measured:  # Linux
+        assert measured["peak_host"] <= measured["peak_rss"] and measured["device_mapped"] >= 0
+
+
+def test_check_sets_a_small_tpu_transfer_buffer_unless_one_is_set(monkeypatch):
+    monkeypatch.delenv("TPU_PREMAPPED_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    cli._fast_compiles()
+    assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == str(256 << 20)
+    monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", "4294967296")
+    cli._fast_compiles()
+    assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == "4294967296"
