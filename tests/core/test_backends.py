@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from stellax.core import Call, KernelConfig, vjp
+from stellax.core import op as op_module
 from stellax.core.backends import UNTUNED, Backend, BackendTable, Tuning
 from stellax.ops.norm import api as norm_api
 
@@ -68,6 +69,26 @@ def test_retuned_keeps_the_backends_and_gives_another_ops_tuning():
     assert table["triton"].tuning.heuristic(None) == _Cfg(block=8)  # the original is unchanged
 
 
+def test_table_op_registers_an_op_over_the_generated_implementations(monkeypatch):
+    monkeypatch.setattr(op_module, "_REGISTRY", dict(op_module._REGISTRY))  # leave the real registry alone
+    table = BackendTable("toy", [
+        Backend("triton", object(), "triton", _tuning(8), backward_tuning=_tuning(16)),
+        Backend("slow", object(), backward=False),
+        Backend("xla", object()),
+    ])
+    fields = dict(check=lambda x: Call({"x": x}, {}), reference=lambda call: call.x)
+    forward = table.op("toy_forward", _run, **fields)
+    backward = table.op("toy_backward", _run, backward=True, family="other", **fields)
+    only = table.op("toy_only", _run, only=("xla",), **fields)
+    assert op_module.registered_ops()["toy_forward"] is forward and forward.family == "toy"
+    assert list(forward.implementations) == ["triton", "slow", "xla"]
+    assert forward.implementations["triton"].default_config(None) == _Cfg(block=8)
+    assert backward.family == "other" and list(backward.implementations) == ["triton", "xla"]
+    assert backward.implementations["triton"].default_config(None) == _Cfg(block=16)  # the backward tuning
+    assert list(only.implementations) == ["xla"]
+    assert forward.implementations["slow"].run("call", "cfg") == ("slow", "cfg")
+
+
 def test_table_errors_name_the_family_and_the_choices():
     with pytest.raises(ValueError, match=r"'toy'.*'xla' row"):
         BackendTable("toy", [Backend("triton", object(), "triton")])
@@ -112,6 +133,12 @@ class _ScaleWithPrimal(_Scale):
     def primal(self, x, w):
         self.calls.append("primal")
         return self.factor * x * w
+
+
+def test_vjp_at_differentiates_only_the_chosen_arguments():
+    f = lambda x, y, z: x * y + z
+    out, pullback = vjp.vjp_at(f, (2.0, 3.0, 5.0), (0, 2))
+    assert out == 11.0 and pullback(1.0) == (3.0, 1.0)  # d/dx = y, d/dz = 1; y held fixed
 
 
 def test_vjp_apply_runs_the_primal_only_when_nothing_differentiates():
@@ -178,11 +205,9 @@ def test_a_new_backend_is_one_kernel_file_and_one_row(tmp_path, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-#: Files still building a `jax.custom_vjp` inside a function (one per call). issue 36: being removed
-#: family by family; delete an entry when its family moves onto `core.vjp`.
-_PER_CALL_VJP_ALLOWED = {
-    "torch/quant.py",
-}
+#: Files still building a `jax.custom_vjp` inside a function (one per call): none since issue 36; an
+#: entry here must still build one (the test fails on a stale entry).
+_PER_CALL_VJP_ALLOWED: set[str] = set()
 
 
 def _per_call_custom_vjps(path: pathlib.Path) -> list[int]:

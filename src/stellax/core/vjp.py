@@ -46,3 +46,15 @@ def _apply_backward(rule: VjpRule, residuals, cotangents):
 
 
 apply.defvjp(_apply_forward, _apply_backward)
+
+
+def vjp_at(fn, args, argnums):
+    """``jax.vjp`` of ``fn(*args)`` with respect to ``args[i]`` for ``i`` in ``argnums`` only (the other
+    arguments held fixed): ``(outputs, pullback)``, the pullback giving one cotangent per ``argnums``."""
+    def partial_fn(*diff_args):
+        full = list(args)
+        for i, a in zip(argnums, diff_args):
+            full[i] = a
+        return fn(*full)
+
+    return jax.vjp(partial_fn, *[args[i] for i in argnums])

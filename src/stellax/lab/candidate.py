@@ -92,6 +92,20 @@ def _config_of(base: Implementation, value: Any, where: str):
     return value
 
 
+def tunable_base(op: Op, base_name: str, where: str) -> Implementation:
+    """Implementation ``base_name`` of ``op`` as the base of a config-only candidate; `LabError`
+    (prefixed by ``where``) when ``op`` has no such implementation or it has no config type."""
+    if base_name not in op.implementations:
+        raise LabError(f"{where}: {base_name!r} is not an implementation of {op.name}; "
+                       f"expected one of {list(op.implementations)}")
+    base = op.implementations[base_name]
+    if base.config_type is None:
+        tunable = [n for n, i in op.implementations.items() if i.config_type is not None]
+        raise LabError(f"{where}: implementation {base_name!r} of {op.name} has no config type; a config-only "
+                       f"candidate needs one (tunable: {tunable})")
+    return base
+
+
 def implementation_of(module: ModuleType, op: Op, where: str = "candidate") -> Implementation:
     """The `Implementation` a loaded candidate module defines for ``op``
     (see the module docstring); `LabError` naming what is missing or wrong."""
@@ -112,14 +126,7 @@ def implementation_of(module: ModuleType, op: Op, where: str = "candidate") -> I
         raise LabError(f"{where} defines no implementation: expected IMPLEMENTATION = Implementation(...) "
                        f"or a config-only candidate BASE = '<one of {list(op.implementations)}>' with "
                        f"CONFIG, HEURISTIC or SPACE")
-    if base_name not in op.implementations:
-        raise LabError(f"{where}: BASE = {base_name!r} is not an implementation of {op.name}; "
-                       f"expected one of {list(op.implementations)}")
-    base = op.implementations[base_name]
-    if base.config_type is None:
-        tunable = [n for n, i in op.implementations.items() if i.config_type is not None]
-        raise LabError(f"{where}: implementation {base_name!r} of {op.name} has no config; a config-only "
-                       f"candidate needs one with a config type (tunable: {tunable})")
+    base = tunable_base(op, base_name, f"{where}: BASE")
     config, heuristic, space = (getattr(module, n, None) for n in ("CONFIG", "HEURISTIC", "SPACE"))
     if config is None and heuristic is None and space is None:
         raise LabError(f"{where}: BASE = {base_name!r} but no CONFIG, HEURISTIC or SPACE: nothing to change")

@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from ..core import Op, current_platform
+from .candidate import tunable_base
 from .errors import LabError
 
 KNOB = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*)\s*=\s*(?P<value>[^#\n]+?)\s*#\s*lab:\s*choices\((?P<choices>.*)\)\s*$")
@@ -137,13 +138,7 @@ IMPLEMENTATION = dataclasses.replace(_BASE, name={name!r}, run=run)
 
 def config_template(op: Op, base: str, *, calls=None) -> str:
     """A config-only candidate for implementation ``base`` of ``op`` (see the module docstring)."""
-    if base not in op.implementations:
-        raise LabError(f"--config: {op.name} has no implementation {base!r}; expected one of "
-                       f"{list(op.implementations)}")
-    impl = op.implementations[base]
-    if impl.config_type is None:
-        tunable = [n for n, i in op.implementations.items() if i.config_type is not None]
-        raise LabError(f"--config: implementation {base!r} of {op.name} has no config type; tunable: {tunable}")
+    impl = tunable_base(op, base, "--config")
     calls = _shape_calls(op) if calls is None else calls
     fields = [f.name for f in dataclasses.fields(impl.config_type)]
     values: dict[str, set] = {f: set() for f in fields}

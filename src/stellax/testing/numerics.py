@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.vjp import vjp_at
+
 #: Relative L2 tolerance per dtype for forward results.
 REL_L2_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
 #: Elementwise tolerance (|out−ref| ≤ atol + rtol·|ref|) used for "% within".
@@ -192,13 +194,7 @@ def assert_deterministic(fn: Callable[..., Any], *args, runs: int = 2, **kwargs)
 def vjp_with_cotangent(fn: Callable[..., Any], args: Sequence[Any], cotangent_key, argnums: Sequence[int]):
     """Gradients of ``fn`` w.r.t. ``args[argnums]`` for a random cotangent
     (fixed by ``cotangent_key``), the output and the cotangent used."""
-    def partial_fn(*diff_args):
-        full = list(args)
-        for i, a in zip(argnums, diff_args):
-            full[i] = a
-        return fn(*full)
-
-    out, vjp = jax.vjp(partial_fn, *[args[i] for i in argnums])
+    out, vjp = vjp_at(fn, args, argnums)
     leaves, tree = jax.tree_util.tree_flatten(out)
     keys = jax.random.split(cotangent_key, len(leaves))
     cot = [random_array(k, l.shape, l.dtype) for k, l in zip(keys, leaves)]

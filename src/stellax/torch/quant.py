@@ -11,6 +11,8 @@ scale), so every component crosses DLPack as is, zero-copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -19,6 +21,7 @@ from jax import Array
 
 import stellax
 from stellax import QArray
+from stellax.core import vjp
 
 from . import bridge
 from .options import dtype_name, opt_int, precision_name
@@ -78,24 +81,24 @@ def _encode_block_size(block_size) -> str | None:
     return str(int(block_size))
 
 
+@dataclasses.dataclass(frozen=True)
+class _XlaGradient:
+    """``run(implementation, *arrays)`` as a `core.vjp` rule over the arrays: the forward uses the
+    default implementation (the Triton kernel on a GPU), the VJP is JAX autodiff of the XLA
+    implementation (the same math; a Pallas kernel has no autodiff rule)."""
+
+    run: Callable[..., Any]
+
+    def forward(self, *arrays):
+        return self.run(None, *arrays), arrays
+
+    def backward(self, arrays, cotangents):
+        return jax.vjp(lambda *a: self.run("xla", *a), *arrays)[1](cotangents)
+
+
 def _xla_vjp(run):
-    """``run(implementation, *arrays)`` as a function of the arrays whose
-    forward uses the default implementation (the Triton kernel on a GPU) and
-    whose VJP is JAX autodiff of the XLA implementation (the same math; a
-    Pallas kernel has no autodiff rule)."""
-
-    @jax.custom_vjp
-    def f(*arrays):
-        return run(None, *arrays)
-
-    def fwd(*arrays):
-        return run(None, *arrays), arrays
-
-    def bwd(arrays, cotangents):
-        return jax.vjp(lambda *a: run("xla", *a), *arrays)[1](cotangents)
-
-    f.defvjp(fwd, bwd)
-    return f
+    """`_XlaGradient` of ``run`` as a function of the arrays (`core.vjp.apply`)."""
+    return functools.partial(vjp.apply, _XlaGradient(run))
 
 
 def _quantize(x: Array, *, format: str, axis: int, block_size: str | None, scale_dtype: str | None,

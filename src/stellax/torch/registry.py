@@ -43,6 +43,7 @@ import torch
 from jax.experimental import checkify
 
 from ..core.runtime_checks import checked, checks_enabled
+from ..core.vjp import vjp_at
 from . import bridge
 from .compiled import _cache, _cached, cache_info, clear_cache  # noqa: F401  (part of this module's API)
 from .fake import fake_shapes
@@ -289,14 +290,7 @@ class TorchOp:
             diff_slots = [present.index(i) for i in wanted]
 
             def vjp(arrays, cotangents):
-                arrays = list(arrays)
-
-                def g(*diff_arrays):
-                    full = list(arrays)
-                    for slot, a in zip(diff_slots, diff_arrays):
-                        full[slot] = a
-                    return f(*full)
-                outs, pullback = jax.vjp(g, *[arrays[s] for s in diff_slots])
+                outs, pullback = vjp_at(f, arrays, diff_slots)
                 # Integer outputs (ids) and fp8 / E8M0 data outputs have no gradient.
                 cts = tuple(c.astype(o.dtype) if np.dtype(o.dtype) in _JAX_GRAD_DTYPES
                             else np.zeros(o.shape, jax.dtypes.float0)

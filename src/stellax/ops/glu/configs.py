@@ -20,15 +20,10 @@ class GluConfig(MatmulTileConfig):
     is one of 16 … 256."""
 
 
-_SPACE = (
-    GluConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2),
-    GluConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=2),
-    GluConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
-    GluConfig(block_m=64, block_n=128, block_k=32, num_warps=4, num_stages=3),
-    GluConfig(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3),
-    GluConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=2),
-    GluConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=2),
-)
+#: The space's tiles: (block_m, block_n, block_k, num_warps, num_stages).
+_SPACE = tuple(GluConfig(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=s) for m, n, k, w, s in (
+    (16, 32, 32, 4, 2), (32, 64, 32, 4, 2), (64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 8, 3),
+    (128, 128, 32, 8, 2), (64, 64, 64, 4, 2)))
 
 
 def glu_space(call: Call) -> list[GluConfig]:

@@ -60,14 +60,10 @@ class LinearCrossEntropyConfig(TritonConfig):
             require_in("LinearCrossEntropyConfig", field, getattr(self, field), _TILES)
 
 
-_SPACE = (
-    LinearCrossEntropyConfig(block_t=16, block_v=32, block_d=32, num_warps=4, num_stages=2),
-    LinearCrossEntropyConfig(block_t=32, block_v=64, block_d=64, num_warps=4, num_stages=2),
-    LinearCrossEntropyConfig(block_t=64, block_v=64, block_d=64, num_warps=4, num_stages=3),
-    LinearCrossEntropyConfig(block_t=64, block_v=128, block_d=64, num_warps=8, num_stages=3),
-    LinearCrossEntropyConfig(block_t=128, block_v=64, block_d=32, num_warps=8, num_stages=2),
-    LinearCrossEntropyConfig(block_t=128, block_v=128, block_d=64, num_warps=8, num_stages=2),
-)
+#: The space's tiles: (block_t, block_v, block_d, num_warps, num_stages).
+_SPACE = tuple(LinearCrossEntropyConfig(block_t=t, block_v=v, block_d=d, num_warps=w, num_stages=s)
+               for t, v, d, w, s in ((16, 32, 32, 4, 2), (32, 64, 64, 4, 2), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
+                                     (128, 64, 32, 8, 2), (128, 128, 64, 8, 2)))
 
 
 def triton_space(call: Call) -> list[LinearCrossEntropyConfig]:

@@ -1,7 +1,8 @@
 """What the three serving ops share: the argument checks (of the page pools,
 windows, scales and sinks, and each op's `check_paged` / `check_ragged` /
 `check_mla`, which `validation` reuses) and the cost models (live tokens,
-bytes per cached token, each op's FLOPs and bytes). The ops themselves, with
+bytes per cached token, each op's FLOPs and bytes), and the query layout of
+`paged_attention` / `mla_decode` (`with_query_axis`). The ops themselves, with
 their backend tables, are in `api`."""
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from ...core import Call, checks
 from ...core.pallas import nbytes
 from .cache import pool_entries
 from .quant_cache import QuantizedPages
+
+
+def with_query_axis(*queries):
+    """``(squeeze, *queries)`` with each query ``[B, Q, N, H]``: decode queries ``[B, N, H]`` (the
+    first one's rank decides) get a query axis of one, which ``squeeze`` says to drop from the output."""
+    squeeze = queries[0].ndim == 3
+    return (squeeze, *(q[:, None] if squeeze else q for q in queries))
 
 
 # -- argument checks -------------------------------------------------------------------

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 
 from ...core import Call
 from ...core.pallas import cdiv
-from ...core.precision import accurate_functions, float32_tanh
+from ...core.precision import soft_cap
+from .base import with_query_axis
 from .cache import Source, as_source, pool_from_call
 from .quant_cache import expand_token_groups, load_codes, rotate, unrotate
 
@@ -179,8 +180,7 @@ def _finish(values: Source, qb: int, out_dtype, post: Callable | None = None):
 def paged_problem(call: Call):
     """`paged_attention` → (Problem, finish)."""
     q = call.q
-    squeeze = q.ndim == 3
-    q4 = q[:, None] if squeeze else q
+    squeeze, q4 = with_query_axis(q)
     b, qb = q4.shape[:2]
     k, v = _sources(call, "k", "v")
     kv_heads = k.num_heads
@@ -204,9 +204,7 @@ def paged_problem(call: Call):
 def mla_problem(call: Call):
     """`mla_decode` → (Problem, finish): one kv "head" shared by all query heads."""
     qn, qr = call.q_nope, call.q_pe
-    squeeze = qn.ndim == 3
-    qn4 = qn[:, None] if squeeze else qn
-    qr4 = qr[:, None] if squeeze else qr
+    squeeze, qn4, qr4 = with_query_axis(qn, qr)
     b, qb = qn4.shape[:2]
     k, _ = _sources(call, "latent", None)
     pe, _ = _sources(call, "pe", None)
@@ -363,10 +361,7 @@ def scores(problem: Problem, kx, pex, *, dot_dtype=None):
     if pex is not None:
         s = s + dot(problem.q_pe, pex)
     s = s * problem.scale
-    if problem.soft_cap is not None:
-        tanh = float32_tanh if accurate_functions(problem.q.dtype, problem.precision) else jnp.tanh
-        s = problem.soft_cap * tanh(s * (1.0 / problem.soft_cap))
-    return s
+    return soft_cap(s, problem.soft_cap, problem.q.dtype, problem.precision)
 
 
 def pv(p, vx, dot_dtype=None, precision=jax.lax.Precision.HIGHEST):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from ...core import Call
 from ..attention.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec
 from ..attention.reference import attention_forward_reference
+from .base import with_query_axis
 from .cache import as_source, pool_from_call
 from .quant_cache import QuantizedPages, dequantize_pages, unrotate, window_slots
 
@@ -111,8 +112,7 @@ def attend(q, k, v, q_pos, kv_len, *, scale, soft_cap=None, window_left=None, si
 def paged_attention_reference(call: Call):
     """Golden `paged_attention` (see the module doc)."""
     q = call.q
-    squeeze = q.ndim == 3
-    q4 = q[:, None] if squeeze else q
+    squeeze, q4 = with_query_axis(q)
     b, nq = q4.shape[:2]
     k_pages, v_pages = pool_from_call(call, "k"), pool_from_call(call, "v")
     tables = call.block_tables
@@ -175,9 +175,7 @@ def mla_decode_reference(call: Call):
     """Golden `mla_decode`: attention with ``K = 1``, keys ``[latent ‖ rope]``,
     values ``latent``, query ``[q_nope ‖ q_pe]``."""
     q_nope, q_pe = call.q_nope, call.q_pe
-    squeeze = q_nope.ndim == 3
-    qn = q_nope[:, None] if squeeze else q_nope
-    qr = q_pe[:, None] if squeeze else q_pe
+    squeeze, qn, qr = with_query_axis(q_nope, q_pe)
     nq = qn.shape[1]
     latent_pages, pe_pages = pool_from_call(call, "latent"), pool_from_call(call, "pe")
     tables = call.block_tables
