@@ -42,11 +42,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ...core import Call, Op, backward_implementation, register, vjp
+from ...core import Call, backward_implementation, vjp
 from ...core.backends import Backend
 from ..quant.qarray import QArray
 from .activations import activation_grad
-from .base import BACKENDS, FAMILY, TGMM_BACKENDS, gmm_bytes, gmm_flops, tgmm_bytes, tgmm_flops
+from .base import BACKENDS, TGMM_BACKENDS, gmm_bytes, gmm_flops, tgmm_bytes, tgmm_flops
 from .checks import check_backward, check_ragged_dot, check_tgmm
 from .examples import (FORWARD_PEERS, TGMM_PEERS, backward_examples, forward_benchmarks, forward_examples,
                        tgmm_benchmarks, tgmm_examples)
@@ -97,12 +97,10 @@ def _run_ragged_dot(backend: Backend, call: Call, config):
     return poison_bad_offset(out, call.group_sizes, call.group_offset, call.rhs.shape[0])
 
 
-ragged_dot_op = register(Op(
-    "ragged_dot", family=FAMILY, check=check_ragged_dot, reference=ragged_dot_reference,
-    implementations=BACKENDS.forward(_run_ragged_dot),
+ragged_dot_op = BACKENDS.op(
+    "ragged_dot", _run_ragged_dot, check=check_ragged_dot, reference=ragged_dot_reference,
     flops=gmm_flops, bytes_accessed=gmm_bytes, examples=forward_examples, benchmarks=forward_benchmarks,
-    peers=FORWARD_PEERS, differentiable=("lhs", "rhs"),
-))
+    peers=FORWARD_PEERS, differentiable=("lhs", "rhs"))
 
 
 # -- ragged_dot_tgmm ---------------------------------------------------------------------------
@@ -142,12 +140,10 @@ def _run_tgmm(backend: Backend, call: Call, config):
     return poison_bad_offset(out, call.group_sizes, call.group_offset, call.num_local_groups)
 
 
-ragged_dot_tgmm_op = register(Op(
-    "ragged_dot_tgmm", family=FAMILY, check=check_tgmm, reference=ragged_dot_tgmm_reference,
-    implementations=TGMM_BACKENDS.forward(_run_tgmm),
+ragged_dot_tgmm_op = TGMM_BACKENDS.op(
+    "ragged_dot_tgmm", _run_tgmm, check=check_tgmm, reference=ragged_dot_tgmm_reference,
     flops=tgmm_flops, bytes_accessed=tgmm_bytes, examples=tgmm_examples, benchmarks=tgmm_benchmarks,
-    peers=TGMM_PEERS, differentiable=("lhs", "rhs"),
-))
+    peers=TGMM_PEERS, differentiable=("lhs", "rhs"))
 
 
 # -- ragged_dot_backward -------------------------------------------------------------------------
@@ -177,12 +173,10 @@ def _run_backward(backend: Backend, call: Call, config):
     return dlhs, drhs.reshape(rhs.shape)
 
 
-ragged_dot_backward_op = register(Op(
-    "ragged_dot_backward", family=FAMILY, check=check_backward, reference=ragged_dot_backward_reference,
-    implementations=BACKENDS.backward(_run_backward),
-    flops=lambda call: 2 * gmm_flops(call), bytes_accessed=lambda call: 2 * gmm_bytes(call),
-    examples=backward_examples,
-))
+ragged_dot_backward_op = BACKENDS.op(
+    "ragged_dot_backward", _run_backward, backward=True, check=check_backward,
+    reference=ragged_dot_backward_reference, flops=lambda call: 2 * gmm_flops(call),
+    bytes_accessed=lambda call: 2 * gmm_bytes(call), examples=backward_examples)
 
 
 # -- public functions ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ...core import Call, Op, checks, register
+from ...core import Call, checks
 from ...core.backends import Backend, Tuning
 from ...core.precision import resolve_precision
 from .activations import activation_fn, check_activation
@@ -122,12 +122,9 @@ def _flops(call: Call) -> float:
     return 2.0 * tokens * call.top_k * d * 3 * f
 
 
-moe_mlp_op = register(Op(
-    "moe_mlp", family="moe", check=check_moe_mlp, reference=moe_mlp_reference,
-    implementations=BACKENDS.retuned({"mosaic_tpu": Tuning(requirements=_tpu_requirements)}).forward(_run),
-    flops=_flops, examples=mlp_examples, benchmarks=mlp_benchmarks,
-    differentiable=("x", "router_logits", "w_gate_up", "w_down"),
-))
+moe_mlp_op = BACKENDS.retuned({"mosaic_tpu": Tuning(requirements=_tpu_requirements)}).op(
+    "moe_mlp", _run, check=check_moe_mlp, reference=moe_mlp_reference, flops=_flops, examples=mlp_examples,
+    benchmarks=mlp_benchmarks, differentiable=("x", "router_logits", "w_gate_up", "w_down"))
 
 
 def moe_mlp(x, router_logits, w_gate_up, w_down, *, top_k, scoring="softmax", bias=None, num_groups=None,

@@ -48,12 +48,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Op, register, vjp
+from ...core import Call, vjp
 from ...core.backends import Backend
 from ..quant.qarray import QArray
 from ..quant.reference import dequantize_reference
 from .activations import activation_grad, fusable_in_kernel
-from .base import FAMILY, QUANTIZED_BACKENDS
+from .base import QUANTIZED_BACKENDS
 from .checks import QUANTIZED_ARRAYS, check_ragged_dot_quantized, flatten_quantized, quantized_rhs
 from .configs import quantized_dims, quantized_k_block
 from .examples import QUANTIZED_PEERS, quantized_benchmarks, quantized_examples
@@ -132,12 +132,10 @@ def _bytes(call: Call) -> float:
     return float(m * k * np.dtype(call.lhs.dtype).itemsize + weights + m * n * np.dtype(call.out_dtype).itemsize)
 
 
-ragged_dot_quantized_op = register(Op(
-    "ragged_dot_quantized", family=FAMILY, check=check_ragged_dot_quantized, reference=reference,
-    implementations=QUANTIZED_BACKENDS.forward(_run),
+ragged_dot_quantized_op = QUANTIZED_BACKENDS.op(
+    "ragged_dot_quantized", _run, check=check_ragged_dot_quantized, reference=reference,
     flops=_flops, bytes_accessed=_bytes, examples=quantized_examples, benchmarks=quantized_benchmarks,
-    peers=QUANTIZED_PEERS, differentiable=("lhs",),
-))
+    peers=QUANTIZED_PEERS, differentiable=("lhs",))
 
 
 def ragged_dot_quantized(lhs, rhs: QArray, group_sizes, precision=None, preferred_element_type=None,
