@@ -402,7 +402,7 @@ def export_cache(suite: Suite) -> None:
         entries[entry.key_string] = entry
     if entries:
         path = suite.results.path.parent / f"autotune-{device_slug()}.json"
-        atomic_write_text(path, dump_cache_text(entries, device=device_slug()))
+        atomic_write_text(path, dump_cache_text(entries, device=device_slug(), device_kind=suite.platform.device_kind))
         suite.results.data["autotune"]["exported_to"] = path.name
 
 
