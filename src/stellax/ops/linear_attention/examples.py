@@ -90,17 +90,24 @@ def _delta_rule_examples(dtype, *, per_channel: bool):
 
 
 def delta_rule_benchmarks(per_channel: bool):
-    """Benchmark shapes of the chunked GDN / KDA ops (float32; CPU: T = 4096,
-    accelerators: 32k tokens of one sequence and a batch of 8 × 4096)."""
+    """Benchmark shapes of the chunked GDN / KDA ops: float32 on the CPU (T = 4096)
+    and GPUs (32k tokens of one sequence, a batch of 8 × 4096); bfloat16 on a TPU
+    at sizes whose forward and backward fit a v5e's 16 GiB (16k tokens with 32
+    value heads, a batch of 4 × 4096 with 16: the float32 GPU shapes need more)."""
     def benchmarks(platform):
+        dtype = jnp.float32
         if platform.backend == "cpu":
             shapes = [(1, 4096, 16, 16, 128, 128)]
+        elif platform.backend == "tpu":
+            shapes, dtype = [(1, 16384, 16, 32, 128, 128), (4, 4096, 16, 16, 128, 128)], jnp.bfloat16
         else:
             shapes = [(1, 32768, 16, 64, 128, 128), (8, 4096, 16, 32, 128, 128)]
         out = []
         for B, T, H, HV, K, V in shapes:
-            q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(0), B, T, H, HV, K, V, per_channel=per_channel)
-            out.append(Example(f"B={B} T={T} H={H} HV={HV} K={K} V={V}", (q, k, v, g, beta)))
+            q, k, v, g, beta, _ = make_inputs(jax.random.PRNGKey(0), B, T, H, HV, K, V, dtype=dtype,
+                                              per_channel=per_channel)
+            label = f"B={B} T={T} H={H} HV={HV} K={K} V={V}" + ("" if dtype == jnp.float32 else " bf16")
+            out.append(Example(label, (q, k, v, g, beta)))
         return out
     return benchmarks
 
@@ -132,15 +139,18 @@ def ssd_step_examples(dtype):
 
 def ssd_benchmarks(platform):
     """Benchmark shapes of `ssd` (Mamba2-like heads: P = 64, N = 128)."""
+    dtype = jnp.float32
     if platform.backend == "cpu":
         shapes = [(1, 4096, 16, 64, 1, 128)]
+    elif platform.backend == "tpu":  # bfloat16, 16k tokens: forward and backward fit a v5e's 16 GiB
+        shapes, dtype = [(1, 16384, 32, 64, 8, 128)], jnp.bfloat16
     else:
         shapes = [(1, 32768, 64, 64, 8, 128)]
     out = []
     for batch, T, H, P, G, N in shapes:
-        x, dt, A, B, C, *_ = make_ssd_inputs(jax.random.PRNGKey(0), batch, T, H, P, G, N)
-        out.append(Example(f"B={batch} T={T} H={H} P={P} G={G} N={N}", (x, dt, A, B, C),
-                           {"dt_softplus": True}))
+        x, dt, A, B, C, *_ = make_ssd_inputs(jax.random.PRNGKey(0), batch, T, H, P, G, N, dtype=dtype)
+        label = f"B={batch} T={T} H={H} P={P} G={G} N={N}" + ("" if dtype == jnp.float32 else " bf16")
+        out.append(Example(label, (x, dt, A, B, C), {"dt_softplus": True}))
     return out
 
 
