@@ -15,7 +15,7 @@ from torch import nn
 import stellax
 from stellax import QArray
 
-from .options import check_group_sizes, dtype_name, int32, precision_name, strict_int
+from .options import check_group_sizes, dtype_name, int32, precision_name, registered_name, strict_int
 from .quant import QTensor
 from .registry import define_op
 
@@ -111,11 +111,12 @@ def _dimension_numbers(layout: str):
 
 def _layout_of(dims) -> str:
     """A layout name, or `jax.lax.RaggedDotDimensionNumbers` → its layout name."""
-    if isinstance(dims, str):
-        if dims not in _LAYOUTS:
-            raise ValueError(f"ragged_dot_dimension_numbers: expected one of {sorted(_LAYOUTS)} or a "
-                             f"jax.lax.RaggedDotDimensionNumbers, got {dims!r}")
-        return dims
+    return registered_name("ragged_dot_dimension_numbers", dims, _LAYOUTS, _layout_of_numbers,
+                           "expected one of {registered} or a jax.lax.RaggedDotDimensionNumbers, got {value!r}")
+
+
+def _layout_of_numbers(dims) -> str:
+    """The layout name of a `jax.lax.RaggedDotDimensionNumbers` (one of `_LAYOUTS`)."""
     try:
         (lc, rc), (lb, rb) = dims.dot_dimension_numbers
         key = (((tuple(lc), tuple(rc)), tuple(dims.lhs_ragged_dimensions), tuple(dims.rhs_group_dimensions)))

@@ -15,7 +15,7 @@ import torch
 from . import bridge
 
 __all__ = ["check_group_sizes", "concrete", "decode_window", "dtype_name", "encode_window", "int32", "left_window", "opt_float", "opt_int",
-           "precision_name", "strict_int"]
+           "precision_name", "registered_name", "strict_int"]
 
 
 def opt_float(value) -> float | None:
@@ -102,6 +102,18 @@ def dtype_name(name: str, dtype) -> str | None:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name}: expected a torch.dtype or None, got {dtype!r}")
     return np.dtype(bridge.jax_dtype(dtype)).name
+
+
+def registered_name(name: str, value, registered, name_of, unknown: str) -> str:
+    """An argument given as an object or as the string it is registered under (strings are what
+    `torch.compile`d code passes): a string must be a key of ``registered``, anything else becomes
+    ``name_of(value)``. An unknown string raises ``ValueError`` ``"{name}: " + unknown``, with
+    ``{value}`` and ``{registered}`` (the sorted keys) filled in."""
+    if isinstance(value, str):
+        if value not in registered:
+            raise ValueError(f"{name}: " + unknown.format(value=value, registered=sorted(registered)))
+        return value
+    return name_of(value)
 
 
 def precision_name(precision) -> str | None:

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 import stellax
 from stellax import parallel
 
-from .options import decode_window, encode_window, int32, opt_float, opt_int, precision_name
+from .options import decode_window, encode_window, int32, opt_float, opt_int, precision_name, registered_name
 from .registry import _cached, define_op
 
 _MESHES: dict = {}
@@ -61,12 +61,9 @@ def register_mesh(mesh) -> str:
 
 
 def _mesh_name(mesh) -> str:
-    if isinstance(mesh, str):
-        if mesh not in _MESHES:
-            raise ValueError(f"mesh: no mesh registered under {mesh!r}; pass a jax.sharding.Mesh or the name "
-                             f"register_mesh returned (registered: {sorted(_MESHES)})")
-        return mesh
-    return register_mesh(mesh)
+    return registered_name("mesh", mesh, _MESHES, register_mesh,
+                           "no mesh registered under {value!r}; pass a jax.sharding.Mesh or the name "
+                           "register_mesh returned (registered: {registered})")
 
 
 def _device_name(t: torch.Tensor) -> str:
