@@ -40,6 +40,8 @@ def _info(args) -> int:
             status = "yes" if support else f"no: {support.reason}"
             if support and impl.is_kernel and platform.backend == "cpu":
                 status = "interpreted (explicit request only)"
+            elif support and impl.defers_to_xla is not None and impl.defers_to_xla(platform):
+                status = f"explicit request only: {impl.defers_to_xla(platform)}"
             table.add_row(display_name(name), impl.name, impl.backend, status)
     console.print(table)
     tpu_table = Table(title="TPU generations (Mosaic TPU kernels run on v5e and newer)")

@@ -1,6 +1,5 @@
 """Dispatch on TPUs: mosaic_tpu first on v5e and newer, XLA on v4 and off TPUs."""
 
-import jax.numpy as jnp
 import pytest
 
 import stellax
@@ -28,9 +27,12 @@ def test_tpu_default_chain_starts_with_mosaic_tpu(name, op):
     example = examples_of(op, "float32")[0]
     call = op.check(*example.args, **example.kwargs)
     for generation in ("v5e", "v6e", "tpu7x"):
-        with lowering_target(generation):
-            if op.implementations["mosaic_tpu"].supported(call):
-                assert op.select(call).name == "mosaic_tpu", (name, generation)
+        with lowering_target(generation) as platform:
+            kernel = op.implementations["mosaic_tpu"]
+            if kernel.supported(call):
+                deferred = kernel.defers_to_xla is not None and kernel.defers_to_xla(platform)
+                assert (op.select(call).name != "mosaic_tpu") == bool(deferred), (name, generation)
+                assert op.select(call, "mosaic_tpu").name == "mosaic_tpu"  # an explicit request runs it
     with lowering_target("v4"):
         chosen = op.select(call).name
     assert chosen != "mosaic_tpu" and chosen in names, (name, chosen)
@@ -42,3 +44,29 @@ def test_cpu_never_picks_tpu_kernels_by_default():
         example = examples_of(op, "float32")[0]
         call = op.check(*example.args, **example.kwargs)
         assert op.select(call).name != "mosaic_tpu", name
+
+
+def test_a_kernel_measured_slower_than_xla_is_not_the_default_there(capsys):
+    """The GLU kernels lost to XLA on a v5e (measured): the default chain passes them over there,
+    for the forward and the backward op, says why, and still runs them on request; on the
+    generations where they were not measured slower they stay the default."""
+    glu = stellax.registered_ops()["gated_linear_unit"]
+    example = examples_of(glu, "bfloat16")[0]
+    call = glu.check(*example.args, **example.kwargs)
+    for name in ("gated_linear_unit", "gated_linear_unit_backward"):
+        kernel = stellax.registered_ops()[name].implementations["mosaic_tpu"]
+        with lowering_target("v5e") as platform:
+            assert "slower than XLA on a v5e" in kernel.defers_to_xla(platform)
+        with lowering_target("v6e") as platform:
+            assert kernel.defers_to_xla(platform) is None
+    with lowering_target("v5e"):
+        assert glu.select(call).name == "xla"
+        assert glu.select(call, ("mosaic_tpu", "xla")).name == "mosaic_tpu"
+    with lowering_target("v6e"):
+        assert glu.select(call).name == "mosaic_tpu"
+    from stellax.cli import main
+
+    with lowering_target("v5e"):
+        assert main(["info"]) == 0
+    assert "explicit request only: measured slower than XLA on a v5e" in capsys.readouterr().out
+

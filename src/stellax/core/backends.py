@@ -45,12 +45,15 @@ class Tuning:
       heuristic: ``heuristic(call) -> config``, the default config.
       space: ``space(call) -> list[config]``, the autotuning space.
       requirements: ``requirements(call) -> str | None``, why a call cannot run here (or ``None``).
+      defers_to_xla: ``defers_to_xla(platform) -> str | None``, why ``implementation=None`` passes this
+        kernel over on ``platform`` (measured slower than XLA there), or ``None``.
     """
 
     config_type: type | None = None
     heuristic: Callable[[Call], Any] | None = None
     space: Callable[[Call], list] | None = None
     requirements: Callable[[Call], str | None] | None = None
+    defers_to_xla: Callable[[Any], str | None] | None = None
 
 
 #: An implementation without a config (XLA paths).
@@ -89,7 +92,7 @@ class Backend:
         return Implementation(self.name, functools.partial(run, self), backend=self.backend,
                               config_type=tuning.config_type, heuristic=tuning.heuristic, space=tuning.space,
                               requirements=tuning.requirements, native=self.native,
-                              writes_float8=self.writes_float8)
+                              writes_float8=self.writes_float8, defers_to_xla=tuning.defers_to_xla)
 
 
 class BackendTable:

@@ -101,6 +101,9 @@ class Implementation:
       writes_float8: ``writes_float8(call) -> bool`` for a Triton kernel whose
         *outputs* may be float8 though its operands are not (quantizing to
         fp8): such calls are refused below sm_89 like float8 operands.
+      defers_to_xla: ``defers_to_xla(platform) -> str | None``: why the default
+        chain (``implementation=None``) passes this kernel over on ``platform``,
+        where it was measured slower than XLA; an explicit request still runs it.
     """
 
     name: str
@@ -112,6 +115,7 @@ class Implementation:
     requirements: Callable[[Call], str | None] | None = None
     native: bool = True
     writes_float8: Callable[[Call], bool] | None = None
+    defers_to_xla: Callable[[Platform], str | None] | None = None
 
     def __post_init__(self):
         if self.config_type is not None and (self.heuristic is None or self.space is None):
@@ -271,6 +275,8 @@ class Op:
             if not explicit and impl.is_kernel and platform.backend == "cpu":
                 # Interpreted kernels are for testing; never the CPU default.
                 continue
+            if not explicit and impl.defers_to_xla is not None and impl.defers_to_xla(platform):
+                continue  # measured slower than XLA on this platform: not the default
             support = impl.supported(call, platform)
             if support:
                 return impl

@@ -14,8 +14,8 @@ from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from .activations import ACTIVATIONS
-from .configs import (GluConfig, GluTpuConfig, glu_heuristic, glu_space, glu_tpu_heuristic, glu_tpu_requirements,
-                      glu_tpu_space)
+from .configs import (GluConfig, GluTpuConfig, glu_heuristic, glu_space, glu_tpu_defers_to_xla, glu_tpu_heuristic,
+                      glu_tpu_requirements, glu_tpu_space)
 
 
 def _check_activation(activation):
@@ -98,7 +98,7 @@ def backward_bytes(call: Call) -> float:
 
 BACKENDS = BackendTable("glu", [
     Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
-            Tuning(GluTpuConfig, glu_tpu_heuristic, glu_tpu_space, glu_tpu_requirements)),
+            Tuning(GluTpuConfig, glu_tpu_heuristic, glu_tpu_space, glu_tpu_requirements, glu_tpu_defers_to_xla)),
     Backend("triton", triton_kernels, "triton", Tuning(GluConfig, glu_heuristic, glu_space)),
     Backend("xla", xla_kernels),
 ])
