@@ -40,14 +40,28 @@ _FIELD_ABBREVIATIONS = {"num_warps": "w", "num_stages": "s"}
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelCase:
+class ImplementationCase:
+    """What the verification cases (`KernelCase`, `tpu_compile.CompileCase`)
+    start with: the op and one of its implementations. Their ``id`` is
+    ``op-implementation-<parts>[-cfgNN(config)]`` (`_id`); a subclass has
+    ``config`` and ``config_index`` (its position in the autotuning space,
+    ``None`` for the heuristic's choice)."""
+
+    op: Op
+    implementation: str
+
+    def _id(self, *parts: str) -> str:
+        tail = [] if self.config_index is None else [f"cfg{self.config_index:02d}({config_id(self.config)})"]
+        return "-".join([self.op.name, self.implementation, *parts, *tail])
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase(ImplementationCase):
     """One (op, implementation, example, config) to verify.
 
     ``config`` is ``None`` for the heuristic (or an implementation without
     configs); ``config_index`` is its position in the autotuning space."""
 
-    op: Op
-    implementation: str
     dtype: str
     example_index: int
     example: Example
@@ -61,15 +75,10 @@ class KernelCase:
 
     @property
     def id(self) -> str:
-        parts = [self.op.name, self.implementation]
-        if self.platform:
-            parts.append(self.platform)
+        parts = [self.platform] if self.platform else []
         if self.dtype != "float32":
             parts.append(self.dtype)
-        parts.append(f"ex{self.example_index}")
-        if self.config_index is not None:
-            parts.append(f"cfg{self.config_index:02d}({config_id(self.config)})")
-        return "-".join(parts)
+        return self._id(*parts, f"ex{self.example_index}")
 
 
 def config_id(config: Any) -> str:

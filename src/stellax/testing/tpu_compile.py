@@ -38,6 +38,7 @@ import numpy as np
 from ..core import Op
 from ..core.tpu import KERNEL_GENERATIONS, TPU_GENERATIONS
 from .lowering import LOWERING_TARGETS, lower_config
+from .registry import ImplementationCase
 
 #: What the compiler says when a kernel does not fit (matched to name the cause).
 _VMEM_MARKERS = ("would exceed memory", "CompileTimeScopedVmemOom", "exceeds the scoped vmem",
@@ -235,12 +236,10 @@ def compilable_space(op: Op, implementation: str, args: tuple, kwargs: dict | No
 
 # -- what the tier compiles -------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class CompileCase:
+class CompileCase(ImplementationCase):
     """One (op, implementation, call, config) to compile for one generation;
     ``config`` ``None`` is the heuristic's choice there."""
 
-    op: Op
-    implementation: str
     generation: str
     label: str
     args: tuple
@@ -251,14 +250,7 @@ class CompileCase:
 
     @property
     def id(self) -> str:
-        from .registry import config_id
-
-        parts = [self.op.name, self.implementation, self.generation, self.label.replace(" ", "_")]
-        if self.grad:
-            parts.append("grad")
-        if self.config_index is not None:
-            parts.append(f"cfg{self.config_index:02d}({config_id(self.config)})")
-        return "-".join(parts)
+        return self._id(self.generation, self.label.replace(" ", "_"), *(["grad"] if self.grad else []))
 
     def compile(self) -> CompileResult:
         return compile_config(self.op, self.implementation, self.args, self.kwargs, generation=self.generation,
