@@ -10,7 +10,8 @@ kernel module (`mosaic_tpu.py`, `triton.py`, `xla.py`, each with ``gmm`` and
 ``tgmm`` of one contract) and the tuning of ``ragged_dot`` (forward) and
 ``ragged_dot_backward`` (backward: no configs, the row's requirements). The
 other ops over the same kernels take the rows with their own tuning
-(`BackendTable.retuned`): ``ragged_dot_tgmm``, ``moe_mlp``. `QUANTIZED_BACKENDS` holds the
+(`BackendTable.retuned`): ``ragged_dot_tgmm``, ``moe_mlp``, and ``moe_route`` its ``xla`` row alone,
+untuned (`routing.py`). `QUANTIZED_BACKENDS` holds the
 quantized ``ragged_dot``'s kernel modules (`mosaic_tpu_quantized.py`,
 `triton_quantized.py`, `xla_quantized.py`: ``gmm`` and ``gmm_transposed``).
 """

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Call, Implementation, Op, checks, register
+from ...core import Call, checks
 from ...core.runtime_checks import require
+from .base import BACKENDS
 from .checks import reject_expert_ids
 from .examples import route_examples
 
@@ -93,17 +94,16 @@ def compute_route(call: Call):
     return weights * call.routed_scaling, ids.astype(jnp.int32)
 
 
-def _run(call: Call, config):
-    del config
+def _run(row, call: Call, config):
+    del row, config
     return compute_route(call)
 
 
-route_op = register(Op(
-    "moe_route", family="moe", check=check_route, reference=compute_route,
-    implementations=[Implementation("xla", _run)],
+#: The family's ``xla`` row only, untuned: elementwise scores and a top-k, no kernel pays here.
+route_op = BACKENDS.retuned({}).op(
+    "moe_route", _run, only=("xla",), check=check_route, reference=compute_route,
     flops=lambda call: 8.0 * float(np.prod(call.logits.shape)),
-    examples=route_examples, differentiable=("logits",),
-))
+    examples=route_examples, differentiable=("logits",))
 
 
 def route(logits, top_k, *, scoring="softmax", bias=None, num_groups=None, top_k_groups=None,
