@@ -38,10 +38,11 @@ def _info(args) -> int:
         for impl in op.implementations.values():
             support = backend_support(impl.backend, platform)
             status = "yes" if support else f"no: {support.reason}"
+            deferred = impl.defers_to_xla(platform) if support and impl.defers_to_xla is not None else None
             if support and impl.is_kernel and platform.backend == "cpu":
                 status = "interpreted (explicit request only)"
-            elif support and impl.defers_to_xla is not None and impl.defers_to_xla(platform):
-                status = f"explicit request only: {impl.defers_to_xla(platform)}"
+            elif deferred:
+                status = f"explicit request only: {deferred}"
             table.add_row(display_name(name), impl.name, impl.backend, status)
     console.print(table)
     tpu_table = Table(title="TPU generations (Mosaic TPU kernels run on v5e and newer)")
