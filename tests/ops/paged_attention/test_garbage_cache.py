@@ -9,13 +9,16 @@ the outputs must equal the outputs on the clean (zero-filled) cache bit for
 bit: the masked positions are excluded (selected away), not multiplied by a
 zero probability (0 * NaN = NaN).
 
-Every kernel path of the XLA and (interpreted) Triton implementations:
+Every kernel path of the XLA and (interpreted) Triton and Mosaic TPU implementations:
 finalized single split and merged splits, several pages per step, dense f32 /
 bf16, combined kv_pages, every quantization layout (per-token column scales,
 head-dim groups, token groups, rotation, full-precision windows), multi-token
 queries with a local window, soft cap and sinks, ragged batches with dead
 sequences and padding tokens, and MLA. The whole autotuning space of each
-op runs under ``slow``.
+op runs under ``slow``. The Mosaic TPU kernels add their own edge: the last
+block of a program copies only the pages below its key range, so the rest of
+its VMEM slot holds an earlier block's pages (or, interpreted, NaN), which
+must be selected away like the garbage.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from stellax.ops.paged_attention import (
     KVQuant, MlaConfig, PagedConfig, QuantizedPages, RaggedConfig, mla_decode, paged_attention,
     ragged_paged_attention,
 )
+from stellax.ops.paged_attention.configs import TpuMlaConfig, TpuPagedConfig, TpuRaggedConfig
 from stellax.ops.paged_attention import mla_inputs, paged_inputs, ragged_inputs
 
 QUANTS = [None, KVQuant("int8"), KVQuant("fp8"), KVQuant("int4", group_size=32),
@@ -108,7 +112,7 @@ def _combined(k, v):
 
 # -- cases ----------------------------------------------------------------------------------
 def _run(fn, impl, *args, **kw):
-    with stellax.interpret_mode(impl == "triton"):
+    with stellax.interpret_mode(impl in ("triton", "mosaic_tpu")):
         return np.asarray(fn(*args, implementation=impl, **kw).astype(jnp.float32))
 
 
@@ -117,8 +121,9 @@ def _assert_bitwise(clean, dirty_out):
     np.testing.assert_array_equal(dirty_out.view(np.uint32), clean.view(np.uint32))
 
 
-def check_paged(impl, config, *, spec=None, dtype=jnp.float32, q_tokens=None, combined=False, seed=0, **kw):
-    q, k, v, t, l = paged_inputs(seed, lengths=[0, 5, 16, 37], page_size=16, kv_heads=2, q_heads=4,
+def check_paged(impl, config, *, spec=None, dtype=jnp.float32, q_tokens=None, combined=False, seed=0, kv_heads=2,
+                q_heads=4, **kw):
+    q, k, v, t, l = paged_inputs(seed, lengths=[0, 5, 16, 37], page_size=16, kv_heads=kv_heads, q_heads=q_heads,
                                  head_dim=32, dtype=dtype, q_tokens=q_tokens, max_pages=3, quant=spec,
                                  value_quant=None if spec is None else dataclasses.replace(spec))
     live = live_slots(t, l, k.shape[0], k.shape[1])
@@ -160,6 +165,10 @@ SLOW = pytest.mark.slow
 #: Quantization layouts run by default per implementation (the rest: slow).
 FAST_XLA = {"dense"}
 FAST_TRITON = {"int8-head_dim-rot0-w0", "int4-token-rot0-w0", "int4-head_dim-rot1-w12"}
+#: Mosaic TPU by default: dense (the unmasked/masked block split, a skipped
+#: tail page, an empty program between live ones) and full-precision windows
+#: (the key range ends before kv_len, so pages below kv_len go uncopied).
+FAST_MOSAIC = {"dense", "int4-head_dim-rot1-w12"}
 
 
 def _specs(fast):
@@ -176,6 +185,27 @@ def test_paged_triton_garbage_is_excluded(spec):
     check_paged("triton", PagedConfig(pages_per_block=2, num_splits=2), spec=spec, q_tokens=2, **EXTRAS)
 
 
+@pytest.mark.parametrize("spec", _specs(FAST_MOSAIC))
+def test_paged_mosaic_tpu_garbage_is_excluded(spec):
+    check_paged("mosaic_tpu", TpuPagedConfig(pages_per_block=2), spec=spec, q_tokens=2, **EXTRAS)
+
+
+@pytest.mark.parametrize("spec", [KVQuant("int8"), pytest.param(KVQuant("int4", group_size=32), marks=SLOW)],
+                         ids=_qid)
+def test_paged_mosaic_tpu_folded_scales_garbage_is_excluded(spec):
+    """8 kv heads of pages of 16: one scale per token and head, 128 per page, so the
+    Mosaic kernel applies them to the logits and probabilities (`configs.folds_scales`;
+    int4 with a whole-head group adds zero points) instead of dequantizing."""
+    check_paged("mosaic_tpu", TpuPagedConfig(pages_per_block=2), spec=spec, q_tokens=2, kv_heads=8, q_heads=16,
+                **{**EXTRAS, "sinks": jnp.linspace(-1.0, 1.0, 16)})
+
+
+@SLOW
+def test_paged_mosaic_tpu_bf16_and_combined():
+    check_paged("mosaic_tpu", TpuPagedConfig(pages_per_block=2), dtype=jnp.bfloat16)
+    check_paged("mosaic_tpu", TpuPagedConfig(pages_per_block=4), combined=True, q_tokens=3, **EXTRAS)
+
+
 @pytest.mark.parametrize("config", [pytest.param(PagedConfig(pages_per_block=1, num_splits=1), marks=SLOW),
                                     pytest.param(PagedConfig(pages_per_block=4, num_splits=1), marks=SLOW)], ids=str)
 def test_paged_triton_finalized_dense_bf16_and_combined(config):
@@ -190,7 +220,9 @@ def test_paged_xla_bf16_and_combined():
 
 
 @pytest.mark.parametrize("impl,config", [pytest.param("xla", None, marks=SLOW),
-                                         ("triton", RaggedConfig(block_q=4, pages_per_block=1, num_splits=2))])
+                                         ("triton", RaggedConfig(block_q=4, pages_per_block=1, num_splits=2)),
+                                         pytest.param("mosaic_tpu", TpuRaggedConfig(block_q=4, pages_per_block=2),
+                                                      marks=SLOW)])
 @pytest.mark.parametrize("spec", [None, pytest.param(KVQuant("int4", group_size=32, rotation=True), marks=SLOW)],
                          ids=_qid)
 def test_ragged_garbage_is_excluded(impl, config, spec):
@@ -201,7 +233,8 @@ def test_ragged_garbage_is_excluded(impl, config, spec):
     pytest.param("xla", None, None, None, marks=SLOW),
     ("triton", MlaConfig(pages_per_block=1, num_splits=2), KVQuant("int8"), 2),
     pytest.param("xla", None, KVQuant("int8"), 2, marks=SLOW),
-    pytest.param("triton", MlaConfig(pages_per_block=2, num_splits=1), None, None, marks=SLOW)], ids=str)
+    pytest.param("triton", MlaConfig(pages_per_block=2, num_splits=1), None, None, marks=SLOW),
+    pytest.param("mosaic_tpu", TpuMlaConfig(pages_per_block=2), KVQuant("int8"), 2, marks=SLOW)], ids=str)
 def test_mla_garbage_is_excluded(impl, config, spec, q_tokens):
     check_mla(impl, config, spec=spec, q_tokens=q_tokens)
 

@@ -90,14 +90,15 @@ def test_configs_heuristic_space_requirements():
     q, k, v, t, lengths = paged_inputs(0, lengths=[300, 17], page_size=16, kv_heads=2, q_heads=8, head_dim=128,
                                        dtype=jnp.bfloat16)
     call = paged_attention_op.check(q, k, v, t, lengths)
-    for generation, tokens in (("v5e", 256), ("v6e", 512)):
+    for generation in ("v5e", "v6e"):
         with lowering_target(generation):
             space = configs.paged_tpu_space(call)
             best = configs.paged_tpu_heuristic(call)
         assert best in space
-        # The table is 19 pages wide: blocks of at most 32 pages are in the space.
+        # The table is 19 pages wide: blocks of at most 32 pages are in the space, and 32 pages of
+        # 2 kv heads (256 KiB) are under the block target, so the heuristic takes the widest.
         assert max(c.pages_per_block for c in space) == 32
-        assert best.pages_per_block == min(tokens // 16, 32)
+        assert best.pages_per_block == 32
     with pytest.raises(ValueError, match="block_q"):
         TpuRaggedConfig(pages_per_block=2, block_q=3)
     with pytest.raises(ValueError, match="pages_per_block"):
@@ -107,6 +108,96 @@ def test_configs_heuristic_space_requirements():
                                       dtype=jnp.float32, quant=KVQuant("int4", group_size=3))
     reason = configs.paged_tpu_requirements(paged_attention_op.check(qq, kq, vq, tq, lq))
     assert reason and "multiple of 2" in reason
+
+
+def _decode_call(page_size, *, batch=8, context=8192, kv_heads=8, q_heads=32, head_dim=128, quant=None):
+    """An abstract decode call (shape structs only: nothing is allocated)."""
+    pages = context // page_size
+    s = jax.ShapeDtypeStruct
+    pool = s((batch * pages, page_size, kv_heads, head_dim), jnp.bfloat16)
+    if quant is not None:
+        pool = jax.eval_shape(lambda x: quantize_pages(x, quant), pool)
+    return (s((batch, q_heads, head_dim), jnp.bfloat16), pool, pool, s((batch, pages), jnp.int32),
+            s((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("generation,target_mib", [("v5e", 2), ("v5p", 2), ("v6e", 4), ("tpu7x", 4)])
+@pytest.mark.parametrize("page_size", [16, 64, 128])
+def test_decode_heuristic_takes_blocks_of_the_target_size(generation, target_mib, page_size):
+    """Issue 41's decode shapes (8 bf16 kv heads of 128): the default block copies the
+    generation's target (2 MiB: 512 tokens on v5e; 4 MiB on v6e), not a fixed token count,
+    and the autotuning space covers it and smaller blocks (larger too where VMEM and the
+    64-page limit allow)."""
+    with lowering_target(generation):
+        call = paged_attention_op.check(*_decode_call(page_size))
+        best = configs.paged_tpu_heuristic(call)
+        space = [c.pages_per_block for c in configs.paged_tpu_space(call)]
+    assert configs.block_bytes(call, "paged", best) == target_mib * 2**20
+    assert best.pages_per_block * page_size == target_mib * 256       # 4 KiB of K and V per token
+    assert min(space) < best.pages_per_block <= max(space)
+    assert max(space) > best.pages_per_block or max(space) == max(configs.PAGES)
+
+
+def test_head_groups_and_token_major_pages():
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import source_arrays, token_major
+
+    assert [configs.head_group(k) for k in (1, 2, 4, 6, 8, 12, 16, 32)] == [1, 2, 4, 6, 8, 12, 8, 8]
+    for heads, merged in ((1, True), (2, True), (4, True), (8, False), (16, False)):
+        pool = jnp.zeros((3, 16, heads, 128), jnp.bfloat16)
+        src = as_source(pool)
+        assert token_major(src) == merged
+        assert source_arrays(src)["data"].shape == ((3, 16 * heads, 128) if merged else (3, 16, heads, 128))
+    combined = jnp.zeros((3, 16, 2, 2, 128), jnp.bfloat16)
+    assert not token_major(as_source(combined, 0))
+
+
+def test_paged_head_groups_and_program_handover():
+    """Two groups of 8 kv heads (16 kv heads) and a token-major pool (4 kv heads),
+    bf16, lengths that end mid-page and mid-block, empty sequences between live
+    ones (a program with no block hands the next one's prefetch over), blocks of
+    2 pages of 8 (the tail block skips its pages past the sequence)."""
+    lengths = [37, 0, 0, 20, 9, 0]
+    for kv_heads, q_heads in ((16, 32), (4, 8)):
+        q, k, v, t, l = paged_inputs(11, lengths=lengths, page_size=8, kv_heads=kv_heads, q_heads=q_heads,
+                                     head_dim=128, dtype=jnp.bfloat16, max_pages=6)
+        kw = dict(logits_soft_cap=30.0)
+        out = _interpreted(paged_attention, q, k, v, t, l, config=TpuPagedConfig(pages_per_block=2), **kw)
+        ref = _golden(paged_attention_op, q, k, v, t, l, **kw)
+        assert_close(out, ref, name=f"K={kv_heads}")
+        assert np.all(np.asarray(out[np.asarray(lengths) == 0], np.float32) == 0)
+
+
+@pytest.mark.parametrize("quant,kv_heads,page_size", [(KVQuant("int8"), 8, 16), (KVQuant("fp8"), 4, 32),
+                                                      (KVQuant("int4", group_size=64), 2, 64)], ids=str)
+def test_paged_folded_scales(quant, kv_heads, page_size):
+    """One scale per token and kv head and a page's scales a whole 128-lane row: the
+    kernel multiplies the codes' logits and the probabilities by them (int4 with a
+    whole-head group: zero points too, float16 scales decoded from their bits)."""
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import source_folds
+
+    q, k, v, t, l = paged_inputs(13, lengths=[70, 1, 0, 129], page_size=page_size, kv_heads=kv_heads,
+                                 q_heads=2 * kv_heads, head_dim=64, dtype=jnp.float32, quant=quant)
+    assert source_folds(as_source(k)) and source_folds(as_source(v))
+    out = _interpreted(paged_attention, q, k, v, t, l, config=TpuPagedConfig(pages_per_block=2))
+    assert_close(out, _golden(paged_attention_op, q, k, v, t, l))
+
+
+def test_megacore_split_runs_every_program():
+    """Grid ``(cores, per_core)`` with two cores (v5p's megacore): an odd number of
+    programs (one padded), each core's first program starting its own pipeline."""
+    from stellax.ops.paged_attention import plan as plan_mod
+    from stellax.ops.paged_attention.mosaic_tpu import attention_rows
+
+    q, k, v, t, l = paged_inputs(12, lengths=[30, 5, 0, 17, 64], page_size=8, kv_heads=2, q_heads=4,
+                                 head_dim=64, dtype=jnp.float32, max_pages=8)
+    call = paged_attention_op.check(q, k, v, t, l)
+    problem, finish = plan_mod.paged_problem(call)
+    tables = jnp.clip(t, 0, k.shape[0] - 1)
+    with stellax.interpret_mode():
+        out = finish(attention_rows(problem, tables, pages_per_block=2, cores=2))
+    assert_close(out, _golden(paged_attention_op, q, k, v, t, l))
 
 
 # -- slow: every quantized format and option ---------------------------------------------------------
@@ -203,6 +294,29 @@ def test_bundled_and_ours_compile(generation):
                            num_queries_per_block=8)
     with pytest.raises(Exception, match="Unsupported TPU device kind"):
         jax.jit(fn).trace(*on_device(theirs, topology_device(generation))).lower().compile()
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4_groups", "int4_token_groups", "int2_groups"])
+def test_largest_block_of_the_space_compiles(generation, name):
+    """The VMEM model's edge (`configs.paged_tpu_vmem`): on issue 41's decode shape the
+    largest block of each cache format's space compiles with the real compiler (the
+    ones past it do not fit: `benchmarks/results/tpu_compile_paged_attention_cpu.json`)."""
+    from stellax.testing.tpu_compile import compile_config, libtpu_available
+
+    ok, reason = libtpu_available()
+    if not ok:
+        pytest.skip(reason)
+    quant = {"bf16": None, "int8": KVQuant("int8"), "int4_groups": KVQuant("int4", group_size=32),
+             "int4_token_groups": KVQuant("int4", group_axis="token", group_size=16),
+             "int2_groups": KVQuant("int2", group_size=32)}[name]
+    args = _decode_call(16, quant=quant)
+    with lowering_target(generation):
+        space = configs.paged_tpu_space(paged_attention_op.check(*args))
+    result = compile_config(paged_attention_op, "mosaic_tpu", args, generation=generation,
+                            config=max(space, key=lambda c: c.pages_per_block))
+    assert result.ok, result.describe()
 
 
 @pytest.mark.tpu

@@ -267,6 +267,37 @@ BLOCK_Q = (1, 2, 4, 8, 16, 32, 64)
 MAX_TOKENS = 2048
 
 
+#: KV head counts whose pages the TPU kernels read token-major (`mosaic_tpu.token_major`).
+TOKEN_MAJOR_HEADS = (1, 2, 4)
+#: Most kv heads a TPU block computes together (one sublane tile of a page's
+#: ``[K, H]`` rows: 8 rows of 32-bit words, bf16 pairs or int8 quads).
+HEAD_GROUP = 8
+
+
+def head_group(kv_heads: int) -> int:
+    """KV heads the Mosaic TPU kernels take together in one block: all ``K`` up
+    to `HEAD_GROUP` (or when ``K`` is not a multiple of it), else whole tiles
+    of `HEAD_GROUP`. A group's keys of a block are one contiguous
+    ``[T·hg, H]`` matrix in VMEM (token-major, heads interleaved): the logits
+    of all its query rows are one matmul, masked to each row's own kv head."""
+    if kv_heads <= HEAD_GROUP or kv_heads % HEAD_GROUP:
+        return kv_heads
+    return HEAD_GROUP
+
+
+def folds_scales(spec, page_size: int, kv_heads: int, head_dim: int, combined: bool = False) -> bool:
+    """Whether the Mosaic TPU kernels apply a quantized pool's scales (and zero
+    points) to a block's logits and probabilities instead of dequantizing its
+    keys and values (`mosaic_tpu_pages.folded_scales`): one scale per token and
+    kv head (head-dim groups of the whole head: int8 and fp8 by default), all
+    kv heads in one group (`head_group`), and a page's ``page_size · K``
+    scales a whole number of 128-lane rows (they travel as one lane-dense row
+    per page)."""
+    return (spec is not None and not combined and spec.group_axis == "head_dim"
+            and spec.group(head_dim) == head_dim and head_group(kv_heads) == kv_heads
+            and (page_size * kv_heads) % 128 == 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuPagedConfig(KernelConfig):
     """``pages_per_block`` pages per pipeline block."""
@@ -296,15 +327,33 @@ class TpuMlaConfig(TpuPagedConfig):
 
 # -- Mosaic TPU: VMEM ------------------------------------------------------------------------------
 def _tiled(rows: int, lanes: int, itemsize: int) -> int:
+    """VMEM bytes of a ``[rows, lanes]`` tile: lanes padded to 128, rows to the
+    sublane tile (8 rows of 32-bit words: 16 bf16 / 32 int8 rows, or 8 packed
+    rows when there are fewer, as Mosaic tiles a page's ``[K, H]`` rows)."""
     sub = 8 * max(1, 4 // itemsize)
+    if rows < sub:
+        sub = 8
     return cdiv(rows, sub) * sub * cdiv(lanes, 128) * 128 * itemsize
 
 
-def _page_bytes(shape, dtype) -> int:
+def _page_bytes(shape, dtype, token_major: bool = False) -> int:
     """VMEM bytes of one page ``[rows, (K,) lanes]`` of a pool array (the
-    ``(K, lanes)`` tiles of every row; K = 1 without a head axis)."""
+    ``(K, lanes)`` tiles of every row; K = 1 without a head axis), or of a
+    token-major page ``[rows·K, lanes]`` (`mosaic_tpu.token_major`)."""
     rows, heads, lanes = shape[1], (shape[-2] if len(shape) > 3 else 1), shape[-1]
-    return rows * _tiled(heads, lanes, np.dtype(dtype).itemsize)
+    itemsize = np.dtype(dtype).itemsize
+    if token_major:
+        return _tiled(rows * heads, lanes, itemsize)
+    return rows * _tiled(heads, lanes, itemsize)
+
+
+def _pool_folds(call: Call, prefix: str) -> bool:
+    """`folds_scales` for pool ``prefix`` of a call."""
+    spec = call.options.get(f"{prefix}_quant")
+    data = call.arrays.get(f"{prefix}_pages")
+    if spec is None or len(data.shape) != 4:
+        return False
+    return folds_scales(spec, data.shape[1], data.shape[2], call.options[f"{prefix}_head_dim"])
 
 
 def _pool_page_bytes(call: Call, prefix: str) -> int:
@@ -312,38 +361,94 @@ def _pool_page_bytes(call: Call, prefix: str) -> int:
     spec = call.options.get(f"{prefix}_quant")
     data = call.arrays.get(f"{prefix}_pages")
     shape = tuple(data.shape)
-    if len(shape) == 5:                               # combined kv_pages: one half per copy
+    combined = len(shape) == 5
+    if combined:                                      # combined kv_pages: one half per copy
         shape = shape[:2] + shape[3:]
-    total = _page_bytes(shape, data.dtype)
+    heads = shape[-2] if len(shape) > 3 else 1
+    total = _page_bytes(shape, data.dtype, token_major=not combined and heads in TOKEN_MAJOR_HEADS)
     if spec is None:
         return total
     scale = call.arrays[f"{prefix}_scale"]
-    return total + _page_bytes(scale.shape, scale.dtype) * (1 if spec.symmetric else 2)
+    if _pool_folds(call, prefix):                     # one lane-dense row per page
+        per = _tiled(1, shape[1] * heads, np.dtype(scale.dtype).itemsize)
+    else:
+        per = _page_bytes(scale.shape, scale.dtype)
+    return total + per * (1 if spec.symmetric else 2)
+
+
+def _pool_hbm_bytes(call: Call, prefix: str) -> int:
+    """HBM bytes of one page (every kv head) of pool ``prefix``: codes, scales, zero points."""
+    spec = call.options.get(f"{prefix}_quant")
+    data = call.arrays.get(f"{prefix}_pages")
+    per_page = int(np.prod(data.shape[1:])) * np.dtype(data.dtype).itemsize
+    if len(data.shape) == 5:
+        per_page //= 2
+    if spec is not None:
+        scale = call.arrays[f"{prefix}_scale"]
+        per_page += int(np.prod(scale.shape[1:])) * np.dtype(scale.dtype).itemsize * (1 if spec.symmetric else 2)
+    return per_page
+
+
+def _pool_prefixes(call: Call, kind: str) -> tuple[tuple, int]:
+    """The pools a step copies and how many copies of each (a combined pool: both halves)."""
+    if kind == "mla":
+        return ("latent", "pe"), 1
+    return (("k",), 2) if call.v_pages is None else (("k", "v"), 1)
+
+
+def _dequant_tiles(spec: KVQuant, dim: int) -> int:
+    """``[keys, H'/per_byte]`` float32 tiles a block's dequantization keeps in
+    VMEM (fitted to what compiles on v5e, `paged_tpu_vmem`): one for a scale
+    per token and head (int8/fp8), the codes, expanded scales / zero points
+    and results of every part otherwise (twice that for token groups, which
+    expand through a full-width tile)."""
+    pb = spec.per_byte
+    if spec.group_axis == "token":
+        return 6 * pb + 4
+    if pb == 1 and spec.group(dim) == dim:
+        return 1
+    return 4 * pb + 3
 
 
 def paged_tpu_vmem(call: Call, kind: str, c: TpuPagedConfig) -> int:
-    """VMEM bytes of one grid step of config ``c`` (see the module doc)."""
+    """VMEM bytes of one grid step of config ``c`` (see the module doc): the
+    two slots of every pool array's pages, the query and output blocks
+    (double-buffered), the softmax state, the block's logits and
+    probabilities ``[R, T·hg]`` (`head_group`) and, for a quantized pool, its
+    dequantization tiles ``[T·hg, H']`` (`_dequant_tiles`; the keys' and the
+    values' are not live together). Fitted so that what it admits compiles
+    on v5e (`benchmarks/results/tpu_compile_paged_attention_cpu.json`)."""
     geo = _geo(call, kind, c)
-    rows = cdiv(geo.rows, 8) * 8
+    hg = head_group(geo.kv_heads)
+    groups = geo.kv_heads // hg
+    rows = cdiv(hg * geo.rows, 8) * 8
     ps, ppb = geo.page_size, c.pages_per_block
-    tokens = ps * ppb
-    if kind == "mla":
-        prefixes, copies = ("latent", "pe"), 1
-        q_item = np.dtype(call.q_nope.dtype).itemsize
-        q_dims = geo.dims[0] + geo.dims[1]
-        hv = geo.dims[0]
-    else:
-        combined = call.v_pages is None
-        prefixes, copies = (("k",), 2) if combined else (("k", "v"), 1)   # combined: each half copied
-        q_item = np.dtype(call.q.dtype).itemsize
-        q_dims = geo.dims[0]
-        hv = geo.dims[1]
-    heads = geo.kv_heads
+    keys = ps * ppb * hg
+    prefixes, copies = _pool_prefixes(call, kind)
+    q = call.q_nope if kind == "mla" else call.q
+    q_item = np.dtype(q.dtype).itemsize
+    q_dims = geo.dims[0] + geo.dims[1] if kind == "mla" else geo.dims[0]
+    hv = geo.dims[0] if kind == "mla" else geo.dims[1]
     slots = copies * sum(2 * ppb * _pool_page_bytes(call, p) for p in prefixes)
-    io = heads * (2 * _tiled(rows, q_dims, q_item) + 2 * _tiled(rows, hv, 4))
-    scratch = heads * (2 * _tiled(rows, 128, 4) + _tiled(rows, hv, 4))
-    temps = 2 * _tiled(rows, tokens, 4) + 2 * _tiled(tokens, max(geo.dims), 4)
-    return slots + io + scratch + temps
+    io = groups * (2 * _tiled(rows, q_dims, q_item) + 2 * _tiled(rows, hv, 4))
+    scratch = groups * (2 * _tiled(rows, 128, 4) + _tiled(rows, hv, 4))
+    dequant = [0]
+    for prefix, dim in zip(prefixes, geo.dims):
+        spec = call.options.get(f"{prefix}_quant")
+        if spec is not None and _pool_folds(call, prefix):
+            dequant.append(_tiled(keys, dim, 4))
+        elif spec is not None:
+            tiles = _dequant_tiles(spec, dim) * _tiled(keys, dim // spec.per_byte, 4)
+            if spec.group_axis == "token":
+                tiles += _tiled(keys, keys // spec.group(dim), 4)
+            dequant.append(tiles)
+    return slots + io + scratch + 3 * _tiled(rows, keys, 4) + max(dequant)
+
+
+def block_bytes(call: Call, kind: str, c: TpuPagedConfig) -> int:
+    """HBM bytes one block of config ``c`` copies (every pool array's pages)."""
+    prefixes, copies = _pool_prefixes(call, kind)
+    return copies * c.pages_per_block * sum(_pool_hbm_bytes(call, p) for p in prefixes)
 
 
 # -- Mosaic TPU: geometry ---------------------------------------------------------------------------
@@ -360,8 +465,11 @@ def _ragged_block_q(call: Call) -> int:
     return min(bq, next_power_of_two(max(1, call.q.shape[0])))
 
 
-def _target_tokens() -> int:
-    return 256 if target_generation().mxu <= 128 else 512
+def target_block_bytes() -> int:
+    """HBM bytes a block should copy: enough in flight to keep the HBM busy
+    while the previous block is computed (2 MiB on v5e/v5p, 4 MiB on v6e and
+    TPU7x, whose HBM is faster and scoped VMEM twice as large)."""
+    return (2 if target_generation().mxu <= 128 else 4) * 1024 * 1024
 
 
 def _pages_choices(geo: Geometry) -> list[int]:
@@ -399,21 +507,22 @@ def ragged_tpu_space(call: Call) -> list[TpuRaggedConfig]:
 
 
 def _heuristic_pages(call: Call, kind: str, space: list, bq: int | None = None):
-    geo = _geo(call, kind)
-    want = max(1, _target_tokens() // geo.page_size)
+    """The largest block of the space (for ``block_q``) that copies at most
+    `target_block_bytes`, else the smallest."""
+    want = target_block_bytes()
     pool = [c for c in space if bq is None or c.block_q == bq] or space
-    fitting = [c for c in pool if c.pages_per_block <= want]
+    fitting = [c for c in pool if block_bytes(call, kind, c) <= want]
     return max(fitting, key=lambda c: c.pages_per_block) if fitting else min(pool, key=lambda c: c.pages_per_block)
 
 
 def paged_tpu_heuristic(call: Call) -> TpuPagedConfig:
-    """Blocks of 256 keys (v5e, v5p) or 512 (v6e, TPU7x: the wider MXU), fewer
-    when the table is narrower or VMEM is short."""
+    """Blocks of about `target_block_bytes` (e.g. 512 tokens of 8 bf16 kv heads
+    of 128 on a v5e), fewer pages when the table is narrower or VMEM is short."""
     return _heuristic_pages(call, "paged", paged_tpu_space(call))
 
 
 def mla_tpu_heuristic(call: Call) -> TpuMlaConfig:
-    """As `paged_tpu_heuristic` for the latent cache."""
+    """As `paged_tpu_heuristic` for the latent and rope caches."""
     return _heuristic_pages(call, "mla", mla_tpu_space(call))
 
 

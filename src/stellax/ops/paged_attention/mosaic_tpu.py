@@ -4,61 +4,57 @@ Both ops become the same `plan.Problem` (the prologue and epilogue the XLA
 and Triton paths use: query rotation, GQA row packing, ragged programs,
 full-precision windows, output un-rotation), so one kernel runs both.
 
-**Grid** ``(Bp,)``, ``parallel``: step ``b`` owns program ``b`` (a batch
-row, or a block of ``block_q`` tokens of one ragged sequence) and loops over
-the kv heads statically; each kv head has ``R = tokens · G`` query rows
-(every query head of the group against one read of its pages: GQA packing).
-Ragged calls have a static upper bound of programs (`plan.ragged_programs`):
-dead ones see no key, copy nothing and write zeros, so one compilation
-serves every number of sequences and tokens.
+**Grid** ``(cores, per_core)``, ``("parallel", "arbitrary")``: step ``(c,
+i)`` owns program ``b = c·per_core + i`` (a batch row, or a block of
+``block_q`` tokens of one ragged sequence; ``cores`` is the target's
+TensorCores per device, 2 on v5p, else 1) and all its kv heads. Ragged
+calls have a static upper bound of programs (`plan.ragged_programs`): dead
+ones see no key, copy nothing and write zeros, so one compilation serves
+every number of sequences and tokens.
 
-**Scalar prefetch** (SMEM): the block tables ``[S, P]`` (clamped), each
-program's table row ``seq [Bp]``, its sequence length and the key range
-``[lo, hi)`` its rows can see (`plan.key_range`: causal end, local window
-start, minus the full-precision windows).
+**KV head groups, one matmul each.** A page ``[page_size, K, H]`` holds a
+token's ``K`` heads in one sublane tile, so a kv head alone is neither a DMA
+(not a whole (8, 128) tile of the HBM layout) nor a cheap VMEM view (a
+strided sublane gather, which Mosaic lowers to unpack/rotate/repack code
+costing ~15x the block's matmuls and softmax). So a block is read as it
+lies: the keys of ``hg`` heads (`configs.head_group`: all ``K`` up to 8, or
+tile-aligned groups of 8) are one ``[T·hg, H]`` matrix, key row ``t·hg +
+k``, a free reshape of the slot (pools with 1, 2 or 4 kv heads are passed
+token-major ``[pages, page_size·K, H]``, a free reshape of their HBM tiles,
+so their slots are whole tiles too). The group's query rows ``[hg·Rt, H]``
+(row ``k·Rt + i``: every query token and head of kv head ``k``, `grouped`)
+take all keys in one matmul, and each row keeps only its own head's
+columns (``(column mod hg) == row's head``, the rest ``-inf``; ``p = 0``
+there, so ``p V`` is one matmul too). The MXU work is the same as per head
+(its cost is pushing the ``T·hg`` key and value rows, done once either way);
+the softmax runs on ``hg``-times wider logits, which is cheap next to the
+gather it replaces.
 
-**Page pipeline** (`PagePipeline`). The pools stay in HBM
-(``memory_space=ANY``); a step walks the blocks of ``pages_per_block`` pages
-covering ``[lo, hi)`` with two VMEM slots per pool array (codes, scales,
-zero points: each page ``[page_size, K, H']``, all kv heads, since one kv
-head is not a whole (8, 128) tile of the HBM layout, is one
-``pltpu.make_async_copy`` HBM → VMEM, all copies of a slot signalling the
-slot's DMA semaphore):
+**Scalar prefetch** (SMEM): the block tables (rows padded to whole blocks,
+flattened), each program's table row ``seq``, its sequence length, the key
+range ``[lo, hi)`` its rows can see (`plan.key_range`: causal end, local
+window start, minus the full-precision windows) and the range every valid
+row sees (`full_range`).
 
-    start(block 0 → slot 0)
-    for i in 0 .. n-1:
-        if i + 1 < n: start(block i+1 → slot (i+1) % 2)     # in flight ...
-        wait(slot i % 2)
-        compute(block i from slot i % 2, every kv head)     # ... during this
+**Page pipeline**: `mosaic_tpu_pages` (two VMEM slots per pool array, the
+next block's pages in flight during each block's compute, across programs
+too; pages past the key range not copied).
 
-so the copy of block ``i+1`` overlaps the dequantization, the two matmuls
-and the softmax update of block ``i``; only each grid step's block-0 copy is
-exposed (issued at the start of the step).
+**Compute** per block and head group, float32 online softmax in VMEM
+scratch (``m``, ``l`` ``[K/hg, R, 128]`` lanes equal, ``acc [K/hg, parts,
+R, Hv']``):
 
-**Compute** per block and kv head, float32 online softmax in VMEM scratch
-(``m``, ``l`` ``[K, R, 128]`` lanes equal, ``acc [K, parts, R, Hv']``):
-
-    K, V = dequantize(slot)        codes·scale (+ zero) in VMEM (see below)
-    s    = scale · q Kᵀ → cap·tanh(s/cap) → -inf where not visible
+    K, V = dequantize(slot)        [T·hg, H'] views, or codes·scale (+ zero) in VMEM
+    s    = scale · q Kᵀ → cap·tanh(s/cap) → -inf off the row's head (and, masked, where not visible)
     m'   = max(m, rowmax s);  α = e^{m - m'};  p = e^{s - m'}
-    l'   = α l + rowsum p;    acc' = α acc + p V
+    l'   = α l + rowsum p;    acc' = α acc + p V     (masked: V zeroed at positions >= hi)
 
 and at the end ``out = acc / (l + e^{sink - m})`` (zeros when the
 denominator is 0), or the partials ``(acc, m, l)`` when the cache has
 full-precision windows, which `plan.window_partial` scores in XLA and
 `plan.merge` merges (with the sinks).
 
-**Quantized pools** are dequantized in VMEM, never in HBM. Packed int4/int2
-codes are not interleaved back into channels (a lane shuffle): byte ``j``
-holds channels ``per_byte·j + i`` in bit field ``i``, so the codes split
-into ``per_byte`` *parts* ``[T, H/per_byte]`` by shifts and masks, the query
-is split the same way outside the kernel (``s = Σ_i q_i · k_iᵀ``), values
-accumulate per part and the wrapper interleaves the output. Group scales
-(and zero points) are expanded onto the parts with exact 0/1 matmuls at
-``HIGHEST`` precision (head-dim groups: ``[T, H/g] @ E_i``; token groups:
-``E_t @ [T/g, H] @ S_i``). Mosaic loads neither uint8 nor float16 vectors
-here, so packed bytes travel as int8 and float16 scales as their int16 bits
-(same-width bitcasts), decoded in VMEM.
+**Quantized pools** are dequantized in VMEM, never in HBM (`mosaic_tpu_pages.dequantize`).
 """
 
 from __future__ import annotations
@@ -72,238 +68,32 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import (
-    cdiv, dot, mxu_dot, mxu_dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call,
-)
+from ...core.pallas import cdiv, mxu_dot, mxu_dot_nt, online_softmax_step, operand, output, pad_axis, tpu_kernel_call
+from ...core.platform import target_generation
 from ...core.precision import accurate_functions, float32_tanh_raw
 from . import plan as plan_mod
-from .cache import Source
+from .configs import TpuPagedConfig, TpuRaggedConfig, head_group
+from .mosaic_tpu_pages import (
+    dequantize, folded_scales, idiv, imod, merge_parts, pipeline_scratch, program_pipeline, run_pipeline, source_arrays,
+    source_meta, split_parts,
+)
 from .plan import Problem, key_range, visible, window_partial
-from .configs import TpuPagedConfig, TpuRaggedConfig
 
 F32 = jnp.float32
 LANES = 128
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-# -- a paged source as the kernel sees it ------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class SourceMeta:
-    """Static description of one paged source (keys, values, MLA rope part)."""
-
-    spec: Any               # KVQuant or None
-    part: int | None        # combined kv_pages index
-    head_dim: int
-    page_size: int
-
-    @property
-    def per_byte(self) -> int:
-        return 1 if self.spec is None else self.spec.per_byte
-
-    @property
-    def part_dim(self) -> int:
-        """Channels per part (``H / per_byte``)."""
-        return self.head_dim // self.per_byte
-
-    @property
-    def token_groups(self) -> bool:
-        return self.spec is not None and self.spec.group_axis == "token"
-
-    @property
-    def group(self) -> int:
-        return self.spec.group(self.head_dim)
-
-
-def source_meta(src: Source) -> SourceMeta:
-    return SourceMeta(src.spec, src.part, src.head_dim, src.page_size)
-
-
-def source_arrays(src: Source) -> dict:
-    """The HBM arrays of a source: ``data`` and, quantized, ``scale`` / ``zero``.
-    Packed int4/int2 bytes are passed as int8 (a same-width bitcast: Mosaic
-    cannot load the uint8 vectors; the kernel masks the bit fields, so the
-    sign does not matter)."""
-    data = src.data
-    if jnp.dtype(data.dtype) == jnp.uint8:
-        data = jax.lax.bitcast_convert_type(data, jnp.int8)
-    arrays = {"data": data}
-    if src.quantized:
-        arrays["scale"] = _loadable(src.scale)
-        if not src.spec.symmetric:
-            arrays["zero"] = _loadable(src.zero)
-    return arrays
-
-
-def _loadable(x):
-    """float16 scales / zero points as their int16 bits (Mosaic has no float16
-    vectors on these generations; `_to_f32` decodes them in VMEM)."""
-    if jnp.dtype(x.dtype) == jnp.float16:
-        return jax.lax.bitcast_convert_type(x, jnp.int16)
-    return x
-
-
-def _to_f32(x):
-    """A loaded scale block → float32; int16 holds float16 bits: ``(-1)^s ·
-    2^(e-15) · (1 + m/1024)``, subnormals ``(-1)^s · m · 2^-24``, e = 31 inf/NaN."""
-    if x.dtype != jnp.int16:
-        return x.astype(F32)
-    h = x.astype(jnp.int32) & 0xFFFF
-    sign, exp, mant = (h >> 15) & 1, (h >> 10) & 0x1F, h & 0x3FF
-    normal = jax.lax.bitcast_convert_type((sign << 31) | ((exp + 112) << 23) | (mant << 13), F32)
-    special = jax.lax.bitcast_convert_type((sign << 31) | (255 << 23) | (mant << 13), F32)
-    sub = jnp.where(sign == 1, -1.0, 1.0) * mant.astype(F32) * F32(2.0 ** -24)
-    return jnp.where(exp == 0, sub, jnp.where(exp == 31, special, normal))
-
-
-def _page_view(ref, meta: SourceMeta, page, name: str):
-    """HBM view of page ``page``, every kv head: ``[rows, K, lanes]`` (a kv head
-    alone is not a whole (8, 128) tile of the pool's HBM layout, so a DMA
-    cannot address it)."""
-    if name == "data" and meta.part is not None:
-        return ref.at[page, :, meta.part]
-    return ref.at[page]
-
-
-# -- the double-buffered page pipeline ----------------------------------------------------
-class PagePipeline:
-    """Two VMEM slots per HBM pool array; ``start(block, slot)`` issues one
-    async copy per page and array, ``wait(slot)`` waits for all of them."""
-
-    def __init__(self, pools: dict, bufs: dict, sems, metas: dict, *, tables, seq, ppb: int):
-        self.pools, self.bufs, self.sems, self.metas = pools, bufs, sems, metas
-        self.tables, self.seq, self.ppb = tables, seq, ppb
-
-    def _copies(self, block, slot):
-        for (src, name), ref in self.pools.items():
-            meta = self.metas[src]
-            for i in range(self.ppb):
-                page = self.tables[self.seq, block * self.ppb + i]
-                yield pltpu.make_async_copy(_page_view(ref, meta, page, name),
-                                            self.bufs[(src, name)].at[slot, i], self.sems.at[slot])
-
-    def start(self, block, slot):
-        for c in self._copies(block, slot):
-            c.start()
-
-    def wait(self, block, slot):
-        for c in self._copies(block, slot):
-            c.wait()
-
-
-def pipeline_scratch(sources: dict, ppb: int) -> dict:
-    """VMEM slots ``[2, ppb, rows, K, lanes]`` for every pool array of ``sources``
-    (name → `Source`) and the two DMA semaphores."""
-    scratch = {}
-    for src_name, src in sources.items():
-        for name, arr in source_arrays(src).items():
-            rows, heads, lanes = arr.shape[1], arr.shape[-2], arr.shape[-1]
-            scratch[f"buf_{src_name}_{name}"] = pltpu.VMEM((2, ppb, rows, heads, lanes), arr.dtype)
-    scratch["sems"] = pltpu.SemaphoreType.DMA((2,))
-    return scratch
-
-
-def run_pipeline(pipe: PagePipeline, blk_lo, n, compute):
-    """``compute(block, slot)`` for blocks ``blk_lo .. blk_lo + n - 1``, the copy of
-    the next block in flight during each (see the module doc)."""
-
-    @pl.when(n > 0)
-    def _():
-        pipe.start(blk_lo, 0)
-
-    def body(i, carry):
-        slot = jax.lax.rem(i, 2)
-
-        @pl.when(i + 1 < n)
-        def _():
-            pipe.start(blk_lo + i + 1, 1 - slot)
-
-        pipe.wait(blk_lo + i, slot)
-        compute(blk_lo + i, slot)
-        return carry
-
-    jax.lax.fori_loop(0, n, body, 0)
-
-
-# -- dequantization in VMEM ---------------------------------------------------------------
-def _div(a, b: int):
-    """``a // b`` of non-negative int32 values (`jax.lax.div` truncates; Mosaic
-    lowers ``//`` through ``sign``, which needs a TPU to query)."""
-    return jax.lax.div(a, jnp.int32(b))
-
-
-def _select(rows: int, cols: int, fn):
-    """A float32 0/1 matrix ``[rows, cols]``: ``fn(row_iota, col_iota)``."""
-    r = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
-    c = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
-    return jnp.where(fn(r, c), 1.0, 0.0).astype(F32)
-
-
-def _expand(a, meta: SourceMeta, part: int, ppb: int):
-    """A block's float32 scales (or zero points) expanded onto part ``part``:
-    head-dim groups ``a [T, H/g]``, token groups ``a [ppb·PS/g, H]`` → ``[T, H']``."""
-    pb, hp, g, tokens = meta.per_byte, meta.part_dim, meta.group, ppb * meta.page_size
-    if meta.token_groups:
-        a = dot(_select(tokens, a.shape[0], lambda t, r: _div(t, g) == r), a, precision=HIGHEST)   # [T, H]
-        if pb == 1:
-            return a
-        return dot(a, _select(meta.head_dim, hp, lambda ch, j: ch == pb * j + part), precision=HIGHEST)
-    ng = a.shape[-1]
-    if ng == 1:
-        return a
-    return dot(a, _select(ng, hp, lambda gi, j: _div(pb * j + part, g) == gi), precision=HIGHEST)
-
-
-def _block(ref, slot, kv: int):
-    """Slot ``slot`` of a ``[2, ppb, rows, K, lanes]`` buffer, kv head ``kv``, as
-    float32 ``[ppb·rows, lanes]``."""
-    x = _to_f32(ref[slot, :, :, kv, :])
-    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
-
-
-def dequantize(bufs: dict, src: str, meta: SourceMeta, slot, kv: int, ppb: int, dtype) -> list:
-    """Block ``slot`` of source ``src``, kv head ``kv`` → ``per_byte`` parts
-    ``[ppb·PS, H']`` in ``dtype``: ``codes · scale (+ zero)``."""
-    data = bufs[(src, "data")]
-    if meta.spec is None:
-        return [_block(data, slot, kv).astype(dtype)]
-    spec = meta.spec
-    raw = data[slot, :, :, kv, :]
-    if meta.per_byte == 1:
-        codes = [raw.astype(F32)]
-    else:
-        ints = raw.astype(jnp.int32)
-        mask = (1 << spec.bits) - 1
-        codes = [((ints >> (spec.bits * p)) & mask).astype(F32) for p in range(meta.per_byte)]
-    codes = [c.reshape(c.shape[0] * c.shape[1], c.shape[2]) for c in codes]
-    scale = _block(bufs[(src, "scale")], slot, kv)
-    zero = None if spec.symmetric else _block(bufs[(src, "zero")], slot, kv)
-    parts = []
-    for p, c in enumerate(codes):
-        x = c * _expand(scale, meta, p, ppb)
-        if zero is not None:
-            x = x + _expand(zero, meta, p, ppb)
-        parts.append(x.astype(dtype))
-    return parts
-
-
-def split_parts(x, per_byte: int):
-    """``[..., R, H]`` → ``[..., per_byte, R, H / per_byte]`` (part ``i`` = channels ``per_byte·j + i``)."""
-    *lead, r, h = x.shape
-    return jnp.moveaxis(x.reshape(*lead, r, h // per_byte, per_byte), -1, -3)
-
-
-def merge_parts(x):
-    """Inverse of `split_parts` on ``[..., per_byte, R, H']`` → ``[..., R, H]``."""
-    *lead, pb, r, hp = x.shape
-    return jnp.moveaxis(x, -3, -1).reshape(*lead, r, hp * pb)
-
-
 # -- the online softmax --------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Softmax:
-    """Static parameters of the block update."""
+    """Static parameters of the block update: a block is ``tokens`` keys of
+    ``heads`` kv heads (``T·hg`` key rows, `group_rows`) against the group's
+    ``heads · rows`` query rows (row ``k·rows + i``: kv head ``k`` of the group)."""
 
     tokens: int
+    heads: int
+    rows: int
     scale: float
     soft_cap: float | None
     window_left: int | None
@@ -312,30 +102,69 @@ class Softmax:
     dtype: Any
     precision: Any = HIGHEST   # the call's resolved precision (`core.precision`); float32 operands only
 
-    def logits(self, qk_parts, block, row_pos, kv_len):
-        """``Σ_i q_i k_iᵀ`` pairs → masked, scaled, capped logits ``[R, T]``."""
+    def row_heads(self, row_pos):
+        """``[R, 1]``: each query row's kv head within the group, ``-1`` for a
+        padding row (``row_pos < 0``), which then matches no key."""
+        r = jax.lax.broadcasted_iota(jnp.int32, row_pos.shape, 0)
+        head = idiv(r, self.rows) if self.heads > 1 else jnp.zeros_like(r)
+        return jnp.where(row_pos >= 0, head, -1)
+
+    def key_pos(self, block, shape, axis: int):
+        """Position of each key row of a block along ``axis`` of ``shape``."""
+        c = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+        return block * self.tokens + (idiv(c, self.heads) if self.heads > 1 else c)
+
+    def logits(self, sources, block, row_pos, heads, kv_len, masked: bool):
+        """``sources``: per key source (keys; MLA: latent and rope) its ``(q_i,
+        k_i)`` part pairs and its ``fold`` (``None``, or the keys are codes and
+        ``(scale row, zero row)`` their `folded_scales`) → ``Σ q_i k_iᵀ``,
+        scaled and capped, ``[R, T·hg]``, ``-inf`` where a row's kv head is not
+        the key's and, ``masked``, where the row does not see the key
+        (`visible`); unmasked blocks are ones every valid row sees whole
+        (`by_coverage`)."""
         s = None
-        for q, k in qk_parts:
-            d = mxu_dot_nt(q, k, self.precision)
+        for qk_parts, fold in sources:
+            d = None
+            for q, k in qk_parts:
+                x = mxu_dot_nt(q, k, self.precision)
+                d = x if d is None else d + x
+            if fold is None:
+                d = d * F32(self.scale)
+            else:                                     # the logit scale rides on the [1, T·hg] rows
+                d = d * (fold[0] * F32(self.scale))
+                if fold[1] is not None:
+                    qsum = sum(jnp.sum(q.astype(F32), axis=1, keepdims=True) for q, _ in qk_parts)
+                    d = d + qsum * (fold[1] * F32(self.scale))
             s = d if s is None else s + d
-        s = s * F32(self.scale)
         if self.soft_cap is not None:
             tanh = float32_tanh_raw if accurate_functions(self.dtype, self.precision) else jnp.tanh
             s = F32(self.soft_cap) * tanh(s * F32(1.0 / self.soft_cap))
-        pos = block * self.tokens + jax.lax.broadcasted_iota(jnp.int32, (1, self.tokens), 1)
-        mask = visible(pos, row_pos, kv_len, window_left=self.window_left, sink_tokens=self.sink_tokens,
-                       recent_tokens=self.recent_tokens)
-        return jnp.where(mask, s, -jnp.inf)
+        cols = self.tokens * self.heads
+        if self.heads > 1:
+            ok = imod(jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1), self.heads) == heads
+        else:
+            ok = heads >= 0
+        if masked:
+            ok = ok & visible(self.key_pos(block, (1, cols), 1), row_pos, kv_len, window_left=self.window_left,
+                              sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
+        return jnp.where(ok, s, -jnp.inf)
 
-    def update(self, s, v_parts, block, kv_len, m_ref, l_ref, acc_ref):
-        """One online-softmax step; values at positions ``>= kv_len`` are zeroed
-        first (free slots may hold NaN, and ``0 · NaN = NaN``)."""
-        pos = block * self.tokens + jax.lax.broadcasted_iota(jnp.int32, (self.tokens, 1), 0)
+    def update(self, s, v_parts, block, key_hi, m_ref, l_ref, acc_ref, masked: bool, fold=None):
+        """One online-softmax step. In a ``masked`` block, values at positions
+        ``>= key_hi`` (the end of the program's key range, at most its
+        ``kv_len``) are zeroed first: free slots may hold NaN, and so may the
+        pages the pipeline did not copy (``0 · NaN = NaN``); unmasked blocks
+        lie below ``key_hi``. ``fold``: the values are codes and ``(scale row,
+        zero row)`` their `folded_scales`."""
         p, alpha = online_softmax_step(s, m_ref, l_ref)
-        pd = p.astype(self.dtype)
+        pd = (p if fold is None else p * fold[0]).astype(self.dtype)
+        zsum = None if fold is None or fold[1] is None else jnp.sum(p * fold[1], axis=1, keepdims=True)
+        pos = self.key_pos(block, (self.tokens * self.heads, 1), 0) if masked else None
         for i, v in enumerate(v_parts):
-            v = jnp.where(pos < kv_len, v, jnp.zeros((), v.dtype))
-            acc_ref[i] = alpha[:, :1] * acc_ref[i] + mxu_dot(pd, v, self.precision)
+            if masked:
+                v = jnp.where(pos < key_hi, v, jnp.zeros((), v.dtype))
+            pv = mxu_dot(pd, v, self.precision)
+            acc_ref[i] = alpha[:, :1] * acc_ref[i] + (pv if zsum is None else pv + zsum)
 
 
 def init_state(m_ref, l_ref, acc_ref):
@@ -367,64 +196,96 @@ def write_result(m_ref, l_ref, acc_ref, *, sinks, out, o_part, m_part, l_part):
         out[i] = acc_ref[i] * inv
 
 
-def block_range(lo, hi, tokens: int):
-    """Blocks of ``tokens`` keys covering ``[lo, hi)``: ``(first, count)``."""
-    lo = jnp.maximum(lo, 0)
-    hi = jnp.maximum(hi, lo)
-    first = _div(lo, tokens)
-    return first, jnp.where(hi > lo, _div(hi + tokens - 1, tokens) - first, 0)
+def by_coverage(body, full_lo, full_hi, tokens: int):
+    """``compute(block, slot)`` running ``body(block, slot, masked)``: unmasked
+    when the block lies inside ``[full_lo, full_hi)``, the keys every valid row
+    of the program sees (`full_range`: all of a decode step's blocks but the
+    last), so those blocks skip the visibility mask and the value zeroing."""
+    def compute(block, slot):
+        start = block * tokens
+        full = (start >= full_lo) & (start + tokens <= full_hi)
+
+        @pl.when(full)
+        def _():
+            body(block, slot, False)
+
+        @pl.when(jnp.logical_not(full))
+        def _():
+            body(block, slot, True)
+
+    return compute
 
 
 # -- the kernel ------------------------------------------------------------------------------
-def _kernel(tables, seq, kv_lens, key_lo, key_hi, *, row_pos, q, sinks, out, o_part, m_part, l_part, m_ref,
-            l_ref, acc_ref, sems, metas, sm: Softmax, ppb: int, **refs):
-    """Step ``b``: for every kv head, the online softmax of program ``b``'s rows
-    over the blocks of its key range, pages double-buffered."""
-    b = pl.program_id(0)
-    pipe, bufs = pipeline(refs, sems, metas, tables=tables, seq=seq[b], ppb=ppb)
+def _kernel(tables, seq, kv_lens, key_lo, key_hi, full_lo, full_hi, *, row_pos, q, sinks, out, o_part, m_part,
+            l_part, m_ref, l_ref, acc_ref, sems, next_slot, metas, sm: Softmax, ppb: int, width: int,
+            per_core: int, **refs):
+    """Step ``(c, i)``: for every kv head group, the online softmax of program
+    ``b = c·per_core + i``'s rows over the blocks of its key range, pages
+    double-buffered (`run_pipeline`)."""
+    b, pipe, bufs, sched = program_pipeline(refs, tables=tables, seq=seq, key_lo=key_lo, key_hi=key_hi, sems=sems,
+                                            metas=metas, tokens=sm.tokens, ppb=ppb, width=width, per_core=per_core)
     kv_len = kv_lens[b]
     rp = row_pos[...]                                                          # [R, 1]
+    heads = sm.row_heads(rp)
     k_meta, v_meta = metas["k"], metas["v"]
-    heads = q.shape[0]
-    for kv in range(heads):
-        init_state(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv])
+    groups = q.shape[0]
+    for j in range(groups):
+        init_state(m_ref.at[j], l_ref.at[j], acc_ref.at[j])
 
-    def compute(block, slot):
-        for kv in range(heads):
-            k_parts = dequantize(bufs, "k", k_meta, slot, kv, ppb, sm.dtype)
-            q_parts = [q[kv, i] for i in range(k_meta.per_byte)]
-            s = sm.logits(list(zip(q_parts, k_parts)), block, rp, kv_len)
-            v_parts = dequantize(bufs, "v", v_meta, slot, kv, ppb, sm.dtype)
-            sm.update(s, v_parts, block, kv_len, m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv])
+    def body(block, slot, masked):
+        keys = (block, key_hi[b]) if masked else None
+        fold = {n: folded_scales(bufs, n, m, slot, sm.heads, ppb, keys) if m.fold else None
+                for n, m in (("k", k_meta), ("v", v_meta))}
+        for j in range(groups):
+            k_parts = dequantize(bufs, "k", k_meta, slot, j, sm.heads, ppb, sm.dtype, keys)
+            q_parts = [q[j, i] for i in range(k_meta.per_byte)]
+            s = sm.logits([(list(zip(q_parts, k_parts)), fold["k"])], block, rp, heads, kv_len, masked)
+            v_parts = dequantize(bufs, "v", v_meta, slot, j, sm.heads, ppb, sm.dtype, keys)
+            sm.update(s, v_parts, block, key_hi[b], m_ref.at[j], l_ref.at[j], acc_ref.at[j], masked, fold["v"])
 
-    first, n = block_range(key_lo[b], key_hi[b], sm.tokens)
-    run_pipeline(pipe, first, n, compute)
-    write_results(heads, m_ref, l_ref, acc_ref, sinks=sinks, out=out, o_part=o_part, m_part=m_part, l_part=l_part)
+    run_pipeline(pipe, sched, next_slot, by_coverage(body, full_lo[b], full_hi[b], sm.tokens))
+    write_results(groups, m_ref, l_ref, acc_ref, sinks=sinks, out=out, o_part=o_part, m_part=m_part,
+                  l_part=l_part)
 
 
-def write_results(heads: int, m_ref, l_ref, acc_ref, *, sinks, out, o_part, m_part, l_part):
-    """`write_result` of every kv head."""
-    for kv in range(heads):
-        at = lambda ref: None if ref is None else ref.at[kv]
-        write_result(m_ref.at[kv], l_ref.at[kv], acc_ref.at[kv], sinks=at(sinks), out=at(out),
+def write_results(groups: int, m_ref, l_ref, acc_ref, *, sinks, out, o_part, m_part, l_part):
+    """`write_result` of every kv head group."""
+    for j in range(groups):
+        at = lambda ref: None if ref is None else ref.at[j]
+        write_result(m_ref.at[j], l_ref.at[j], acc_ref.at[j], sinks=at(sinks), out=at(out),
                      o_part=at(o_part), m_part=at(m_part), l_part=at(l_part))
 
 
-def pipeline(refs: dict, sems, metas: dict, *, tables, seq, ppb: int):
-    """The `PagePipeline` over a kernel's ``hbm_<source>_<array>`` pools and
-    ``buf_<source>_<array>`` slots, and the slots by ``(source, array)``."""
-    pools = {tuple(k[4:].split("_", 1)): r for k, r in refs.items() if k.startswith("hbm_")}
-    bufs = {tuple(k[4:].split("_", 1)): r for k, r in refs.items() if k.startswith("buf_")}
-    return PagePipeline(pools, bufs, sems, metas, tables=tables, seq=seq, ppb=ppb), bufs
+def full_range(row_pos, kv_len, *, window_left, sink_tokens, recent_tokens):
+    """``[lo, hi)``: the key positions every valid row of a program sees in the
+    main pass (the intersection of the rows' ranges; empty without valid rows)."""
+    big = jnp.int32(2**30)
+    valid = row_pos >= 0
+    hi = jnp.minimum(kv_len - recent_tokens, jnp.min(jnp.where(valid, row_pos, big), axis=-1) + 1)
+    lo = jnp.full_like(hi, sink_tokens)
+    if window_left is not None:
+        lo = jnp.maximum(lo, jnp.max(jnp.where(valid, row_pos, -big), axis=-1) - window_left)
+    return lo, jnp.where(jnp.any(valid, axis=-1), hi, 0)
 
 
-def prefetch_operands(problem: Problem, tables, ppb: int):
-    """Scalar-prefetch operands: tables (padded to whole blocks), ``seq``, ``kv_len``, key range."""
-    lo, hi = key_range(problem.row_pos, problem.kv_len, window_left=problem.window_left,
-                       sink_tokens=problem.sink_tokens, recent_tokens=problem.recent_tokens)
-    tables = pad_axis(tables.astype(jnp.int32), 1, cdiv(tables.shape[1], ppb) * ppb)
-    return dict(tables=tables, seq=problem.seq_rows.astype(jnp.int32), kv_lens=problem.kv_len.astype(jnp.int32),
-                key_lo=jnp.maximum(lo, 0).astype(jnp.int32), key_hi=hi.astype(jnp.int32))
+def table_width(tables, ppb: int) -> int:
+    """Entries per block-table row in the kernel: whole blocks of ``ppb`` pages."""
+    return cdiv(tables.shape[1], ppb) * ppb
+
+
+def prefetch_operands(problem: Problem, tables, ppb: int, programs: int):
+    """Scalar-prefetch operands: tables (rows padded to whole blocks, flattened),
+    and per program (padded to ``programs`` with empty ones) ``seq``, ``kv_len``,
+    the key range and the fully visible range."""
+    kw = dict(window_left=problem.window_left, sink_tokens=problem.sink_tokens,
+              recent_tokens=problem.recent_tokens)
+    lo, hi = key_range(problem.row_pos, problem.kv_len, **kw)
+    full_lo, full_hi = full_range(problem.row_pos, problem.kv_len, **kw)
+    tables = pad_axis(tables.astype(jnp.int32), 1, table_width(tables, ppb)).reshape(-1)
+    per_program = dict(seq=problem.seq_rows, kv_lens=problem.kv_len, key_lo=jnp.maximum(lo, 0), key_hi=hi,
+                       full_lo=full_lo, full_hi=full_hi)
+    return dict(tables=tables, **{k: pad_axis(v.astype(jnp.int32), 0, programs) for k, v in per_program.items()})
 
 
 def padded_rows(rt: int) -> int:
@@ -432,26 +293,46 @@ def padded_rows(rt: int) -> int:
     return cdiv(rt, 8) * 8
 
 
-def _rows_spec(*tail):
-    return pl.BlockSpec((None, *tail), lambda b, *_: (b, *(0,) * len(tail)))
+def grouped(x, axis: int, hg: int, r: int, value=0):
+    """Per-kv-head rows (kv heads on ``axis``, their rows on ``axis + 1``) →
+    per-group rows ``[..., K/hg, R, ...]`` (row ``k·Rt + i`` of a group is row
+    ``i`` of its kv head ``k``), padded to ``R`` rows with ``value``."""
+    k, rt = x.shape[axis], x.shape[axis + 1]
+    x = x.reshape(*x.shape[:axis], k // hg, hg * rt, *x.shape[axis + 2:])
+    return pad_axis(x, axis + 1, r, value)
 
 
-def _outputs(bp: int, heads: int, r: int, parts: int, hp: int, finalize: bool):
+def ungrouped(x, heads: int, rt: int):
+    """Inverse of `grouped` on ``[Bp, K/hg, R, *tail]`` → ``[Bp, K, Rt, *tail]``."""
+    bp, groups = x.shape[:2]
+    hg = heads // groups
+    x = x[:, :, :hg * rt]
+    return x.reshape(bp, heads, rt, *x.shape[3:])
+
+
+def _rows_spec(per_core: int, *tail):
+    """Program ``c·per_core + i``'s block of a per-program array at grid step ``(c, i)``."""
+    return pl.BlockSpec((None, *tail), lambda c, i, *_: (c * per_core + i, *(0,) * len(tail)))
+
+
+def _outputs(bp: int, per_core: int, groups: int, r: int, parts: int, hp: int, finalize: bool):
     """``out`` (finalized) or the partials ``o_part`` / ``m_part`` / ``l_part``."""
-    o_spec, stat = _rows_spec(heads, parts, r, hp), _rows_spec(heads, r, LANES)
+    o_spec, stat = _rows_spec(per_core, groups, parts, r, hp), _rows_spec(per_core, groups, r, LANES)
     if finalize:
-        return dict(out=output((bp, heads, parts, r, hp), F32, o_spec), o_part=None, m_part=None, l_part=None)
-    return dict(out=None, o_part=output((bp, heads, parts, r, hp), F32, o_spec),
-                m_part=output((bp, heads, r, LANES), F32, stat), l_part=output((bp, heads, r, LANES), F32, stat))
+        return dict(out=output((bp, groups, parts, r, hp), F32, o_spec), o_part=None, m_part=None, l_part=None)
+    return dict(out=None, o_part=output((bp, groups, parts, r, hp), F32, o_spec),
+                m_part=output((bp, groups, r, LANES), F32, stat), l_part=output((bp, groups, r, LANES), F32, stat))
 
 
 def _collect(problem: Problem, res, rt: int):
-    """Kernel results → normalized float32 rows ``[Bp, K, Rt, Hv]`` (merging the
-    full-precision windows' partial and the sinks when the kernel wrote partials)."""
+    """Kernel results (padded programs dropped) → normalized float32 rows
+    ``[Bp, K, Rt, Hv]`` (merging the full-precision windows' partial and the
+    sinks when the kernel wrote partials)."""
+    heads, bp = problem.num_kv_heads, problem.num_programs
     if res.out is not None:
-        return merge_parts(res.out)[:, :, :rt]
-    o = merge_parts(res.o_part)[:, :, :rt]
-    partials = [(o, res.m_part[:, :, :rt, 0], res.l_part[:, :, :rt, 0])]
+        return ungrouped(merge_parts(res.out[:bp]), heads, rt)
+    o = ungrouped(merge_parts(res.o_part[:bp]), heads, rt)
+    partials = [(o, ungrouped(res.m_part[:bp, ..., 0], heads, rt), ungrouped(res.l_part[:bp, ..., 0], heads, rt))]
     extra = window_partial(problem)
     if extra is not None:
         partials.append(extra)
@@ -459,52 +340,69 @@ def _collect(problem: Problem, res, rt: int):
 
 
 def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dict, values: str, ppb: int,
-                name: str):
-    """Launch a paged kernel over grid ``(Bp, K)`` and return normalized float32
-    rows ``[Bp, K, Rt, Hv]``.
+                name: str, cores: int | None = None):
+    """Launch a paged kernel over grid ``(cores, per_core)`` and return
+    normalized float32 rows ``[Bp, K, Rt, Hv]``.
 
+    Step ``(c, i)`` runs program ``c·per_core + i`` (``cores``: the target's
+    TensorCores per device, the ``parallel`` axis; programs padded to a
+    multiple of it are empty); a core's steps run in order, so each program's
+    last block prefetches the next one's first (`run_pipeline`). The kv heads
+    are taken ``hg`` at a time (`configs.head_group`): a step's query rows are
+    grouped ``[K/hg, R, H]`` (`grouped`, ``R = hg·Rt`` padded to 8).
     ``sources``: name → `Source` (pools copied by the page pipeline);
     ``queries``: operand name → (query rows ``[Bp, K, Rt, H]``, source name),
-    split into that source's parts; ``values``: the source whose parts the
-    output accumulates. The kernel gets ``row_pos``, the queries, ``sinks``,
-    the outputs, the ``m_ref`` / ``l_ref`` / ``acc_ref`` scratch, the pools
-    ``hbm_*``, the slots ``buf_*``, ``sems`` and ``metas``."""
+    grouped and split into that source's parts; ``values``: the source whose
+    parts the output accumulates. The kernel gets ``row_pos`` ``[R, 1]``, the
+    queries ``[K/hg, parts, R, H']``, ``sinks``, the outputs, the ``m_ref`` /
+    ``l_ref`` / ``acc_ref`` scratch, the pools ``hbm_*``, the slots ``buf_*``,
+    ``sems``, ``next_slot``, ``metas``, ``sm`` (`Softmax`), ``ppb``, ``width``
+    and ``per_core``."""
     bp, heads, rt, _ = problem.q.shape
-    r = padded_rows(rt)
+    cores = max(1, min(cores or target_generation().cores_per_chip, bp))
+    per_core = cdiv(bp, cores)
+    programs = cores * per_core
+    hg = head_group(heads)
+    groups = heads // hg
+    r = padded_rows(hg * rt)
     metas = {n: source_meta(src) for n, src in sources.items()}
     finalize = not problem.has_windows
     sinks = None
     if finalize and problem.sinks is not None:
-        sinks = pad_axis(problem.sinks, 1, r)[:, :, None]                      # [K, R, 1]
-    row_pos = pad_axis(problem.row_pos, 1, r, -1)[:, :, None]                  # [Bp, R, 1]
-    inputs = dict(row_pos=operand(row_pos, pl.BlockSpec((None, r, 1), lambda b, *_: (b, 0, 0))),
-                  sinks=operand(sinks, pl.BlockSpec(tuple(sinks.shape), lambda b, *_: (0, 0, 0)) if sinks is not None
-                                else None))
+        sinks = grouped(problem.sinks, 0, hg, r)[:, :, None]                       # [K/hg, R, 1]
+    row_pos = pad_axis(jnp.tile(problem.row_pos, (1, hg)), 1, r, -1)[:, :, None]   # [Bp, R, 1]
+    row_pos = pad_axis(row_pos, 0, programs, -1)
+    inputs = dict(row_pos=operand(row_pos, _rows_spec(per_core, r, 1)),
+                  sinks=operand(sinks, pl.BlockSpec(tuple(sinks.shape), lambda c, i, *_: (0, 0, 0))
+                                if sinks is not None else None))
     for qname, (rows, src_name) in queries.items():
-        x = split_parts(pad_axis(rows, 2, r), metas[src_name].per_byte)        # [Bp, K, parts, R, H']
-        inputs[qname] = operand(x, _rows_spec(*x.shape[1:]))
+        x = split_parts(grouped(rows, 1, hg, r), metas[src_name].per_byte)         # [Bp, K/hg, parts, R, H']
+        inputs[qname] = operand(pad_axis(x, 0, programs), _rows_spec(per_core, *x.shape[1:]))
     for s, src in sources.items():
         for n, a in source_arrays(src).items():
             inputs[f"hbm_{s}_{n}"] = operand(a, pl.BlockSpec(memory_space=pl.ANY))
     vm = metas[values]
-    scratch = dict(m_ref=pltpu.VMEM((heads, r, LANES), F32), l_ref=pltpu.VMEM((heads, r, LANES), F32),
-                   acc_ref=pltpu.VMEM((heads, vm.per_byte, r, vm.part_dim), F32), **pipeline_scratch(sources, ppb))
-    sm = Softmax(ppb * problem.page_size, problem.scale, problem.soft_cap, problem.window_left,
+    scratch = dict(m_ref=pltpu.VMEM((groups, r, LANES), F32), l_ref=pltpu.VMEM((groups, r, LANES), F32),
+                   acc_ref=pltpu.VMEM((groups, vm.per_byte, r, vm.part_dim), F32),
+                   **pipeline_scratch(sources, ppb))
+    sm = Softmax(ppb * problem.page_size, hg, rt, problem.scale, problem.soft_cap, problem.window_left,
                  problem.sink_tokens, problem.recent_tokens, problem.q.dtype, problem.precision)
     res = tpu_kernel_call(
-        functools.partial(kernel, metas=metas, sm=sm, ppb=ppb), grid=(bp,), inputs=inputs,
-        outputs=_outputs(bp, heads, r, vm.per_byte, vm.part_dim, finalize), scratch=scratch,
-        scalar_prefetch=prefetch_operands(problem, tables, ppb), dimension_semantics=("parallel",),
-        name=name)
+        functools.partial(kernel, metas=metas, sm=sm, ppb=ppb, width=table_width(tables, ppb), per_core=per_core),
+        grid=(cores, per_core), inputs=inputs, scratch=scratch,
+        outputs=_outputs(programs, per_core, groups, r, vm.per_byte, vm.part_dim, finalize),
+        scalar_prefetch=prefetch_operands(problem, tables, ppb, programs),
+        dimension_semantics=("parallel", "arbitrary"), name=name)
     return _collect(problem, res, rt)
 
 
-def attention_rows(problem: Problem, tables, *, pages_per_block: int):
+def attention_rows(problem: Problem, tables, *, pages_per_block: int, cores: int | None = None):
     """Normalized float32 rows ``[Bp, K, Rt, Hv]`` of a `paged`/`ragged` problem
-    (``tables``: the clamped block tables the programs' ``seq_rows`` index)."""
+    (``tables``: the clamped block tables the programs' ``seq_rows`` index;
+    ``cores``: the ``parallel`` grid axis, by default the target's TensorCores)."""
     return launch_rows(_kernel, problem, tables, sources={"k": problem.k, "v": problem.values},
                        queries={"q": (problem.q, "k")}, values="v", ppb=pages_per_block,
-                       name="stellax_paged_attention_tpu")
+                       name="stellax_paged_attention_tpu", cores=cores)
 
 
 def _tables(call, problem: Problem):

@@ -22,36 +22,41 @@ lengths and key ranges come by scalar prefetch. The full-precision windows
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from . import plan as plan_mod
-from .mosaic_tpu import block_range, dequantize, init_state, launch_rows, pipeline, run_pipeline, write_results
+from .mosaic_tpu import by_coverage, init_state, launch_rows, write_results
+from .mosaic_tpu_pages import dequantize, folded_scales, program_pipeline, run_pipeline
 from .plan import Problem
 from .configs import TpuMlaConfig
 
 
-def _mla_kernel(tables, seq, kv_lens, key_lo, key_hi, *, row_pos, q, q_pe, sinks, out, o_part, m_part, l_part,
-                m_ref, l_ref, acc_ref, sems, metas, sm, ppb: int, **refs):
-    """Step ``(b, 0)``: the online softmax of batch row ``b``'s ``Q·N`` rows over
-    the blocks of its latent and rope pages."""
-    b = pl.program_id(0)
-    pipe, bufs = pipeline(refs, sems, metas, tables=tables, seq=seq[b], ppb=ppb)
+def _mla_kernel(tables, seq, kv_lens, key_lo, key_hi, full_lo, full_hi, *, row_pos, q, q_pe, sinks, out, o_part,
+                m_part, l_part, m_ref, l_ref, acc_ref, sems, next_slot, metas, sm, ppb: int, width: int,
+                per_core: int, **refs):
+    """Step ``(c, i)``: the online softmax of batch row ``b = c·per_core + i``'s
+    ``Q·N`` rows over the blocks of its latent and rope pages."""
+    b, pipe, bufs, sched = program_pipeline(refs, tables=tables, seq=seq, key_lo=key_lo, key_hi=key_hi, sems=sems,
+                                            metas=metas, tokens=sm.tokens, ppb=ppb, width=width, per_core=per_core)
     kv_len = kv_lens[b]
     rp = row_pos[...]
+    heads = sm.row_heads(rp)
     m, l, acc = m_ref.at[0], l_ref.at[0], acc_ref.at[0]
     init_state(m, l, acc)
     c_meta, pe_meta = metas["latent"], metas["pe"]
     qn = [q[0, i] for i in range(c_meta.per_byte)]
     qr = [q_pe[0, i] for i in range(pe_meta.per_byte)]
 
-    def compute(block, slot):
-        c_parts = dequantize(bufs, "latent", c_meta, slot, 0, ppb, sm.dtype)
-        pe_parts = dequantize(bufs, "pe", pe_meta, slot, 0, ppb, sm.dtype)
-        s = sm.logits(list(zip(qn, c_parts)) + list(zip(qr, pe_parts)), block, rp, kv_len)
-        sm.update(s, c_parts, block, kv_len, m, l, acc)
+    def body(block, slot, masked):
+        keys = (block, key_hi[b]) if masked else None
+        fold = {n: folded_scales(bufs, n, meta, slot, 1, ppb, keys) if meta.fold else None
+                for n, meta in (("latent", c_meta), ("pe", pe_meta))}
+        c_parts = dequantize(bufs, "latent", c_meta, slot, 0, 1, ppb, sm.dtype, keys)
+        pe_parts = dequantize(bufs, "pe", pe_meta, slot, 0, 1, ppb, sm.dtype, keys)
+        s = sm.logits([(list(zip(qn, c_parts)), fold["latent"]), (list(zip(qr, pe_parts)), fold["pe"])], block, rp,
+                      heads, kv_len, masked)
+        sm.update(s, c_parts, block, key_hi[b], m, l, acc, masked, fold["latent"])
 
-    first, n = block_range(key_lo[b], key_hi[b], sm.tokens)
-    run_pipeline(pipe, first, n, compute)
+    run_pipeline(pipe, sched, next_slot, by_coverage(body, full_lo[b], full_hi[b], sm.tokens))
     write_results(1, m_ref, l_ref, acc_ref, sinks=sinks, out=out, o_part=o_part, m_part=m_part, l_part=l_part)
 
 
