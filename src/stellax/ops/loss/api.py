@@ -11,24 +11,11 @@ import numpy as np
 
 from ...core import Call, backward_implementation
 from ...core import vjp
-from ...core.backends import Backend, BackendTable, Tuning
-from . import triton as triton_kernels
-from . import xla as xla_kernels
-from . import xla_chunked as xla_chunked_kernels
-from .base import (Loss, backward_bytes, backward_flops, check_backward, check_forward, coefficients, count,
-                   forward_bytes, forward_flops, outputs, reduced, token_scale)
-from .configs import (ChunkedConfig, LinearCrossEntropyConfig, chunked_heuristic, chunked_space, triton_heuristic,
-                      triton_space)
+from ...core.backends import Backend
+from .base import BACKENDS, backward_bytes, backward_flops, check_backward, check_forward, forward_bytes, forward_flops
 from .examples import backward_examples, benchmarks, forward_examples
+from .reduction import Loss, coefficients, count, outputs, reduced, token_scale
 from .reference import linear_cross_entropy_backward_reference, linear_cross_entropy_reference
-
-# -- backends: one row each; its kernel module provides forward_stats / backward (see `base`) ----------
-BACKENDS = BackendTable("loss", [
-    Backend("triton", triton_kernels, "triton",
-            Tuning(LinearCrossEntropyConfig, triton_heuristic, triton_space)),
-    Backend("xla_chunked", xla_chunked_kernels, tuning=Tuning(ChunkedConfig, chunked_heuristic, chunked_space)),
-    Backend("xla", xla_kernels),
-])
 
 
 # -- backward op ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import dataclasses
 
 from ...core import Call, KernelConfig, TritonConfig, product_space
 from ...core.config import require_in, require_positive, require_power_of_two
-from .base import dims
+from .reduction import dims
 
 
 @dataclasses.dataclass(frozen=True)

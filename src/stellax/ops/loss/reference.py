@@ -19,7 +19,7 @@ The backward op's golden is the VJP of the scalar
 
 with per-token coefficients ``a, b, e`` held constant: every cotangent of the
 forward outputs (loss, lse, z-loss under any reduction) is such a triple
-(`base.coefficients`).
+(`reduction.coefficients`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ...core import Call
 from ...core.precision import float32_logsumexp, soft_cap
-from .base import finalize
+from .reduction import finalize
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -11,7 +11,7 @@ tile), then ``c = cap·tanh(z/cap)`` when soft-capped.
   it also sums the label's logit and all logits: outputs ``lse = m + log s``,
   ``target``, ``total`` (float32 ``[T]``);
 * backward, from ``lse`` and the per-token coefficients ``(a, b, e)``
-  (`base.coefficients`): ``dc = a·e^{c−lse} + b·onehot(y) + e``, ``dz = dc·(1 − (c/cap)²)``;
+  (`reduction.coefficients`): ``dc = a·e^{c−lse} + b·onehot(y) + e``, ``dz = dc·(1 − (c/cap)²)``;
   - ``dx`` kernel, program ``(token block, hidden block)``: ``dx += dz @ w[hidden, :]ᵀ``
     over the vocabulary blocks;
   - ``dw`` kernel, program ``(vocabulary block, hidden block)``: ``dw += x[:, hidden]ᵀ @ dz``
