@@ -71,15 +71,27 @@ def norm_requirements(call: Call) -> str | None:
 #: Lane width of a TPU vector register: the feature axis is padded to a multiple of it.
 TPU_LANES = 128
 #: Rows per block the TPU space offers (multiples of 16: bfloat16 packs 16 rows per vreg tile).
-TPU_BLOCK_ROWS = (16, 32, 64, 128, 256, 512, 1024)
-#: Most elements one block holds (beyond it Mosaic's compile time grows to minutes, for no gain).
-TPU_MAX_BLOCK_ELEMENTS = 1 << 20
-#: Bytes of one input block the heuristic aims for (large enough to hide the ~0.35 µs per grid step).
-TPU_TARGET_BLOCK_BYTES = 2 * 1024 * 1024
+TPU_BLOCK_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+#: Most elements one block holds: the kernels walk a block in chunks, so neither the code nor
+#: the float32 temporaries grow with it; past 4M elements (8 MiB of bfloat16 per stream) longer
+#: DMAs buy nothing and the pipeline's first and last steps (not overlapped) grow.
+TPU_MAX_BLOCK_ELEMENTS = 1 << 22
+#: Bytes of one row-blocked operand's block the heuristic aims for: with ~0.35 µs per grid step
+#: and 819 GB/s (v5e), a forward step moving 2 × 4 MiB takes ~10 µs, so the step cost is ~3 %.
+TPU_TARGET_BLOCK_BYTES = 4 * 1024 * 1024
+#: Grid steps the heuristic keeps at least (when the rows allow): the pipeline overlaps a
+#: step's DMAs with its neighbours' compute, the first read and the last write are exposed.
+TPU_MIN_STEPS = 8
+#: Rows the kernels process at a time inside a block (one bfloat16 sublane tile).
+CHUNK_ROWS = 16
+#: Widest lane slab of a chunk the kernels hold at once: 16 × 512 float32 = 8 vector registers.
+TPU_MAX_SLAB = 512
 #: Dtypes the Mosaic TPU norm kernels load and store.
 TPU_DTYPES = ("float32", "bfloat16")
-#: Float32 temporaries per element the kernels hold at once (h, centered, output; dy, x̂, g, dx, products).
-_TPU_TEMPS = {"forward": 4, "backward": 6}
+#: ``[chunk, Dp]`` float32 scratch buffers per kernel (forward: h; backward: x̂ and dy).
+_TPU_SCRATCH = {"forward": 1, "backward": 2}
+#: Headroom for the compiler's own temporaries (spilled vector registers, ...).
+_TPU_SLACK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +114,26 @@ def tpu_padded_features(features: int) -> int:
 
 
 def tpu_block_rows(rows: int, block_rows: int) -> int:
-    """The rows one block really holds: ``block_rows``, or all ``rows`` when fewer (a block
-    equal to the full array dimension is legal at any size)."""
-    return int(rows) if rows <= block_rows else int(block_rows)
+    """The rows one block really holds: ``block_rows``; with fewer rows than that, the most
+    whole `CHUNK_ROWS` tiles they fill (the last block partial), or all of them when fewer
+    than `CHUNK_ROWS` (a block equal to the full array dimension is legal at any size)."""
+    rows = int(rows)
+    if rows >= block_rows:
+        return int(block_rows)
+    return rows // CHUNK_ROWS * CHUNK_ROWS if rows >= CHUNK_ROWS else rows
+
+
+def tpu_chunk_rows(block_rows: int) -> int:
+    """Rows per inner step of a block: `CHUNK_ROWS`, or the whole block when it is smaller."""
+    return CHUNK_ROWS if block_rows % CHUNK_ROWS == 0 else int(block_rows)
+
+
+def tpu_slab(padded: int) -> int:
+    """Lanes per slab of a chunk: the widest of 512/256/128 that divides ``padded``."""
+    for width in (TPU_MAX_SLAB, 256, TPU_LANES):
+        if padded % width == 0:
+            return width
+    raise ValueError(f"padded features {padded}: expected a multiple of {TPU_LANES}")
 
 
 def _tpu_streams(call: Call) -> tuple[str, int, int]:
@@ -119,15 +148,17 @@ def tpu_block_vmem_bytes(kind: str, inputs: int, outputs: int, rows: int, featur
                          block_rows: int) -> int:
     """VMEM one grid step of a norm kernel needs (``kind`` ``"forward"``/``"backward"``, ``inputs``
     / ``outputs`` row-blocked operands of ``itemsize`` bytes): double-buffered row blocks, the
-    lane-padded ``[rows, 1]`` statistics, the ``[1, Dp]`` vectors and partials, and the float32
-    temporaries of the kernel body."""
-    sublane_rows = -(-tpu_block_rows(rows, block_rows) // 8) * 8
+    lane-padded ``[rows, 1]`` statistics, the ``[1, Dp]`` vectors, the ``[8, Dp]`` column-sum
+    partials, the ``[chunk, Dp]`` float32 scratch and a fixed headroom."""
+    block = tpu_block_rows(rows, block_rows)
+    sublane_rows = -(-block // 8) * 8
     padded = tpu_padded_features(features)
     blocks = 2 * (inputs + outputs) * sublane_rows * padded * itemsize
     stats = 2 * 2 * sublane_rows * TPU_LANES * 4
     vectors = 2 * 2 * 8 * padded * 4
-    temps = _TPU_TEMPS[kind] * sublane_rows * padded * 4
-    return blocks + stats + vectors + temps
+    partials = 2 * 2 * 8 * padded * 4 if kind == "backward" else 0
+    scratch = _TPU_SCRATCH[kind] * -(-tpu_chunk_rows(block) // 8) * 8 * padded * 4
+    return blocks + stats + vectors + partials + scratch + _TPU_SLACK_BYTES
 
 
 def norm_tpu_vmem_bytes(call: Call, block_rows: int) -> int:
@@ -168,14 +199,16 @@ def norm_tpu_space(call: Call) -> list[NormTpuConfig]:
 
 
 def norm_tpu_heuristic(call: Call) -> NormTpuConfig:
-    """The largest block whose input block is at most `TPU_TARGET_BLOCK_BYTES` and whose VMEM
-    estimate fits the generation's scoped default (else the smallest in the space)."""
+    """The largest block of the space whose row-blocked operands are at most
+    `TPU_TARGET_BLOCK_BYTES` each and that leaves at least `TPU_MIN_STEPS` grid steps (else the
+    smallest in the space). Its VMEM may exceed the scoped default: the kernels raise
+    ``vmem_limit_bytes`` (`tpu_vmem_limit`)."""
     space = norm_tpu_space(call) or [NormTpuConfig(block_rows=TPU_BLOCK_ROWS[0])]
     padded = tpu_padded_features(_features(call))
     itemsize = np.dtype(call.x.dtype).itemsize
-    scoped = target_generation().scoped_vmem_bytes * 3 // 4
+    rows = _rows(call)
     fitting = [c for c in space if c.block_rows * padded * itemsize <= TPU_TARGET_BLOCK_BYTES
-               and norm_tpu_vmem_bytes(call, c.block_rows) <= scoped]
+               and c.block_rows * TPU_MIN_STEPS <= max(rows, TPU_BLOCK_ROWS[0] * TPU_MIN_STEPS)]
     return fitting[-1] if fitting else space[0]
 
 
@@ -195,3 +228,4 @@ def norm_tpu_requirements(call: Call) -> str | None:
         return (f"the Mosaic TPU norm kernel holds {TPU_BLOCK_ROWS[0]} rows of {_features(call)} features in VMEM: "
                 f"needs {need} bytes > {tpu_vmem_cap()} usable on TPU {generation.name}")
     return None
+

@@ -36,7 +36,8 @@ def benchmarks(platform):
         cases = (((512, 1024), jnp.float32, True, False), ((512, 1024), jnp.float32, False, True))
     else:
         cases = (((16384, 4096), jnp.bfloat16, True, False), ((16384, 8192), jnp.bfloat16, False, True),
-                 ((8192, 2048), jnp.float32, True, False), ((4096, 16384), jnp.bfloat16, False, False))
+                 ((8192, 2048), jnp.float32, True, False), ((4096, 16384), jnp.bfloat16, False, False),
+                 ((65536, 4096), jnp.bfloat16, True, True))
     out = []
     for i, (shape, dtype, subtract_mean, with_residual) in enumerate(cases):
         kx, ks, ko, kr = jax.random.split(jax.random.PRNGKey(100 + i), 4)
