@@ -26,6 +26,8 @@ Backward passes are ops of their own (``<name>_backward``) wired in with
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable, Iterable, Sequence
 
@@ -290,7 +292,7 @@ class Op:
         impl = self.select(call, implementation)
         cfg, _ = selection.resolve_config(self.name, impl, call, config)
         selection.notify(self, impl, call, cfg)
-        with metadata.annotate(self.name, impl.name, cfg, call):
+        with metadata.annotate(self.name, impl.name, cfg, call), _chosen(implementation is not None):
             return impl.run(call, cfg)
 
     def __call__(self, *args, implementation=None, config=None, **kwargs):
@@ -300,7 +302,7 @@ class Op:
         impl = self.select(call, implementation)
         cfg, _ = selection.resolve_config(self.name, impl, call, config)
         selection.notify(self, impl, call, cfg)
-        with metadata.annotate(self.name, impl.name, cfg, call):
+        with metadata.annotate(self.name, impl.name, cfg, call), _chosen(implementation is not None):
             return impl.run(call, cfg)
 
     def run_implementation(self, name: str, call: Call, config=None):
@@ -324,10 +326,43 @@ def registered_ops() -> dict[str, Op]:
     return dict(_REGISTRY)
 
 
-def backward_implementation(backward_op: Op, forward_name: str) -> tuple[str, ...]:
+#: Whether the implementation now running was named by the caller (see `chosen_explicitly`).
+_EXPLICIT: contextvars.ContextVar[bool] = contextvars.ContextVar("stellax_chosen_explicitly", default=False)
+
+
+@contextlib.contextmanager
+def _chosen(explicit: bool):
+    token = _EXPLICIT.set(explicit)
+    try:
+        yield
+    finally:
+        _EXPLICIT.reset(token)
+
+
+def chosen_explicitly() -> bool:
+    """Inside an implementation's run: whether the caller named the implementation
+    (``implementation="mosaic_tpu"`` or a sequence) rather than the default chain picking it.
+    A differentiable op's run function records it for its backward (`backward_implementation`)."""
+    return _EXPLICIT.get()
+
+
+def backward_implementation(backward_op: Op, forward_name: str, *, explicit: bool | None = None
+                            ) -> tuple[str, ...]:
     """The backward implementation chain matching a forward implementation:
-    the same name first when the backward op has it, then the default chain."""
+    the same name first when the backward op has it, then the default chain.
+
+    ``explicit=False`` (the forward was picked by the default chain, `chosen_explicitly`)
+    lets the backward op's own default rule apply: a backward kernel that defers to XLA on
+    this platform (`Implementation.defers_to_xla`, measured slower than XLA there) gives way
+    to the rest of the backward op's default chain (ending in ``"xla"``) even though its
+    forward kernel runs. ``True`` or ``None`` (the default) keep the forward's name: an
+    explicit request is honoured."""
     if forward_name in backward_op.implementations:
+        platform = current_platform()
+        defers = lambda impl: impl.defers_to_xla is not None and bool(impl.defers_to_xla(platform))
+        if explicit is False and defers(backward_op.implementations[forward_name]):
+            names, _ = backward_op.candidates(None)
+            return tuple(n for n in names if n != forward_name and not defers(backward_op.implementations[n]))
         return (forward_name,) if forward_name != "xla" else ("xla",)
     names, _ = backward_op.candidates(None)
     return tuple(names)

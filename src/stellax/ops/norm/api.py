@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from ...core import Call, backward_implementation
 from ...core import vjp
+from ...core.op import chosen_explicitly
 from ...core.backends import Backend
 from .base import (BACKENDS, backward_bytes, backward_flops, check_backward, check_layer_norm, forward_bytes,
                    forward_flops)
@@ -46,6 +47,9 @@ class _Normalize:
     epsilon: float
     subtract_mean: bool
     has_residual: bool
+    #: Whether the caller named the forward's implementation: then the backward runs the same
+    #: backend; else the backward op's own default rule may pass its kernel over (`defers_to_xla`).
+    explicit: bool = True
 
     def forward(self, x, residual, scale, offset):
         y, h, mean, rstd = self.backend.kernels.norm_forward(
@@ -58,7 +62,7 @@ class _Normalize:
         dy, dh = cotangents if self.has_residual else (cotangents, None)
         dx, dscale, doffset = layer_norm_backward_op(
             dy, normed, scale, offset, mean, rstd, dh, epsilon=self.epsilon, subtract_mean=self.subtract_mean,
-            implementation=backward_implementation(layer_norm_backward_op, self.backend.name),
+            implementation=backward_implementation(layer_norm_backward_op, self.backend.name, explicit=self.explicit),
         )
         return dx, (dx if self.has_residual else None), dscale, doffset
 
@@ -71,7 +75,8 @@ def _run_forward(backend: Backend, call: Call, config):
     moved_shape = jnp.moveaxis(x, axis, -1).shape
     rows = lambda a: None if a is None else jnp.moveaxis(a, axis, -1).reshape(-1, moved_shape[-1])
     unrows = lambda a: jnp.moveaxis(a.reshape(moved_shape), -1, axis)
-    rule = _Normalize(backend, config, call.epsilon, call.subtract_mean, call.residual is not None)
+    rule = _Normalize(backend, config, call.epsilon, call.subtract_mean, call.residual is not None,
+                      chosen_explicitly())
     out = vjp.apply(rule, rows(x), rows(call.residual), call.scale, call.offset)
     if rule.has_residual:
         return unrows(out[0]), unrows(out[1])

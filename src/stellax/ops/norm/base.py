@@ -11,8 +11,8 @@ from ...core.backends import Backend, BackendTable, Tuning
 from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
-from .configs import (NormConfig, NormTpuConfig, norm_heuristic, norm_requirements, norm_space, norm_tpu_heuristic,
-                      norm_tpu_requirements, norm_tpu_space)
+from .configs import (NormConfig, NormTpuConfig, norm_heuristic, norm_requirements, norm_space,
+                      norm_tpu_backward_defers_to_xla, norm_tpu_heuristic, norm_tpu_requirements, norm_tpu_space)
 
 
 # -- argument checks -----------------------------------------------------------
@@ -85,7 +85,9 @@ def backward_bytes(call: Call) -> float:
 # -- backends ------------------------------------------------------------------
 BACKENDS = BackendTable("norm", [
     Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
-            Tuning(NormTpuConfig, norm_tpu_heuristic, norm_tpu_space, norm_tpu_requirements)),
+            Tuning(NormTpuConfig, norm_tpu_heuristic, norm_tpu_space, norm_tpu_requirements),
+            backward_tuning=Tuning(NormTpuConfig, norm_tpu_heuristic, norm_tpu_space, norm_tpu_requirements,
+                                   norm_tpu_backward_defers_to_xla)),
     Backend("triton", triton_kernels, "triton", Tuning(NormConfig, norm_heuristic, norm_space, norm_requirements)),
     Backend("xla", xla_kernels),
 ])

@@ -229,3 +229,22 @@ def norm_tpu_requirements(call: Call) -> str | None:
                 f"needs {need} bytes > {tpu_vmem_cap()} usable on TPU {generation.name}")
     return None
 
+
+#: TPU generations where the Mosaic TPU norm *backward* was measured slower than XLA's
+#: (generation name → the measurement), so that ``implementation=None`` runs XLA's backward
+#: there while the forward kernel stays the default (`norm_tpu_backward_defers_to_xla`).
+#: Empty: the chunked backward (one pass over x and dy, column sums accumulated in VMEM)
+#: replaced the kernel measured at 0.64x XLA on a v5e (rms_norm 16384x8192 bf16, forward +
+#: backward 2.86 ms against 1.84) and has not been measured on a chip yet.
+TPU_BACKWARD_SLOWER_THAN_XLA: dict[str, str] = {}
+
+
+def norm_tpu_backward_defers_to_xla(platform) -> str | None:
+    """Why the default chain passes the Mosaic TPU norm backward over on ``platform`` (its
+    generation is in `TPU_BACKWARD_SLOWER_THAN_XLA`), or ``None``. The forward's default is
+    not affected, and an explicit ``implementation="mosaic_tpu"`` still runs both kernels."""
+    tpu = platform.tpu
+    if tpu is not None and tpu.name in TPU_BACKWARD_SLOWER_THAN_XLA:
+        return (f"measured slower than XLA on a {tpu.name} ({TPU_BACKWARD_SLOWER_THAN_XLA[tpu.name]}); "
+                f"the forward kernel stays the default, its gradient runs XLA's backward")
+    return None
