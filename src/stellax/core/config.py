@@ -1,9 +1,10 @@
 """Kernel configuration dataclasses and their validation helpers.
 
 Every kernel implementation declares a frozen dataclass of tuning knobs
-(block sizes, warps, stages, ...). Subclass `KernelConfig` and override
-`validate`; construction fails with a message naming the field, the expected
-and the actual value.
+(block sizes, warps, stages, ...). Subclass `KernelConfig`, name the allowed
+values of its fields in ``CHOICES`` and override `validate` (calling
+``super().validate()``) for what a table of values cannot say; construction
+fails with a message naming the field, the expected and the actual value.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import itertools
 from typing import Any, ClassVar, Iterable, Mapping, TypeVar
 
 C = TypeVar("C", bound="KernelConfig")
+
+#: The smallest size of a Triton dot's dimensions (rows, columns, contraction): 16.
+TRITON_DOT_MIN = 16
+#: The tile sizes a Triton dot takes along each dimension.
+TRITON_TILES = (16, 32, 64, 128, 256)
 
 
 def is_power_of_two(value: int) -> bool:
@@ -44,11 +50,26 @@ def require_positive(owner: str, field: str, value: Any) -> None:
 class KernelConfig:
     """Base class of frozen, validated kernel configs."""
 
+    #: ``{field: allowed values}``, checked by `validate`. A subclass's ``CHOICES`` add to those
+    #: of the classes it derives from; where both name a field, the subclass's values hold.
+    CHOICES: ClassVar[Mapping[str, tuple[Any, ...]]] = {}
+
     def __post_init__(self):
         self.validate()
 
+    @classmethod
+    def choices(cls) -> dict[str, tuple[Any, ...]]:
+        """The ``CHOICES`` of this class and the classes it derives from, merged (base first)."""
+        merged: dict[str, tuple[Any, ...]] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(vars(klass).get("CHOICES", {}))
+        return merged
+
     def validate(self) -> None:
-        """Raise ValueError naming a field when a value is invalid."""
+        """Raise ValueError naming a field when a value is invalid: here, a field outside its
+        `choices`; a subclass checks more after ``super().validate()``."""
+        for field, allowed in self.choices().items():
+            require_in(type(self).__name__, field, getattr(self, field), allowed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,29 +93,20 @@ class TritonConfig(KernelConfig):
     num_warps: int = 4
     num_stages: int = 2
 
-    def validate(self) -> None:
-        name = type(self).__name__
-        require_in(name, "num_warps", self.num_warps, (1, 2, 4, 8, 16))
-        require_in(name, "num_stages", self.num_stages, (1, 2, 3, 4, 5))
+    CHOICES: ClassVar[Mapping[str, tuple[Any, ...]]] = {"num_warps": (1, 2, 4, 8, 16), "num_stages": (1, 2, 3, 4, 5)}
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulTileConfig(TritonConfig):
     """A Triton matmul tile: ``block_m × block_n`` of the output, stepping
     ``block_k`` along the contraction (Triton dots need every dimension ≥ 16).
-    Subclasses narrow the allowed sizes in ``TILE_SIZES``."""
+    Subclasses narrow the allowed sizes in their ``CHOICES``."""
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 32
 
-    TILE_SIZES: ClassVar[Mapping[str, tuple[int, ...]]] = {
-        "block_m": (16, 32, 64, 128, 256), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128, 256)}
-
-    def validate(self) -> None:
-        super().validate()
-        for field, allowed in self.TILE_SIZES.items():
-            require_in(type(self).__name__, field, getattr(self, field), allowed)
+    CHOICES: ClassVar[Mapping[str, tuple[Any, ...]]] = dict.fromkeys(("block_m", "block_n", "block_k"), TRITON_TILES)
 
 
 def product_space(config_type: type[C], **choices: Iterable[Any]) -> list[C]:

@@ -40,17 +40,10 @@ import numpy as np
 
 from ...core import (Call, KernelConfig, TritonConfig, current_platform, is_power_of_two, next_power_of_two,
                      product_space)
-from ...core.config import require_in, require_power_of_two
+from ...core.config import TRITON_DOT_MIN, require_power_of_two
 from ...core.pallas import cdiv
 from ...core.platform import target_generation
 from .quant_cache import KVQuant
-
-#: Smallest dot dimension on tensor cores (rows, tokens per step, head dims).
-MIN_DOT = 16
-#: Most elements of one [tokens, head_dim] tile a program holds at once.
-MAX_TILE = 64 * 1024
-#: Streaming multiprocessors of the target GPU class (H100/H200: 132).
-TARGET_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +52,18 @@ class PagedConfig(TritonConfig):
     num_splits: int = 1
     block_rows: int = 16
 
+    CHOICES = {"num_splits": (1, 2, 4, 8, 16, 32, 64), "block_rows": (16, 32, 64, 128)}
+
     def validate(self) -> None:
         super().validate()
-        name = type(self).__name__
-        require_power_of_two(name, "pages_per_block", self.pages_per_block)
-        require_in(name, "num_splits", self.num_splits, (1, 2, 4, 8, 16, 32, 64))
-        require_in(name, "block_rows", self.block_rows, (16, 32, 64, 128))
+        require_power_of_two(type(self).__name__, "pages_per_block", self.pages_per_block)
 
 
 @dataclasses.dataclass(frozen=True)
 class RaggedConfig(PagedConfig):
     block_q: int = 16
 
-    def validate(self) -> None:
-        super().validate()
-        require_in(type(self).__name__, "block_q", self.block_q, (1, 2, 4, 8, 16, 32, 64, 128))
+    CHOICES = {"block_q": (1, 2, 4, 8, 16, 32, 64, 128)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +121,8 @@ def _requirements(geo: Geometry) -> str | None:
     if not is_power_of_two(geo.page_size):
         return f"the Triton paged kernels need a power-of-two page_size, got {geo.page_size}"
     for d in geo.dims:
-        if not is_power_of_two(d) or d < MIN_DOT:
-            return f"the Triton paged kernels need power-of-two head dims >= {MIN_DOT}, got {d}"
+        if not is_power_of_two(d) or d < TRITON_DOT_MIN:
+            return f"the Triton paged kernels need power-of-two head dims >= {TRITON_DOT_MIN}, got {d}"
     for spec in geo.quants:
         assert isinstance(spec, KVQuant)
         if spec.group_axis == "token" and not is_power_of_two(geo.page_size // spec.group(geo.dims[0])):
@@ -157,9 +147,15 @@ def mla_requirements(call: Call) -> str | None:
 
 
 # -- heuristics ------------------------------------------------------------------------------------
+#: Most elements of one [tokens, head_dim] tile a program holds at once.
+MAX_TILE = 64 * 1024
+#: Streaming multiprocessors of the target GPU class (H100/H200: 132).
+TARGET_SMS = 132
+
+
 def _pages_per_block(geo: Geometry, tokens: int) -> int:
     ppb = max(1, tokens // geo.page_size)
-    ppb = max(ppb, cdiv(MIN_DOT, geo.page_size))
+    ppb = max(ppb, cdiv(TRITON_DOT_MIN, geo.page_size))
     widest = max(geo.dims)
     while ppb > 1 and ppb * geo.page_size * widest > MAX_TILE // 2:
         ppb //= 2
@@ -167,7 +163,7 @@ def _pages_per_block(geo: Geometry, tokens: int) -> int:
 
 
 def _block_rows(geo: Geometry, cap: int = 64) -> int:
-    return max(MIN_DOT, min(cap, next_power_of_two(geo.rows)))
+    return max(TRITON_DOT_MIN, min(cap, next_power_of_two(geo.rows)))
 
 
 def _splits(geo: Geometry, ppb: int, block_rows: int) -> int:
@@ -225,14 +221,14 @@ def _ppb_choices(geo: Geometry, token_choices) -> list[int]:
     out = []
     for tokens in token_choices:
         ppb = max(1, tokens // geo.page_size)
-        if ppb * geo.page_size >= MIN_DOT and ppb * geo.page_size * max(geo.dims) <= MAX_TILE and ppb not in out:
+        if ppb * geo.page_size >= TRITON_DOT_MIN and ppb * geo.page_size * max(geo.dims) <= MAX_TILE and ppb not in out:
             out.append(ppb)
     return out or [_pages_per_block(geo, 64)]
 
 
 def _row_choices(geo: Geometry, cap: int) -> list[int]:
     top = _block_rows(geo, cap)
-    return sorted({max(MIN_DOT, top // 2), top})
+    return sorted({max(TRITON_DOT_MIN, top // 2), top})
 
 
 def paged_space(call: Call) -> list[PagedConfig]:
@@ -304,9 +300,7 @@ class TpuPagedConfig(KernelConfig):
 
     pages_per_block: int = 8
 
-    def validate(self) -> None:
-        require_power_of_two(type(self).__name__, "pages_per_block", self.pages_per_block)
-        require_in(type(self).__name__, "pages_per_block", self.pages_per_block, PAGES)
+    CHOICES = {"pages_per_block": PAGES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,9 +309,7 @@ class TpuRaggedConfig(TpuPagedConfig):
 
     block_q: int = 8
 
-    def validate(self) -> None:
-        super().validate()
-        require_in(type(self).__name__, "block_q", self.block_q, BLOCK_Q)
+    CHOICES = {"block_q": BLOCK_Q}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 
 from ...core import Call, KernelConfig, TritonConfig, product_space
-from ...core.config import MatmulTileConfig, require_in, require_power_of_two
+from ...core.config import MatmulTileConfig, require_power_of_two
 from ...core.pallas import cdiv
 from ...core.platform import target_generation
 from . import formats as F
@@ -40,10 +40,7 @@ class HadamardConfig(TritonConfig):
 
     block_rows: int = 64
 
-    def validate(self) -> None:
-        super().validate()
-        require_power_of_two("HadamardConfig", "block_rows", self.block_rows)
-        require_in("HadamardConfig", "block_rows", self.block_rows, (16, 32, 64, 128, 256))
+    CHOICES = {"block_rows": (16, 32, 64, 128, 256)}
 
 
 def hadamard_heuristic(call: Call) -> HadamardConfig:
@@ -61,7 +58,7 @@ class QMatmulConfig(MatmulTileConfig):
     """Output tile ``block_m × block_n``; ``block_k`` logical K per step (it
     must divide every operand's K block so each step sees one scale row)."""
 
-    TILE_SIZES = {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128)}
+    CHOICES = {"block_m": (16, 32, 64, 128), "block_n": (16, 32, 64, 128, 256), "block_k": (16, 32, 64, 128)}
 
 
 def k_granularity(call: Call) -> int | None:
@@ -102,10 +99,11 @@ class DequantConfig(TritonConfig):
     block_rows: int = 16
     block_k: int = 256
 
+    CHOICES = {"block_k": (32, 64, 128, 256, 512, 1024)}
+
     def validate(self) -> None:
         super().validate()
         require_power_of_two("DequantConfig", "block_rows", self.block_rows)
-        require_in("DequantConfig", "block_k", self.block_k, (32, 64, 128, 256, 512, 1024))
 
 
 def _dequant_ok(call: Call, c: DequantConfig) -> bool:
@@ -135,10 +133,11 @@ class QuantizeConfig(TritonConfig):
     block_rows: int = 16
     block_k: int = 256
 
+    CHOICES = {"block_k": (64, 128, 256, 512)}
+
     def validate(self) -> None:
         super().validate()
         require_power_of_two("QuantizeConfig", "block_rows", self.block_rows)
-        require_in("QuantizeConfig", "block_k", self.block_k, (64, 128, 256, 512))
 
 
 def quantize_heuristic(call: Call) -> QuantizeConfig:
@@ -165,23 +164,23 @@ def _budget() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantTpuConfig(KernelConfig):
-    """``block_rows`` quantization blocks (rows of the block view) per grid step."""
+class _RowBlocksTpuConfig(KernelConfig):
+    """``block_rows`` rows (one of `ROW_BLOCKS`) per grid step: what the two element-wise
+    kernels' configs share (each keeps its own type, so neither accepts the other's)."""
 
     block_rows: int = 256
 
-    def validate(self) -> None:
-        require_in("QuantTpuConfig", "block_rows", self.block_rows, ROW_BLOCKS)
+    CHOICES = {"block_rows": ROW_BLOCKS}
 
 
 @dataclasses.dataclass(frozen=True)
-class HadamardTpuConfig(KernelConfig):
+class QuantTpuConfig(_RowBlocksTpuConfig):
+    """``block_rows`` quantization blocks (rows of the block view) per grid step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HadamardTpuConfig(_RowBlocksTpuConfig):
     """``block_rows`` rows of ``W`` lanes per grid step."""
-
-    block_rows: int = 256
-
-    def validate(self) -> None:
-        require_in("HadamardTpuConfig", "block_rows", self.block_rows, ROW_BLOCKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +191,7 @@ class QMatmulTpuConfig(KernelConfig):
     block_n: int = 256
     block_k: int = 512
 
-    def validate(self) -> None:
-        require_in("QMatmulTpuConfig", "block_m", self.block_m, (32, 64, 128, 256, 512))
-        require_in("QMatmulTpuConfig", "block_n", self.block_n, (128, 256, 512))
-        require_in("QMatmulTpuConfig", "block_k", self.block_k, (256, 512, 1024, 2048))
+    CHOICES = {"block_m": (32, 64, 128, 256, 512), "block_n": (128, 256, 512), "block_k": (256, 512, 1024, 2048)}
 
 
 # -- quantize / dequantize ----------------------------------------------------------------
