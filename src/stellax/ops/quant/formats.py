@@ -281,13 +281,25 @@ def to_float8(r, element: Element):
 # -- scales -----------------------------------------------------------------------
 
 
+def e8m0_from_codes(codes):
+    """E8M0 scales from their codes (uint8 or int32 0..255), in ``codes``' shape.
+
+    Shape the codes first, then call this: never reshape an ``float8_e8m0fnu``
+    array. XLA on a TPU (libtpu 0.0.42) rewrites a reshape that drops a size-1
+    dimension into an add-reduce whose initial value, zero, is NaN in E8M0 (the
+    format has no zero): every scale came out NaN when the Mosaic quantize
+    kernel's ``[rows·blocks, 1]`` codes were reshaped under `jax.jit`. The
+    barrier keeps XLA from sinking an earlier integer reshape past the bitcast."""
+    return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(codes.astype(jnp.uint8)), jnp.float8_e8m0fnu)
+
+
 def e8m0_from_exponent(e, nan_mask=None):
     """E8M0 scales ``2^e`` (int32 ``e``, clamped to [-127, 127]); NaN (0xFF)
     where ``nan_mask``."""
     code = (jnp.clip(e, -127, 127) + 127).astype(jnp.uint8)
     if nan_mask is not None:
         code = jnp.where(nan_mask, jnp.uint8(0xFF), code)
-    return jax.lax.bitcast_convert_type(code, jnp.float8_e8m0fnu)
+    return e8m0_from_codes(code)
 
 
 def e8m0_to_float(code):

@@ -75,10 +75,11 @@ def _expand_other_dims(s, q: QArray):
 
 def kernel_operands(q: QArray) -> KernelOperands:
     """The arrays a kernel reads for ``q`` (see `KernelOperands`)."""
-    s = _expand_other_dims(q.scales, q)
-    if np.dtype(s.dtype) == np.dtype(jnp.float8_e8m0fnu):
+    s = q.scales
+    if np.dtype(s.dtype) == np.dtype(jnp.float8_e8m0fnu):  # codes before any reshape: see F.e8m0_from_codes
         s = jax.lax.bitcast_convert_type(s, jnp.uint8)
-    elif np.dtype(s.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+    s = _expand_other_dims(s, q)
+    if np.dtype(s.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
         s = s.astype(jnp.float32)
     zp = None if q.zero_points is None else _expand_other_dims(q.zero_points, q)
     ts = None if q.tensor_scale is None else q.tensor_scale.astype(jnp.float32).reshape(1)

@@ -184,8 +184,8 @@ def _quantize_kernel(*, x, tensor_scale, codes, scales, zero_points, fmt: str):
     finite = is_finite(xv)
     if f.is_mx:
         # rows with a non-finite value, from the bits directly rather than by negating `finite`: on a
-        # v5e the `_row_any(~finite)` form wrote the NaN scale (255) for every row of finite inputs
-        # (2026-12-06; this form is not yet run on the chip)
+        # v5e the `_row_any(~finite)` form was suspected of the all-NaN scales that turned out to be
+        # XLA's E8M0 reshape (see `formats.e8m0_from_codes`); this form is exact on the chip
         bad = _row_any((_bits(xv) & _EXP_MASK) == _EXP_MASK)
         amax = _row_finite_amax(xv, finite)
         e = jnp.clip(jnp.where(amax > 0, F.floor_log2(amax) - el.emax, -127), -127, 127)
@@ -432,7 +432,9 @@ def quantize_run(call, config) -> QArray:
     elif f.element.kind == "float":
         values = jax.lax.bitcast_convert_type(values, f.element.dtype)
     scales = scales.reshape(*shape[:-1], scales.shape[-1])
-    if f.scale != "float":
+    if f.scale == "e8m0":
+        scales = F.e8m0_from_codes(scales)
+    elif f.scale != "float":
         scales = jax.lax.bitcast_convert_type(scales, f.scale_storage_dtype)
     if zp is not None:
         zp = zp.reshape(scales.shape)
@@ -452,7 +454,10 @@ def dequantize_run(call, config):
     shape = q.shape
     rows = int(np.prod(shape[:-1]))
     zp = None if q.zero_points is None else q.zero_points.reshape(rows, -1)
-    y = dequantize(q.values.reshape(rows, q.values.shape[-1]), q.scales.reshape(rows, -1), zp, q.tensor_scale,
+    scales = q.scales
+    if np.dtype(scales.dtype) == np.dtype(jnp.float8_e8m0fnu):  # decoded before the reshape: see `e8m0_from_codes`
+        scales = F.e8m0_to_float(jax.lax.bitcast_convert_type(scales, jnp.uint8))
+    y = dequantize(q.values.reshape(rows, q.values.shape[-1]), scales.reshape(rows, -1), zp, q.tensor_scale,
                    fmt=q.format, k=shape[-1], group=q.block_shape[-1], out_dtype=jnp.dtype(call.dtype),
                    block_rows=config.block_rows)
     return y.reshape(shape)

@@ -334,7 +334,7 @@ def quantize_run(call, config) -> QArray:
         values = values.reshape(*shape[:-1], values.shape[-1])
         if not fmt.packed:
             values = jax.lax.bitcast_convert_type(values, fmt.element.dtype)
-        scales = jax.lax.bitcast_convert_type(codes, jnp.float8_e8m0fnu).reshape(*shape[:-1], codes.shape[-1])
+        scales = F.e8m0_from_codes(codes.reshape(*shape[:-1], codes.shape[-1]))
     return QArray(values, scales, format=fmt.name, shape=shape, block_shape=call.block_shape, axis=call.axis,
                   rotation=call.rotation, _validate=False)
 
