@@ -312,7 +312,7 @@ def check_at_scale(op, example) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from stellax.bench.measurement import DeviceMemoryError, require_device_memory
+    from stellax.bench.measurement import DeviceMemoryError, compile_within_memory
     from stellax.testing.numerics import compare, upcast
     from stellax.testing.validation import CheckResult
 
@@ -330,16 +330,16 @@ def check_at_scale(op, example) -> dict:
 
     try:
         kernel = jax.jit(lambda *a, **k: op(*a, **k, **static, implementation="mosaic_tpu"))
-        compiled = kernel.lower(*example.args, **arrays).compile()
-        require_device_memory(compiled, what=f"{op.name} mosaic_tpu at {example.label}")
+        compiled = compile_within_memory(kernel.lower(*example.args, **arrays),
+                                         what=f"{op.name} mosaic_tpu at {example.label}")
         out = compiled(*example.args, **arrays)
         chosen, reasons = None, []
         for name in ["reference"] + [n for n in ("xla_chunked", "xla") if n in op.implementations]:
             fn = jax.jit(golden_of(name))
-            with jax.default_matmul_precision("highest"):
-                golden_compiled = fn.lower(*example.args, **arrays).compile()
             try:
-                require_device_memory(golden_compiled, what=f"the golden ({name})")
+                with jax.default_matmul_precision("highest"):
+                    golden_compiled = compile_within_memory(fn.lower(*example.args, **arrays),
+                                                            what=f"the golden ({name})")
             except DeviceMemoryError as e:
                 reasons.append(str(e))
                 continue

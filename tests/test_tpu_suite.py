@@ -85,6 +85,25 @@ def test_a_program_that_cannot_fit_the_device_is_refused_before_it_runs():
         measurement.require_device_memory(Compiled(), what="attention T=65536", device=Device())
 
 
+def test_a_compile_time_out_of_memory_is_a_device_memory_error_and_other_errors_pass_through():
+    from stellax.bench import measurement
+
+    class Refused:
+        def __init__(self, message):
+            self.message = message
+
+        def compile(self):
+            raise RuntimeError(self.message)
+
+    hbm = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(16.44G) exceeds available HBM (15.75G).")
+    with pytest.raises(measurement.DeviceMemoryError, match=r"the golden \(reference\) does not fit.*16\.44G"):
+        measurement.compile_within_memory(Refused(hbm), what="the golden (reference)")
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT") as info:
+        measurement.compile_within_memory(Refused("INVALID_ARGUMENT: bad shape"), what="x")
+    assert not isinstance(info.value, measurement.DeviceMemoryError)
+
+
 def test_splash_peer_matches_the_golden_in_interpret_mode():
     """The suite's jax_splash peer (jax's bundled kernel) computes the op's
     math, so its timings compare like with like."""

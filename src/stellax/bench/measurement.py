@@ -288,6 +288,26 @@ def compiled_memory_bytes(compiled) -> dict[str, int] | None:
             "temporaries": int(m.temp_size_in_bytes), "code": int(getattr(m, "generated_code_size_in_bytes", 0))}
 
 
+#: What XLA's compile-time HBM check says when a program's buffers do not fit the device.
+_COMPILE_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Ran out of memory")
+
+
+def compile_within_memory(lowered, *, what: str = "the program", device=None):
+    """``lowered.compile()``, with every way of not fitting the device reported as one
+    `DeviceMemoryError` naming ``what``: XLA's own compile-time refusal (on a TPU the
+    compiler rejects a program whose temporaries exceed HBM) or, once compiled, the
+    memory analysis against the free bytes (`require_device_memory`)."""
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - only the out-of-memory refusals are translated
+        message = str(e)
+        if not any(marker in message for marker in _COMPILE_OOM_MARKERS):
+            raise
+        raise DeviceMemoryError(f"{what} does not fit the device: {message.splitlines()[0][:300]}") from e
+    require_device_memory(compiled, what=what, device=device)
+    return compiled
+
+
 def require_device_memory(compiled, *, what: str = "the program", device=None) -> None:
     """Raise `DeviceMemoryError` (before anything runs) when ``compiled`` would need more
     device memory than is free: the estimated bytes against the device's, both named."""
@@ -345,9 +365,8 @@ def prepare(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
     with observe_calls(recorder):
         lowered = jax.jit(traced).lower(*timed_sets[0])
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = compile_within_memory(lowered, what=getattr(fn, "__name__", "the benchmark"))
     t2 = time.perf_counter()
-    require_device_memory(compiled, what=getattr(fn, "__name__", "the benchmark"))
     try:
         flops, nbytes = recorder.cost()
     except Exception:  # noqa: BLE001 - no usable model: XLA's cost analysis is used instead
