@@ -1,5 +1,5 @@
 from .api import linear_cross_entropy, linear_cross_entropy_backward_op, linear_cross_entropy_op
-from .configs import ChunkedConfig, LinearCrossEntropyConfig
+from .configs import ChunkedConfig, LinearCrossEntropyConfig, LossTpuConfig
 
-__all__ = ["ChunkedConfig", "LinearCrossEntropyConfig", "linear_cross_entropy", "linear_cross_entropy_backward_op",
+__all__ = ["ChunkedConfig", "LinearCrossEntropyConfig", "LossTpuConfig", "linear_cross_entropy", "linear_cross_entropy_backward_op",
            "linear_cross_entropy_op"]

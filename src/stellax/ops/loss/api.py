@@ -120,13 +120,13 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
       precision: of the float32 matmuls (logits, ``dx``, ``dw``): ``None`` (float32-accurate
         unless `jax.default_matmul_precision` is set), ``"default"``, ``"high"``,
         ``"highest"`` or a `jax.lax.Precision`; see `stellax.core.precision`.
-      implementation: ``None`` (best available: ``"triton"`` on a GPU, else
-        ``"xla_chunked"``, on a TPU too: there is no ``"mosaic_tpu"`` kernel for this op),
-        ``"triton"`` (Pallas Triton kernels, `triton.py`), ``"xla_chunked"`` (memory-linear
-        XLA, `xla_chunked.py`), ``"xla"`` (the naive formula, materializes the logits,
-        `xla.py`) or a sequence tried in order.
-      config: a `LinearCrossEntropyConfig` (``triton``) or `ChunkedConfig` (``xla_chunked``);
-        ``xla`` takes none.
+      implementation: ``None`` (best available: ``"mosaic_tpu"`` on a TPU, ``"triton"``
+        on a GPU, else ``"xla_chunked"``), ``"mosaic_tpu"`` (Pallas Mosaic TPU kernels,
+        `mosaic_tpu.py`), ``"triton"`` (Pallas Triton kernels, `triton.py`),
+        ``"xla_chunked"`` (memory-linear XLA, `xla_chunked.py`), ``"xla"`` (the naive
+        formula, materializes the logits, `xla.py`) or a sequence tried in order.
+      config: a `LossTpuConfig` (``mosaic_tpu``), `LinearCrossEntropyConfig` (``triton``) or
+        `ChunkedConfig` (``xla_chunked``); ``xla`` takes none.
 
     Returns:
       ``loss`` float32 (a scalar, or ``[...]`` for ``reduction="none"``); with

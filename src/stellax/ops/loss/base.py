@@ -3,8 +3,8 @@ cost models and the backend table (`BACKENDS`). The per-token loss, its
 reductions and the cotangent → coefficient map of the backward are in
 `reduction`; the `core.vjp` rule and the ops in `api`.
 
-Every backend's kernel module (a row of `BACKENDS`: `triton`, `xla_chunked`,
-`xla`) provides two functions over token rows:
+Every backend's kernel module (a row of `BACKENDS`: `mosaic_tpu`, `triton`,
+`xla_chunked`, `xla`) provides two functions over token rows:
 
 * ``forward_stats(x [T, D], w, labels [T], *, transpose_w, logit_soft_cap, precision, config)
   -> (lse, target, total)``, float32 ``[T]`` each (see `reference.token_stats`);
@@ -27,11 +27,12 @@ from ...core import Call
 from ...core import checks
 from ...core.backends import Backend, BackendTable, Tuning
 from ...core.precision import resolve_precision
+from . import mosaic_tpu as mosaic_tpu_kernels
 from . import triton as triton_kernels
 from . import xla as xla_kernels
 from . import xla_chunked as xla_chunked_kernels
-from .configs import (ChunkedConfig, LinearCrossEntropyConfig, chunked_heuristic, chunked_space, triton_heuristic,
-                      triton_space)
+from .configs import (ChunkedConfig, LinearCrossEntropyConfig, LossTpuConfig, chunked_heuristic, chunked_space,
+                      loss_tpu_heuristic, loss_tpu_requirements, loss_tpu_space, triton_heuristic, triton_space)
 from .reduction import dims
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -146,6 +147,8 @@ def backward_bytes(call: Call) -> float:
 
 # -- backends: one row each; its kernel module provides forward_stats / backward (see above) -----------
 BACKENDS = BackendTable("loss", [
+    Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
+            Tuning(LossTpuConfig, loss_tpu_heuristic, loss_tpu_space, loss_tpu_requirements)),
     Backend("triton", triton_kernels, "triton",
             Tuning(LinearCrossEntropyConfig, triton_heuristic, triton_space)),
     Backend("xla_chunked", xla_chunked_kernels, tuning=Tuning(ChunkedConfig, chunked_heuristic, chunked_space)),
