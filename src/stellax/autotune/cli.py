@@ -27,6 +27,7 @@ import stellax  # noqa: F401  (registers the ops)
 from ..bench.inputs import materialize_example
 from .._op_names import UnknownOpError, resolve_op_name, resolve_op_names
 from ..bench.suites import families, grad_spec, only_ops
+from ..bench.timing import TIMER_NAMES
 from ..core.op import Example, registered_ops
 from ..core.platform import current_platform, interpret_mode
 from ..testing.numerics import random_array
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-tune calls that are already cached")
     p.add_argument("--interpret", action="store_true",
                    help="tune interpreted kernels (on a CPU; for testing: the timings mean nothing)")
-    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti", "profiler"))
+    p.add_argument("--timer", default="auto", choices=TIMER_NAMES)
     p.add_argument("--cache-dir", metavar="DIR", help="the cache directory (default: $STELLAX_CACHE_DIR or the "
                                                       "user cache dir)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the user cache")

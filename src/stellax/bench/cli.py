@@ -26,16 +26,41 @@ from .calibrate import calibrate, describe
 from .measurement import MODES
 from .profiler import profile, trace_files
 from .suites import NoMatchingCase, SuiteOptions, families, only_ops, run_suites
+from .timing import TIMER_NAMES
+
+
+#: What each command of `stellax bench` does (its ``--help`` description), by subcommand ("": a run).
+_DESCRIPTIONS = {
+    "": "Benchmark stellax ops per family against XLA and peers, with roofline numbers. With no suite named, "
+        "every suite runs on the default shapes of this device. Subcommands: `stellax bench history DIR "
+        "[--plot OUT]` (the runs recorded with --record) and `stellax bench bisect GOOD BAD --case PATTERN` "
+        "(the commit that made a case slower).",
+    "history": "Show the runs recorded with `stellax bench --record DIR`: a table of each case's median over time, "
+               "or plots (--plot).",
+    "bisect": "Find the first commit of GOOD..BAD that made the benchmark cases matching --case slower than GOOD "
+              "beyond --threshold and the noise. Drives `git bisect --no-checkout`; each commit is measured in a "
+              "temporary worktree with PYTHONPATH=<checkout>/src (nothing is installed, your working tree is not "
+              "touched), alternating with GOOD round by round.",
+}
+
+
+def _parser(command: str = "") -> argparse.ArgumentParser:
+    """The parser of ``stellax bench [command]``, with the command's description."""
+    return argparse.ArgumentParser(prog=f"stellax bench {command}".strip(), description=_DESCRIPTIONS[command])
+
+
+def _timing_arguments(p: argparse.ArgumentParser, *, min_time: str, rounds: str, threshold: str, noise: str) -> None:
+    """The options of the commands that time cases and compare the times (a run with --baseline, a
+    bisection): --timer, --min-time, --rounds, --threshold and --noise, with these helps."""
+    p.add_argument("--timer", default="auto", choices=TIMER_NAMES)
+    p.add_argument("--min-time", type=float, default=None, help=min_time)
+    p.add_argument("--rounds", type=int, default=3, help=rounds)
+    p.add_argument("--threshold", type=float, default=0.10, help=threshold)
+    p.add_argument("--noise", type=float, default=2.0, help=noise)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="stellax bench",
-        description="Benchmark stellax ops per family against XLA and peers, with roofline numbers. "
-                    "With no suite named, every suite runs on the default shapes of this device. "
-                    "Subcommands: `stellax bench history DIR [--plot OUT]` (the runs recorded with --record) and "
-                    "`stellax bench bisect GOOD BAD --case PATTERN` (the commit that made a case slower).",
-    )
+    p = _parser()
     p.add_argument("suites", nargs="*", help="op families to run (default: all); see --list")
     p.add_argument("--list", action="store_true", help="list the suites and their ops, then exit")
     p.add_argument("--ops", default=None,
@@ -52,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cases", type=int, default=None, help="at most this many shapes per op")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run, shared among suites (default: 90 on a CPU, none elsewhere)")
-    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti", "profiler"))
-    p.add_argument("--min-time", type=float, default=None,
-                   help="seconds of timed iterations per measurement (shared by its rounds)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="time every case in this many rounds (two when a case is slower than its timing "
-                        "budget); their best times and spread are what --baseline compares (default 3)")
+    _timing_arguments(
+        p, min_time="seconds of timed iterations per measurement (shared by its rounds)",
+        rounds="time every case in this many rounds (two when a case is slower than its timing budget); their "
+               "best times and spread are what --baseline compares (default 3)",
+        threshold="relative slowdown that fails --baseline (default 0.10 = 10%%)",
+        noise="changes within NOISE standard errors of the median of the rounds' best times (NOISE x IQR for "
+              "results without rounds) count as noise (default 2)")
     p.add_argument("--case", metavar="PATTERN", default=None,
                    help="only the cases whose key op|case|implementation|mode matches this regular expression")
     p.add_argument("--record", metavar="DIR",
@@ -67,11 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="DIR", help="write one PNG per suite into DIR (needs matplotlib)")
     p.add_argument("--baseline", metavar="OLD.json",
                    help="compare with earlier results; exit 1 on a regression beyond --threshold")
-    p.add_argument("--threshold", type=float, default=0.10,
-                   help="relative slowdown that fails --baseline (default 0.10 = 10%%)")
-    p.add_argument("--noise", type=float, default=2.0,
-                   help="changes within NOISE standard errors of the median of the rounds' best times "
-                        "(NOISE x IQR for results without rounds) count as noise (default 2)")
     p.add_argument("--input", metavar="RESULTS.json",
                    help="report on saved results instead of running (with --baseline: compare two files)")
     p.add_argument("--calibrate", action="store_true",
@@ -206,9 +227,7 @@ def _record(args, records, env, console) -> int:
 
 
 def history_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stellax bench history",
-                                description="Show the runs recorded with `stellax bench --record DIR`: a table of "
-                                            "each case's median over time, or plots (--plot).")
+    p = _parser("history")
     p.add_argument("dir", metavar="DIR", help="the history directory (or its history.jsonl)")
     p.add_argument("--plot", metavar="OUT", help="draw each case over time: OUT.png (one file, a panel per "
                                                   "suite) or a directory (one PNG per suite); needs matplotlib")
@@ -240,12 +259,7 @@ def history_cli(argv: list[str]) -> int:
 
 
 def bisect_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="stellax bench bisect",
-        description="Find the first commit of GOOD..BAD that made the benchmark cases matching --case slower "
-                    "than GOOD beyond --threshold and the noise. Drives `git bisect --no-checkout`; each commit "
-                    "is measured in a temporary worktree with PYTHONPATH=<checkout>/src (nothing is installed, "
-                    "your working tree is not touched), alternating with GOOD round by round.")
+    p = _parser("bisect")
     p.add_argument("good", metavar="GOOD", help="a commit (or any revision) without the slowdown")
     p.add_argument("bad", metavar="BAD", help="a later commit with it")
     p.add_argument("--case", metavar="PATTERN",
@@ -257,13 +271,11 @@ def bisect_parser() -> argparse.ArgumentParser:
                         "or contains, else all)")
     p.add_argument("--command", default=None,
                    help="instead of stellax bench: a command run in each checkout that prints a time in ms last")
-    p.add_argument("--threshold", type=float, default=0.10,
-                   help="relative slowdown that counts as a regression (default 0.10 = 10%%)")
-    p.add_argument("--noise", type=float, default=2.0, help="noise band in standard errors (default 2)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="measurements per commit, alternated with GOOD's (default 3)")
-    p.add_argument("--timer", default="auto", choices=("auto", "wall", "batched", "cupti", "profiler"))
-    p.add_argument("--min-time", type=float, default=None, help="seconds of timed iterations per case")
+    _timing_arguments(
+        p, min_time="seconds of timed iterations per case",
+        rounds="measurements per commit, alternated with GOOD's (default 3)",
+        threshold="relative slowdown that counts as a regression (default 0.10 = 10%%)",
+        noise="noise band in standard errors (default 2)")
     return p
 
 

@@ -224,6 +224,8 @@ def per_iteration_ms(events, iterations: int) -> list[float]:
 
 
 TIMERS = {"wall": WallTimer, "batched": BatchedWallTimer, "cupti": CuptiTimer, "profiler": ProfilerTimer}
+#: The names a ``timer`` option takes: ``"auto"`` (`make_timer` picks) and those of `TIMERS`.
+TIMER_NAMES = ("auto", *TIMERS)
 _CUPTI_OK: dict[str, tuple[bool, str]] = {}
 
 
