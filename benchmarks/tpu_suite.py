@@ -372,13 +372,19 @@ def _check_params(op) -> set:
     return set(inspect.signature(op.check).parameters)
 
 
+class NothingTuned(RuntimeError):
+    """Every config of an op's tuning failed: the op is not done (a later command tries again)."""
+
+
 def autotune_op(suite: Suite, op) -> None:
-    """Tune the Mosaic TPU kernel (and its backward op) on the first benchmark shapes."""
+    """Tune the Mosaic TPU kernel (and its backward op) on the first benchmark shapes;
+    `NothingTuned` when configs were tried and none of them ran."""
     from stellax.autotune import autotune
     from stellax.autotune.cli import tuning_function
 
     records = suite.results.data["autotune"]
     deadline = time.monotonic() + max(0.0, suite.remaining() - 15)
+    tuned, failures = 0, []
     for example in concrete_cases(suite, op, suite.args.tune_cases):
         with suite.interpreted():
             fn = tuning_function(op, "mosaic_tpu", example.args, example.kwargs, backward=bool(op.differentiable))
@@ -387,12 +393,17 @@ def autotune_op(suite: Suite, op) -> None:
         entries = [dict(e.to_json(), case=example.label, key_string=e.entry.key_string) for e in r.entries]
         suite.results.replace(records["entries"], entries, key=lambda e: e["key_string"])
         records["failures"].extend(r.failures)
+        tuned += len(r.entries)
+        failures += list(r.failures)
         for e in r.entries:
             suite.log(f"  tuned {e.entry.op}/{e.entry.implementation}: {e.entry.config} {e.entry.time_ms:.4g} ms")
         for failure in r.failures:  # e.g. every config out of HBM: said here, not only in the JSON
             suite.log(f"  not tuned {failure['op']}/{failure['implementation']}: {failure['error'][:300]}")
         del example
     export_cache(suite)
+    if failures and not tuned:
+        raise NothingTuned(f"no config of {op.name} ran ({len(failures)} failure(s), first: "
+                           f"{failures[0].get('error', '')[:200]})")
 
 
 def export_cache(suite: Suite) -> None:

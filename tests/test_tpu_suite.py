@@ -166,3 +166,26 @@ def test_moe_peers_match_the_golden_in_interpret_mode():
     with pytest.raises(stellax.UnsupportedError, match="megablox"):
         suite.megablox_gmm_peer(lhs, rhs, sizes, activation="silu")
     assert set(suite.MOE_PEERS) == {"ragged_dot", "ragged_dot_tgmm"}
+
+
+def test_an_op_whose_every_config_failed_is_not_marked_tuned(tmp_path, monkeypatch):
+    """A tuning where every config failed (e.g. all out of HBM) raises, so the stage
+    records an error and a later command tries the op again instead of skipping it."""
+    import importlib.util
+    import types
+
+    import stellax.autotune
+
+    spec = importlib.util.spec_from_file_location("tpu_suite_under_test", ROOT / "benchmarks" / "tpu_suite.py")
+    suite_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite_module)
+    failure = {"op": "layer_norm", "implementation": "mosaic_tpu", "error": "RESOURCE_EXHAUSTED: out of HBM"}
+    monkeypatch.setattr(stellax.autotune, "autotune",
+                        lambda *a, **k: types.SimpleNamespace(entries=[], failures=[failure]))
+    args = suite_module.parse_args(["--dry-run", "--out", str(tmp_path)])
+    from stellax.core import current_platform, interpret_mode
+
+    suite = suite_module.Suite(args, current_platform())
+    suite.results = suite_module.Results(tmp_path / "r.json", fresh=True, dry_run=True)
+    with interpret_mode(True), pytest.raises(suite_module.NothingTuned, match="no config of layer_norm ran.*out of HBM"):
+        suite_module.autotune_op(suite, stellax.registered_ops()["layer_norm"])
