@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the op framework, and the plain helpers everything shares
     ("core", ("stellax._version", "stellax._files", "stellax._op_names", "stellax.core")),
     # the op families (they may use each other: paged attention uses attention, MoE uses quant)
-    ("ops", ("stellax.ops", "stellax.paged")),
+    ("ops", ("stellax.ops",)),
     # implementations from outside stellax, registered by `import stellax` (needs the registry only)
     ("plugins", ("stellax.lab.errors", "stellax.lab.candidate", "stellax.lab.plugins")),
     # the public namespace: re-exports core and the families; the layers above load on first use

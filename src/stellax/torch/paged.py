@@ -7,7 +7,7 @@ the cache helpers `init_kv_cache`, `quantize_pages`, `dequantize_pages`,
 `update_kv_cache_` (dense pools, in place, pure torch).
 
 A quantized pool is a `QuantizedPages` here too: the same fields as
-`stellax.paged.QuantizedPages` (``data`` codes, ``scale``, ``zero``,
+`stellax.QuantizedPages` (``data`` codes, ``scale``, ``zero``,
 ``signs``, ``window``, the `KVQuant` spec and the head dim), as torch
 tensors that cross DLPack as they are.
 
@@ -49,7 +49,7 @@ def _kvquant(spec):
     if isinstance(spec, str):
         return KVQuant(spec)
     if not isinstance(spec, KVQuant):
-        raise TypeError(f"quant: expected a stellax.paged.KVQuant, a format name or None, got {type(spec).__name__}")
+        raise TypeError(f"quant: expected a stellax.KVQuant, a format name or None, got {type(spec).__name__}")
     return spec
 
 
@@ -59,7 +59,7 @@ _encode_spec = encode_kvquant  # the name the tests know
 @dataclasses.dataclass(frozen=True)
 class QuantizedPages:
     """A quantized page pool as torch tensors (see the module docstring and
-    `stellax.paged.QuantizedPages` for the layout).
+    `stellax.QuantizedPages` for the layout).
 
     Attributes:
       data: codes ``[num_pages, page_size, (K,) H / values_per_byte]``
@@ -67,7 +67,7 @@ class QuantizedPages:
       scale, zero: per-group scales / zero points (``zero`` None for symmetric formats).
       signs: ``[H]`` float32 rotation signs or None.
       window: full-precision sink/recent windows ``[max_seqs, W, (K,) H]`` or None.
-      spec: the `stellax.paged.KVQuant`.
+      spec: the `stellax.KVQuant`.
       head_dim: ``H``.
       quant: the spec encoded for the custom ops (filled in from ``spec``;
         carried along so that `torch.compile` never re-encodes it).
@@ -92,14 +92,14 @@ class QuantizedPages:
         return (*self.data.shape[:-1], self.head_dim)
 
     def to_jax(self):
-        """The JAX `stellax.paged.QuantizedPages` with the same buffers (zero-copy)."""
+        """The JAX `stellax.QuantizedPages` with the same buffers (zero-copy)."""
         conv = lambda t: None if t is None else bridge.to_jax(t)
         return Pages(conv(self.data), conv(self.scale), conv(self.zero), conv(self.signs),
                                        conv(self.window), self.spec, int(self.head_dim))
 
     @classmethod
     def from_jax(cls, pages) -> "QuantizedPages":
-        """From a JAX `stellax.paged.QuantizedPages` (zero-copy)."""
+        """From a JAX `stellax.QuantizedPages` (zero-copy)."""
         conv = lambda a: None if a is None else bridge.to_torch(a)
         return cls(conv(pages.data), conv(pages.scale), conv(pages.zero), conv(pages.signs), conv(pages.window),
                    pages.spec, int(pages.head_dim))
@@ -229,7 +229,7 @@ quantize_pages_op = define_op("quantize_pages", _quantize_pages, differentiable=
 def quantize_pages(pages: torch.Tensor, spec, *, max_seqs: int | None = None, block_tables: torch.Tensor | None = None,
                    lengths: torch.Tensor | None = None) -> QuantizedPages:
     """Quantize a dense page pool ``[num_pages, page_size, (K,) H]``
-    (`stellax.paged.quantize_pages`) with ``spec`` (a `stellax.paged.KVQuant`
+    (`stellax.ops.paged_attention.quantize_pages`) with ``spec`` (a `stellax.KVQuant`
     or a format name ``"int8"``/``"fp8"``/``"int4"``/``"int2"``). With
     sink/recent windows, ``block_tables`` and ``lengths`` say which positions
     the windows hold. Returns a `QuantizedPages`."""
@@ -250,7 +250,7 @@ dequantize_pages_op = define_op("dequantize_pages", _dequantize_pages, different
 
 def dequantize_pages(pages: QuantizedPages, *, rotated: bool = False) -> torch.Tensor:
     """Dense float32 pages ``[num_pages, page_size, (K,) H]`` of a quantized
-    pool (windows not applied; `stellax.paged.dequantize_pages`).
+    pool (windows not applied; `stellax.ops.paged_attention.dequantize_pages`).
     ``rotated=True`` keeps the rotated basis."""
     if not isinstance(pages, QuantizedPages):
         raise TypeError(f"pages: expected a stellax.torch.QuantizedPages, got {type(pages).__name__}")
@@ -268,7 +268,7 @@ update_kv_cache_op = define_op("update_kv_cache", _update, differentiable=False,
 def update_kv_cache(k_pages, v_pages, new_k: torch.Tensor, new_v: torch.Tensor | None, slot_mapping: torch.Tensor, *,
                     positions: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None):
     """Write new tokens into a paged cache and return the new ``(k_pages,
-    v_pages)`` (functional, `stellax.paged.update_kv_cache`; the inputs are not
+    v_pages)`` (functional, `stellax.update_kv_cache`; the inputs are not
     modified). Pools dense or `QuantizedPages` (quantized on write), or a
     combined dense ``kv_pages`` with ``v_pages=None`` (returns ``(kv_pages,
     None)``). ``new_k``/``new_v [T_new, (K,) H]``; ``slot_mapping [T_new]``
@@ -286,7 +286,7 @@ def init_kv_cache(num_pages: int, page_size: int, num_kv_heads: int | None, head
                   dtype: torch.dtype = torch.bfloat16, quant=None, value_quant="same",
                   value_head_dim: int | None = None, max_seqs: int | None = None, combined: bool = False,
                   device=None):
-    """An empty (zero) paged cache ``(k_pages, v_pages)`` (`stellax.paged.init_kv_cache`):
+    """An empty (zero) paged cache ``(k_pages, v_pages)`` (`stellax.init_kv_cache`):
     dense ``[num_pages, page_size, (K,) H]`` tensors in ``dtype``, or
     `QuantizedPages` with ``quant`` / ``value_quant`` (a `KVQuant` or a format
     name; ``value_quant="same"`` follows ``quant``). ``combined=True`` gives
@@ -323,14 +323,14 @@ def _written_again(slots: torch.Tensor) -> torch.Tensor:
 def update_kv_cache_(k_pages: torch.Tensor, v_pages: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
     """Write new tokens into dense page pools **in place** (pure torch, the
-    torch counterpart of `stellax.paged.update_kv_cache`): row ``i`` of
+    torch counterpart of `stellax.update_kv_cache`): row ``i`` of
     ``new_k``/``new_v [T_new, K, H]`` goes to slot ``slot_mapping[i] = page *
     page_size + offset``; negative slots are padding and skipped, as are slots
     past the pool. Of a slot written by several tokens the last write wins
     (deterministic on every device: ``index_copy_`` only sees unique slots).
     In checked mode (`stellax.checked` / ``STELLAX_CHECKS=1``) a slot past the
     pool or a repeated slot raises ``ValueError`` naming ``slot_mapping``, the
-    index and the slot (`stellax.paged.validate`). Quantized pools: use the
+    index and the slot (`stellax.ops.paged_attention.validate`). Quantized pools: use the
     functional `update_kv_cache`."""
     if not isinstance(k_pages, torch.Tensor) or not isinstance(v_pages, torch.Tensor):
         raise TypeError("k_pages/v_pages: update_kv_cache_ writes dense torch.Tensor pools in place; for "

@@ -1,8 +1,8 @@
 """Serving attention over paged KV caches: decode, ragged batches, MLA, quantized caches.
 
 The public functions and ops (`paged_attention`, `ragged_paged_attention`,
-`mla_decode`), their backend tables and the cache helpers are in `api`; the
-shared checks and cost models in `base`; the cache layout and updates in
+`mla_decode`) and the cache helpers are in `api`; the shared checks, cost
+models and backend tables in `base`; the cache layout and updates in
 `cache` / `quant_cache`, calibrated rotations in `rotation`, `validate` in
 `validation`; one internal problem for every path in `plan`, run by `xla`,
 the Triton kernels in `triton` and the Mosaic TPU kernels in `mosaic_tpu` /

@@ -1,36 +1,19 @@
 """Public paged-attention API: the serving ops `paged_attention`,
-`ragged_paged_attention` and `mla_decode`, their backend tables, and the
-cache helpers (`init_kv_cache`, `update_kv_cache`, `validate`, the quantized
-formats, calibrated rotations and the random test caches) re-exported from
-the modules that define them.
-
-The ops are forward-only (serving). Each has its own configs on every kernel
-backend, so each has its own backend table (rows in dispatch order:
-``mosaic_tpu``, ``triton``, ``xla``); the three tables share the kernel
-modules, whose entry points ``run_paged`` / ``run_ragged`` / ``run_mla``
-take ``(call, config)``. A new backend is a kernel module with those entry
-points, its configs in `configs`, and one row per table.
+`ragged_paged_attention` and `mla_decode`, registered over the family's
+backend tables (`base`), and the cache helpers (`init_kv_cache`,
+`update_kv_cache`, `validate`, the quantized formats, calibrated rotations
+and the random test caches) re-exported from the modules that define them.
 """
 
 from __future__ import annotations
 
-from ...core import Call, Op, register
-from ...core.backends import Backend, BackendTable, Tuning
+from ...core import Call
+from ...core.backends import Backend
 from . import examples
-from . import mosaic_tpu as mosaic_tpu_kernels
-from . import mosaic_tpu_mla as mosaic_tpu_mla_kernels
-from . import triton as triton_kernels
-from . import xla as xla_kernels
-from .base import (check_mla, check_paged, check_ragged, mla_bytes, mla_flops, paged_bytes, paged_flops, ragged_bytes,
-                   ragged_flops)
+from .base import (MLA_BACKENDS, PAGED_BACKENDS, RAGGED_BACKENDS, check_mla, check_paged, check_ragged, mla_bytes,
+                   mla_flops, paged_bytes, paged_flops, ragged_bytes, ragged_flops)
 from .cache import init_kv_cache, update_kv_cache
-from .configs import (
-    MlaConfig, PagedConfig, RaggedConfig, TpuMlaConfig, TpuPagedConfig, TpuRaggedConfig, mla_heuristic,
-    mla_requirements, mla_space, mla_tpu_heuristic, mla_tpu_requirements, mla_tpu_space, paged_heuristic,
-    paged_requirements, paged_space, paged_tpu_defers_to_xla, paged_tpu_heuristic, paged_tpu_requirements,
-    paged_tpu_space, ragged_heuristic,
-    ragged_requirements, ragged_space, ragged_tpu_heuristic, ragged_tpu_requirements, ragged_tpu_space,
-)
+from .configs import MlaConfig, PagedConfig, RaggedConfig, TpuMlaConfig, TpuPagedConfig, TpuRaggedConfig
 from .examples import mla_inputs, paged_inputs, ragged_inputs, random_block_tables
 from .quant_cache import (
     KVQuant, QuantizedPages, dequantize_pages, hadamard, pack_codes, quantize_pages, rotate, rotation_signs,
@@ -39,26 +22,6 @@ from .quant_cache import (
 from .reference import mla_decode_reference, paged_attention_reference, ragged_paged_attention_reference
 from .rotation import KVClip, KVRotation, calibrate_kv_clip, calibrate_kv_rotation, load_kv_rotation, save_kv_rotation
 from .validation import bad_batch_rows, bad_ragged_tokens, poison, validate
-
-# -- backends ------------------------------------------------------------------------------
-PAGED_BACKENDS = BackendTable("paged_attention", [
-    Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
-            Tuning(TpuPagedConfig, paged_tpu_heuristic, paged_tpu_space, paged_tpu_requirements,
-                   paged_tpu_defers_to_xla)),
-    Backend("triton", triton_kernels, "triton", Tuning(PagedConfig, paged_heuristic, paged_space, paged_requirements)),
-    Backend("xla", xla_kernels),
-])
-
-#: The other two ops run on the same backends with their own configs (MLA's TPU kernels in their own file).
-RAGGED_BACKENDS = PAGED_BACKENDS.retuned({
-    "mosaic_tpu": Tuning(TpuRaggedConfig, ragged_tpu_heuristic, ragged_tpu_space, ragged_tpu_requirements),
-    "triton": Tuning(RaggedConfig, ragged_heuristic, ragged_space, ragged_requirements),
-})
-
-MLA_BACKENDS = PAGED_BACKENDS.retuned({
-    "mosaic_tpu": Tuning(TpuMlaConfig, mla_tpu_heuristic, mla_tpu_space, mla_tpu_requirements),
-    "triton": Tuning(MlaConfig, mla_heuristic, mla_space, mla_requirements),
-}, kernels={"mosaic_tpu": mosaic_tpu_mla_kernels})
 
 
 # Every implementation and the golden give bad metadata the same documented result (NaN rows,
@@ -104,21 +67,17 @@ _mla_reference.__wrapped__ = mla_decode_reference  # what the lab shows as the g
 
 
 # -- ops -------------------------------------------------------------------------------------
-paged_attention_op = register(Op(
-    "paged_attention", family="paged_attention", check=check_paged, reference=_paged_reference,
-    implementations=PAGED_BACKENDS.forward(_run_paged), flops=paged_flops, bytes_accessed=paged_bytes,
-    examples=examples.paged_examples, benchmarks=examples.paged_benchmarks))
+paged_attention_op = PAGED_BACKENDS.op(
+    "paged_attention", _run_paged, check=check_paged, reference=_paged_reference, flops=paged_flops,
+    bytes_accessed=paged_bytes, examples=examples.paged_examples, benchmarks=examples.paged_benchmarks)
 
-ragged_paged_attention_op = register(Op(
-    "ragged_paged_attention", family="paged_attention", check=check_ragged,
-    reference=_ragged_reference, implementations=RAGGED_BACKENDS.forward(_run_ragged),
-    flops=ragged_flops, bytes_accessed=ragged_bytes, examples=examples.ragged_examples,
-    benchmarks=examples.ragged_benchmarks))
+ragged_paged_attention_op = RAGGED_BACKENDS.op(
+    "ragged_paged_attention", _run_ragged, check=check_ragged, reference=_ragged_reference, flops=ragged_flops,
+    bytes_accessed=ragged_bytes, examples=examples.ragged_examples, benchmarks=examples.ragged_benchmarks)
 
-mla_decode_op = register(Op(
-    "mla_decode", family="paged_attention", check=check_mla, reference=_mla_reference,
-    implementations=MLA_BACKENDS.forward(_run_mla), flops=mla_flops, bytes_accessed=mla_bytes,
-    examples=examples.mla_examples, benchmarks=examples.mla_benchmarks))
+mla_decode_op = MLA_BACKENDS.op(
+    "mla_decode", _run_mla, check=check_mla, reference=_mla_reference, flops=mla_flops, bytes_accessed=mla_bytes,
+    examples=examples.mla_examples, benchmarks=examples.mla_benchmarks)
 
 
 # -- public functions --------------------------------------------------------------------------

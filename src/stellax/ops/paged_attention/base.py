@@ -1,9 +1,17 @@
 """What the three serving ops share: the argument checks (of the page pools,
 windows, scales and sinks, and each op's `check_paged` / `check_ragged` /
-`check_mla`, which `validation` reuses) and the cost models (live tokens,
-bytes per cached token, each op's FLOPs and bytes), and the query layout of
-`paged_attention` / `mla_decode` (`with_query_axis`). The ops themselves, with
-their backend tables, are in `api`."""
+`check_mla`, which `validation` reuses), the cost models (live tokens,
+bytes per cached token, each op's FLOPs and bytes) and the backend tables.
+
+The ops are forward-only (serving). Each has its own configs on every kernel
+backend, so each has its own backend table (rows in dispatch order:
+``mosaic_tpu``, ``triton``, ``xla``): `PAGED_BACKENDS`, and, retuned with
+the other ops' configs, `RAGGED_BACKENDS` and `MLA_BACKENDS`. The tables
+share the kernel modules (MLA's Mosaic TPU kernels are in `mosaic_tpu_mla`),
+whose entry points ``run_paged`` / ``run_ragged`` / ``run_mla`` take
+``(call, config)``. A new backend is a kernel module with those entry
+points, its configs in `configs`, and one row per table. The ops and the
+public functions are in `api`."""
 
 from __future__ import annotations
 
@@ -12,18 +20,23 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ...core.precision import resolve_precision
 from ...core import Call, checks
+from ...core.backends import Backend, BackendTable, Tuning
 from ...core.pallas import nbytes
+from ...core.precision import resolve_precision
+from . import mosaic_tpu as mosaic_tpu_kernels
+from . import mosaic_tpu_mla as mosaic_tpu_mla_kernels
+from . import triton as triton_kernels
+from . import xla as xla_kernels
 from .cache import pool_entries
+from .configs import (
+    MlaConfig, PagedConfig, RaggedConfig, TpuMlaConfig, TpuPagedConfig, TpuRaggedConfig, mla_heuristic,
+    mla_requirements, mla_space, mla_tpu_heuristic, mla_tpu_requirements, mla_tpu_space, paged_heuristic,
+    paged_requirements, paged_space, paged_tpu_defers_to_xla, paged_tpu_heuristic, paged_tpu_requirements,
+    paged_tpu_space, ragged_heuristic, ragged_requirements, ragged_space, ragged_tpu_heuristic,
+    ragged_tpu_requirements, ragged_tpu_space,
+)
 from .quant_cache import QuantizedPages
-
-
-def with_query_axis(*queries):
-    """``(squeeze, *queries)`` with each query ``[B, Q, N, H]``: decode queries ``[B, N, H]`` (the
-    first one's rank decides) get a query axis of one, which ``squeeze`` says to drop from the output."""
-    squeeze = queries[0].ndim == 3
-    return (squeeze, *(q[:, None] if squeeze else q for q in queries))
 
 
 # -- argument checks -------------------------------------------------------------------
@@ -338,3 +351,24 @@ def mla_flops(call: Call) -> float:
 def mla_bytes(call: Call) -> float:
     kv = pool_read_bytes(call, call.lengths, ("latent", "pe"))
     return kv + 2 * nbytes(call.q_nope) + nbytes(call.q_pe) + nbytes(call.block_tables)
+
+
+# -- backends ------------------------------------------------------------------------------
+PAGED_BACKENDS = BackendTable("paged_attention", [
+    Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
+            Tuning(TpuPagedConfig, paged_tpu_heuristic, paged_tpu_space, paged_tpu_requirements,
+                   paged_tpu_defers_to_xla)),
+    Backend("triton", triton_kernels, "triton", Tuning(PagedConfig, paged_heuristic, paged_space, paged_requirements)),
+    Backend("xla", xla_kernels),
+])
+
+#: The other two ops run on the same backends with their own configs (MLA's TPU kernels in their own file).
+RAGGED_BACKENDS = PAGED_BACKENDS.retuned({
+    "mosaic_tpu": Tuning(TpuRaggedConfig, ragged_tpu_heuristic, ragged_tpu_space, ragged_tpu_requirements),
+    "triton": Tuning(RaggedConfig, ragged_heuristic, ragged_space, ragged_requirements),
+})
+
+MLA_BACKENDS = PAGED_BACKENDS.retuned({
+    "mosaic_tpu": Tuning(TpuMlaConfig, mla_tpu_heuristic, mla_tpu_space, mla_tpu_requirements),
+    "triton": Tuning(MlaConfig, mla_heuristic, mla_space, mla_requirements),
+}, kernels={"mosaic_tpu": mosaic_tpu_mla_kernels})

@@ -1,4 +1,5 @@
-"""The paged KV cache: layout, creation and `update_kv_cache` (`validate` is in `validation`).
+"""The paged KV cache: layout, creation and `update_kv_cache` (`validate` is in `validation`),
+and the query layout the paths read it with (`with_query_axis`).
 
 Layout (vLLM / FlashAttention): ``k_pages``, ``v_pages`` ``[num_pages,
 page_size, K, H]``, or one combined ``kv_pages [num_pages, page_size, 2, K,
@@ -106,6 +107,15 @@ def pages_shape(pages) -> tuple:
 def pages_dtype(pages):
     """The dtype values of a pool are read as (``None`` for a quantized pool)."""
     return None if isinstance(pages, QuantizedPages) else pages.dtype
+
+
+# -- queries: the layout every path reads the cache with --------------------------------
+def with_query_axis(*queries):
+    """``(squeeze, *queries)`` with each query ``[B, Q, N, H]``: decode queries ``[B, N, H]`` (the
+    first one's rank decides) get a query axis of one, which ``squeeze`` says to drop from the output
+    (`paged_attention` / `mla_decode`: the golden and `plan`)."""
+    squeeze = queries[0].ndim == 3
+    return (squeeze, *(q[:, None] if squeeze else q for q in queries))
 
 
 # -- creation -------------------------------------------------------------------------

@@ -39,8 +39,7 @@ import jax.numpy as jnp
 from ...core import Call
 from ...core.pallas import cdiv
 from ...core.precision import soft_cap
-from .base import with_query_axis
-from .cache import Source, as_source, pool_from_call
+from .cache import Source, as_source, pool_from_call, with_query_axis
 from .quant_cache import expand_token_groups, load_codes, rotate, unrotate
 
 

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 from ...core import Call
 from ..attention.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec
 from ..attention.reference import attention_forward_reference
-from .base import with_query_axis
-from .cache import as_source, pool_from_call
+from .cache import as_source, pool_from_call, with_query_axis
 from .quant_cache import QuantizedPages, dequantize_pages, unrotate, window_slots
 
 _HIGHEST = jax.lax.Precision.HIGHEST
