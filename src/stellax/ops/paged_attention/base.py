@@ -32,7 +32,7 @@ from .cache import pool_entries
 from .configs import (
     MlaConfig, PagedConfig, RaggedConfig, TpuMlaConfig, TpuPagedConfig, TpuRaggedConfig, mla_heuristic,
     mla_requirements, mla_space, mla_tpu_heuristic, mla_tpu_requirements, mla_tpu_space, paged_heuristic,
-    paged_requirements, paged_space, paged_tpu_defers_to_xla, paged_tpu_heuristic, paged_tpu_requirements,
+    paged_requirements, paged_space, paged_tpu_heuristic, paged_tpu_requirements,
     paged_tpu_space, ragged_heuristic, ragged_requirements, ragged_space, ragged_tpu_heuristic,
     ragged_tpu_requirements, ragged_tpu_space,
 )
@@ -356,8 +356,7 @@ def mla_bytes(call: Call) -> float:
 # -- backends ------------------------------------------------------------------------------
 PAGED_BACKENDS = BackendTable("paged_attention", [
     Backend("mosaic_tpu", mosaic_tpu_kernels, "mosaic_tpu",
-            Tuning(TpuPagedConfig, paged_tpu_heuristic, paged_tpu_space, paged_tpu_requirements,
-                   paged_tpu_defers_to_xla)),
+            Tuning(TpuPagedConfig, paged_tpu_heuristic, paged_tpu_space, paged_tpu_requirements)),
     Backend("triton", triton_kernels, "triton", Tuning(PagedConfig, paged_heuristic, paged_space, paged_requirements)),
     Backend("xla", xla_kernels),
 ])

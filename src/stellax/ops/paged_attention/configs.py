@@ -558,16 +558,3 @@ def ragged_tpu_requirements(call: Call) -> str | None:
 
 def mla_tpu_requirements(call: Call) -> str | None:
     return _tpu_requirements(call, "mla")
-
-
-def paged_tpu_defers_to_xla(platform) -> str | None:
-    """Why the default chain passes the Mosaic TPU decode kernel (`paged_attention`) over on
-    ``platform``: on a v5e it was measured slower than the XLA gather path (the suite's bench
-    stage, 2026-12-05, bf16, K=8 N=64 H=128 page 16: B=8 ctx=8192 3.69 ms against 1.38, B=4
-    ctx=32768 7.12 against 2.63, B=1 ctx=131072 7.09 against 3.28). Other generations are not
-    measured. `ragged_paged_attention` and `mla_decode` beat XLA there and keep their kernels."""
-    tpu = platform.tpu
-    if tpu is not None and tpu.name == "v5e":
-        return "measured slower than XLA on a v5e (0.37-0.46x at batch 1-8, 8k-131k context, bf16)"
-    return None
-
