@@ -1,0 +1,427 @@
+"""linear_cross_entropy on a TPU: stellax's Mosaic kernels against XLA, forward and forward+backward.
+
+    PYTHONPATH=$PYTHONPATH:src PYTHONUNBUFFERED=1 python3 benchmarks/loss_tpu.py --out $OUT/loss_tpu.json
+
+Cases (issue 40): a language-model head in bfloat16, ``x [T, D]``, weights
+``[V, D]`` (a Hugging Face ``lm_head.weight``, ``transpose_w=True``), a tenth of
+the labels ``ignore_index``, the mean loss: (T, D, V) = (8192, 4096, 131072)
+first, then (32768, 4096, 131072), (8192, 4096, 262144) and (32768, 4096,
+262144) while the budget lasts. For each case and each pass (``fwd``: the
+loss; ``fwd+bwd``: the loss and its gradients for x and w by
+``jax.value_and_grad``), on the same data, in this order:
+
+* ``xla:full_logits``: the formula as everyone writes it in ``jnp``: bf16
+  logits matmul with float32 output, ``log_softmax``, the label's term, the
+  masked mean, jitted, its gradients by JAX's autodiff. It materializes the
+  ``[T, V]`` float32 logits (4 GiB at T=8192, V=131072), so past the first case
+  it does not fit a 16 GiB v5e: the row then carries the compiler's or the
+  runtime's error;
+* ``stellax:xla_chunked``: the op's memory-linear XLA path (its heuristic chunks);
+* ``stellax:mosaic_tpu``: `stellax.linear_cross_entropy` with
+  ``implementation="mosaic_tpu"`` and the config stellax picks by itself
+  (``config`` ``default``; the row's ``default`` is true when
+  ``implementation=None`` would run the kernel too), then explicit
+  `LossTpuConfig` tiles (``--configs``; the forward and the backward op both
+  take the explicit tiles);
+* ``tokamax:mosaic_tpu``: tokamax's Mosaic TPU loss
+  (``linear_softmax_cross_entropy_loss``, mean), the peer issue 40 names.
+  It takes weights ``[D, V]`` (transposed once, outside the timed program)
+  and has no ``ignore_index`` (the ignored labels are read as 0), so its
+  loss and gradients are not compared (``loss_rel_err`` None); a row with
+  ``skipped`` when tokamax is not installed, and in the dry run.
+
+Timing: each contender is compiled ahead of time (``compile_s``), run once,
+then timed ``--reps`` times (``block_until_ready`` after each call; median
+reported) after ``--warmup`` runs. ``tflops`` counts the same matmul work for
+every contender of a case (``2·T·D·V`` forward, three times that forward and
+backward: logits, dx, dw; the Mosaic backward's recomputed logits are its own
+overhead); ``pct_peak`` is that against the chip's bfloat16 peak (197 TFLOP/s
+on a v5e); ``vs_xla`` is the full-logits XLA time over the row's.
+
+Memory: ``temp_mib`` is the compiled program's temporaries and ``program_mib``
+arguments + outputs + temporaries (``compiled.memory_analysis()``, no aliasing
+counted), the HBM the program needs; ``device_peak_mib`` is the device's
+``peak_bytes_in_use`` after the row (``memory_stats()``; a high-water mark of
+the whole process, so it only rises: it bounds the row's peak from above and
+is exact for the first row that raises it).
+
+Errors: every row's loss and gradients are compared with the case's first
+contender that ran (``xla:full_logits``, else ``stellax:xla_chunked``):
+``loss_rel_err`` (relative error of the mean loss), ``rel_l2`` (the larger
+relative L2 error of dx and dw; ``fwd+bwd`` only); ``reference`` names it.
+
+The JSON (``--out``) holds ``{"format": "stellax-loss-tpu", "version": 1,
+"environment": {...}, "rows": [ROW, ...]}`` with rows in the suite's results
+schema (benchmarks/README.md: op, case, pass, contender, default, peer, ms,
+tflops, pct_peak, bound, device, date, skipped, error) plus ``config``,
+``vs_xla``, ``loss_rel_err``, ``rel_l2``, ``reference``, ``temp_mib``,
+``program_mib``, ``device_peak_mib`` and ``compile_s``. It is rewritten after
+every row, so a run cut short keeps what it measured. ``--budget`` seconds
+(default 190): no new contender starts past it (skipped rows say so). The
+first case is 12 compiles and timings, about 90-120 s on a v5e host.
+
+``--dry-run`` runs the same code path on the CPU on a tiny ragged case (T=40,
+V=300) with the Mosaic kernels interpreted (the test suite runs it so the
+script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+START = time.perf_counter()
+
+#: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
+V5E_TFLOPS = 197.0
+MIB = 2**20
+IGNORED = 0.1
+
+#: (T, D, V): issue 40's headline case first.
+CASES = [(8192, 4096, 131072), (32768, 4096, 131072), (8192, 4096, 262144), (32768, 4096, 262144)]
+DRY_CASES = [(40, 128, 300)]
+#: Explicit (block_t, block_v) tried after the default config.
+CONFIGS = "256x512,1024x512,512x1024"
+DRY_CONFIGS = "16x128"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted kernels, a tiny case")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per contender (default 5, dry run 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs after the first (default 1, dry run 0)")
+    p.add_argument("--budget", type=float, default=190.0, help="seconds; no new contender starts past it")
+    p.add_argument("--cases", default="", help="comma-separated case indices to run (default: all, in order)")
+    p.add_argument("--configs", default=None,
+                   help=f"explicit mosaic_tpu tiles BTxBV, comma-separated (default {CONFIGS}; '' for none)")
+    p.add_argument("--passes", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd (default both)")
+    return p.parse_args(argv)
+
+
+# -- inputs, contenders ----------------------------------------------------------------------
+def make_inputs(seed: int, tokens: int, features: int, vocab: int, dtype):
+    """``(x [T, D], w [V, D], labels [T])`` made on the device, logits of order 1, a tenth ignored."""
+    kx, kw, ky, ki = jax.random.split(jax.random.PRNGKey(seed), 4)
+
+    @jax.jit
+    def build(kx, kw, ky, ki):
+        x = jax.random.normal(kx, (tokens, features), dtype)
+        w = (jax.random.normal(kw, (vocab, features), jnp.float32) * (2.0 / math.sqrt(features))).astype(dtype)
+        labels = jax.random.randint(ky, (tokens,), 0, vocab, jnp.int32)
+        labels = jnp.where(jax.random.uniform(ki, (tokens,)) < IGNORED, -100, labels)
+        return x, w, labels
+
+    return jax.block_until_ready(build(kx, kw, ky, ki))
+
+
+def xla_full_logits(x, w, labels):
+    """The mean cross-entropy from the full ``[T, V]`` float32 logits (``jnp``, as everyone writes it)."""
+    logits = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    valid = labels != -100
+    nll = -jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[:, None], axis=-1)[:, 0]
+    return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+def stellax_loss(implementation, x, w, labels):
+    import stellax
+
+    return stellax.linear_cross_entropy(x, w, labels, transpose_w=True, implementation=implementation)
+
+
+def tokamax_loss(x, w_dv, labels):
+    """tokamax's Mosaic TPU loss (weights ``[D, V]``, no ``ignore_index``: ignored labels read as 0)."""
+    import tokamax
+
+    labels = jnp.where(labels == -100, 0, labels)
+    return tokamax.linear_softmax_cross_entropy_loss(x, labels, w_dv, reduction="mean", implementation="mosaic_tpu")
+
+
+def tokamax_args(args):
+    """tokamax's operands: the weights transposed to ``[D, V]`` once, outside the timed program."""
+    x, w, labels = args
+    return x, jax.block_until_ready(jnp.asarray(w.T)), labels
+
+
+def parse_configs(text: str):
+    from stellax.ops.loss import LossTpuConfig
+
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        bt, bv = item.lower().split("x")
+        out.append(LossTpuConfig(block_t=int(bt), block_v=int(bv)))
+    return out
+
+
+def contenders(configs):
+    """``(contender, config label, loss function, config or None, peer)`` in run order."""
+    out = [("xla:full_logits", "-", xla_full_logits, None, True),
+           ("stellax:xla_chunked", "default", functools.partial(stellax_loss, "xla_chunked"), None, False),
+           ("stellax:mosaic_tpu", "default", functools.partial(stellax_loss, "mosaic_tpu"), None, False)]
+    for config in configs:
+        out.append(("stellax:mosaic_tpu", f"block_t={config.block_t},block_v={config.block_v}",
+                    functools.partial(stellax_loss, "mosaic_tpu"), config, False))
+    out.append(("tokamax:mosaic_tpu", "-", tokamax_loss, None, True))
+    return out
+
+
+def program(loss, kind: str):
+    return loss if kind == "fwd" else jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def configured(config):
+    """Both loss ops on ``config`` (the backward op, called from the forward's VJP, would take its heuristic)."""
+    import contextlib
+
+    import stellax
+
+    if config is None:
+        return contextlib.nullcontext()
+    return stellax.use_configs({("linear_cross_entropy", "mosaic_tpu"): config,
+                                ("linear_cross_entropy_backward", "mosaic_tpu"): config})
+
+
+# -- measuring --------------------------------------------------------------------------------
+def time_fn(fn, args, reps: int, warmup: int):
+    """(median ms, output) of an already compiled ``fn``."""
+    out = jax.block_until_ready(fn(*args))
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times)) if times else float("nan"), out
+
+
+@jax.jit
+def _rel_l2(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+
+
+def errors(out, ref, kind: str):
+    """``(loss_rel_err, rel_l2 of the gradients or None)`` against the reference's outputs."""
+    loss, ref_loss = (out, ref) if kind == "fwd" else (out[0], ref[0])
+    loss_err = abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30)
+    if kind == "fwd":
+        return loss_err, None
+    grads = [float(_rel_l2(g, r)) for g, r in zip(out[1], ref[1])]
+    return loss_err, (max(grads) if all(np.isfinite(grads)) else math.inf)
+
+
+def memory(compiled) -> tuple[float | None, float | None]:
+    """``(temporaries, arguments + outputs + temporaries)`` in MiB from the compiled program."""
+    try:
+        m = compiled.memory_analysis()
+        temp = m.temp_size_in_bytes
+        return temp / MIB, (m.argument_size_in_bytes + m.output_size_in_bytes + temp) / MIB
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None, None
+
+
+def device_peak() -> float | None:
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001
+        return None
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / MIB
+
+
+def environment(dry: bool) -> dict:
+    dev = jax.devices()[0]
+    env = {"python": sys.version.split()[0], "jax": jax.__version__, "device_kind": dev.device_kind,
+           "platform": dev.platform, "devices": len(jax.devices()), "dry_run": dry}
+    try:
+        from importlib.metadata import version
+        env["libtpu"] = version("libtpu")
+    except Exception:  # noqa: BLE001 - optional
+        env["libtpu"] = None
+    return env
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.dry = args.dry_run
+        self.reps = args.reps if args.reps is not None else (1 if self.dry else 5)
+        self.warmup = args.warmup if args.warmup is not None else (0 if self.dry else 1)
+        self.env = environment(self.dry)
+        self.device = self.env["device_kind"]
+        self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
+        self.date = datetime.date.today().isoformat()
+        self.rows: list[dict] = []
+        self.out = Path(args.out)
+        self.passes = [p for p in args.passes.split(",") if p]
+        for p in self.passes:
+            if p not in ("fwd", "fwd+bwd"):
+                raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
+        text = args.configs if args.configs is not None else (DRY_CONFIGS if self.dry else CONFIGS)
+        self.configs = parse_configs(text)
+
+    def save(self):
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"format": "stellax-loss-tpu", "version": 1, "environment": self.env,
+               "seconds": round(time.perf_counter() - START, 1), "rows": self.rows}
+        self.out.write_text(json.dumps(doc, indent=1))
+
+    def row(self, case, kind, contender, config, *, default, peer, flops, ms=None, errs=(None, None),
+            reference=None, mem=(None, None), compile_s=None, error=None, skipped=None):
+        tflops = None if ms is None or not ms == ms else flops / (ms * 1e-3) / 1e12
+        pct = None if tflops is None or self.peak is None else 100.0 * tflops / self.peak
+        xla = ms if contender == "xla:full_logits" else next(
+            (r["ms"] for r in self.rows if r["case"] == case and r["pass"] == kind
+             and r["contender"] == "xla:full_logits" and r["ms"] is not None), None)
+        r = {"op": "linear_cross_entropy", "case": case, "pass": kind, "contender": contender, "config": config,
+             "default": default, "peer": peer, "ms": ms, "tflops": tflops, "pct_peak": pct, "bound": "compute",
+             "vs_xla": None if xla is None or ms is None else xla / ms, "loss_rel_err": errs[0],
+             "rel_l2": errs[1], "reference": reference, "temp_mib": mem[0], "program_mib": mem[1],
+             "device_peak_mib": device_peak(), "compile_s": compile_s, "device": self.device, "date": self.date,
+             "skipped": skipped, "error": error}
+        self.rows.append(r)
+        self.save()
+        label = f"  {kind:7s} {contender:20s} {config:28s}"
+        if skipped:
+            print(f"{label} skipped: {skipped}", flush=True)
+        elif error:
+            print(f"{label} ERROR {error[:240]}", flush=True)
+        else:
+            grads = "" if errs[1] is None else f" grads rel_l2 {errs[1]:.2e}"
+            vs = "" if r["vs_xla"] is None else f" {r['vs_xla']:.2f}x xla"
+            err = "not compared" if errs[0] is None else f"{errs[0]:.1e}"
+            print(f"{label} {ms:9.3f} ms {tflops:6.1f} TFLOP/s {pct or 0:5.1f}%{vs} temp {mem[0] or 0:9.1f} MiB "
+                  f"program {mem[1] or 0:9.1f} MiB loss rel_err {err}{grads} (compile {compile_s:.1f} s)",
+                  flush=True)
+        return r
+
+    def measure(self, case, kind, contender, config_label, loss, config, args, flops, *, default, peer, ref,
+                compare=True):
+        """One contender: compile, time, compare (unless ``compare`` is false); returns its outputs (or None)."""
+        if time.perf_counter() - START > self.args.budget:
+            self.row(case, kind, contender, config_label, default=default, peer=peer, flops=flops,
+                     skipped=f"budget of {self.args.budget:.0f} s spent")
+            return None
+        try:
+            with configured(config):
+                t0 = time.perf_counter()
+                compiled = jax.jit(program(loss, kind)).lower(*args).compile()
+                compile_s = time.perf_counter() - t0
+            ms, out = time_fn(compiled, args, self.reps, self.warmup)
+            reference, target = ref if ref is not None else (contender, out)
+            errs = errors(out, target, kind) if compare else (None, None)
+            reference = reference if compare else None
+            self.row(case, kind, contender, config_label, default=default, peer=peer, flops=flops, ms=ms,
+                     errs=errs, reference=reference, mem=memory(compiled), compile_s=compile_s)
+            return out
+        except Exception as e:  # noqa: BLE001 - a contender that does not compile, fit or run is a row
+            msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+            self.row(case, kind, contender, config_label, default=default, peer=peer, flops=flops, error=msg[:600])
+            return None
+
+    def measure_tokamax(self, case, kind, args, flops):
+        """tokamax's Mosaic TPU loss, timed like the others; its loss and gradients are not compared
+        (it has no ignore_index, so it computes another mean, and its weight gradient is ``[D, V]``)."""
+        contender = "tokamax:mosaic_tpu"
+        why = None
+        if self.dry:
+            why = "dry run: tokamax's kernel is Mosaic TPU only (no interpret mode here)"
+        else:
+            try:
+                import tokamax  # noqa: F401
+            except ImportError as e:  # tokamax itself, or one of its dependencies
+                why = f"tokamax does not import (optional peer: pip install tokamax): {e}"
+        if why is not None:
+            self.row(case, kind, contender, "-", default=False, peer=True, flops=flops, skipped=why)
+            return
+        self.measure(case, kind, contender, "-", tokamax_loss, None, tokamax_args(args), flops, default=False,
+                     peer=True, ref=None, compare=False)
+
+    def default_implementation(self, args) -> str | None:
+        if self.dry:  # on a CPU dispatch never picks an interpreted kernel; the dry run stands for a TPU
+            return "mosaic_tpu"
+        from stellax.ops.loss import linear_cross_entropy_op
+        try:
+            return linear_cross_entropy_op.select(linear_cross_entropy_op.check(*args, transpose_w=True)).name
+        except Exception:  # noqa: BLE001
+            return None
+
+    def run_case(self, index, tokens, features, vocab):
+        case = f"T={tokens} D={features} V={vocab} bf16 w=[V,D]"
+        print(f"== {case}", flush=True)
+        args = make_inputs(index, tokens, features, vocab, jnp.bfloat16)
+        picked = self.default_implementation(args)
+        for kind in self.passes:
+            flops = 2.0 * tokens * features * vocab * (1 if kind == "fwd" else 3)
+            ref = None
+            for contender, config_label, loss, config, peer in contenders(self.configs):
+                impl = contender.split(":", 1)[1]
+                default = bool(config is None and not peer and picked == impl)
+                if contender.startswith("tokamax"):
+                    self.measure_tokamax(case, kind, args, flops)
+                    continue
+                out = self.measure(case, kind, contender, config_label, loss, config, args, flops, default=default,
+                                   peer=peer, ref=ref)
+                if ref is None and out is not None:
+                    ref = (contender, out)
+                del out
+            del ref
+        del args
+
+    def main(self):
+        cases = DRY_CASES if self.dry else CASES
+        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        print(f"linear_cross_entropy on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
+              f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}, budget {self.args.budget:.0f} s",
+              flush=True)
+        for i in picked:
+            if time.perf_counter() - START > self.args.budget:
+                print(f"budget of {self.args.budget:.0f} s spent: cases from {i} not run", flush=True)
+                self.env["left"] = picked[picked.index(i):]
+                break
+            self.run_case(i, *cases[i])
+        self.save()
+        summary(self.rows)
+        print(f"done in {time.perf_counter() - START:.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        return 0
+
+
+def summary(rows):
+    """Per case and pass: each contender's best time, vs full-logits XLA, and its program memory."""
+    print("\nsummary (ms; x = full-logits XLA time / row's; program MiB)", flush=True)
+    keys = list(dict.fromkeys((r["case"], r["pass"]) for r in rows))
+    for case, kind in keys:
+        rs = [r for r in rows if r["case"] == case and r["pass"] == kind and r["ms"] is not None]
+        cells = []
+        for r in rs:
+            vs = "" if r["vs_xla"] is None else f" {r['vs_xla']:.2f}x"
+            mem = "" if r["program_mib"] is None else f" {r['program_mib']:.0f} MiB"
+            cells.append(f"{r['contender'].split(':')[1]}[{r['config']}] {r['ms']:.2f}{vs}{mem}")
+        print(f"  {case} {kind}: " + "; ".join(cells), flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        import stellax
+
+        with stellax.interpret_mode():
+            return Run(args).main()
+    return Run(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
