@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 import stellax
-from stellax.core import interpret_mode, lowering_target, observe_calls
+from stellax.core import interpret_mode, lowering_target, observe_calls, use_configs
+from stellax.ops.moe import configs
 from stellax.ops.moe.mosaic_tpu import group_visits, max_visits, tile_visits
 from stellax.ops.moe.schedule import group_bounds
 from stellax.ops.moe.configs import TpuGroupedMatmulConfig, gmm_tpu_space, gmm_tpu_vmem
+from stellax.testing.tpu_compile import _pallas_calls
 from stellax.testing.numerics import compare, golden
 
 # The module (the package re-exports a custom-VJP function under the same name).
@@ -46,6 +48,7 @@ def test_visits_cover_every_row_once_and_skip_empty_groups():
     assert 1 not in set(np.asarray(visits.group)[live])  # the empty group is never visited
     tiles = np.asarray(visits.tile)[live]
     assert (np.diff(tiles) >= 0).all()  # the visits of a tile are consecutive
+    assert int(visits.count) == live.sum() == 6  # the kernel's grid extent: the real visits only
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -114,15 +117,158 @@ def test_deterministic():
     assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_space_fits_each_generations_scoped_vmem():
+def test_space_fits_each_generations_vmem_budget_and_big_blocks_raise_the_limit():
     lhs = jax.ShapeDtypeStruct((16384, 7168), jnp.bfloat16)
     rhs = jax.ShapeDtypeStruct((64, 7168, 4096), jnp.bfloat16)
-    call = stellax.registered_ops()["ragged_dot"].check(lhs, rhs, jax.ShapeDtypeStruct((64,), jnp.int32))
-    for generation, budget in (("v5e", 16 << 20), ("v6e", 32 << 20)):
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+    op = stellax.registered_ops()["ragged_dot"]
+    call = op.check(lhs, rhs, sizes)
+    for generation, budget in (("v5e", 64 << 20), ("v5p", 32 << 20), ("v6e", 64 << 20), ("tpu7x", 32 << 20)):
         with lowering_target(generation):
             space = gmm_tpu_space(call)
-            heuristic = stellax.registered_ops()["ragged_dot"].implementations["mosaic_tpu"].heuristic(call)
+            heuristic = op.implementations["mosaic_tpu"].heuristic(call)
         assert space and all(gmm_tpu_vmem(call, c) <= budget for c in space) and heuristic in space
+        assert TpuGroupedMatmulConfig(512, 1024, 1024) in space  # megablox's best v5e tiling (issue 38)
+    with lowering_target("v5e"):
+        assert TpuGroupedMatmulConfig(1024, 2048, 2048) in gmm_tpu_space(call)
+
+    def vmem_limit(config):  # the kernel's compiler params, as traced for a v5e
+        with interpret_mode(), lowering_target("v5e"):
+            jaxpr = jax.make_jaxpr(lambda a, b, s: op(a, b, s, implementation="mosaic_tpu", config=config))(
+                lhs, rhs, sizes)
+        (eqn,) = list(_pallas_calls(jaxpr.jaxpr))
+        return eqn.params["compiler_params"].vmem_limit_bytes
+
+    assert vmem_limit(TpuGroupedMatmulConfig(128, 256, 256)) is None  # fits v5e's 16 MiB default
+    big = TpuGroupedMatmulConfig(512, 2048, 2048)  # about 40 MiB of blocks
+    with lowering_target("v5e"):
+        need = gmm_tpu_vmem(call, big)
+    assert need > 16 << 20 and vmem_limit(big) >= need
+
+
+def _bench_calls():
+    """The forward, dlhs and tgmm calls of issue 38's first case (M=16384 K=7168 N=2048 G=64, bf16)."""
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    ops = stellax.registered_ops()
+    sizes = s((64,), jnp.int32)
+    forward = ops["ragged_dot"].check(s((16384, 7168), bf), s((64, 7168, 2048), bf), sizes)
+    dlhs = ops["ragged_dot"].check(s((16384, 2048), bf), s((64, 7168, 2048), bf), sizes, transpose_rhs=True)
+    drhs = ops["ragged_dot_tgmm"].check(s((16384, 7168), bf), s((16384, 2048), bf), sizes, transpose_lhs=True)
+    return forward, dlhs, drhs
+
+
+def test_heuristics_start_big_on_large_k_and_n():
+    """On a v5e the heuristics pick (256+) x 1024+ x 1024+ blocks for issue 38's shape, which the
+    cost model rates well ahead of the old 512-capped default (128, 512, 512)."""
+    forward, dlhs, drhs = _bench_calls()
+    old = TpuGroupedMatmulConfig(128, 512, 512)
+    with lowering_target("v5e"):
+        for call, heuristic, cost in ((forward, configs.gmm_tpu_heuristic, configs.gmm_tpu_cost),
+                                      (dlhs, configs.gmm_tpu_heuristic, configs.gmm_tpu_cost),
+                                      (drhs, configs.tgmm_tpu_heuristic, configs.tgmm_tpu_cost)):
+            c = heuristic(call)
+            assert c.block_k >= 1024 and c.block_n >= 1024, c
+            assert cost(call, c) < 0.8 * cost(call, old), (c, cost(call, c), cost(call, old))
+        fwd = configs.gmm_tpu_heuristic(forward)
+        assert fwd.block_m == 256  # the mean group (256 rows): no tile computes two groups' rows
+        assert configs.gmm_tpu_vmem(forward, fwd) <= configs.tpu_heuristic_budget() == 32 << 20
+        # dlhs is its own call (K and N swapped): its own choice, not the forward's
+        assert configs.gmm_tpu_heuristic(dlhs) != fwd
+    with lowering_target("v5p"):  # two TensorCores: at least two column blocks on the parallel axis
+        c = configs.gmm_tpu_heuristic(forward)
+        assert -(-2048 // c.block_n) >= 2
+
+
+def _kernel_blocks(fn, *args):
+    """``{kernel name: [block shapes of its operands]}`` of every Mosaic TPU kernel ``fn`` traces."""
+    with interpret_mode(), lowering_target("v5e"):
+        jaxpr = jax.make_jaxpr(fn)(*args)
+    found = {}
+    for eqn in _pallas_calls(jaxpr.jaxpr):
+        shapes = [tuple(getattr(d, "block_size", d) for d in b.block_shape)
+                  for b in eqn.params["grid_mapping"].block_mappings]
+        found.setdefault(eqn.params["name"], []).append(shapes)
+    return found
+
+
+def test_backward_kernels_run_the_configs_resolved_for_their_own_calls():
+    """The dlhs (a transposed-rhs ragged_dot) and drhs (tgmm) of the gradient each take the config
+    resolved for their own call (here from a config lookup, as from the tuned cache), not the
+    forward's: fails if the backward ignores its config or inherits the forward's."""
+    lhs, rhs = _inputs(m=300, n=136)
+    fwd_cfg, dlhs_cfg, tgmm_cfg = (TpuGroupedMatmulConfig(128, 128, 256), TpuGroupedMatmulConfig(256, 256, 128),
+                                   TpuGroupedMatmulConfig(256, 128, 256))
+
+    def lookup(op_name, implementation, call):
+        if op_name == "ragged_dot_tgmm":
+            return tgmm_cfg
+        if op_name == "ragged_dot":
+            return dlhs_cfg if call.transpose_rhs else fwd_cfg
+        return None
+
+    def grad(x, w):
+        return jax.grad(lambda a, b: jnp.sum(stellax.ragged_dot(a, b, SIZES, implementation="mosaic_tpu")
+                                             .astype(jnp.float32)), argnums=(0, 1))(x, w)
+
+    with use_configs(lookup):
+        found = _kernel_blocks(grad, lhs, rhs)
+    forward, dlhs = found["stellax_ragged_dot_tpu"]  # in program order: forward, then dlhs
+    assert forward[0] == (128, 128) and forward[1] == (1, 128, 256)  # lhs [bm, bk], rhs [1, bk, bn]
+    assert dlhs[0] == (256, 256) and dlhs[1] == (1, 128, 256)  # dz [bm, bk], rhs [1, bn, bk] (transposed)
+    (tgmm,) = found["stellax_ragged_dot_tgmm_tpu"]
+    assert tgmm == [(256, 128), (256, 256), (1, 128, 256)]  # lhs [bm, bk], dz [bm, bn], out [1, bk, bn]
+    # Numerics with those configs (interpreted) against the golden.
+    with use_configs(lookup), interpret_mode():
+        ours = grad(lhs, rhs)
+    ref = jax.grad(lambda a, b: jnp.sum(stellax.registered_ops()["ragged_dot"].reference(a, b, SIZES)),
+                   argnums=(0, 1))(lhs, rhs)
+    for o, r in zip(ours, ref):
+        assert _rel(o, r) < 2e-5
+
+
+def test_default_backward_configs_are_the_backward_calls_own_heuristics():
+    """Without tuned configs, at issue 38's shape the gradient's three kernels run three heuristic
+    choices, each computed on its own call (the dlhs's differs from the forward's)."""
+    forward, dlhs, drhs = _bench_calls()
+    with lowering_target("v5e"):
+        expected = [configs.gmm_tpu_heuristic(c) for c in (forward, dlhs)] + [configs.tgmm_tpu_heuristic(drhs)]
+    s = jax.ShapeDtypeStruct
+
+    def grad(x, w, sizes):
+        return jax.grad(lambda a, b: jnp.sum(stellax.ragged_dot(a, b, sizes, implementation="mosaic_tpu")
+                                             .astype(jnp.float32)), argnums=(0, 1))(x, w)
+
+    found = _kernel_blocks(grad, s((16384, 7168), jnp.bfloat16), s((64, 7168, 2048), jnp.bfloat16),
+                           s((64,), jnp.int32))
+    (f_lhs, f_rhs, _), (d_lhs, d_rhs, _) = found["stellax_ragged_dot_tpu"]
+    ((t_lhs, t_rhs, t_out),) = found["stellax_ragged_dot_tgmm_tpu"]
+    got = [TpuGroupedMatmulConfig(f_lhs[0], f_lhs[1], f_rhs[2]), TpuGroupedMatmulConfig(d_lhs[0], d_lhs[1], d_rhs[1]),
+           TpuGroupedMatmulConfig(t_lhs[0], t_out[1], t_out[2])]
+    assert got == expected
+
+
+@pytest.mark.parametrize("config", [TpuGroupedMatmulConfig(128, 128, 128), TpuGroupedMatmulConfig(256, 256, 128)])
+def test_skewed_and_empty_groups_whole_and_partial_tiles_forward_and_gradients(config):
+    """Group sizes with tile-aligned groups (visits that cover their whole tile: the unmasked
+    paths), groups inside one tile, empty groups (one in the middle, one at the end) and rows
+    past the sum: forward and both gradients against the golden."""
+    sizes = jnp.array([256, 0, 384, 100, 28, 3, 130, 0], jnp.int32)  # 901 of 1000 rows
+    lhs, rhs = _inputs(m=1000, k=192, n=160, g=8, seed=5)
+    op = stellax.registered_ops()["ragged_dot"]
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(jnp.sin(fn(a, b, sizes)))
+
+    with interpret_mode():
+        out = op(lhs, rhs, sizes, implementation="mosaic_tpu", config=config)
+        with use_configs({("ragged_dot", "mosaic_tpu"): config, ("ragged_dot_tgmm", "mosaic_tpu"): config}):
+            grads = jax.grad(loss(lambda a, b, s: op(a, b, s, implementation="mosaic_tpu")), argnums=(0, 1))(lhs, rhs)
+    assert _rel(out, op.reference(lhs, rhs, sizes)) < 1e-5
+    assert not np.asarray(out[901:]).any()
+    ref = jax.grad(loss(op.reference), argnums=(0, 1))(lhs, rhs)
+    for ours, golden_grad in zip(grads, ref):
+        assert _rel(ours, golden_grad) < 2e-5
+    assert not np.asarray(grads[1][1]).any() and not np.asarray(grads[1][7]).any()  # empty experts: exactly 0
 
 
 # -- ragged_dot_tgmm (the weight gradient) and the TPU backward -----------------------------------
@@ -144,6 +290,8 @@ def test_group_visits_cover_the_local_rows_once_and_visit_empty_groups():
         begin, end, group, lo, hi, live = map(np.asarray, jax.jit(visits_of)(sizes, offset))
         assert group.shape[0] == 3 + local - 1
         live = live > 0
+        assert int(jax.jit(lambda s, o: group_visits(group_bounds(s, o, local, 300), m_padded, bm).count)(
+            sizes, offset)) == live.sum()
         groups = group[live]
         assert sorted(set(groups)) == list(range(local))  # every local group, empty ones too
         assert (np.diff(groups) >= 0).all()  # a group's visits are consecutive
@@ -230,3 +378,36 @@ def test_float32_precision_contract_numerics():
         errors[precision] = (compare(out, expected).rel_l2, compare(drhs, expected_drhs).rel_l2)
     assert all(1e-4 < e < 3e-2 for e in errors["default"]), errors
     assert all(e < 1e-4 for e in errors["high"]), errors
+
+
+# -- tier 2: every config of the spaces lowers for a TPU -------------------------------------
+_BIG = 2048  # every tile of the spaces (up to 2048) is useful at this size
+
+
+def _space_cases():
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    sizes = s((8,), jnp.int32)
+    x = s((_BIG, _BIG), bf)
+    return {
+        "forward": ("ragged_dot", (x, s((8, _BIG, _BIG), bf), sizes), {}),
+        "gated silu": ("ragged_dot", (x, s((8, _BIG, 2, _BIG), bf), sizes), {"activation": "silu"}),
+        "dlhs (transpose_rhs)": ("ragged_dot", (x, s((8, _BIG, _BIG), bf), sizes), {"transpose_rhs": True}),
+        "tgmm": ("ragged_dot_tgmm", (x, x, sizes), {"transpose_lhs": True}),
+    }
+
+
+@pytest.mark.slow  # ~100 lowerings per case
+@pytest.mark.parametrize("case", list(_space_cases()))
+def test_every_config_of_the_space_lowers_for_tpu(case, generation="v5e"):
+    """The whole v5e autotuning space (row tiles to 1024, K/N tiles to 2048, within 64 MiB of
+    VMEM; v6e's is the same, v5p's and TPU7x's are subsets) lowers to a Mosaic custom call
+    (block shapes obey the TPU tiling rules)."""
+    from stellax.testing.lowering import lower_config
+
+    name, args, kwargs = _space_cases()[case]
+    op = stellax.registered_ops()[name]
+    with lowering_target(generation):
+        space = op.implementations["mosaic_tpu"].config_space(op.check(*args, **kwargs))
+    assert len(space) >= 40 and max(c.block_k for c in space) == 2048
+    for config in space:
+        lower_config(op, "mosaic_tpu", args, kwargs, config=config, platform="tpu", target=generation)

@@ -5,17 +5,24 @@
   along the contraction; the ``tgmm`` kernel tiles the ``[K, N]`` output of a
   group in ``[block_k, block_n]`` and steps ``block_m`` rows of the group.
 * `XlaGroupedMatmulConfig`: the row tile of the XLA loop (`xla.py`).
-* `TpuGroupedMatmulConfig` (Mosaic TPU): tiles sized per TPU generation. A grid
-  step holds, double-buffered, an ``lhs`` tile ``[bm, bk]``, one (two for gated
-  weights) ``rhs`` tiles ``[bk, bn]`` and the output (and pre-activation) tiles
-  ``[bm, bn]``, plus float32 accumulators ``[bm, bn]``. Configs whose buffers
-  exceed the generation's scoped VMEM default are not in its space. Tiles are
-  multiples of 128 (the lane width); ``bn`` and ``bk`` of 256 fill the 256-wide
-  MXU of v6e and TPU7x. `ragged_dot_tgmm` (the weight gradient) reuses the
-  config with other roles: its output block is ``[bk, bn]`` (of ``out[g]``,
-  double-buffered in the output dtype, plus its float32 accumulator) and each
-  step streams ``[bm, bk]`` rows of ``lhs`` and ``[bm, bn]`` rows of ``rhs``
-  (`tgmm_tpu_vmem`).
+* `TpuGroupedMatmulConfig` (Mosaic TPU): ``block_m`` rows (128 … 1024) ×
+  ``block_k`` × ``block_n`` (128 … 2048). A grid step holds, double-buffered,
+  an ``lhs`` tile ``[bm, bk]``, one (two for gated weights) ``rhs`` tiles
+  ``[bk, bn]`` and the output (and pre-activation) tiles ``[bm, bn]``, plus
+  float32 accumulators ``[bm, bn]`` and the step's float32 product
+  (`gmm_tpu_vmem_need`). Blocks past three quarters of the generation's
+  scoped-VMEM default make the kernel raise ``vmem_limit_bytes``
+  (`tpu_vmem_limit`); the spaces hold every config within half the physical
+  VMEM (`tpu_space_budget`: 64 MiB on v5e and v6e, 32 MiB on v5p and TPU7x).
+  `ragged_dot_tgmm` (the weight gradient) uses the config with other roles:
+  its output block is ``[bk, bn]`` (of ``out[g]``, double-buffered in the
+  output dtype, plus its float32 accumulator) and each step streams
+  ``[bm, bk]`` rows of ``lhs`` and ``[bm, bn]`` rows of ``rhs``
+  (`tgmm_tpu_vmem_need`). The heuristics minimise a cost model
+  (`gmm_tpu_cost`, `tgmm_tpu_cost`: MXU time, HBM traffic and grid steps with
+  v5e's rates) over the configs within `tpu_heuristic_budget`; the forward,
+  its dlhs (a transposed-rhs call: K and N swapped) and the tgmm are separate
+  calls, each resolved (tuned cache, then heuristic) by its own shapes.
 
 Heuristics and spaces for `ragged_dot`, `ragged_dot_tgmm` and the quantized
 `ragged_dot` (whose ``block_k`` is capped at the scales' K block).
@@ -227,11 +234,20 @@ def quantized_xla_heuristic(call: Call) -> XlaGroupedMatmulConfig:
 
 
 # -- Mosaic TPU ------------------------------------------------------------------------------
+#: Row tiles of the Mosaic TPU grouped matmuls.
+M_TILES = (128, 256, 512, 1024)
+#: Contraction and column tiles (2048 where the VMEM allows: the kernels raise ``vmem_limit_bytes``).
+KN_TILES = (128, 256, 512, 1024, 2048)
+#: The quantized kernel's tiles (every dimension; its space stays within the scoped VMEM default).
 TILES = (128, 256, 512, 1024)
-#: The heuristics choose among tiles up to 512 (what has been measured on a chip); the autotuning
-#: spaces also hold 1024, where megablox's best v5e tiling was (512, 1024, 1024) on M=16384 K=7168
-#: N=2048 G=64 (5.38 ms against 8.70 ms for stellax's best 512-capped tile; issue 38).
+#: The quantized heuristic chooses among tiles up to 512.
 HEURISTIC_TILE_MAX = 512
+
+#: The heuristics' cost model (`gmm_tpu_cost`, `tgmm_tpu_cost`): a v5e's bfloat16 MXU peak and HBM
+#: bandwidth, and the fixed cost of one grid step (only their ratios steer the choice).
+PEAK_FLOPS = 197e12
+HBM_BYTES_PER_S = 819e9
+STEP_SECONDS = 0.35e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,24 +259,64 @@ class TpuGroupedMatmulConfig(KernelConfig):
     block_n: int = 256
 
     def validate(self) -> None:
-        """Every tile one of `TILES` (128, 256, 512, 1024)."""
-        for name in ("block_m", "block_k", "block_n"):
-            require_in("TpuGroupedMatmulConfig", name, getattr(self, name), TILES)
+        """``block_m`` one of `M_TILES` (128 … 1024), ``block_k`` and ``block_n`` of `KN_TILES` (128 … 2048)."""
+        require_in("TpuGroupedMatmulConfig", "block_m", self.block_m, M_TILES)
+        for name in ("block_k", "block_n"):
+            require_in("TpuGroupedMatmulConfig", name, getattr(self, name), KN_TILES)
 
 
 def _round_up(x: int, to: int) -> int:
     return max(to, -(-x // to) * to)
 
 
+def gmm_tpu_vmem_need(bm: int, bk: int, bn: int, *, halves: int, itemsize: int, out_itemsize: int,
+                      outputs: int) -> int:
+    """VMEM bytes of one `ragged_dot` grid step: double-buffered ``lhs [bm, bk]`` and ``halves``
+    ``rhs [bk, bn]`` tiles, ``outputs`` double-buffered ``[bm, bn]`` output blocks (the output and
+    the pre-activation's halves), the float32 accumulators and the float32 product of a step."""
+    operands = 2 * (bm * bk + halves * bk * bn) * itemsize
+    return operands + 2 * bm * bn * out_itemsize * outputs + 2 * halves * bm * bn * 4
+
+
+def tgmm_tpu_vmem_need(bm: int, bk: int, bn: int, *, itemsize: int, out_itemsize: int) -> int:
+    """VMEM bytes of one `ragged_dot_tgmm` grid step: double-buffered ``lhs [bm, bk]`` and
+    ``rhs [bm, bn]`` tiles (and their masked copies), the double-buffered ``out [bk, bn]``
+    block, the float32 accumulator and the float32 product of a step."""
+    return 3 * bm * (bk + bn) * itemsize + 2 * bk * bn * out_itemsize + 2 * bk * bn * 4
+
+
+def tpu_vmem_limit(need: int) -> int | None:
+    """The ``vmem_limit_bytes`` a kernel needing ``need`` bytes asks for: ``None`` (the
+    compiler's scoped default) while three quarters of that default hold it, else half as
+    much again as the need (the compiler's own temporaries), capped at three quarters of
+    the generation's physical VMEM."""
+    generation = target_generation()
+    if need <= generation.scoped_vmem_bytes * 3 // 4:
+        return None
+    return int(min(need + need // 2, generation.vmem_bytes * 3 // 4))
+
+
+def tpu_space_budget() -> int:
+    """The VMEM a config of the float spaces may need: half the physical VMEM (64 MiB on v5e and
+    v6e, 32 MiB on v5p and TPU7x), so that its `tpu_vmem_limit` fits."""
+    return target_generation().vmem_bytes // 2
+
+
+def tpu_heuristic_budget() -> int:
+    """The VMEM a heuristic config may need: twice the scoped default, at most a quarter of the
+    physical VMEM, never less than the scoped default (32 MiB on v5e, v6e and TPU7x, 16 on v5p)."""
+    generation = target_generation()
+    scoped = generation.scoped_vmem_bytes
+    return max(scoped, min(2 * scoped, generation.vmem_bytes // 4))
+
+
 def gmm_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
-    """VMEM bytes of one grid step's buffers (see the module doc)."""
+    """VMEM bytes of one grid step's buffers for ``call`` (`gmm_tpu_vmem_need`, with both the
+    output and the pre-activation)."""
     _, _, _, _, gated = gmm_dims(call)
     halves = 2 if gated else 1
-    item = np.dtype(call.lhs.dtype).itemsize
-    out_item = np.dtype(call.out_dtype).itemsize
-    operands = 2 * (c.block_m * c.block_k + halves * c.block_k * c.block_n) * item
-    outputs = 2 * c.block_m * c.block_n * out_item * (1 + halves)  # out and the pre-activation
-    return operands + outputs + halves * c.block_m * c.block_n * 4
+    return gmm_tpu_vmem_need(c.block_m, c.block_k, c.block_n, halves=halves, itemsize=_itemsize(call),
+                             out_itemsize=np.dtype(call.out_dtype).itemsize, outputs=1 + halves)
 
 
 def _useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
@@ -271,35 +327,89 @@ def _useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
 
 
 def _fitting_tiles(call: Call, useful, vmem) -> list[TpuGroupedMatmulConfig]:
-    """The ``TILES³`` configs that ``useful(call, c)`` keeps and whose ``vmem(call, c)``
-    fits the target generation's scoped VMEM (128³ when none does)."""
-    budget = target_generation().scoped_vmem_bytes
-    configs = product_space(TpuGroupedMatmulConfig, block_m=TILES, block_k=TILES, block_n=TILES)
+    """The ``M_TILES × KN_TILES²`` configs that ``useful(call, c)`` keeps and whose
+    ``vmem(call, c)`` fits `tpu_space_budget` (128³ when none does)."""
+    budget = tpu_space_budget()
+    configs = product_space(TpuGroupedMatmulConfig, block_m=M_TILES, block_k=KN_TILES, block_n=KN_TILES)
     kept = [c for c in configs if useful(call, c) and vmem(call, c) <= budget]
     return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
 
 
 def _heuristic_pool(space: list[TpuGroupedMatmulConfig]) -> list[TpuGroupedMatmulConfig]:
-    """The configs of ``space`` a heuristic may pick: every tile at most `HEURISTIC_TILE_MAX`."""
+    """The configs of ``space`` the quantized heuristic may pick: every tile at most `HEURISTIC_TILE_MAX`."""
     small = [c for c in space if max(c.block_m, c.block_k, c.block_n) <= HEURISTIC_TILE_MAX]
     return small or space
 
 
+def visits_estimate(m: int, groups: int, block_m: int) -> int:
+    """Visits of the ``block_m``-row tiles of ``m`` rows by ``groups`` groups of unknown sizes
+    (`mosaic_tpu.tile_visits`): every tile once, plus one for every group boundary, each
+    assumed inside a tile (the usual case for unbalanced sizes; balanced sizes that are
+    multiples of the tile do better)."""
+    return -(-m // block_m) + max(groups - 1, 0)
+
+
+def _seconds(flops: float, nbytes: float, steps: float) -> float:
+    return max(flops / PEAK_FLOPS, nbytes / HBM_BYTES_PER_S) + steps * STEP_SECONDS
+
+
+def gmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
+    """Modelled seconds of a `ragged_dot` call with ``c``: MXU work (every visit computes its
+    whole tile, K and N padded to the blocks), HBM traffic (``lhs`` re-read for every column
+    block, one ``rhs [K, bn]`` column block per visit, the output once) and grid steps, with
+    the visits of `visits_estimate`."""
+    m, k, n_total, g, gated = gmm_dims(call)
+    halves = 2 if gated else 1
+    n = n_total // halves
+    kp, np_ = _round_up(k, c.block_k), _round_up(n, c.block_n)
+    visits = visits_estimate(m, g, c.block_m)
+    columns = np_ // c.block_n
+    item, out_item = _itemsize(call), np.dtype(call.out_dtype).itemsize
+    flops = 2.0 * visits * c.block_m * kp * np_ * halves
+    nbytes = (columns * visits * c.block_m * kp * item + visits * kp * np_ * halves * item
+              + m * np_ * out_item)
+    return _seconds(flops, nbytes, columns * visits * (kp // c.block_k))
+
+
+def _megacore_ok(parallel_blocks: int, extent: int) -> bool:
+    """Two TensorCores per device (v5p) split the parallel grid axes: keep at least two blocks
+    there when the dimension allows it (``extent`` above one 128-wide block)."""
+    return target_generation().cores_per_chip < 2 or parallel_blocks >= 2 or extent <= 128
+
+
+def _cheapest(space, cost, vmem, parallel):
+    """The config of ``space`` with the least modelled ``cost`` among those within
+    `tpu_heuristic_budget`, at least the MXU width in K and N where the space has such, and
+    splittable across megacore TensorCores (``parallel(c) -> (blocks, extent)``); near ties
+    (within 2 %) go to the smaller VMEM need."""
+    mxu = target_generation().mxu
+    budget = tpu_heuristic_budget()
+    pool = [c for c in space if vmem(c) <= budget] or space
+    wide = [c for c in pool if c.block_k >= mxu and c.block_n >= mxu]
+    pool = wide or pool
+    pool = [c for c in pool if _megacore_ok(*parallel(c))] or pool
+    return min(pool, key=lambda c: (round(float(np.log(cost(c))) / float(np.log(1.02))), vmem(c),
+                                    -c.block_n, -c.block_k, -c.block_m))
+
+
 def gmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
-    """Tiles of 128–1024 that the call's dimensions can use and that fit the
-    scoped VMEM of the generation the configs are for."""
+    """Row tiles of 128–1024 and K/N tiles of 128–2048 that the call's dimensions can use and
+    whose VMEM fits `tpu_space_budget` (the kernel raises its VMEM limit to match)."""
     return _fitting_tiles(call, _useful, gmm_tpu_vmem)
 
 
 def gmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
-    """``block_m`` 128 (rows per group are few in MoE layers), ``block_k`` and
-    ``block_n`` the MXU width or wider (512 when the dimensions allow), the
-    largest that fits the generation's scoped VMEM."""
-    mxu = target_generation().mxu
-    space = _heuristic_pool(gmm_tpu_space(call))
-    preferred = [c for c in space if c.block_m == 128 and c.block_k >= mxu and c.block_n >= mxu]
-    pool = preferred or space
-    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n))
+    """The config of the space `gmm_tpu_cost` rates fastest within `tpu_heuristic_budget`
+    (`_cheapest`). This is the forward's and, on the dlhs call (``transpose_rhs``: K and N
+    are the forward's N and K), the backward's own choice — each call is keyed and tuned
+    by its own shapes. Big K and N go to big blocks (e.g. 256 × 1024 × 2048 at M = 16384,
+    K = 7168, N = 2048, G = 64 on a v5e: few grid steps, ``lhs`` read once), the row tile
+    follows the mean group size (rows past a group's end in its last tile are computed for
+    nothing)."""
+    m, k, n_total, _, gated = gmm_dims(call)
+    n = n_total // (2 if gated else 1)
+    return _cheapest(gmm_tpu_space(call), lambda c: gmm_tpu_cost(call, c), lambda c: gmm_tpu_vmem(call, c),
+                     lambda c: (-(-n // c.block_n), n))
 
 
 def gmm_tpu_requirements(call: Call) -> str | None:
@@ -312,12 +422,9 @@ def gmm_tpu_requirements(call: Call) -> str | None:
 
 # -- ragged_dot_tgmm -----------------------------------------------------------------------
 def tgmm_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
-    """VMEM bytes of one `ragged_dot_tgmm` grid step: double-buffered ``lhs [bm, bk]``
-    and ``rhs [bm, bn]`` tiles and ``out [bk, bn]`` block, the float32 accumulator."""
-    item = np.dtype(call.lhs.dtype).itemsize
-    out_item = np.dtype(call.out_dtype).itemsize
-    operands = 2 * (c.block_m * c.block_k + c.block_m * c.block_n) * item
-    return operands + 2 * c.block_k * c.block_n * out_item + c.block_k * c.block_n * 4
+    """VMEM bytes of one `ragged_dot_tgmm` grid step (`tgmm_tpu_vmem_need`)."""
+    return tgmm_tpu_vmem_need(c.block_m, c.block_k, c.block_n, itemsize=_itemsize(call),
+                              out_itemsize=np.dtype(call.out_dtype).itemsize)
 
 
 def _tgmm_useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
@@ -326,24 +433,34 @@ def _tgmm_useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
 
 
 def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
-    """Tiles of 128–1024 that the `ragged_dot_tgmm` call can use and that fit the
-    scoped VMEM of the generation the configs are for."""
+    """Row tiles of 128–1024 and K/N tiles of 128–2048 that the `ragged_dot_tgmm` call can
+    use and whose VMEM fits `tpu_space_budget`."""
     return _fitting_tiles(call, _tgmm_useful, tgmm_tpu_vmem)
 
 
+def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
+    """Modelled seconds of a `ragged_dot_tgmm` call with ``c``: MXU work (whole tiles per
+    visit), HBM traffic (for every ``[bk, bn]`` output block the visited rows of ``lhs`` and
+    ``rhs``; the ``[G, K, N]`` output once) and grid steps (`visits_estimate` visits per
+    output block)."""
+    m, k, n, g = tgmm_dims(call)
+    kp, np_ = _round_up(k, c.block_k), _round_up(n, c.block_n)
+    visits = visits_estimate(m, g, c.block_m)
+    blocks = (kp // c.block_k) * (np_ // c.block_n)
+    item, out_item = _itemsize(call), np.dtype(call.out_dtype).itemsize
+    flops = 2.0 * visits * c.block_m * kp * np_
+    nbytes = blocks * visits * c.block_m * (c.block_k + c.block_n) * item + g * kp * np_ * out_item
+    return _seconds(flops, nbytes, blocks * visits)
+
+
 def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
-    """The output block ``[bk, bn]`` as large as fits (each row of ``lhs``/``rhs``
-    is read once per output block, so a larger block reads the rows fewer
-    times), at least the MXU width; ``block_m`` 128, 256 when the groups
-    average 1024 rows or more (a tile straddling two groups is visited twice:
-    small groups want small row tiles)."""
-    m, _, _, g = tgmm_dims(call)
-    mxu = target_generation().mxu
-    bm = 256 if m // max(g, 1) >= 1024 else 128
-    space = _heuristic_pool(tgmm_tpu_space(call))
-    preferred = [c for c in space if c.block_m == bm and c.block_k >= mxu and c.block_n >= mxu]
-    pool = preferred or [c for c in space if c.block_m == 128] or space
-    return max(pool, key=lambda c: (c.block_k * c.block_n, c.block_n, -c.block_m))
+    """The `ragged_dot_tgmm` config of its space that `tgmm_tpu_cost` rates fastest within
+    `tpu_heuristic_budget` (`_cheapest`): a large ``[bk, bn]`` output block (each row of
+    ``lhs``/``rhs`` is read once per output block), the row tile following the mean group
+    size (a tile straddling two groups is visited, and multiplied, twice)."""
+    _, k, n, _ = tgmm_dims(call)
+    return _cheapest(tgmm_tpu_space(call), lambda c: tgmm_tpu_cost(call, c), lambda c: tgmm_tpu_vmem(call, c),
+                     lambda c: (-(-k // c.block_k) * -(-n // c.block_n), max(k, n)))
 
 
 # -- the quantized ragged_dot (`mosaic_tpu_quantized.py`) ------------------------------------

@@ -11,29 +11,39 @@ once per group it holds rows of. The visit list is computed on device
         for every aligned tile i holding rows of g, in row order:
             visit (g, i): rows [max(start_g, i·bm), min(end_g, (i+1)·bm))
 
-An empty group has no visit (it costs nothing); at most ``M/bm + G + 1``
-visits exist, the static grid size; visits past the real count repeat the
-last real one's block indices (so nothing new is copied) and do nothing.
+An empty group has no visit (it costs nothing). The grid's visit axis is
+*dynamic*: its extent is the real visit count (computed on device, at most
+``M/bm + G + 1``), so no grid step is spent, and no operand block copied, for
+visits that do not exist (a static bound padded with idle visits re-read
+the last visit's ``lhs``/``rhs`` blocks at every K step of every idle visit).
 
-Grid ``(N/bn, visits, K/bk)``: the K axis accumulates ``lhs[i, k] @ rhs[g][k, j]``
-in a float32 VMEM scratch; at the last K step the visit writes *its rows* of
-the output tile ``(i, j)`` (``where(row in visit, epilogue(acc), out)``). The
-visits of one tile are consecutive, so the output block stays in VMEM across
-them and every row is written by exactly one visit before it is copied out.
-Pseudo-group visits copy no operands (their K index is pinned) and write zeros.
+Grid ``(N/bn, visits, K/bk)``, K innermost (``arbitrary``): the K axis
+accumulates ``lhs[i, k] @ rhs[g][k, j]`` (operands in their own dtype, bf16
+straight into the MXU, float32 accumulation) in a float32 VMEM scratch; at
+the last K step the visit writes *its rows* of the output tile ``(i, j)``:
+a visit that covers the whole tile (every interior tile of a group) stores
+``epilogue(acc)`` as is, a partial one selects its rows
+(``where(row in visit, epilogue(acc), out)``). The visits of one tile are
+consecutive, so the output block stays in VMEM across them and every row is
+written by exactly one visit before it is copied out. Pseudo-group visits copy
+no operands (their K index is pinned) and write zeros.
 
 The epilogue is the fused activation, or ``act(gate) · up`` for gated weights
 ``rhs [G, K, 2, N]`` (two accumulators; the gate and up halves are two block
 views of the same array). Dimensions that are not block multiples are padded
-inside (M with rows outside every group, K and N with zeros).
+inside (M with rows outside every group, K and N with zeros). Blocks larger
+than the generation's scoped-VMEM default raise ``vmem_limit_bytes``
+(`configs.tpu_vmem_limit`).
 
 `tgmm` (``ragged_dot_tgmm``, the weight gradient ``out[g] = lhs[rows of g]ᵀ @
 rhs[rows of g]``) walks a second visit list, `group_visits`: the local groups
 only (rows outside them are never read), *one visit for every empty group* (its
-output block must still be written, as zeros). Grid ``(K/bk, N/bn, visits)``:
-the visit axis is sequential and accumulates in a float32 VMEM scratch
-``[bk, bn]``; the visits of a group are consecutive, so the output block
-``(g, k, j)`` stays in VMEM and is written once, by the group's last visit.
+output block must still be written, as zeros). Grid ``(K/bk, N/bn, visits)``
+(the visit axis dynamic again): the visit axis is sequential and accumulates in
+a float32 VMEM scratch ``[bk, bn]``; the visits of a group are consecutive, so
+the output block ``(g, k, j)`` stays in VMEM and is written once, by the
+group's last visit. Only a visit that covers part of its tile masks the other
+rows (of both operands); a whole-tile visit multiplies the blocks as loaded.
 The transposed-rhs `gmm` is the dlhs of ``ragged_dot_backward``.
 """
 
@@ -49,18 +59,20 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import cdiv, mxu_dot, mxu_dot_nt, mxu_dot_tn, operand, output, pad_axis, tpu_kernel_call
 from .activations import activation_fn, fusable_in_kernel, kernel_activation_fn
+from .configs import gmm_tpu_vmem_need, tgmm_tpu_vmem_need, tpu_vmem_limit
 from .schedule import group_bounds
 
 
 @dataclasses.dataclass(frozen=True)
 class TileVisits:
-    """The visit list (int32 ``[V_max]`` each; see the module doc)."""
+    """The visit list (int32 ``[V_max]`` each; see the module doc) and its real length."""
 
     group: jax.Array  # local group of the visit; -1 for the zero-fill pseudo-groups
     tile: jax.Array   # aligned row tile
     lo: jax.Array     # first row of the visit
     hi: jax.Array     # one past its last row
     live: jax.Array   # 1 for real visits, 0 for the padding past the count
+    count: jax.Array  # [] the number of real visits: the kernels' (dynamic) grid extent
 
 
 def max_visits(m_tiles: int, num_groups: int) -> int:
@@ -87,7 +99,7 @@ def tile_visits(bounds, m_padded: int, block_m: int) -> TileVisits:
     lo = jnp.maximum(starts[owner], tile * block_m)
     hi = jnp.minimum(ends[owner], (tile + 1) * block_m)
     live = (jnp.arange(v_max) < total).astype(jnp.int32)
-    return TileVisits(groups[owner], tile, lo, hi, live)
+    return TileVisits(groups[owner], tile, lo, hi, live, total.astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +114,15 @@ def _epilogue(accs, activation, gated: bool):
     return act(accs[0]) * accs[1] if gated else act(accs[0])
 
 
-def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs, rhs, rhs_up, out, pre, acc, acc_up,
+def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, *, lhs, rhs, rhs_up, out, pre, acc, acc_up,
                 bm, transpose_rhs, activation, precision, halves):
     """Grid step ``(j, v, k)``: accumulate ``lhs[tile, k] @ rhs[g][k, j]`` of visit
-    ``v``; at the last K step write the visit's rows of ``out`` / ``pre``."""
+    ``v``; at the last K step write the visit's rows of ``out`` / ``pre`` (the whole
+    block when the visit covers the tile, no select)."""
     v, k = pl.program_id(1), pl.program_id(2)
-    group, live = visit_group[v], visit_live[v] > 0
+    group = visit_group[v]
+    valued = group >= 0
+    last_k = k == pl.num_programs(2) - 1
     accs = (acc, acc_up)[:halves]
 
     @pl.when(k == 0)
@@ -115,7 +130,7 @@ def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs,
         for a in accs:
             a[...] = jnp.zeros(a.shape, a.dtype)
 
-    @pl.when(live & (group >= 0))
+    @pl.when(valued)
     def _accumulate():
         a = lhs[...]
         product = mxu_dot_nt if transpose_rhs else mxu_dot
@@ -123,19 +138,40 @@ def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs,
         if rhs_up is not None:
             acc_up[...] += mxu_dot(a, rhs_up[0], precision)
 
-    @pl.when(live & (k == pl.num_programs(2) - 1))
-    def _write():
-        rows = visit_tile[v] * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        mine = (rows >= visit_lo[v]) & (rows < visit_hi[v])
-        valued = group >= 0
-        values = [a[...] for a in accs]
+    base = visit_tile[v] * bm
+    lo, hi = visit_lo[v], visit_hi[v]
+    whole = (lo == base) & (hi == base + bm)
+
+    def store(ref, value, mine):
+        value = value.astype(ref.dtype)
+        ref[...] = value if mine is None else jnp.where(mine, value, ref[...])
+
+    def write(values, mine):
+        """``values``: the accumulators, or None for zeros; ``mine``: the row mask or None (every row)."""
         if out is not None:
-            y = jnp.where(valued, _epilogue(values, activation, halves == 2), 0.0)
-            out[...] = jnp.where(mine, y.astype(out.dtype), out[...])
+            y = (jnp.zeros(out.shape, jnp.float32) if values is None
+                 else _epilogue(values, activation, halves == 2))
+            store(out, y, mine)
         if pre is not None:
-            for half, value in enumerate(values):
+            for half in range(halves):
                 view = pre.at[half] if halves == 2 else pre
-                view[...] = jnp.where(mine, jnp.where(valued, value, 0.0).astype(view.dtype), view[...])
+                store(view, jnp.zeros(view.shape, jnp.float32) if values is None else values[half], mine)
+
+    def rows_of_visit():
+        rows = base + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+        return (rows >= lo) & (rows < hi)
+
+    @pl.when(last_k & valued & whole)
+    def _write_tile():
+        write([a[...] for a in accs], None)
+
+    @pl.when(last_k & valued & jnp.logical_not(whole))
+    def _write_rows():
+        write([a[...] for a in accs], rows_of_visit())
+
+    @pl.when(last_k & jnp.logical_not(valued))
+    def _write_zeros():
+        write(None, rows_of_visit())
 
 
 def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation, precision, out_dtype,
@@ -183,10 +219,12 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     halves = 2 if gated else 1
     kernel = functools.partial(_gmm_kernel, bm=b.bm, transpose_rhs=transpose_rhs,
                                activation=activation if fused else None, precision=precision, halves=halves)
+    need = gmm_tpu_vmem_need(b.bm, b.bk, b.bn, halves=halves, itemsize=jnp.dtype(lhs.dtype).itemsize,
+                             out_itemsize=jnp.dtype(out_dtype).itemsize, outputs=int(fused) + int(write_pre))
     outs = tpu_kernel_call(
-        kernel, grid=(n_p // b.bn, visits.group.shape[0], k_steps),
+        kernel, grid=(n_p // b.bn, visits.count, k_steps),
         scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,
-                             visit_hi=visits.hi, visit_live=visits.live),
+                             visit_hi=visits.hi),
         inputs=dict(lhs=operand(lhs_p, lhs_spec), **rhs_operands),
         outputs=dict(out=output((m_p, n_p), out_dtype, out_spec) if fused else None,
                      pre=output(((2, m_p, n_p) if gated else (m_p, n_p)), out_dtype, pre_spec) if write_pre
@@ -194,6 +232,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
         scratch=dict(acc=pltpu.VMEM((b.bm, b.bn), jnp.float32),
                      acc_up=pltpu.VMEM((b.bm, b.bn), jnp.float32) if gated else None),
         dimension_semantics=("parallel", "arbitrary", "arbitrary"), name="stellax_ragged_dot_tpu",
+        vmem_limit_bytes=tpu_vmem_limit(need),
     )
     pre = None
     if write_pre:
@@ -233,39 +272,48 @@ def group_visits(bounds, m_padded: int, block_m: int) -> TileVisits:
     lo = jnp.maximum(starts[owner], tile * block_m)
     hi = jnp.maximum(lo, jnp.minimum(ends[owner], (tile + 1) * block_m))
     live = (jnp.arange(v_max) < total).astype(jnp.int32)
-    return TileVisits(owner, tile, lo, hi, live)
+    return TileVisits(owner, tile, lo, hi, live, total.astype(jnp.int32))
 
 
-def _tgmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, visit_live, *, lhs, rhs, out, acc, bm,
-                 transpose_lhs, precision):
+def _tgmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, *, lhs, rhs, out, acc, bm, transpose_lhs,
+                 precision):
     """Grid step ``(kk, j, v)``: add the visit's rows of ``lhs[tile]ᵀ @ rhs[tile]``
-    to the accumulator of its group; the group's last visit writes ``out[g]``."""
+    to the accumulator of its group (masking the other rows only when the visit
+    covers part of its tile); the group's last visit writes ``out[g]``."""
     v, visits = pl.program_id(2), pl.num_programs(2)
-    group, live = visit_group[v], visit_live[v] > 0
+    group = visit_group[v]
     lo, hi = visit_lo[v], visit_hi[v]
+    base = visit_tile[v] * bm
+    whole = (lo == base) & (hi == base + bm)
 
     @pl.when((v == 0) | (visit_group[jnp.maximum(v - 1, 0)] != group))
     def _init():
         acc[...] = jnp.zeros(acc.shape, acc.dtype)
 
-    @pl.when(live & (hi > lo))
-    def _accumulate():
-        base = visit_tile[v] * bm
+    def accumulate(masked: bool):
         a, b = lhs[...], rhs[...]
-        rows_b = base + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        b = jnp.where((rows_b >= lo) & (rows_b < hi), b, jnp.zeros_like(b))
-        if transpose_lhs:  # a [bm, bk]
-            a = jnp.where((rows_b >= lo) & (rows_b < hi), a, jnp.zeros_like(a))
-            acc[...] += mxu_dot_tn(a, b, precision)
-        else:  # a [bk, bm]
-            cols = base + jax.lax.broadcasted_iota(jnp.int32, (1, bm), 1)
-            a = jnp.where((cols >= lo) & (cols < hi), a, jnp.zeros_like(a))
-            acc[...] += mxu_dot(a, b, precision)
+        if masked:
+            rows_b = base + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+            b = jnp.where((rows_b >= lo) & (rows_b < hi), b, jnp.zeros_like(b))
+            if transpose_lhs:  # a [bm, bk]
+                a = jnp.where((rows_b >= lo) & (rows_b < hi), a, jnp.zeros_like(a))
+            else:  # a [bk, bm]
+                cols = base + jax.lax.broadcasted_iota(jnp.int32, (1, bm), 1)
+                a = jnp.where((cols >= lo) & (cols < hi), a, jnp.zeros_like(a))
+        acc[...] += mxu_dot_tn(a, b, precision) if transpose_lhs else mxu_dot(a, b, precision)
+
+    @pl.when(whole)
+    def _accumulate_tile():
+        accumulate(False)
+
+    @pl.when((hi > lo) & jnp.logical_not(whole))
+    def _accumulate_rows():
+        accumulate(True)
 
     after = jnp.minimum(v + 1, visits - 1)
-    group_ends = (v == visits - 1) | (visit_group[after] != group) | (visit_live[after] == 0)
+    group_ends = (v == visits - 1) | (visit_group[after] != group)
 
-    @pl.when(live & group_ends)
+    @pl.when(group_ends)
     def _write():
         out[0] = acc[...].astype(out.dtype)
 
@@ -275,14 +323,15 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     """Same contract as `xla.tgmm`: ``lhs [K, M]`` (``[M, K]`` with ``transpose_lhs``),
     ``rhs [M, N]`` → ``out [G_local, K, N]``, ``out[g] = lhs[rows of g]ᵀ @ rhs[rows of g]``.
 
-    Grid ``(K/bk, N/bn, visits)`` (`group_visits`): the visit axis is
-    sequential and accumulates in a float32 VMEM scratch ``[bk, bn]``; the
-    visits of one group are consecutive, so the output block ``(g, kk, j)``
-    stays in VMEM across them and is written once, by the group's last visit
-    (deterministic: no atomics, a fixed order). Rows of a straddling tile that
-    are not the visit's are masked to zero in both operands; an empty group's
-    one visit adds nothing and writes zeros; rows outside the local groups are
-    never visited. K, N and M are padded to block multiples inside."""
+    Grid ``(K/bk, N/bn, visits)`` (`group_visits`, the visit extent the real
+    count): the visit axis is sequential and accumulates in a float32 VMEM
+    scratch ``[bk, bn]``; the visits of one group are consecutive, so the output
+    block ``(g, kk, j)`` stays in VMEM across them and is written once, by the
+    group's last visit (deterministic: no atomics, a fixed order). Rows of a
+    straddling tile that are not the visit's are masked to zero in both
+    operands; an empty group's one visit adds nothing and writes zeros; rows
+    outside the local groups are never visited. K, N and M are padded to block
+    multiples inside."""
     if transpose_lhs:
         m, k = lhs.shape
     else:
@@ -301,13 +350,16 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     out_spec = pl.BlockSpec((1, b.bk, b.bn), lambda kk, j, v, g, *_: (g[v], kk, j))
     visits = group_visits(group_bounds(group_sizes, group_offset, num_local, m), m_p, b.bm)
     kernel = functools.partial(_tgmm_kernel, bm=b.bm, transpose_lhs=transpose_lhs, precision=precision)
+    need = tgmm_tpu_vmem_need(b.bm, b.bk, b.bn, itemsize=jnp.dtype(lhs.dtype).itemsize,
+                              out_itemsize=jnp.dtype(out_dtype).itemsize)
     outs = tpu_kernel_call(
-        kernel, grid=(k_p // b.bk, n_p // b.bn, visits.group.shape[0]),
+        kernel, grid=(k_p // b.bk, n_p // b.bn, visits.count),
         scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,
-                             visit_hi=visits.hi, visit_live=visits.live),
+                             visit_hi=visits.hi),
         inputs=dict(lhs=operand(lhs_p, lhs_spec), rhs=operand(rhs_p, rhs_spec)),
         outputs=dict(out=output((num_local, k_p, n_p), out_dtype, out_spec)),
         scratch=dict(acc=pltpu.VMEM((b.bk, b.bn), jnp.float32)),
         dimension_semantics=("parallel", "parallel", "arbitrary"), name="stellax_ragged_dot_tgmm_tpu",
+        vmem_limit_bytes=tpu_vmem_limit(need),
     )
     return outs.out[:, :k, :n]

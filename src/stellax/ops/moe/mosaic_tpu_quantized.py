@@ -205,7 +205,7 @@ def gmm(lhs, rhs: QArray, group_sizes, group_offset, *, activation, precision, o
         _qgmm_kernel, bm=bm, fmt=rhs.format, packed=ops.packed, layout=layout, activation=activation,
         compute_dtype=lhs.dtype, precision=precision)
     outs = tpu_kernel_call(
-        kernel, grid=(n_p // bn, visits.group.shape[0], k_steps),
+        kernel, grid=(n_p // bn, visits.count, k_steps),  # the real visits only (module doc of mosaic_tpu)
         scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,
                              visit_hi=visits.hi, visit_live=visits.live),
         inputs=dict(**lhs_ops, values=operand(values, values_spec),

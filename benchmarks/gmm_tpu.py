@@ -1,0 +1,401 @@
+"""Grouped matmul on a TPU: stellax's Mosaic kernels against XLA's ragged_dot and jax's megablox, in one process.
+
+    PYTHONPATH=$PYTHONPATH:src PYTHONUNBUFFERED=1 python3 benchmarks/gmm_tpu.py --out $OUT/gmm_tpu.json
+
+Cases (issue 38), bfloat16 operands and outputs, every row in a group:
+
+* ``balanced M=16384 K=7168 N=2048 G=64``: 256 rows per group;
+* ``skewed (Dirichlet 0.3) M=32768 K=2048 N=1408 G=64``: group shares drawn from a
+  symmetric Dirichlet(0.3) (seeded; some groups get a handful of rows or none).
+
+For each case and each pass, ``fwd`` (``y = x @ w[g]``) and ``fwd+bwd`` (``y``
+and, for a fixed cotangent, ``dx`` and ``dw`` by ``jax.vjp``), on the same data:
+
+* ``stellax:mosaic_tpu`` with the configs stellax picks by itself (shipped
+  cache, then heuristic; for ``fwd+bwd`` the forward, dlhs and tgmm each pick
+  their own; ``default`` is true when the op would also pick the Mosaic kernel
+  by itself), then with explicit tilings ``(block_m, block_k, block_n)`` (for
+  ``fwd+bwd`` the same tiling for the three kernels);
+* ``xla:ragged_dot``: `jax.lax.ragged_dot` (and its own VJP);
+* ``jax:megablox_gmm``: `jax.experimental.pallas.ops.tpu.megablox` ``gmm``
+  (``fwd+bwd``: its custom VJP, gmm for dlhs and tgmm for dw) at a few tilings
+  (its tiling searched: the fastest row per case and pass is marked ``best``).
+
+Timing: each contender is compiled and run once, then timed ``--reps`` times
+(``block_until_ready`` after each call; median) after ``--warmup`` runs.
+``tflops`` counts ``2·M·K·N`` for ``fwd`` and three times that for ``fwd+bwd``
+(the same for every contender); ``pct_peak`` is against the chip's bfloat16
+peak (197 TFLOP/s on a v5e). Each contender's results are checked on sampled
+groups (the first, the last, the largest and smallest non-empty ones, and up to
+two empty ones) against float32 products of the same bfloat16 inputs at
+``HIGHEST`` precision: ``rel_l2`` (‖out−ref‖/‖ref‖ over the sampled rows, and for
+``fwd+bwd`` the worst of y, dx and dw), ``max_rel_err`` (max|out−ref| / max|ref|), and
+``empty_dw_zero`` (the weight gradient of every sampled empty group exactly zero).
+
+The JSON (``--out``) holds ``{"format": "stellax-gmm-tpu", "version": 1, "environment":
+{...}, "rows": [ROW, ...]}``, rows in the suite's results schema (benchmarks/README.md:
+op, case, pass, contender, default, peer, ms, tflops, pct_peak, bound, device, date,
+skipped, error) plus ``config``, ``rel_l2``, ``max_rel_err``, ``empty_dw_zero``,
+``compile_s`` and ``best`` (peers). It is rewritten after every contender; ``--budget``
+seconds (default 200) stops starting new contenders (the rest are rows with
+``skipped``), so a run cut short keeps what it measured.
+
+``--dry-run`` runs the same code path on the CPU on tiny shapes with the Pallas
+kernels interpreted (the test suite runs it so the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+START = time.perf_counter()
+
+#: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
+V5E_TFLOPS = 197.0
+
+#: (label, M, K, N, G, Dirichlet alpha or None for balanced)
+CASES = [("balanced", 16384, 7168, 2048, 64, None), ("skewed (Dirichlet 0.3)", 32768, 2048, 1408, 64, 0.3)]
+DRY_CASES = [("balanced", 512, 256, 256, 4, None), ("skewed (Dirichlet 0.3)", 640, 256, 384, 6, 0.3)]
+
+#: Explicit stellax tilings per pass: the old best (256, 512, 512), megablox's best, and big-K/N ones.
+STELLAX_TILINGS = {"fwd": [(256, 512, 512), (512, 1024, 1024), (256, 1024, 1024), (256, 1024, 2048)],
+                   "fwd+bwd": [(256, 512, 512), (512, 1024, 1024), (256, 1024, 1024)]}
+MEGABLOX_TILINGS = {"fwd": [(512, 1024, 1024), (256, 1024, 1024), (512, 512, 1024)],
+                    "fwd+bwd": [(512, 1024, 1024), (256, 1024, 1024)]}
+DRY_STELLAX_TILINGS = {"fwd": [(128, 128, 128), (256, 256, 256)], "fwd+bwd": [(256, 256, 256)]}
+DRY_MEGABLOX_TILINGS = {"fwd": [(128, 128, 128)], "fwd+bwd": [(128, 128, 128)]}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted kernels, tiny shapes")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per contender (default 10, dry run 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs after the first (default 2, dry run 0)")
+    p.add_argument("--budget", type=float, default=200.0, help="seconds; no new contender starts past it")
+    p.add_argument("--cases", default="", help="comma-separated case indices to run (default: all)")
+    p.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated passes (fwd, fwd+bwd)")
+    p.add_argument("--no-peers", action="store_true", help="only stellax's contenders")
+    return p.parse_args(argv)
+
+
+# -- inputs ----------------------------------------------------------------------------------
+def group_sizes(m: int, g: int, alpha, seed: int) -> np.ndarray:
+    """``g`` sizes summing to ``m``: equal (balanced) or Dirichlet(``alpha``) shares rounded down,
+    the remainder on the largest group."""
+    if alpha is None:
+        sizes = np.full(g, m // g, np.int64)
+        sizes[: m - sizes.sum()] += 1
+        return sizes.astype(np.int32)
+    shares = np.random.default_rng(seed).dirichlet(np.full(g, alpha))
+    sizes = np.floor(shares * m).astype(np.int64)
+    sizes[np.argmax(sizes)] += m - sizes.sum()
+    return sizes.astype(np.int32)
+
+
+def make_inputs(seed: int, m: int, k: int, n: int, g: int, alpha):
+    """``(x [M, K], w [G, K, N], sizes [G] int32, dy [M, N])`` in bfloat16, made on the device."""
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.jit(lambda key: jax.random.normal(key, (m, k), jnp.bfloat16))(kx)
+    w = jax.jit(lambda key: (jax.random.normal(key, (g, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16))(kw)
+    dy = jax.jit(lambda key: jax.random.normal(key, (m, n), jnp.bfloat16))(kd)
+    sizes = group_sizes(m, g, alpha, seed)
+    return x, w, jnp.asarray(sizes), dy
+
+
+def sampled_groups(sizes: np.ndarray) -> list[int]:
+    """The groups whose results are checked: first, last, largest, smallest non-empty, two empty."""
+    nonempty = [i for i in range(len(sizes)) if sizes[i] > 0]
+    empty = [i for i in range(len(sizes)) if sizes[i] == 0][:2]
+    picks = [0, len(sizes) - 1, int(np.argmax(sizes))]
+    if nonempty:
+        picks.append(min(nonempty, key=lambda i: sizes[i]))
+    return sorted(set(picks + empty))
+
+
+def golden(x, w, sizes: np.ndarray, dy, groups) -> dict:
+    """Per sampled group ``g`` (rows ``[s, e)``): float32 ``y``, ``dx`` and ``dw`` of the bfloat16 inputs."""
+    hi = jax.lax.Precision.HIGHEST
+    ends = np.cumsum(sizes)
+    out = {}
+    for gr in groups:
+        s, e = int(ends[gr] - sizes[gr]), int(ends[gr])
+        xs, ws, ds = (a.astype(jnp.float32) for a in (x[s:e], w[gr], dy[s:e]))
+        out[gr] = dict(rows=(s, e), y=jnp.dot(xs, ws, precision=hi), dx=jnp.dot(ds, ws.T, precision=hi),
+                       dw=jnp.dot(xs.T, ds, precision=hi))
+    return out
+
+
+def errors(results: dict, ref: dict) -> tuple[float, float, bool | None]:
+    """``(rel_l2, max_rel_err, empty_dw_zero)`` of ``results`` (``y`` and, for fwd+bwd, ``dx``,
+    ``dw``) on the sampled groups: the worst over the outputs present."""
+    worst_l2 = worst_max = 0.0
+    empty_zero = None
+    for name in ("y", "dx", "dw"):
+        if name not in results:
+            continue
+        got, want = [], []
+        for gr, r in ref.items():
+            s, e = r["rows"]
+            if name == "dw":
+                piece = results["dw"][gr].astype(jnp.float32)
+                if s == e:
+                    zero = not bool(jnp.any(piece != 0))
+                    empty_zero = zero if empty_zero is None else (empty_zero and zero)
+            else:
+                piece = results[name][s:e].astype(jnp.float32)
+            got.append(np.asarray(piece).ravel())
+            want.append(np.asarray(r[name]).ravel())
+        o, w = np.concatenate(got), np.concatenate(want)
+        if not np.all(np.isfinite(o)):
+            return math.inf, math.inf, empty_zero
+        l2 = float(np.linalg.norm(w)) or 1.0
+        scale = float(np.max(np.abs(w))) if w.size else 1.0
+        worst_l2 = max(worst_l2, float(np.linalg.norm(o - w)) / l2)
+        worst_max = max(worst_max, float(np.max(np.abs(o - w))) / (scale or 1.0) if w.size else 0.0)
+    return worst_l2, worst_max, empty_zero
+
+
+# -- timing -----------------------------------------------------------------------------------
+def time_fn(fn, args, reps: int, warmup: int):
+    """(compile + first run seconds, median ms, output)."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return first, float(np.median(times)) if times else float("nan"), out
+
+
+# -- contenders -----------------------------------------------------------------------------------
+def _with_pass(forward, kind: str, context=contextlib.nullcontext):
+    """A jitted ``(x, w, sizes, dy) -> {"y"[, "dx", "dw"]}`` of ``forward(x, w, sizes)``; ``context()``
+    is entered while it is traced (the configs stellax's ops resolve)."""
+    if kind == "fwd":
+        def fn(x, w, sizes, dy):
+            with context():
+                return {"y": forward(x, w, sizes)}
+    else:
+        def fn(x, w, sizes, dy):
+            with context():
+                y, pull = jax.vjp(lambda a, b: forward(a, b, sizes), x, w)
+                dx, dw = pull(dy)
+            return {"y": y, "dx": dx, "dw": dw}
+    return jax.jit(fn)
+
+
+def stellax_contenders(kind: str, dry: bool):
+    """``(contender, config label, fn, is_default_config)`` of stellax."""
+    import stellax
+    from stellax.core import use_configs
+    from stellax.ops.moe.configs import TpuGroupedMatmulConfig
+
+    mosaic = functools.partial(stellax.ragged_dot, implementation="mosaic_tpu")
+    out = [("stellax:mosaic_tpu", "default", _with_pass(mosaic, kind), True)]
+    for tiling in (DRY_STELLAX_TILINGS if dry else STELLAX_TILINGS)[kind]:
+        cfg = TpuGroupedMatmulConfig(*tiling)
+        table = {("ragged_dot", "mosaic_tpu"): cfg, ("ragged_dot_tgmm", "mosaic_tpu"): cfg}
+        label = f"tiling={tiling}" + ("" if kind == "fwd" else " (fwd, dlhs, tgmm)")
+        out.append(("stellax:mosaic_tpu", label, _with_pass(mosaic, kind, functools.partial(use_configs, table)),
+                    False))
+    return out
+
+
+def peer_contenders(kind: str, dry: bool):
+    """``(contender, config label, fn)`` of XLA's ragged_dot and megablox at a few tilings."""
+    out = [("xla:ragged_dot", "default",
+            _with_pass(lambda x, w, s: jax.lax.ragged_dot(x, w, s, preferred_element_type=x.dtype), kind))]
+    try:
+        from jax.experimental.pallas.ops.tpu import megablox
+    except Exception:  # noqa: BLE001 - a jax without megablox: no megablox rows
+        return out
+    for tiling in (DRY_MEGABLOX_TILINGS if dry else MEGABLOX_TILINGS)[kind]:
+        def fn(x, w, s, tiling=tiling):
+            return megablox.gmm(x, w, s, x.dtype, tiling)
+        out.append(("jax:megablox_gmm", f"tiling={tiling}" + ("" if kind == "fwd" else " (gmm, tgmm)"),
+                    _with_pass(fn, kind)))
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def environment(dry: bool) -> dict:
+    dev = jax.devices()[0]
+    env = {"python": sys.version.split()[0], "jax": jax.__version__, "device_kind": dev.device_kind,
+           "platform": dev.platform, "devices": len(jax.devices()), "dry_run": dry}
+    try:
+        from importlib.metadata import version
+        env["libtpu"] = version("libtpu")
+    except Exception:  # noqa: BLE001 - optional
+        env["libtpu"] = None
+    return env
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.dry = args.dry_run
+        self.reps = args.reps if args.reps is not None else (1 if self.dry else 10)
+        self.warmup = args.warmup if args.warmup is not None else (0 if self.dry else 2)
+        self.env = environment(self.dry)
+        self.device = self.env["device_kind"]
+        self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
+        self.date = datetime.date.today().isoformat()
+        self.rows: list[dict] = []
+        self.out = Path(args.out)
+        self.passes = [p for p in args.passes.split(",") if p]
+        for p in self.passes:
+            if p not in ("fwd", "fwd+bwd"):
+                raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
+
+    def save(self):
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"format": "stellax-gmm-tpu", "version": 1, "environment": self.env,
+               "seconds": round(time.perf_counter() - START, 1), "rows": self.rows}
+        self.out.write_text(json.dumps(doc, indent=1))
+
+    def row(self, case, kind, contender, config, *, default, peer, flops, ms=None, errs=(None, None, None),
+            compile_s=None, error=None, skipped=None):
+        tflops = None if ms is None or not ms == ms else flops / (ms * 1e-3) / 1e12
+        pct = None if tflops is None or self.peak is None else 100.0 * tflops / self.peak
+        r = {"op": "ragged_dot", "case": case, "pass": kind, "contender": contender, "config": config,
+             "default": default, "peer": peer, "ms": ms, "tflops": tflops, "pct_peak": pct, "bound": "compute",
+             "rel_l2": errs[0], "max_rel_err": errs[1], "empty_dw_zero": errs[2], "compile_s": compile_s,
+             "device": self.device, "date": self.date, "skipped": skipped, "error": error}
+        self.rows.append(r)
+        self.save()
+        if skipped:
+            print(f"  {kind:7s} {contender:20s} {config:44s} skipped: {skipped}", flush=True)
+        elif error:
+            print(f"  {kind:7s} {contender:20s} {config:44s} ERROR {error[:200]}", flush=True)
+        else:
+            print(f"  {kind:7s} {contender:20s} {config:44s} {ms:9.3f} ms {tflops:7.1f} TFLOP/s {pct or 0:5.1f}% "
+                  f"rel_l2 {errs[0]:.2e} max_rel_err {errs[1]:.2e} empty_dw_zero {errs[2]} "
+                  f"(first call {compile_s:.1f} s)", flush=True)
+        return r
+
+    def measure(self, case, kind, contender, config, fn, args, ref, flops, *, default, peer):
+        if time.perf_counter() - START > self.args.budget:
+            return self.row(case, kind, contender, config, default=default, peer=peer, flops=flops,
+                            skipped=f"budget of {self.args.budget:.0f} s spent")
+        try:
+            first, ms, out = time_fn(fn, args, self.reps, self.warmup)
+            errs = errors(out, ref)
+            del out
+            return self.row(case, kind, contender, config, default=default, peer=peer, flops=flops, ms=ms,
+                            errs=errs, compile_s=first)
+        except Exception as e:  # noqa: BLE001 - a contender that does not compile or run is a row
+            msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+            return self.row(case, kind, contender, config, default=default, peer=peer, flops=flops, error=msg[:400])
+
+    def default_implementation(self, x, w, sizes) -> str | None:
+        if self.dry:  # on a CPU dispatch never picks an interpreted kernel; the dry run stands for a TPU
+            return "mosaic_tpu"
+        from stellax.ops.moe import ragged_dot_op
+        try:
+            return ragged_dot_op.select(ragged_dot_op.check(x, w, sizes)).name
+        except Exception:  # noqa: BLE001
+            return None
+
+    def run_case(self, index, label, m, k, n, g, alpha):
+        case = f"{label} M={m} K={k} N={n} G={g}"
+        args = make_inputs(index, m, k, n, g, alpha)
+        sizes = np.asarray(args[2])
+        print(f"== {case}: group sizes min {sizes.min()} max {sizes.max()} empty {(sizes == 0).sum()}", flush=True)
+        ref = golden(*args[:2], sizes, args[3], sampled_groups(sizes))
+        picked = self.default_implementation(*args[:3])
+        for kind in self.passes:
+            flops = 2.0 * m * k * n * (1 if kind == "fwd" else 3)
+            kept = ref if kind == "fwd+bwd" else {gr: {key: v for key, v in r.items() if key in ("rows", "y")}
+                                                  for gr, r in ref.items()}
+            for contender, config, fn, is_default in stellax_contenders(kind, self.dry):
+                self.measure(case, kind, contender, config, fn, args, kept, flops,
+                             default=bool(is_default and picked == "mosaic_tpu"), peer=False)
+            if self.args.no_peers:
+                continue
+            timed = {}
+            for contender, config, fn in peer_contenders(kind, self.dry):
+                r = self.measure(case, kind, contender, config, fn, args, kept, flops, default=False, peer=True)
+                timed.setdefault(contender, []).append(r)
+            for rows in timed.values():
+                _mark_best(rows)
+            self.save()
+        del args, ref
+
+    def main(self):
+        cases = DRY_CASES if self.dry else CASES
+        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        print(f"grouped matmul on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
+              f"{len(picked)} cases, passes {self.passes}, reps {self.reps}, warmup {self.warmup}, "
+              f"budget {self.args.budget:.0f} s", flush=True)
+        for i in picked:
+            self.run_case(i, *cases[i])
+        self.save()
+        summary(self.rows)
+        print(f"done in {time.perf_counter() - START:.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        return 0
+
+
+def summary(rows):
+    """Per case and pass: stellax's default and best, XLA and megablox's best (ms, % of peak), and
+    the ratio best peer / stellax default (the issue's goal: at least 1.10)."""
+    print("\nsummary (ms, % of bf16 peak; x = best peer time / stellax default's)", flush=True)
+    keys = list(dict.fromkeys((r["case"], r["pass"]) for r in rows))
+    for case, kind in keys:
+        rs = [r for r in rows if r["case"] == case and r["pass"] == kind and r.get("ms") is not None
+              and r.get("error") is None]
+
+        def best(contender):
+            c = [r for r in rs if r["contender"] == contender]
+            return min(c, key=lambda r: r["ms"]) if c else None
+
+        default = next((r for r in rs if r["contender"] == "stellax:mosaic_tpu" and r["config"] == "default"), None)
+        cells = []
+        for name, r in (("default", default), ("stellax best", best("stellax:mosaic_tpu")),
+                        ("xla", best("xla:ragged_dot")), ("megablox", best("jax:megablox_gmm"))):
+            cells.append(f"{name} " + ("-" if r is None else f"{r['ms']:.3f} ({r['pct_peak'] or 0:.0f}%)"
+                                       + ("" if name != "stellax best" else f" {r['config']}")))
+        peers = [r for r in (best("xla:ragged_dot"), best("jax:megablox_gmm")) if r is not None]
+        if default is not None and peers:
+            cells.append(f"x {min(p['ms'] for p in peers) / default['ms']:.2f}")
+        print(f"  {case} [{kind}]: " + ", ".join(cells), flush=True)
+
+
+def _mark_best(rows):
+    ok = [r for r in rows if r.get("ms") is not None and r.get("error") is None]
+    for r in rows:
+        r["best"] = False
+    if ok:
+        min(ok, key=lambda r: r["ms"])["best"] = True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        import stellax
+        from jax.experimental.pallas import tpu as pltpu
+
+        with stellax.interpret_mode(), pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+            return Run(args).main()
+    return Run(args).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
