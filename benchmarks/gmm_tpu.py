@@ -46,21 +46,16 @@ kernels interpreted (the test suite runs it so the script cannot rot).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import functools
-import json
 import math
 import sys
-import time
-from pathlib import Path
 
+import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-START = time.perf_counter()
+from chip_run import ChipRun, elapsed, mark_best, time_fn
 
 #: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
@@ -79,14 +74,12 @@ DRY_STELLAX_TILINGS = {"fwd": [(128, 128, 128), (256, 256, 256)], "fwd+bwd": [(2
 DRY_MEGABLOX_TILINGS = {"fwd": [(128, 128, 128)], "fwd+bwd": [(128, 128, 128)]}
 
 
+#: Timed and untimed runs per contender: (dry run, chip).
+REPS, WARMUP = (1, 10), (0, 2)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted kernels, tiny shapes")
-    p.add_argument("--reps", type=int, default=None, help="timed runs per contender (default 10, dry run 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs after the first (default 2, dry run 0)")
-    p.add_argument("--budget", type=float, default=200.0, help="seconds; no new contender starts past it")
-    p.add_argument("--cases", default="", help="comma-separated case indices to run (default: all)")
+    p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0, stops="contender")
     p.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated passes (fwd, fwd+bwd)")
     p.add_argument("--no-peers", action="store_true", help="only stellax's contenders")
     return p.parse_args(argv)
@@ -169,22 +162,6 @@ def errors(results: dict, ref: dict) -> tuple[float, float, bool | None]:
     return worst_l2, worst_max, empty_zero
 
 
-# -- timing -----------------------------------------------------------------------------------
-def time_fn(fn, args, reps: int, warmup: int):
-    """(compile + first run seconds, median ms, output)."""
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return first, float(np.median(times)) if times else float("nan"), out
-
-
 # -- contenders -----------------------------------------------------------------------------------
 def _with_pass(forward, kind: str, context=contextlib.nullcontext):
     """A jitted ``(x, w, sizes, dy) -> {"y"[, "dx", "dw"]}`` of ``forward(x, w, sizes)``; ``context()``
@@ -236,40 +213,14 @@ def peer_contenders(kind: str, dry: bool):
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def environment(dry: bool) -> dict:
-    dev = jax.devices()[0]
-    env = {"python": sys.version.split()[0], "jax": jax.__version__, "device_kind": dev.device_kind,
-           "platform": dev.platform, "devices": len(jax.devices()), "dry_run": dry}
-    try:
-        from importlib.metadata import version
-        env["libtpu"] = version("libtpu")
-    except Exception:  # noqa: BLE001 - optional
-        env["libtpu"] = None
-    return env
-
-
-class Run:
+class Run(ChipRun):
     def __init__(self, args):
-        self.args = args
-        self.dry = args.dry_run
-        self.reps = args.reps if args.reps is not None else (1 if self.dry else 10)
-        self.warmup = args.warmup if args.warmup is not None else (0 if self.dry else 2)
-        self.env = environment(self.dry)
-        self.device = self.env["device_kind"]
+        super().__init__(args, "stellax-gmm-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
-        self.date = datetime.date.today().isoformat()
-        self.rows: list[dict] = []
-        self.out = Path(args.out)
         self.passes = [p for p in args.passes.split(",") if p]
         for p in self.passes:
             if p not in ("fwd", "fwd+bwd"):
                 raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
-
-    def save(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"format": "stellax-gmm-tpu", "version": 1, "environment": self.env,
-               "seconds": round(time.perf_counter() - START, 1), "rows": self.rows}
-        self.out.write_text(json.dumps(doc, indent=1))
 
     def row(self, case, kind, contender, config, *, default, peer, flops, ms=None, errs=(None, None, None),
             compile_s=None, error=None, skipped=None):
@@ -292,7 +243,7 @@ class Run:
         return r
 
     def measure(self, case, kind, contender, config, fn, args, ref, flops, *, default, peer):
-        if time.perf_counter() - START > self.args.budget:
+        if self.over_budget():
             return self.row(case, kind, contender, config, default=default, peer=peer, flops=flops,
                             skipped=f"budget of {self.args.budget:.0f} s spent")
         try:
@@ -335,7 +286,7 @@ class Run:
                 r = self.measure(case, kind, contender, config, fn, args, kept, flops, default=False, peer=True)
                 timed.setdefault(contender, []).append(r)
             for rows in timed.values():
-                _mark_best(rows)
+                mark_best(rows)
             self.save()
         del args, ref
 
@@ -349,7 +300,7 @@ class Run:
             self.run_case(i, *cases[i])
         self.save()
         summary(self.rows)
-        print(f"done in {time.perf_counter() - START:.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0
 
 
@@ -378,23 +329,8 @@ def summary(rows):
         print(f"  {case} [{kind}]: " + ", ".join(cells), flush=True)
 
 
-def _mark_best(rows):
-    ok = [r for r in rows if r.get("ms") is not None and r.get("error") is None]
-    for r in rows:
-        r["best"] = False
-    if ok:
-        min(ok, key=lambda r: r["ms"])["best"] = True
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.dry_run:
-        import stellax
-        from jax.experimental.pallas import tpu as pltpu
-
-        with stellax.interpret_mode(), pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-            return Run(args).main()
-    return Run(args).main()
+    return chip_run.run(Run, parse_args(argv), tpu_interpret=True)
 
 
 if __name__ == "__main__":

@@ -67,20 +67,16 @@ script cannot rot).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import json
 import math
 import sys
 import time
-from pathlib import Path
 
+import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-START = time.perf_counter()
+from chip_run import ChipRun, elapsed, time_fn
 
 #: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
@@ -96,14 +92,13 @@ CONFIGS = "256x512,1024x512,512x1024"
 DRY_CONFIGS = "16x128"
 
 
+#: Timed and untimed runs per contender: (dry run, chip).
+REPS, WARMUP = (1, 5), (0, 1)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted kernels, a tiny case")
-    p.add_argument("--reps", type=int, default=None, help="timed runs per contender (default 5, dry run 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs after the first (default 1, dry run 0)")
-    p.add_argument("--budget", type=float, default=190.0, help="seconds; no new contender starts past it")
-    p.add_argument("--cases", default="", help="comma-separated case indices to run (default: all, in order)")
+    p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=190.0, stops="contender",
+                        dry="a tiny case")
     p.add_argument("--configs", default=None,
                    help=f"explicit mosaic_tpu tiles BTxBV, comma-separated (default {CONFIGS}; '' for none)")
     p.add_argument("--passes", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd (default both)")
@@ -194,19 +189,6 @@ def configured(config):
 
 
 # -- measuring --------------------------------------------------------------------------------
-def time_fn(fn, args, reps: int, warmup: int):
-    """(median ms, output) of an already compiled ``fn``."""
-    out = jax.block_until_ready(fn(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times)) if times else float("nan"), out
-
-
 @jax.jit
 def _rel_l2(a, b):
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
@@ -242,42 +224,16 @@ def device_peak() -> float | None:
     return None if peak is None else peak / MIB
 
 
-def environment(dry: bool) -> dict:
-    dev = jax.devices()[0]
-    env = {"python": sys.version.split()[0], "jax": jax.__version__, "device_kind": dev.device_kind,
-           "platform": dev.platform, "devices": len(jax.devices()), "dry_run": dry}
-    try:
-        from importlib.metadata import version
-        env["libtpu"] = version("libtpu")
-    except Exception:  # noqa: BLE001 - optional
-        env["libtpu"] = None
-    return env
-
-
-class Run:
+class Run(ChipRun):
     def __init__(self, args):
-        self.args = args
-        self.dry = args.dry_run
-        self.reps = args.reps if args.reps is not None else (1 if self.dry else 5)
-        self.warmup = args.warmup if args.warmup is not None else (0 if self.dry else 1)
-        self.env = environment(self.dry)
-        self.device = self.env["device_kind"]
+        super().__init__(args, "stellax-loss-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
-        self.date = datetime.date.today().isoformat()
-        self.rows: list[dict] = []
-        self.out = Path(args.out)
         self.passes = [p for p in args.passes.split(",") if p]
         for p in self.passes:
             if p not in ("fwd", "fwd+bwd"):
                 raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
         text = args.configs if args.configs is not None else (DRY_CONFIGS if self.dry else CONFIGS)
         self.configs = parse_configs(text)
-
-    def save(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"format": "stellax-loss-tpu", "version": 1, "environment": self.env,
-               "seconds": round(time.perf_counter() - START, 1), "rows": self.rows}
-        self.out.write_text(json.dumps(doc, indent=1))
 
     def row(self, case, kind, contender, config, *, default, peer, flops, ms=None, errs=(None, None),
             reference=None, mem=(None, None), compile_s=None, error=None, skipped=None):
@@ -311,7 +267,7 @@ class Run:
     def measure(self, case, kind, contender, config_label, loss, config, args, flops, *, default, peer, ref,
                 compare=True):
         """One contender: compile, time, compare (unless ``compare`` is false); returns its outputs (or None)."""
-        if time.perf_counter() - START > self.args.budget:
+        if self.over_budget():
             self.row(case, kind, contender, config_label, default=default, peer=peer, flops=flops,
                      skipped=f"budget of {self.args.budget:.0f} s spent")
             return None
@@ -320,7 +276,7 @@ class Run:
                 t0 = time.perf_counter()
                 compiled = jax.jit(program(loss, kind)).lower(*args).compile()
                 compile_s = time.perf_counter() - t0
-            ms, out = time_fn(compiled, args, self.reps, self.warmup)
+            _, ms, out = time_fn(compiled, args, self.reps, self.warmup)
             reference, target = ref if ref is not None else (contender, out)
             errs = errors(out, target, kind) if compare else (None, None)
             reference = reference if compare else None
@@ -388,14 +344,14 @@ class Run:
               f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}, budget {self.args.budget:.0f} s",
               flush=True)
         for i in picked:
-            if time.perf_counter() - START > self.args.budget:
+            if self.over_budget():
                 print(f"budget of {self.args.budget:.0f} s spent: cases from {i} not run", flush=True)
                 self.env["left"] = picked[picked.index(i):]
                 break
             self.run_case(i, *cases[i])
         self.save()
         summary(self.rows)
-        print(f"done in {time.perf_counter() - START:.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0
 
 
@@ -414,13 +370,7 @@ def summary(rows):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.dry_run:
-        import stellax
-
-        with stellax.interpret_mode():
-            return Run(args).main()
-    return Run(args).main()
+    return chip_run.run(Run, parse_args(argv))
 
 
 if __name__ == "__main__":

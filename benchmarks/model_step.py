@@ -102,7 +102,6 @@ import datetime
 import functools
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -112,8 +111,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-START = time.perf_counter()
+from chip_run import elapsed, environment
 
 #: Peak dense bf16 FLOP/s by device kind; the dry run reports against a v5e's.
 BF16_PEAK = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5": 459e12, "TPU v6 lite": 918e12,
@@ -328,19 +326,6 @@ def make_batch(cfg: ModelConfig, seed: int, batch: int, seq: int):
 
 
 # -- measuring ----------------------------------------------------------------------------------
-def environment(dry: bool) -> dict:
-    dev = jax.devices()[0]
-    env = {"python": sys.version.split()[0], "jax": jax.__version__, "device_kind": dev.device_kind,
-           "platform": dev.platform, "devices": len(jax.devices()), "dry_run": dry}
-    for pkg in ("libtpu", "flax", "optax"):
-        try:
-            from importlib.metadata import version
-            env[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - optional
-            env[pkg] = None
-    return env
-
-
 def compiled_bytes(compiled) -> int | None:
     try:
         m = compiled.memory_analysis()
@@ -442,7 +427,7 @@ class Run:
                      optimizer="clip_by_global_norm(1.0) + adamw(3e-4, b1=0.9, b2=0.95, wd=0.1)",
                      remat=self.args.remat)
         doc = {"format": "stellax-model-step", "version": 1, "environment": self.env, "preset": self.args.preset,
-               "model": model, "seconds": round(time.perf_counter() - START, 1), "rows": self.rows,
+               "model": model, "seconds": round(elapsed(), 1), "rows": self.rows,
                "loss_agreement": self.agreement}
         self.out.write_text(json.dumps(doc, indent=1))
 
@@ -490,7 +475,7 @@ class Run:
             argv = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--preset", self.args.preset,
                     "--child", f"{seq}:{batch}:{variant}", "--reps", str(self.reps), "--warmup", str(self.warmup),
                     "--remat", self.args.remat]
-            left = max(30.0, self.args.budget + 90 - (time.perf_counter() - START))
+            left = max(30.0, self.args.budget + 90 - elapsed())
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, timeout=left)
                 tail = (proc.stdout + proc.stderr)[-600:].replace("\n", " ")
@@ -519,7 +504,7 @@ class Run:
             print(f"== seq {seq} batch {batch} ({c.flops_per_step(batch, seq) / 1e12:.2f} TFLOP per step)",
                   flush=True)
             for variant in self.variants:
-                if time.perf_counter() - START > self.args.budget:
+                if elapsed() > self.args.budget:
                     print(f"budget of {self.args.budget:.0f} s spent: {variant} at seq {seq} not run", flush=True)
                     self.row(seq, batch, variant, None)["skipped"] = "budget"
                     continue
@@ -528,7 +513,7 @@ class Run:
         self.step_agreement()
         self.save()
         summary(self.rows)
-        print(f"done in {time.perf_counter() - START:.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 1 if any(not a["ok"] for a in self.agreement) else 0
 
     def step_agreement(self):

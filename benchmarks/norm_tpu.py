@@ -44,19 +44,14 @@ Mosaic kernels interpreted (the test suite runs it so the script cannot rot).
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import sys
-import time
-from pathlib import Path
 
+import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-START = time.perf_counter()
+from chip_run import ChipRun, elapsed, time_fn
 
 #: HBM bandwidth (GB/s) by device kind; the dry run reports against a v5e's.
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5": 2765.0, "TPU v6 lite": 1640.0, "TPU7x": 7370.0}
@@ -71,14 +66,12 @@ CASES = [(op, sm, res, r, d) for (r, d) in SHAPES for (op, sm, res) in KINDS]
 DRY_CASES = [("rms_norm", False, False, 40, 384), ("layer_norm", True, True, 40, 384)]
 
 
+#: Timed and untimed runs per contender: (dry run, chip).
+REPS, WARMUP = (1, 10), (0, 2)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted kernels, tiny shapes")
-    p.add_argument("--reps", type=int, default=None, help="timed runs per contender (default 10, dry run 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs after the first (default 2, dry run 0)")
-    p.add_argument("--budget", type=float, default=140.0, help="seconds; no new case starts past it")
-    p.add_argument("--cases", default="", help="comma-separated case indices to run (default: all)")
+    p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=140.0)
     p.add_argument("--no-explicit", action="store_true", help="no explicit block sizes (default config only)")
     return p.parse_args(argv)
 
@@ -152,21 +145,6 @@ def explicit_configs(call, dry: bool):
 
 
 # -- measuring -----------------------------------------------------------------------------------
-def time_fn(fn, args, reps: int, warmup: int):
-    """(compile + first run seconds, median ms, output)."""
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return first, float(np.median(times)) if times else float("nan"), out
-
-
 def errors(out, ref) -> tuple[float, float]:
     """``(max|out - ref| / max|ref|, largest relative L2 error)`` over the leaves (``inf`` on a non-finite output)."""
     worst_max = worst_l2 = 0.0
@@ -193,36 +171,10 @@ def byte_model(args, cots) -> dict[str, float]:
     return {"fwd": fwd, "fwd+bwd": fwd + float(layer_norm_backward_op.bytes_accessed(back))}
 
 
-def environment(dry: bool) -> dict:
-    dev = jax.devices()[0]
-    env = {"python": sys.version.split()[0], "jax": jax.__version__, "device_kind": dev.device_kind,
-           "platform": dev.platform, "devices": len(jax.devices()), "dry_run": dry}
-    try:
-        from importlib.metadata import version
-        env["libtpu"] = version("libtpu")
-    except Exception:  # noqa: BLE001 - optional
-        env["libtpu"] = None
-    return env
-
-
-class Run:
+class Run(ChipRun):
     def __init__(self, args):
-        self.args = args
-        self.dry = args.dry_run
-        self.reps = args.reps if args.reps is not None else (1 if self.dry else 10)
-        self.warmup = args.warmup if args.warmup is not None else (0 if self.dry else 2)
-        self.env = environment(self.dry)
-        self.device = self.env["device_kind"]
+        super().__init__(args, "stellax-norm-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_GBPS if self.dry else HBM_GBPS.get(self.device)
-        self.date = datetime.date.today().isoformat()
-        self.rows: list[dict] = []
-        self.out = Path(args.out)
-
-    def save(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"format": "stellax-norm-tpu", "version": 1, "environment": self.env,
-               "seconds": round(time.perf_counter() - START, 1), "rows": self.rows}
-        self.out.write_text(json.dumps(doc, indent=1))
 
     def row(self, op, case, pass_, contender, config, *, default, nbytes, ms=None, xla_ms=None,
             errs=(None, None), compile_s=None, error=None):
@@ -307,7 +259,7 @@ class Run:
         print(f"norms on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), {len(picked)} cases, "
               f"reps {self.reps}, warmup {self.warmup}", flush=True)
         for n, i in enumerate(picked):
-            if time.perf_counter() - START > self.args.budget:
+            if self.over_budget():
                 print(f"budget of {self.args.budget:.0f} s spent: cases {picked[n:]} not run", flush=True)
                 self.env["left"] = picked[n:]
                 break
@@ -315,7 +267,7 @@ class Run:
             self.save()
         self.save()
         summary(self.rows)
-        print(f"done in {time.perf_counter() - START:.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0
 
 
@@ -341,13 +293,7 @@ def summary(rows):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.dry_run:
-        import stellax
-
-        with stellax.interpret_mode():
-            return Run(args).main()
-    return Run(args).main()
+    return chip_run.run(Run, parse_args(argv))
 
 
 if __name__ == "__main__":

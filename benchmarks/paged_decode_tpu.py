@@ -49,20 +49,15 @@ Mosaic kernels interpreted (the test suite runs it so the script cannot rot).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import json
 import math
 import sys
-import time
-from pathlib import Path
 
+import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-START = time.perf_counter()
+from chip_run import ChipRun, elapsed, mark_best, time_fn
 
 #: HBM bandwidth (GB/s) by device kind; the dry run reports against a v5e's.
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5": 2765.0, "TPU v6 lite": 1640.0, "TPU7x": 7370.0}
@@ -76,14 +71,12 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DRY_SHAPE = (4, 2, 128)
 
 
+#: Timed and untimed runs per contender: (dry run, chip).
+REPS, WARMUP = (1, 20), (0, 3)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted kernels, tiny shapes")
-    p.add_argument("--reps", type=int, default=None, help="timed runs per contender (default 20, dry run 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs after the first (default 3, dry run 0)")
-    p.add_argument("--budget", type=float, default=200.0, help="seconds; no new case starts past it")
-    p.add_argument("--cases", default="", help="comma-separated case indices to run (default: all)")
+    p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0)
     p.add_argument("--no-peers", action="store_true", help="only stellax's contenders")
     return p.parse_args(argv)
 
@@ -127,22 +120,6 @@ def errors(out, ref) -> tuple[float, float]:
     return float(np.max(np.abs(o - r))) / scale, float(np.linalg.norm(o - r)) / l2
 
 
-# -- timing -----------------------------------------------------------------------------------
-def time_fn(fn, args, reps: int, warmup: int) -> tuple[float, float, object]:
-    """(compile + first run seconds, median ms, output)."""
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - start
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return first, float(np.median(times)) if times else float("nan"), out
-
-
 # -- contenders -----------------------------------------------------------------------------------
 def stellax_contenders(call_args, dry: bool):
     """``(contender, config label, fn, is_default_config)`` of stellax."""
@@ -167,7 +144,9 @@ def stellax_contenders(call_args, dry: bool):
 
 def jax_paged_contenders(call_args, dry: bool):
     """jax's paged_attention over head-major pages, one per ``pages_per_compute_block``."""
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_paged
+    from jax.experimental.pallas.ops.tpu.paged_attention import (
+        paged_attention as jax_paged,
+    )
 
     q, k, v, tables, lengths = call_args
     width, page_size = tables.shape[1], k.shape[1]
@@ -206,37 +185,10 @@ def jax_ragged_contenders(call_args, dry: bool):
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def environment(dry: bool) -> dict:
-    dev = jax.devices()[0]
-    env = {"python": sys.version.split()[0], "jax": jax.__version__, "device_kind": dev.device_kind,
-           "platform": dev.platform, "devices": len(jax.devices()), "dry_run": dry}
-    try:
-        from importlib.metadata import version
-        env["libtpu"] = version("libtpu")
-    except Exception:  # noqa: BLE001 - optional
-        env["libtpu"] = None
-    return env
-
-
-class Run:
+class Run(ChipRun):
     def __init__(self, args):
-        self.args = args
-        self.dry = args.dry_run
-        self.reps = args.reps if args.reps is not None else (1 if self.dry else 20)
-        self.warmup = args.warmup if args.warmup is not None else (0 if self.dry else 3)
-        self.env = environment(self.dry)
-        self.device = self.env["device_kind"]
+        super().__init__(args, "stellax-paged-decode-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_GBPS if self.dry else HBM_GBPS.get(self.device)
-        self.date = datetime.date.today().isoformat()
-        self.rows: list[dict] = []
-        self.start = START
-        self.out = Path(args.out)
-
-    def save(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"format": "stellax-paged-decode-tpu", "version": 1, "environment": self.env,
-               "seconds": round(time.perf_counter() - self.start, 1), "rows": self.rows}
-        self.out.write_text(json.dumps(doc, indent=1))
 
     def row(self, case, contender, config, *, default, peer, ms=None, nbytes=None, errs=(None, None),
             compile_s=None, error=None):
@@ -304,7 +256,7 @@ class Run:
             for contender, config, fn in jax_paged_contenders(args, self.dry):
                 timed.append(self.measure(case, contender, config, fn, (q, kh, vh, tables, lengths), ref, nbytes,
                                           default=False, peer=True))
-            _mark_best(timed)
+            mark_best(timed)
         del kh, vh
         try:
             kv = jnp.stack([k, v], axis=3).reshape(k.shape[0], k.shape[1], 2 * k.shape[2], k.shape[3])
@@ -316,7 +268,7 @@ class Run:
         for contender, config, fn in jax_ragged_contenders(args, self.dry):
             timed.append(self.measure(case, contender, config, fn, (q, kv, tables, lengths), ref, nbytes,
                                       default=False, peer=True))
-        _mark_best(timed)
+        mark_best(timed)
         del kv
 
     def main(self):
@@ -326,7 +278,7 @@ class Run:
         print(f"paged decode on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}", flush=True)
         for i in picked:
-            if time.perf_counter() - self.start > self.args.budget:
+            if self.over_budget():
                 print(f"budget of {self.args.budget:.0f} s spent: cases from {i} not run", flush=True)
                 self.env["left"] = picked[picked.index(i):]
                 break
@@ -335,7 +287,7 @@ class Run:
             self.save()
         self.save()
         summary(self.rows)
-        print(f"done in {time.perf_counter() - self.start:.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0
 
 
@@ -361,23 +313,8 @@ def summary(rows):
         print(f"  {case}: " + ", ".join(cells), flush=True)
 
 
-def _mark_best(rows):
-    ok = [r for r in rows if r.get("ms") is not None and r.get("error") is None]
-    for r in rows:
-        r["best"] = False
-    if ok:
-        min(ok, key=lambda r: r["ms"])["best"] = True
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.dry_run:
-        import stellax
-        from jax.experimental.pallas import tpu as pltpu
-
-        with stellax.interpret_mode(), pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
-            return Run(args).main()
-    return Run(args).main()
+    return chip_run.run(Run, parse_args(argv), tpu_interpret=True)
 
 
 if __name__ == "__main__":
