@@ -7,6 +7,11 @@ Cases (issue 38), bfloat16 operands and outputs, every row in a group:
 * ``balanced M=16384 K=7168 N=2048 G=64``: 256 rows per group;
 * ``skewed (Dirichlet 0.3) M=32768 K=2048 N=1408 G=64``: group shares drawn from a
   symmetric Dirichlet(0.3) (seeded; some groups get a handful of rows or none).
+* then the model shapes of issue 38: Mixtral-like (M=16384 K=4096 N=14336 G=8),
+  Qwen3-MoE-like (M=32768 K=2048 N=768 G=128) balanced, skewed and with every third
+  group empty, DeepSeek-V3-like (M=32768 K=7168 N=2048 G=256) balanced and skewed
+  (its ``[G, K, N]`` weights are 7.5 GB: with their gradient they do not fit a v5e,
+  so its ``fwd+bwd`` rows carry the compiler's error). ``--cases`` picks some.
 
 For each case and each pass, ``fwd`` (``y = x @ w[g]``) and ``fwd+bwd`` (``y``
 and, for a fixed cotangent, ``dx`` and ``dw`` by ``jax.vjp``), on the same data:
@@ -62,7 +67,15 @@ PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 
 V5E_TFLOPS = 197.0
 
 #: (label, M, K, N, G, Dirichlet alpha or None for balanced)
-CASES = [("balanced", 16384, 7168, 2048, 64, None), ("skewed (Dirichlet 0.3)", 32768, 2048, 1408, 64, 0.3)]
+#: A group-size pattern: every third group empty, the rows shared equally by the others.
+EMPTY_THIRD = "empty third"
+CASES = [("balanced", 16384, 7168, 2048, 64, None), ("skewed (Dirichlet 0.3)", 32768, 2048, 1408, 64, 0.3),
+         ("Mixtral-like balanced", 16384, 4096, 14336, 8, None),
+         ("Qwen3-MoE-like balanced", 32768, 2048, 768, 128, None),
+         ("Qwen3-MoE-like skewed (Dirichlet 0.3)", 32768, 2048, 768, 128, 0.3),
+         ("Qwen3-MoE-like, a third of the groups empty", 32768, 2048, 768, 128, EMPTY_THIRD),
+         ("DeepSeek-V3-like balanced", 32768, 7168, 2048, 256, None),
+         ("DeepSeek-V3-like skewed (Dirichlet 0.3)", 32768, 7168, 2048, 256, 0.3)]
 DRY_CASES = [("balanced", 512, 256, 256, 4, None), ("skewed (Dirichlet 0.3)", 640, 256, 384, 6, 0.3)]
 
 #: Explicit stellax tilings per pass: the old best (256, 512, 512), megablox's best, and big-K/N ones.
@@ -87,11 +100,14 @@ def parse_args(argv=None):
 
 # -- inputs ----------------------------------------------------------------------------------
 def group_sizes(m: int, g: int, alpha, seed: int) -> np.ndarray:
-    """``g`` sizes summing to ``m``: equal (balanced) or Dirichlet(``alpha``) shares rounded down,
-    the remainder on the largest group."""
-    if alpha is None:
-        sizes = np.full(g, m // g, np.int64)
-        sizes[: m - sizes.sum()] += 1
+    """``g`` sizes summing to ``m``: equal (``alpha`` None), equal over two groups in three with every
+    third group empty (`EMPTY_THIRD`), or Dirichlet(``alpha``) shares rounded down with the
+    remainder on the largest group."""
+    if alpha is None or alpha == EMPTY_THIRD:
+        live = np.arange(g) % 3 != 2 if alpha == EMPTY_THIRD else np.ones(g, bool)
+        sizes = np.zeros(g, np.int64)
+        sizes[live] = m // live.sum()
+        sizes[np.flatnonzero(live)[: m - sizes.sum()]] += 1
         return sizes.astype(np.int32)
     shares = np.random.default_rng(seed).dirichlet(np.full(g, alpha))
     sizes = np.floor(shares * m).astype(np.int64)

@@ -71,3 +71,12 @@ def test_budget_skips_contenders_instead_of_running_them(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(r["skipped"] and r["ms"] is None for r in rows)
+
+
+def test_group_sizes_with_a_third_of_the_groups_empty():
+    import gmm_tpu
+
+    sizes = gmm_tpu.group_sizes(32768, 128, gmm_tpu.EMPTY_THIRD, 0)
+    assert sizes.sum() == 32768 and (sizes[2::3] == 0).all()
+    live = np.delete(sizes, np.s_[2::3])
+    assert live.min() > 0 and live.max() - live.min() <= 1  # the others share the rows equally

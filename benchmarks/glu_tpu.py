@@ -1,0 +1,259 @@
+"""gated_linear_unit on a TPU: stellax's Mosaic kernels against XLA's two matmuls, forward and forward+backward.
+
+    PYTHONPATH=$PYTHONPATH:src PYTHONUNBUFFERED=1 python3 benchmarks/glu_tpu.py --out $OUT/glu_tpu.json
+
+Cases (issue 40), SwiGLU in bfloat16, ``x [M, K]``, weights ``[K, 2, N]``
+(gate and up): (M, K, N) = (8192, 4096, 14336) first, then (32768, 4096, 14336)
+and (8192, 7168, 18432). For each case and each pass (``fwd``: the output;
+``fwd+bwd``: the output and, through ``jax.vjp`` with a random cotangent, the
+gradients of x and the weights), on the same data:
+
+* ``xla:jnp``: what a user writes without stellax: ``silu(x @ w_gate) * (x @ w_up)``
+  with float32 accumulation, jitted, gradients by JAX's autodiff; the
+  reference the other rows' errors are measured against;
+* ``stellax:mosaic_tpu``: `stellax.gated_linear_unit` with
+  ``implementation="mosaic_tpu"`` and the config stellax picks by itself
+  (``config`` ``default(...)``; the row's ``default`` is true when
+  ``implementation=None`` would run the kernel too), then explicit
+  `GluTpuConfig` tiles ``(block_m, block_n, block_k)`` (``--tiles``), larger
+  than the autotuning space's on a v5e: the grouped matmul's measurements
+  (issue 38) found 1024-2048-wide K/N tiles 1.4x faster than 256-512 ones.
+
+Timing: each contender is compiled and run once, then timed ``--reps`` times
+(``block_until_ready`` after each call; median reported) after ``--warmup``
+runs. ``tflops`` counts ``4·M·K·N`` forward (the two projections) and three
+times that forward + backward, the same for every contender; ``pct_peak`` is
+against the chip's bfloat16 peak (197 TFLOP/s on a v5e); ``vs_xla`` is XLA's
+time over the row's. ``max_rel_err`` (``max|out - ref| / max|ref|``) and
+``rel_l2`` (the largest relative L2 error of an output) compare with the XLA row.
+
+The JSON (``--out``) holds ``{"format": "stellax-glu-tpu", "version": 1,
+"environment": {...}, "rows": [ROW, ...]}`` with rows in the suite's results
+schema (benchmarks/README.md) plus ``config``, ``vs_xla``, ``max_rel_err``,
+``rel_l2`` and ``compile_s``. It is rewritten after every row; ``--budget``
+seconds (default 200) stops starting new contenders.
+
+``--dry-run`` runs the same code path on the CPU on a tiny ragged case with the
+Mosaic kernels interpreted (the test suite runs it so the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import chip_run
+import jax
+import jax.numpy as jnp
+import numpy as np
+from chip_run import ChipRun, elapsed, mark_best, time_fn
+
+#: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
+PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
+V5E_TFLOPS = 197.0
+
+#: (M, K, N): issue 40's headline case first.
+CASES = [(8192, 4096, 14336), (32768, 4096, 14336), (8192, 7168, 18432)]
+DRY_CASES = [(200, 256, 384)]
+#: Explicit (block_m, block_n, block_k) tried after the default config.
+TILES = "512x512x512,512x1024x1024,1024x1024x1024,512x2048x1024"
+DRY_TILES = "128x128x128"
+
+#: Timed and untimed runs per contender: (dry run, chip).
+REPS, WARMUP = (1, 10), (0, 2)
+
+
+def parse_args(argv=None):
+    p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0, stops="contender",
+                        dry="a tiny ragged case")
+    p.add_argument("--tiles", default=None,
+                   help=f"explicit mosaic_tpu tiles MxNxK, comma-separated (default {TILES}; '' for none)")
+    p.add_argument("--passes", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd (default both)")
+    return p.parse_args(argv)
+
+
+def parse_tiles(text: str):
+    from stellax.ops.glu import GluTpuConfig
+
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        bm, bn, bk = (int(v) for v in item.lower().split("x"))
+        out.append(GluTpuConfig(block_m=bm, block_n=bn, block_k=bk))
+    return out
+
+
+# -- inputs and the contenders ---------------------------------------------------------------
+def make_inputs(seed: int, m: int, k: int, n: int):
+    """``(x [M, K], w [K, 2, N], dy [M, N])`` in bfloat16, made on the device (unit-variance outputs)."""
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.jit(lambda key: jax.random.normal(key, (m, k), jnp.bfloat16))(kx)
+    w = jax.jit(lambda key: (jax.random.normal(key, (k, 2, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16))(kw)
+    dy = jax.jit(lambda key: jax.random.normal(key, (m, n), jnp.bfloat16))(kd)
+    return x, w, dy
+
+
+def xla_glu(x, w):
+    """SwiGLU as written in ``jnp``: two bf16 matmuls accumulating in float32, ``silu(gate) * up``."""
+    gate = jnp.dot(x, w[:, 0], preferred_element_type=jnp.float32)
+    up = jnp.dot(x, w[:, 1], preferred_element_type=jnp.float32)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+
+def stellax_glu(x, w, *, config=None):
+    import stellax
+
+    table = {} if config is None else {("gated_linear_unit", "mosaic_tpu"): config,
+                                       ("gated_linear_unit_backward", "mosaic_tpu"): config}
+    with stellax.use_configs(table):
+        return stellax.gated_linear_unit(x, w, activation="silu", implementation="mosaic_tpu")
+
+
+def program(glu, pass_: str):
+    """A jitted ``f(x, w, dy)``: the output (``fwd``), or the output and the gradients of x and w (``fwd+bwd``)."""
+    if pass_ == "fwd":
+        return jax.jit(lambda x, w, dy: glu(x, w))
+
+    def fwd_bwd(x, w, dy):
+        out, pullback = jax.vjp(glu, x, w)
+        return out, pullback(dy)
+
+    return jax.jit(fwd_bwd)
+
+
+def errors(out, ref) -> tuple[float, float]:
+    """``(max|out - ref| / max|ref|, largest relative L2 error)`` over the leaves (``inf`` on a non-finite output)."""
+    worst_max = worst_l2 = 0.0
+    for o, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
+        o, r = np.asarray(jnp.asarray(o, jnp.float32)), np.asarray(jnp.asarray(r, jnp.float32))
+        if not np.all(np.isfinite(o)):
+            return math.inf, math.inf
+        worst_max = max(worst_max, float(np.max(np.abs(o - r))) / (float(np.max(np.abs(r))) or 1.0))
+        worst_l2 = max(worst_l2, float(np.linalg.norm(o - r)) / (float(np.linalg.norm(r)) or 1.0))
+    return worst_max, worst_l2
+
+
+# -- the run ---------------------------------------------------------------------------------------
+class Run(ChipRun):
+    def __init__(self, args):
+        super().__init__(args, "stellax-glu-tpu", reps=REPS, warmup=WARMUP)
+        self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
+        self.passes = [p for p in args.passes.split(",") if p]
+        for p in self.passes:
+            if p not in ("fwd", "fwd+bwd"):
+                raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
+        self.tiles = parse_tiles(args.tiles if args.tiles is not None else (DRY_TILES if self.dry else TILES))
+
+    def row(self, case, pass_, contender, config, *, default, flops, ms=None, xla_ms=None, errs=(None, None),
+            compile_s=None, error=None, skipped=None):
+        tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
+        pct = None if tflops is None or self.peak is None else 100.0 * tflops / self.peak
+        r = {"op": "gated_linear_unit", "case": case, "pass": pass_, "contender": contender, "config": config,
+             "default": default, "peer": contender == "xla:jnp", "ms": ms, "tflops": tflops, "pct_peak": pct,
+             "bound": "compute", "vs_xla": None if ms is None or xla_ms is None else xla_ms / ms,
+             "max_rel_err": errs[0], "rel_l2": errs[1], "compile_s": compile_s, "device": self.device,
+             "date": self.date, "skipped": skipped, "error": error}
+        self.rows.append(r)
+        self.save()
+        label = f"  {pass_:8s} {contender:20s} {config:36s}"
+        if skipped or error:
+            print(f"{label} {'skipped: ' + skipped if skipped else 'ERROR ' + error[:200]}", flush=True)
+        else:
+            ratio = "" if r["vs_xla"] is None else f" {r['vs_xla']:5.2f}x XLA"
+            err = "" if errs[0] is None else f" max_rel_err {errs[0]:.1e} rel_l2 {errs[1]:.1e}"
+            print(f"{label} {ms:9.3f} ms {tflops:6.1f} TFLOP/s {pct or 0:5.1f}%{ratio}{err} "
+                  f"(first call {compile_s:.1f} s)", flush=True)
+        return r
+
+    def measure(self, case, pass_, contender, config, fn, operands, flops, *, default, xla_ms, ref):
+        if self.over_budget():
+            return self.row(case, pass_, contender, config, default=default, flops=flops,
+                            skipped=f"budget of {self.args.budget:.0f} s spent"), None
+        try:
+            first, ms, out = time_fn(fn, operands, self.reps, self.warmup)
+            errs = errors(out, ref) if ref is not None else (None, None)
+            return self.row(case, pass_, contender, config, default=default, flops=flops, ms=ms,
+                            xla_ms=ms if contender == "xla:jnp" else xla_ms, errs=errs, compile_s=first), out
+        except Exception as e:  # noqa: BLE001 - a contender that does not compile, fit or run is a row
+            return self.row(case, pass_, contender, config, default=default, flops=flops,
+                            error=f"{type(e).__name__}: {e}".replace("\n", " ")[:400]), None
+
+    def picks_kernel(self, x, w) -> bool:
+        """Whether ``implementation=None`` runs the Mosaic kernel on this call (the forward's choice)."""
+        if self.dry:  # dispatch never picks an interpreted kernel on a CPU; the dry run stands for a TPU
+            return True
+        from stellax.ops.glu import gated_linear_unit_op
+
+        try:
+            return gated_linear_unit_op.select(gated_linear_unit_op.check(x, w, activation="silu")).name == "mosaic_tpu"
+        except Exception:  # noqa: BLE001
+            return False
+
+    def run_case(self, seed, m, k, n):
+        from stellax.ops.glu import gated_linear_unit_op
+
+        case = f"SwiGLU M={m} K={k} N={n} bf16"
+        print(f"== {case}", flush=True)
+        x, w, dy = make_inputs(seed, m, k, n)
+        operands = (x, w, dy)
+        impl = gated_linear_unit_op.implementations["mosaic_tpu"]
+        default_config = impl.default_config(gated_linear_unit_op.check(x, w, activation="silu"))
+        default_label = (f"default({default_config.block_m}x{default_config.block_n}x{default_config.block_k})")
+        picked = self.picks_kernel(x, w)
+        for pass_ in self.passes:
+            flops = 4.0 * m * k * n * (1 if pass_ == "fwd" else 3)
+            xla_row, ref = self.measure(case, pass_, "xla:jnp", "-", program(xla_glu, pass_), operands, flops,
+                                        default=False, xla_ms=None, ref=None)
+            if xla_row["ms"] is not None:
+                xla_row["max_rel_err"], xla_row["rel_l2"] = 0.0, 0.0
+            rows = []
+            for config in [None, *self.tiles]:
+                label = default_label if config is None else f"{config.block_m}x{config.block_n}x{config.block_k}"
+                fn = program(lambda a, b, config=config: stellax_glu(a, b, config=config), pass_)
+                r, _ = self.measure(case, pass_, "stellax:mosaic_tpu", label, fn, operands, flops,
+                                    default=config is None and picked, xla_ms=xla_row["ms"], ref=ref)
+                rows.append(r)
+            mark_best(rows)
+            self.save()
+            del ref
+        del x, w, dy, operands
+
+    def main(self):
+        cases = DRY_CASES if self.dry else CASES
+        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        print(f"gated_linear_unit on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
+              f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}, budget {self.args.budget:.0f} s",
+              flush=True)
+        for i in picked:
+            self.run_case(i, *cases[i])
+        self.save()
+        summary(self.rows)
+        print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
+        return 0
+
+
+def summary(rows):
+    """Per case and pass: XLA, stellax's default and best (ms, % of peak, ratio to XLA)."""
+    print("\nsummary (ms, % of bf16 peak, x = XLA's time / stellax's)", flush=True)
+    for case, pass_ in dict.fromkeys((r["case"], r["pass"]) for r in rows):
+        rs = [r for r in rows if (r["case"], r["pass"]) == (case, pass_) and r["ms"] is not None]
+        xla = next((r for r in rs if r["peer"]), None)
+        mosaic = [r for r in rs if not r["peer"]]
+        default = next((r for r in mosaic if r["config"].startswith("default")), None)
+        best = min(mosaic, key=lambda r: r["ms"]) if mosaic else None
+        cells = []
+        for label, r in (("xla", xla), ("default", default), ("best", best)):
+            if r is None:
+                cells.append(f"{label} -")
+                continue
+            ratio = "" if label == "xla" or r["vs_xla"] is None else f", {r['vs_xla']:.2f}x"
+            cells.append(f"{label} {r['ms']:.3f} ({r['pct_peak'] or 0:.0f}%{ratio})"
+                         + (f" [{r['config']}]" if label == "best" else ""))
+        print(f"  {case:34s} {pass_:8s} " + ", ".join(cells), flush=True)
+
+
+def main(argv=None) -> int:
+    return chip_run.run(Run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
