@@ -10,15 +10,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 #: When the process started measuring (the import of this module, at the top of every script).
 START = time.perf_counter()
+
+
+#: The passes a benchmark with ``--passes`` times: the forward, and the forward with the backward.
+PASSES = ("fwd", "fwd+bwd")
 
 
 def elapsed() -> float:
@@ -37,6 +43,19 @@ def environment(dry: bool) -> dict:
     except Exception:  # noqa: BLE001 - optional: no libtpu off a TPU host
         env["libtpu"] = None
     return env
+
+
+def errors(out, ref) -> tuple[float, float]:
+    """``(max|out - ref| / max|ref|, largest relative L2 error)`` over the leaves of ``out`` and
+    ``ref`` (``inf`` on a non-finite output)."""
+    worst_max = worst_l2 = 0.0
+    for o, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
+        o, r = np.asarray(jnp.asarray(o, jnp.float32)), np.asarray(jnp.asarray(r, jnp.float32))
+        if not np.all(np.isfinite(o)):
+            return math.inf, math.inf
+        worst_max = max(worst_max, float(np.max(np.abs(o - r))) / (float(np.max(np.abs(r))) or 1.0))
+        worst_l2 = max(worst_l2, float(np.linalg.norm(o - r)) / (float(np.linalg.norm(r)) or 1.0))
+    return worst_max, worst_l2
 
 
 def time_fn(fn, args, reps: int, warmup: int) -> tuple[float, float, object]:
@@ -72,6 +91,10 @@ class ChipRun:
         self.date = datetime.date.today().isoformat()
         self.rows: list[dict] = []
         self.out = Path(args.out)
+        self.passes = [p for p in getattr(args, "passes", "").split(",") if p]
+        for p in self.passes:
+            if p not in PASSES:
+                raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
 
     def extra(self) -> dict:
         """More top-level fields of the JSON (none here)."""
@@ -83,16 +106,20 @@ class ChipRun:
                "seconds": round(elapsed(), 1), "rows": self.rows}
         self.out.write_text(json.dumps(doc, indent=1))
 
+    def picked_cases(self, count: int) -> list[int]:
+        """The case indices ``--cases`` names, in its order (every one of ``count`` when empty)."""
+        return [int(i) for i in self.args.cases.split(",") if i] or list(range(count))
+
     def over_budget(self) -> bool:
         """Whether ``--budget`` seconds have passed (no new case or contender starts then)."""
         return elapsed() > self.args.budget
 
 
 def parser(description: str, *, reps: tuple[int, int], warmup: tuple[int, int], budget: float,
-           stops: str = "case", dry: str = "tiny shapes") -> argparse.ArgumentParser:
+           stops: str = "case", dry: str = "tiny shapes", passes: bool = False) -> argparse.ArgumentParser:
     """The options every chip benchmark takes: ``--out``, ``--dry-run``, ``--reps`` and ``--warmup``
-    (defaults ``(dry run, chip)``), ``--budget`` (seconds; no new ``stops`` starts past it) and
-    ``--cases``; a script adds its own."""
+    (defaults ``(dry run, chip)``), ``--budget`` (seconds; no new ``stops`` starts past it),
+    ``--cases`` and, with ``passes``, ``--passes`` (`ChipRun.passes`); a script adds its own."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--dry-run", action="store_true", help=f"CPU, interpreted kernels, {dry}")
@@ -102,6 +129,8 @@ def parser(description: str, *, reps: tuple[int, int], warmup: tuple[int, int], 
                    help=f"untimed runs after the first (default {warmup[1]}, dry run {warmup[0]})")
     p.add_argument("--budget", type=float, default=budget, help=f"seconds; no new {stops} starts past it")
     p.add_argument("--cases", default="", help="comma-separated case indices to run (default: all, in order)")
+    if passes:
+        p.add_argument("--passes", default=",".join(PASSES), help="fwd and/or fwd+bwd, comma-separated (default both)")
     return p
 
 

@@ -45,8 +45,7 @@ import sys
 import chip_run
 import jax
 import jax.numpy as jnp
-import numpy as np
-from chip_run import ChipRun, elapsed, mark_best, time_fn
+from chip_run import ChipRun, elapsed, errors, mark_best, time_fn
 
 #: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
@@ -65,10 +64,9 @@ REPS, WARMUP = (1, 10), (0, 2)
 
 def parse_args(argv=None):
     p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0, stops="contender",
-                        dry="a tiny ragged case")
+                        dry="a tiny ragged case", passes=True)
     p.add_argument("--tiles", default=None,
                    help=f"explicit mosaic_tpu tiles MxNxK, comma-separated (default {TILES}; '' for none)")
-    p.add_argument("--passes", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd (default both)")
     return p.parse_args(argv)
 
 
@@ -120,27 +118,11 @@ def program(glu, pass_: str):
     return jax.jit(fwd_bwd)
 
 
-def errors(out, ref) -> tuple[float, float]:
-    """``(max|out - ref| / max|ref|, largest relative L2 error)`` over the leaves (``inf`` on a non-finite output)."""
-    worst_max = worst_l2 = 0.0
-    for o, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
-        o, r = np.asarray(jnp.asarray(o, jnp.float32)), np.asarray(jnp.asarray(r, jnp.float32))
-        if not np.all(np.isfinite(o)):
-            return math.inf, math.inf
-        worst_max = max(worst_max, float(np.max(np.abs(o - r))) / (float(np.max(np.abs(r))) or 1.0))
-        worst_l2 = max(worst_l2, float(np.linalg.norm(o - r)) / (float(np.linalg.norm(r)) or 1.0))
-    return worst_max, worst_l2
-
-
 # -- the run ---------------------------------------------------------------------------------------
 class Run(ChipRun):
     def __init__(self, args):
         super().__init__(args, "stellax-glu-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
-        self.passes = [p for p in args.passes.split(",") if p]
-        for p in self.passes:
-            if p not in ("fwd", "fwd+bwd"):
-                raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
         self.tiles = parse_tiles(args.tiles if args.tiles is not None else (DRY_TILES if self.dry else TILES))
 
     def row(self, case, pass_, contender, config, *, default, flops, ms=None, xla_ms=None, errs=(None, None),
@@ -219,7 +201,7 @@ class Run(ChipRun):
 
     def main(self):
         cases = DRY_CASES if self.dry else CASES
-        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        picked = self.picked_cases(len(cases))
         print(f"gated_linear_unit on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}, budget {self.args.budget:.0f} s",
               flush=True)

@@ -92,8 +92,8 @@ REPS, WARMUP = (1, 10), (0, 2)
 
 
 def parse_args(argv=None):
-    p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0, stops="contender")
-    p.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated passes (fwd, fwd+bwd)")
+    p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0, stops="contender",
+                        passes=True)
     p.add_argument("--no-peers", action="store_true", help="only stellax's contenders")
     return p.parse_args(argv)
 
@@ -233,10 +233,6 @@ class Run(ChipRun):
     def __init__(self, args):
         super().__init__(args, "stellax-gmm-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
-        self.passes = [p for p in args.passes.split(",") if p]
-        for p in self.passes:
-            if p not in ("fwd", "fwd+bwd"):
-                raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
 
     def row(self, case, kind, contender, config, *, default, peer, flops, ms=None, errs=(None, None, None),
             compile_s=None, error=None, skipped=None):
@@ -308,7 +304,7 @@ class Run(ChipRun):
 
     def main(self):
         cases = DRY_CASES if self.dry else CASES
-        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        picked = self.picked_cases(len(cases))
         print(f"grouped matmul on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"{len(picked)} cases, passes {self.passes}, reps {self.reps}, warmup {self.warmup}, "
               f"budget {self.args.budget:.0f} s", flush=True)

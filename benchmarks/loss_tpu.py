@@ -98,10 +98,9 @@ REPS, WARMUP = (1, 5), (0, 1)
 
 def parse_args(argv=None):
     p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=190.0, stops="contender",
-                        dry="a tiny case")
+                        dry="a tiny case", passes=True)
     p.add_argument("--configs", default=None,
                    help=f"explicit mosaic_tpu tiles BTxBV, comma-separated (default {CONFIGS}; '' for none)")
-    p.add_argument("--passes", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd (default both)")
     return p.parse_args(argv)
 
 
@@ -228,10 +227,6 @@ class Run(ChipRun):
     def __init__(self, args):
         super().__init__(args, "stellax-loss-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
-        self.passes = [p for p in args.passes.split(",") if p]
-        for p in self.passes:
-            if p not in ("fwd", "fwd+bwd"):
-                raise SystemExit(f"--passes: expected fwd and/or fwd+bwd, got {p!r}")
         text = args.configs if args.configs is not None else (DRY_CONFIGS if self.dry else CONFIGS)
         self.configs = parse_configs(text)
 
@@ -339,7 +334,7 @@ class Run(ChipRun):
 
     def main(self):
         cases = DRY_CASES if self.dry else CASES
-        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        picked = self.picked_cases(len(cases))
         print(f"linear_cross_entropy on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}, budget {self.args.budget:.0f} s",
               flush=True)

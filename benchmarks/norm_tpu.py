@@ -44,14 +44,12 @@ Mosaic kernels interpreted (the test suite runs it so the script cannot rot).
 
 from __future__ import annotations
 
-import math
 import sys
 
 import chip_run
 import jax
 import jax.numpy as jnp
-import numpy as np
-from chip_run import ChipRun, elapsed, time_fn
+from chip_run import ChipRun, elapsed, errors, time_fn
 
 #: HBM bandwidth (GB/s) by device kind; the dry run reports against a v5e's.
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5": 2765.0, "TPU v6 lite": 1640.0, "TPU7x": 7370.0}
@@ -145,19 +143,6 @@ def explicit_configs(call, dry: bool):
 
 
 # -- measuring -----------------------------------------------------------------------------------
-def errors(out, ref) -> tuple[float, float]:
-    """``(max|out - ref| / max|ref|, largest relative L2 error)`` over the leaves (``inf`` on a non-finite output)."""
-    worst_max = worst_l2 = 0.0
-    for o, r in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
-        o = np.asarray(jnp.asarray(o, jnp.float32))
-        r = np.asarray(jnp.asarray(r, jnp.float32))
-        if not np.all(np.isfinite(o)):
-            return math.inf, math.inf
-        worst_max = max(worst_max, float(np.max(np.abs(o - r))) / (float(np.max(np.abs(r))) or 1.0))
-        worst_l2 = max(worst_l2, float(np.linalg.norm(o - r)) / (float(np.linalg.norm(r)) or 1.0))
-    return worst_max, worst_l2
-
-
 def byte_model(args, cots) -> dict[str, float]:
     """Bytes each pass must move, from the ops' byte models (the same for every contender)."""
     from stellax.ops.norm import layer_norm_backward_op, layer_norm_op
@@ -255,7 +240,7 @@ class Run(ChipRun):
 
     def main(self):
         cases = DRY_CASES if self.dry else CASES
-        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        picked = self.picked_cases(len(cases))
         print(f"norms on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), {len(picked)} cases, "
               f"reps {self.reps}, warmup {self.warmup}", flush=True)
         for n, i in enumerate(picked):

@@ -57,7 +57,7 @@ import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-from chip_run import ChipRun, elapsed, mark_best, time_fn
+from chip_run import ChipRun, elapsed, errors, mark_best, time_fn
 
 #: HBM bandwidth (GB/s) by device kind; the dry run reports against a v5e's.
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5": 2765.0, "TPU v6 lite": 1640.0, "TPU7x": 7370.0}
@@ -108,16 +108,6 @@ def golden(q, k, v, tables, lengths, chunk: int):
     outs = [ref(q[i:i + chunk], k, v, tables[i:i + chunk], lengths[i:i + chunk])
             for i in range(0, q.shape[0], chunk)]
     return jnp.concatenate(outs, axis=0).astype(jnp.float32)
-
-
-def errors(out, ref) -> tuple[float, float]:
-    o = np.asarray(jnp.asarray(out, jnp.float32))
-    r = np.asarray(ref)
-    if not np.all(np.isfinite(o)):
-        return math.inf, math.inf
-    scale = float(np.max(np.abs(r))) or 1.0
-    l2 = float(np.linalg.norm(r)) or 1.0
-    return float(np.max(np.abs(o - r))) / scale, float(np.linalg.norm(o - r)) / l2
 
 
 # -- contenders -----------------------------------------------------------------------------------
@@ -274,7 +264,7 @@ class Run(ChipRun):
     def main(self):
         cases = DRY_CASES if self.dry else CASES
         shape = DRY_SHAPE if self.dry else (Q_HEADS, KV_HEADS, HEAD_DIM)
-        picked = [int(i) for i in self.args.cases.split(",") if i] or list(range(len(cases)))
+        picked = self.picked_cases(len(cases))
         print(f"paged decode on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}", flush=True)
         for i in picked:
