@@ -53,3 +53,33 @@ def test_check_sets_a_small_tpu_transfer_buffer_unless_one_is_set(monkeypatch):
     monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", "4294967296")
     cli._fast_compiles()
     assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == "4294967296"
+
+
+def test_threaded_check_releases_memory_per_op_and_records_rss(monkeypatch):
+    """In threads (an accelerator's run), memory is released after the examples are
+    built and after each op's last check, and each row records the RSS it ended at."""
+    import stellax
+    from stellax.testing import workers
+    from stellax.testing.plan import plan_checks, select_ops
+
+    releases = []
+    monkeypatch.setattr(workers, "release_host_memory", lambda: releases.append(1))
+    jobs = plan_checks(select_ops(stellax.registered_ops(), ["rms_norm", "moe_route"]))
+    names = {job.op.name for job in jobs}
+    run = report.run_quietly(jobs, platform="cpu", mode="quick", threads=2)
+    assert len(run.rows) == len(jobs) and not run.failures
+    assert len(releases) == 1 + len(names)
+    assert all(row["host_rss"] > 0 for row in run.rows)
+
+
+def test_release_host_memory_drops_compiled_programs():
+    import jax
+    import jax.numpy as jnp
+
+    from stellax.testing import workers
+
+    f = jax.jit(lambda x: x * 3)
+    f(jnp.ones(3))
+    assert f._cache_size() == 1
+    workers.release_host_memory()
+    assert f._cache_size() == 0

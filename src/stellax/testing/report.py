@@ -96,6 +96,18 @@ def host_memory() -> dict:
     return out
 
 
+def _rss_now() -> int | None:
+    """This process's resident bytes now (``VmRSS``; Linux only, else None)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def _sequential(jobs: Iterable[CheckJob]):
     """The events of `workers.events`, run in this process."""
     cpu_start = time.process_time()
@@ -127,6 +139,8 @@ def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, threads
         if kind == "start" and on_start is not None:
             on_start(job)
         elif kind == "done":
+            if workers <= 1:  # where the memory grows: this process ran the check
+                value["host_rss"] = _rss_now()
             done.append((order[id(job)], value))
             if on_row is not None:
                 on_row(job, value)
