@@ -56,8 +56,8 @@ def test_check_sets_a_small_tpu_transfer_buffer_unless_one_is_set(monkeypatch):
 
 
 def test_threaded_check_releases_memory_per_op_and_records_rss(monkeypatch):
-    """In threads (an accelerator's run), memory is released after the examples are
-    built and after each op's last check, and each row records the RSS it ended at."""
+    """In threads (an accelerator's run), memory is released after every ``threads``
+    examples built and after each op's last check, and each row records the RSS it ended at."""
     import stellax
     from stellax.testing import workers
     from stellax.testing.plan import plan_checks, select_ops
@@ -66,9 +66,10 @@ def test_threaded_check_releases_memory_per_op_and_records_rss(monkeypatch):
     monkeypatch.setattr(workers, "release_host_memory", lambda: releases.append(1))
     jobs = plan_checks(select_ops(stellax.registered_ops(), ["rms_norm", "moe_route"]))
     names = {job.op.name for job in jobs}
+    pairs = {(job.op.name, job.dtype) for job in jobs}
     run = report.run_quietly(jobs, platform="cpu", mode="quick", threads=2)
     assert len(run.rows) == len(jobs) and not run.failures
-    assert len(releases) == 1 + len(names)
+    assert len(releases) == -(-len(pairs) // 2) + len(names)  # every 2 examples built, then per op
     assert all(row["host_rss"] > 0 for row in run.rows)
 
 
