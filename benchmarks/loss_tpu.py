@@ -20,9 +20,15 @@ loss; ``fwd+bwd``: the loss and its gradients for x and w by
 * ``stellax:mosaic_tpu``: `stellax.linear_cross_entropy` with
   ``implementation="mosaic_tpu"`` and the config stellax picks by itself
   (``config`` ``default``; the row's ``default`` is true when
-  ``implementation=None`` would run the kernel too), then explicit
-  `LossTpuConfig` tiles (``--configs``; the forward and the backward op both
-  take the explicit tiles);
+  ``implementation=None`` would run the kernel too). Its ``fwd+bwd`` is the
+  fused training sweep (a mean loss under differentiation: three matmuls,
+  each logits tile computed once and kept in HBM per chunk of tokens;
+  `stellax.ops.loss.mosaic_tpu`); then, ``fwd+bwd`` only, the kernels'
+  recompute path on the same data (``config`` ``recompute``: the per-token
+  losses, ``reduction="none"``, averaged outside, so the backward op runs,
+  five matmuls: the path every mean loss took before the fused sweep); then
+  explicit `LossTpuConfig` tiles (``--configs``; the forward and the backward
+  op both take the explicit tiles and token chunk);
 * ``tokamax:mosaic_tpu``: tokamax's Mosaic TPU loss
   (``linear_softmax_cross_entropy_loss``, mean), the peer issue 40 names.
   It takes weights ``[D, V]`` (transposed once, outside the timed program)
@@ -34,7 +40,7 @@ Timing: each contender is compiled ahead of time (``compile_s``), run once,
 then timed ``--reps`` times (``block_until_ready`` after each call; median
 reported) after ``--warmup`` runs. ``tflops`` counts the same matmul work for
 every contender of a case (``2·T·D·V`` forward, three times that forward and
-backward: logits, dx, dw; the Mosaic backward's recomputed logits are its own
+backward: logits, dx, dw; the recompute path's recomputed logits are its own
 overhead); ``pct_peak`` is that against the chip's bfloat16 peak (197 TFLOP/s
 on a v5e); ``vs_xla`` is the full-logits XLA time over the row's.
 
@@ -55,10 +61,14 @@ The JSON (``--out``) holds ``{"format": "stellax-loss-tpu", "version": 1,
 schema (benchmarks/README.md: op, case, pass, contender, default, peer, ms,
 tflops, pct_peak, bound, device, date, skipped, error) plus ``config``,
 ``vs_xla``, ``loss_rel_err``, ``rel_l2``, ``reference``, ``temp_mib``,
-``program_mib``, ``device_peak_mib`` and ``compile_s``. It is rewritten after
+``program_mib``, ``device_peak_mib``, ``compile_s`` and ``model_ms`` (the fused
+sweep's roofline time, `stellax.ops.loss.base.fused_sweep_cost` at the
+chip's peak and HBM bandwidth: its ``fwd+bwd`` Mosaic rows only; 134 ms for
+the first case on a v5e). It is rewritten after
 every row, so a run cut short keeps what it measured. ``--budget`` seconds
 (default 190): no new contender starts past it (skipped rows say so). The
-first case is 12 compiles and timings, about 90-120 s on a v5e host.
+first case is 17 compiles and timings (8 forward, 9 forward + backward):
+12 took 90-120 s on a v5e host, so give it ``--budget 300`` to see them all.
 
 ``--dry-run`` runs the same code path on the CPU on a tiny ragged case (T=40,
 V=300) with the Mosaic kernels interpreted (the test suite runs it so the
@@ -67,6 +77,7 @@ script cannot rot).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -81,15 +92,18 @@ from chip_run import ChipRun, elapsed, time_fn
 #: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
 V5E_TFLOPS = 197.0
+#: HBM bandwidth (GB/s) by device kind, for the fused sweep's roofline model (``model_ms``).
+HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5": 2765.0, "TPU v6 lite": 1640.0, "TPU7x": 7370.0}
+V5E_GBPS = 819.0
 MIB = 2**20
 IGNORED = 0.1
 
 #: (T, D, V): issue 40's headline case first.
 CASES = [(8192, 4096, 131072), (32768, 4096, 131072), (8192, 4096, 262144), (32768, 4096, 262144)]
 DRY_CASES = [(40, 128, 300)]
-#: Explicit (block_t, block_v) tried after the default config.
-CONFIGS = "256x512,1024x512,512x1024"
-DRY_CONFIGS = "16x128"
+#: Explicit (block_t, block_v[, chunk_t]) tried after the default config (512x512, chunks of 2048).
+CONFIGS = "1024x512,512x1024,512x512x4096,512x512x1024"
+DRY_CONFIGS = "16x128x16"
 
 
 #: Timed and untimed runs per contender: (dry run, chip).
@@ -100,7 +114,8 @@ def parse_args(argv=None):
     p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=190.0, stops="contender",
                         dry="a tiny case", passes=True)
     p.add_argument("--configs", default=None,
-                   help=f"explicit mosaic_tpu tiles BTxBV, comma-separated (default {CONFIGS}; '' for none)")
+                   help=f"explicit mosaic_tpu tiles BTxBV or BTxBVxCHUNK (tokens per chunk of the fused sweep), "
+                        f"comma-separated (default {CONFIGS}; '' for none)")
     return p.parse_args(argv)
 
 
@@ -135,6 +150,16 @@ def stellax_loss(implementation, x, w, labels):
     return stellax.linear_cross_entropy(x, w, labels, transpose_w=True, implementation=implementation)
 
 
+def stellax_recompute_loss(x, w, labels):
+    """The mean loss from stellax's per-token losses (``reduction="none"``): a per-token cotangent,
+    so the Mosaic backward op recomputes the logits (the path before the fused sweep)."""
+    import stellax
+
+    per_token = stellax.linear_cross_entropy(x, w, labels, transpose_w=True, reduction="none",
+                                             implementation="mosaic_tpu")
+    return jnp.sum(per_token) / jnp.maximum(jnp.sum(labels != -100), 1)
+
+
 def tokamax_loss(x, w_dv, labels):
     """tokamax's Mosaic TPU loss (weights ``[D, V]``, no ``ignore_index``: ignored labels read as 0)."""
     import tokamax
@@ -154,19 +179,29 @@ def parse_configs(text: str):
 
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
-        bt, bv = item.lower().split("x")
-        out.append(LossTpuConfig(block_t=int(bt), block_v=int(bv)))
+        sizes = [int(n) for n in item.lower().split("x")]
+        if len(sizes) not in (2, 3):
+            raise ValueError(f"--configs: expected BTxBV or BTxBVxCHUNK, got {item!r}")
+        out.append(LossTpuConfig(**dict(zip(("block_t", "block_v", "chunk_t"), sizes))))
     return out
 
 
-def contenders(configs):
-    """``(contender, config label, loss function, config or None, peer)`` in run order."""
+def config_label(config) -> str:
+    from stellax.ops.loss import LossTpuConfig
+
+    label = f"block_t={config.block_t},block_v={config.block_v}"
+    return label if config.chunk_t == LossTpuConfig.chunk_t else f"{label},chunk_t={config.chunk_t}"
+
+
+def contenders(configs, kind: str):
+    """``(contender, config label, loss function, config or None, peer)`` in run order for pass ``kind``."""
+    mosaic = functools.partial(stellax_loss, "mosaic_tpu")
     out = [("xla:full_logits", "-", xla_full_logits, None, True),
            ("stellax:xla_chunked", "default", functools.partial(stellax_loss, "xla_chunked"), None, False),
-           ("stellax:mosaic_tpu", "default", functools.partial(stellax_loss, "mosaic_tpu"), None, False)]
-    for config in configs:
-        out.append(("stellax:mosaic_tpu", f"block_t={config.block_t},block_v={config.block_v}",
-                    functools.partial(stellax_loss, "mosaic_tpu"), config, False))
+           ("stellax:mosaic_tpu", "default", mosaic, None, False)]
+    if kind == "fwd+bwd":
+        out.append(("stellax:mosaic_tpu", "recompute", stellax_recompute_loss, None, False))
+    out += [("stellax:mosaic_tpu", config_label(config), mosaic, config, False) for config in configs]
     out.append(("tokamax:mosaic_tpu", "-", tokamax_loss, None, True))
     return out
 
@@ -177,8 +212,6 @@ def program(loss, kind: str):
 
 def configured(config):
     """Both loss ops on ``config`` (the backward op, called from the forward's VJP, would take its heuristic)."""
-    import contextlib
-
     import stellax
 
     if config is None:
@@ -227,11 +260,33 @@ class Run(ChipRun):
     def __init__(self, args):
         super().__init__(args, "stellax-loss-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
+        self.bandwidth = V5E_GBPS if self.dry else HBM_GBPS.get(self.device)
         text = args.configs if args.configs is not None else (DRY_CONFIGS if self.dry else CONFIGS)
         self.configs = parse_configs(text)
 
+    def model_ms(self, kind, label, config, tokens, features, vocab) -> float | None:
+        """The fused sweep's roofline time (`base.fused_sweep_cost` at the chip's peak and HBM
+        bandwidth, the sum of its three kernels) for a ``fwd+bwd`` Mosaic row that runs it."""
+        if kind != "fwd+bwd" or label == "recompute" or self.peak is None or self.bandwidth is None:
+            return None
+        import stellax
+        from stellax.ops.loss import LossTpuConfig, linear_cross_entropy_op
+        from stellax.ops.loss.base import fused_sweep_cost
+
+        with contextlib.ExitStack() as stack:
+            if self.dry:  # on a CPU, size the dw slices as for the v5e the figures stand for
+                stack.enter_context(stellax.lowering_target("v5e"))
+            if config is None:
+                x = jax.ShapeDtypeStruct((tokens, features), jnp.bfloat16)
+                call = linear_cross_entropy_op.check(x, jax.ShapeDtypeStruct((vocab, features), jnp.bfloat16),
+                                                     jax.ShapeDtypeStruct((tokens,), jnp.int32), transpose_w=True)
+                config = linear_cross_entropy_op.implementations["mosaic_tpu"].default_config(call)
+            assert isinstance(config, LossTpuConfig)
+            costs = fused_sweep_cost(tokens, features, vocab, 2, config)
+        return 1e3 * sum(k.seconds(self.peak * 1e12, self.bandwidth * 1e9) for k in costs)
+
     def row(self, case, kind, contender, config, *, default, peer, flops, ms=None, errs=(None, None),
-            reference=None, mem=(None, None), compile_s=None, error=None, skipped=None):
+            reference=None, mem=(None, None), compile_s=None, error=None, skipped=None, model_ms=None):
         tflops = None if ms is None or not ms == ms else flops / (ms * 1e-3) / 1e12
         pct = None if tflops is None or self.peak is None else 100.0 * tflops / self.peak
         xla = ms if contender == "xla:full_logits" else next(
@@ -241,8 +296,8 @@ class Run(ChipRun):
              "default": default, "peer": peer, "ms": ms, "tflops": tflops, "pct_peak": pct, "bound": "compute",
              "vs_xla": None if xla is None or ms is None else xla / ms, "loss_rel_err": errs[0],
              "rel_l2": errs[1], "reference": reference, "temp_mib": mem[0], "program_mib": mem[1],
-             "device_peak_mib": device_peak(), "compile_s": compile_s, "device": self.device, "date": self.date,
-             "skipped": skipped, "error": error}
+             "device_peak_mib": device_peak(), "compile_s": compile_s, "model_ms": model_ms, "device": self.device,
+             "date": self.date, "skipped": skipped, "error": error}
         self.rows.append(r)
         self.save()
         label = f"  {kind:7s} {contender:20s} {config:28s}"
@@ -254,13 +309,14 @@ class Run(ChipRun):
             grads = "" if errs[1] is None else f" grads rel_l2 {errs[1]:.2e}"
             vs = "" if r["vs_xla"] is None else f" {r['vs_xla']:.2f}x xla"
             err = "not compared" if errs[0] is None else f"{errs[0]:.1e}"
-            print(f"{label} {ms:9.3f} ms {tflops:6.1f} TFLOP/s {pct or 0:5.1f}%{vs} temp {mem[0] or 0:9.1f} MiB "
-                  f"program {mem[1] or 0:9.1f} MiB loss rel_err {err}{grads} (compile {compile_s:.1f} s)",
+            model = "" if model_ms is None else f" (model {model_ms:.1f} ms)"
+            print(f"{label} {ms:9.3f} ms{model} {tflops:6.1f} TFLOP/s {pct or 0:5.1f}%{vs} temp {mem[0] or 0:9.1f} "
+                  f"MiB program {mem[1] or 0:9.1f} MiB loss rel_err {err}{grads} (compile {compile_s:.1f} s)",
                   flush=True)
         return r
 
     def measure(self, case, kind, contender, config_label, loss, config, args, flops, *, default, peer, ref,
-                compare=True):
+                compare=True, model_ms=None):
         """One contender: compile, time, compare (unless ``compare`` is false); returns its outputs (or None)."""
         if self.over_budget():
             self.row(case, kind, contender, config_label, default=default, peer=peer, flops=flops,
@@ -276,7 +332,7 @@ class Run(ChipRun):
             errs = errors(out, target, kind) if compare else (None, None)
             reference = reference if compare else None
             self.row(case, kind, contender, config_label, default=default, peer=peer, flops=flops, ms=ms,
-                     errs=errs, reference=reference, mem=memory(compiled), compile_s=compile_s)
+                     errs=errs, reference=reference, mem=memory(compiled), compile_s=compile_s, model_ms=model_ms)
             return out
         except Exception as e:  # noqa: BLE001 - a contender that does not compile, fit or run is a row
             msg = f"{type(e).__name__}: {e}".replace("\n", " ")
@@ -318,14 +374,16 @@ class Run(ChipRun):
         for kind in self.passes:
             flops = 2.0 * tokens * features * vocab * (1 if kind == "fwd" else 3)
             ref = None
-            for contender, config_label, loss, config, peer in contenders(self.configs):
+            for contender, label, loss, config, peer in contenders(self.configs, kind):
                 impl = contender.split(":", 1)[1]
-                default = bool(config is None and not peer and picked == impl)
+                default = bool(label == "default" and not peer and picked == impl)
                 if contender.startswith("tokamax"):
                     self.measure_tokamax(case, kind, args, flops)
                     continue
-                out = self.measure(case, kind, contender, config_label, loss, config, args, flops, default=default,
-                                   peer=peer, ref=ref)
+                model = (self.model_ms(kind, label, config, tokens, features, vocab)
+                         if contender == "stellax:mosaic_tpu" else None)
+                out = self.measure(case, kind, contender, label, loss, config, args, flops, default=default,
+                                   peer=peer, ref=ref, model_ms=model)
                 if ref is None and out is not None:
                     ref = (contender, out)
                 del out

@@ -1,6 +1,7 @@
 """The linear cross-entropy TPU benchmark (benchmarks/loss_tpu.py) runs on the CPU (--dry-run,
 interpreted kernels, a tiny ragged case), so it is ready for the chip: every contender (full-logits
-XLA, the chunked XLA path, the Mosaic kernels at the default and an explicit config) times, matches
+XLA, the chunked XLA path, the Mosaic kernels at the default config — the fused sweep forward +
+backward —, their recompute path, and an explicit config of three token chunks) times, matches
 the reference in both passes and lands as rows of the suite's results schema with memory figures."""
 
 import json
@@ -28,8 +29,16 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
     seen = {(r["pass"], r["contender"], r["config"]) for r in rows}
     for kind in ("fwd", "fwd+bwd"):
         for contender, config in (("xla:full_logits", "-"), ("stellax:xla_chunked", "default"),
-                                  ("stellax:mosaic_tpu", "default"), ("stellax:mosaic_tpu", "block_t=16,block_v=128")):
+                                  ("stellax:mosaic_tpu", "default"),
+                                  ("stellax:mosaic_tpu", "block_t=16,block_v=128,chunk_t=16")):
             assert (kind, contender, config) in seen, (kind, contender, config)
+    # The fused sweep's default (forward + backward) beside the recompute path it replaced.
+    assert ("fwd+bwd", "stellax:mosaic_tpu", "recompute") in seen
+    assert ("fwd", "stellax:mosaic_tpu", "recompute") not in seen
+    # The roofline model of the fused sweep sits beside the rows that run it, and only those.
+    fused = {(r["pass"], r["config"]) for r in rows if r["model_ms"] is not None}
+    assert fused == {("fwd+bwd", "default"), ("fwd+bwd", "block_t=16,block_v=128,chunk_t=16")}
+    assert all(r["model_ms"] > 0 for r in rows if r["model_ms"] is not None)
     tokamax = [r for r in rows if r["contender"] == "tokamax:mosaic_tpu"]
     assert {r["pass"] for r in tokamax} == {"fwd", "fwd+bwd"}
     assert all(r["skipped"] and "tokamax" in r["skipped"] and r["ms"] is None for r in tokamax)  # TPU only

@@ -132,6 +132,43 @@ def test_tpu_kernel_call_needs_one_semantics_per_grid_axis():
                         outputs=dict(y=output(x.shape, x.dtype)), dimension_semantics=("parallel",), name="k")
 
 
+def _accumulate_in_place(running, update, rows: int):
+    """``running += update`` by blocks of ``rows`` rows, ``running``'s buffer written in place."""
+    from stellax.core.pallas import tpu_kernel_call
+
+    def kernel(*, running, update, out):
+        out[...] = running[...] + update[...]
+
+    spec = pl.BlockSpec((rows, 128), lambda i: (i, 0))
+    return tpu_kernel_call(kernel, grid=(pl.cdiv(running.shape[0], rows),),
+                           inputs=dict(running=operand(running, spec), update=operand(update, spec)),
+                           outputs=dict(out=output(running.shape, running.dtype, spec)), aliases=dict(running="out"),
+                           dimension_semantics=("parallel",), name="accumulate").out
+
+
+def test_tpu_kernel_call_aliases_an_output_to_an_input():
+    """``aliases`` writes an output into an input's buffer (``input_output_aliases``), also when
+    the last block is partial (interpreted, that alias is dropped: jax 0.10.2's interpreter
+    would return the padded buffer), and lowers with the alias for a TPU."""
+    from stellax.core import lowering_target
+    from stellax.core.pallas import tpu_kernel_call
+
+    for n in (32, 20):
+        running, update = jnp.arange(n * 128.0).reshape(n, 128), jnp.ones((n, 128))
+        with interpret_mode():
+            out = jax.jit(lambda r, u: _accumulate_in_place(r, u, 8))(running, update)
+        np.testing.assert_array_equal(out, running + 1.0)
+    shape = jax.ShapeDtypeStruct((32, 128), jnp.float32)
+    with lowering_target("v5e"):
+        text = jax.jit(lambda r, u: _accumulate_in_place(r, u, 8)).trace(shape, shape).lower(
+            lowering_platforms=("tpu",)).as_text()
+    assert "output_operand_alias<output_tuple_indices = [], operand_index = 0" in text
+    with pytest.raises(ValueError, match="aliases: 'running' \\(32, 128\\) float32 cannot hold 'out'"):
+        tpu_kernel_call(lambda **refs: None, grid=(1,), inputs=dict(running=operand(shape)),
+                        outputs=dict(out=output((32, 256), jnp.float32)), aliases=dict(running="out"),
+                        dimension_semantics=("parallel",), name="k")
+
+
 def test_tf32x3_dot_emulation_rounds_like_three_tensor_core_passes():
     """Interpreted, a `TF32X3` dot is ``a_hi·b_hi + a_hi·b_lo + a_lo·b_hi``
     with TF32 roundings: about float32 accuracy (far better than one TF32

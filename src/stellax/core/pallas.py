@@ -258,6 +258,36 @@ class _Binding:
         return flat_kernel
 
 
+def _block_aligned(array, spec) -> bool:
+    """Whether ``array``'s shape is a whole number of ``spec``'s blocks (no padded edge block)."""
+    block = getattr(spec, "block_shape", None)
+    if block is None:
+        return True
+    return all(b is None or not isinstance(b, int) or size % b == 0 for size, b in zip(array.shape, block))
+
+
+def _alias_indices(name: str, aliases: Mapping[str, str] | None, ins: Mapping, outs: Mapping, *,
+                   interpreted: bool) -> dict[int, int]:
+    """``aliases`` (input name → output name, both present) as positions among the inputs and
+    outputs. Interpreted, an input with a partial edge block is not aliased: jax 0.10.2's TPU
+    interpreter pads such an input and would return the padded buffer as the output (a shape
+    mismatch); the output then starts uninitialized (NaN), which is the same for a kernel that
+    writes all of it, and fails the numerics checks for one that relies on the alias."""
+    in_names, out_names = list(ins), list(outs)
+    found = {}
+    for source, target in (aliases or {}).items():
+        if source not in ins or target not in outs:
+            raise ValueError(f"kernel_call({name}): aliases: expected an input and an output, got "
+                             f"{source!r} -> {target!r}")
+        array, shape = ins[source].array, outs[target].shape
+        if tuple(array.shape) != tuple(shape.shape) or jnp.dtype(array.dtype) != jnp.dtype(shape.dtype):
+            raise ValueError(f"kernel_call({name}): aliases: {source!r} {array.shape} {array.dtype} cannot hold "
+                             f"{target!r} {shape.shape} {shape.dtype}")
+        if not interpreted or _block_aligned(array, ins[source].spec):
+            found[in_names.index(source)] = out_names.index(target)
+    return found
+
+
 def kernel_call(
     kernel: Callable[..., None],
     *,
@@ -269,6 +299,7 @@ def kernel_call(
     compiler_params: Any = None,
     interpret: Any = None,
     poison_outputs: bool = False,
+    aliases: Mapping[str, str] | None = None,
     name: str,
     **pallas_kwargs,
 ) -> Outputs:
@@ -286,7 +317,11 @@ def kernel_call(
       compiler_params: the backend's compiler params.
       interpret: ``None``/``False`` to compile, ``True`` or backend interpret
         params to interpret.
-      poison_outputs: start every output as NaN (``iinfo.min`` for integers).
+      poison_outputs: start every output as NaN (``iinfo.min`` for integers),
+        except those ``aliases`` gives an input's buffer.
+      aliases: input name → output name: the output is written into the
+        input's buffer (``input_output_aliases``; same shape and dtype): an
+        in-place update, or a loop carry XLA need not copy.
       name: the kernel's name in HLO and profiles.
       pallas_kwargs: passed to ``pl.pallas_call`` (``cost_estimate``, ...).
 
@@ -299,18 +334,19 @@ def kernel_call(
         raise ValueError(f"kernel_call({name}): outputs: expected at least one output, got none")
     absent = tuple(k for k in (*(inputs or {}), *(outputs or {}), *(given_scratch or {}))
                    if k not in {**ins, **outs, **scratch})
-    poison = len(outs) if poison_outputs else 0
-    binding = _Binding(tuple(prefetch), tuple(ins), poison, tuple(outs), tuple(scratch), absent)
+    in_place = _alias_indices(name, aliases, ins, outs, interpreted=bool(interpret))
+    poisoned = [i for i in range(len(outs)) if i not in in_place.values()] if poison_outputs else []
+    binding = _Binding(tuple(prefetch), tuple(ins), len(poisoned), tuple(outs), tuple(scratch), absent)
     in_specs = [op.spec for op in ins.values()]
     out_specs = [o.spec for o in outs.values()]
     out_shapes = [o.shape for o in outs.values()]
     arrays = [op.array for op in ins.values()]
-    aliases = {}
-    if poison:
+    aliases = {len(prefetch) + i: o for i, o in in_place.items()}
+    if poisoned:
         offset = len(prefetch) + len(arrays)
-        aliases = {offset + i: i for i in range(poison)}
-        in_specs = in_specs + out_specs
-        arrays = arrays + [_poison(s) for s in out_shapes]
+        aliases.update({offset + k: i for k, i in enumerate(poisoned)})
+        in_specs = in_specs + [out_specs[i] for i in poisoned]
+        arrays = arrays + [_poison(out_shapes[i]) for i in poisoned]
     if prefetch:
         launch_grid = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -369,6 +405,7 @@ def tpu_kernel_call(
     scalar_prefetch: Mapping[str, Any] | None = None,
     vmem_limit_bytes: int | None = None,
     cost_estimate: Any = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> Outputs:
     """`kernel_call` for a Pallas Mosaic TPU kernel.
 
@@ -376,8 +413,9 @@ def tpu_kernel_call(
     independent: split across megacore TensorCores) or ``"arbitrary"``
     (sequential: an accumulator or a recurrent state carried in scratch).
     ``vmem_limit_bytes`` raises the scoped-VMEM limit above the generation's
-    default (`stellax.core.tpu`). In interpret mode the kernel runs with
-    `tpu_interpret_params`.
+    default (`stellax.core.tpu`). ``aliases`` (input name → output name)
+    writes an output into an input's buffer (`kernel_call`). In interpret mode
+    the kernel runs with `tpu_interpret_params`.
     """
     if len(dimension_semantics) != len(grid):
         raise ValueError(f"tpu_kernel_call({name}): dimension_semantics: expected {len(grid)} entries "
@@ -388,4 +426,4 @@ def tpu_kernel_call(
     extra = {} if cost_estimate is None else {"cost_estimate": cost_estimate}
     return kernel_call(kernel, grid=grid, inputs=inputs, outputs=outputs, scratch=scratch,
                        scalar_prefetch=scalar_prefetch, compiler_params=params,
-                       interpret=interpret, name=name, **extra)
+                       interpret=interpret, aliases=aliases, name=name, **extra)

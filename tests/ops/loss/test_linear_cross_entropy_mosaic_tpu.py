@@ -189,10 +189,9 @@ def test_config_validation_names_the_field(field, value, match):
 
 
 # -- lowering for tpu ---------------------------------------------------------------------
-def test_lowers_for_tpu_every_config_of_the_space():
-    """Every config of the v5e space at a Llama-3-sized head (V not a multiple of the tile, T
-    not a multiple of 1024) lowers to tpu_custom_calls, forward and gradient (the forward,
-    dx and dw kernels)."""
+def _space_lowering_case():
+    """A Llama-3-sized head (V not a multiple of the tile, T not a multiple of 1024) and the v5e
+    space (9 tilings)."""
     tokens, d, v = 3000, 2048, 128256
     args = (jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16), jax.ShapeDtypeStruct((v, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((tokens,), jnp.int32))
@@ -200,12 +199,30 @@ def test_lowers_for_tpu_every_config_of_the_space():
     with stellax.lowering_target("v5e"):
         space = impl.config_space(linear_cross_entropy_op.check(*args, transpose_w=True))
     assert len(space) == 9
+    return args, space
+
+
+def test_lowers_for_tpu_every_config_of_the_space():
+    """Every config of the space lowers to tpu_custom_calls: the forward kernel, and the gradient
+    of the mean loss by the fused sweep (logits, dz/dx and dw kernels)."""
+    args, space = _space_lowering_case()
     for config in space:
         forward, gradient = lower_config(linear_cross_entropy_op, IMPL, args, {"transpose_w": True}, config=config,
                                          grad=True, target="v5e")
         assert "stellax_linear_cross_entropy_forward_tpu" in forward.as_text()
         text = gradient.as_text()
-        assert "stellax_linear_cross_entropy_dx_tpu" in text and "stellax_linear_cross_entropy_dw_tpu" in text
+        assert all(f"stellax_linear_cross_entropy_{k}_tpu" in text for k in ("logits", "dz_dx", "dw_chunk"))
+
+
+def test_recompute_path_lowers_for_tpu_every_config_of_the_space():
+    """Per-token losses (a per-token cotangent) take the recompute path for every config of the
+    space: the forward, dx and dw kernels."""
+    args, space = _space_lowering_case()
+    for config in space:
+        (gradient,) = lower_config(linear_cross_entropy_op, IMPL, args, {"transpose_w": True, "reduction": "none"},
+                                   config=config, grad=True, target="v5e")[1:]
+        text = gradient.as_text()
+        assert all(f"stellax_linear_cross_entropy_{k}_tpu" in text for k in ("forward", "dx", "dw"))
 
 
 def test_backward_op_lowers_for_tpu_with_d_by_v_weights():

@@ -71,7 +71,7 @@ class _CrossEntropy:
     def backward(self, residuals, cotangents):
         x, w, labels, lse, dx, dw = residuals
         d_loss, d_lse, d_z = cotangents
-        if dx is not None:  # fused: float32 gradients of a unit cotangent, scaled
+        if dx is not None:  # fused: gradients of a unit cotangent (float32 or the operands' dtype), scaled
             scale = d_loss.astype(jnp.float32)
             return (dx * scale).astype(self.dtype), (dw * scale).astype(self.dtype), None
         a, b, e = coefficients(self.loss, token_scale(self.loss, labels), lse, d_loss, d_lse, d_z)
@@ -137,8 +137,11 @@ def linear_cross_entropy(x, w, labels, *, ignore_index=-100, label_smoothing=0.0
         lse  = log Σ_j exp(c_j)
         loss = lse − (1 − ε)·c_label − (ε / V)·Σ_j c_j + λ·lse²
 
-    The gradients for ``x`` and ``w`` (custom VJP) come from the same chunked sweep:
-    ``dc = a·softmax(c) + b·onehot + e`` per token, ``dx = dz @ wᵀ``, ``dw = xᵀ @ dz``.
+    The gradients for ``x`` and ``w`` (custom VJP): ``dc = a·softmax(c) + b·onehot + e``
+    per token, ``dz = dc·(1 − (c/cap)²)``, ``dx = dz @ wᵀ``, ``dw = xᵀ @ dz``. For a scalar
+    loss (``"mean"``/``"sum"``, no ``lse``/z-loss outputs) ``xla_chunked`` and ``mosaic_tpu``
+    compute them in the forward sweep from each logits tile once (three matmuls in all);
+    per-token cotangents go through the backward op, which recomputes the logits.
     """
     return linear_cross_entropy_op(x, w, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
                                    z_loss=z_loss, logit_soft_cap=logit_soft_cap, reduction=reduction,

@@ -13,11 +13,16 @@ Every backend's kernel module (a row of `BACKENDS`: `mosaic_tpu`, `triton`,
   ``F = Σ_t a_t·lse_t + b_t·c_{t,y_t} + e_t·Σ_j c_tj`` (``dc = a·softmax(c) + b·onehot(y) + e``,
   through the soft cap ``dz = dc·(1 − (c/cap)²)``, then ``dx = dz @ wᵀ``, ``dw = xᵀ @ dz``).
 
-A module may also provide ``fused_forward_backward``: the stats and the
-gradients of the scalar loss in one pass over the chunks (see `xla_chunked`).
+A module may also provide ``fused_forward_backward(x, w, labels, coefficients_of, *,
+transpose_w, logit_soft_cap, precision, config) -> ((lse, target, total), (dx, dw))``: the
+stats and the gradients of a scalar loss (a unit cotangent) in one sweep over token chunks,
+each logits tile computed once (`xla_chunked`, `mosaic_tpu`); ``dx`` and ``dw`` come back in
+float32 or in the operands' dtype, and the VJP rule scales them by the cotangent.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +37,8 @@ from . import triton as triton_kernels
 from . import xla as xla_kernels
 from . import xla_chunked as xla_chunked_kernels
 from .configs import (ChunkedConfig, LinearCrossEntropyConfig, LossTpuConfig, chunked_heuristic, chunked_space,
-                      loss_tpu_heuristic, loss_tpu_requirements, loss_tpu_space, triton_heuristic, triton_space)
+                      dw_slice, loss_tpu_heuristic, loss_tpu_requirements, loss_tpu_space, tpu_chunk, tpu_tile,
+                      triton_heuristic, triton_space)
 from .reduction import dims
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -143,6 +149,54 @@ def backward_bytes(call: Call) -> float:
     t, d, v = dims(call)
     size = np.dtype(call.x.dtype).itemsize
     return float(2 * size * (t * d + d * v) + 4 * 5 * t)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+    """One kernel launch kind of the fused sweep, summed over its launches: MXU flops and HBM bytes."""
+
+    name: str
+    flops: float
+    hbm_bytes: float
+
+    def seconds(self, peak_flops: float, hbm_bandwidth: float) -> float:
+        """Roofline time: the larger of the MXU time and the HBM time (the DMAs overlap the MXU)."""
+        return max(self.flops / peak_flops, self.hbm_bytes / hbm_bandwidth)
+
+
+def fused_sweep_cost(tokens: int, features: int, vocab: int, itemsize: int, config: LossTpuConfig,
+                     *, transpose_w: bool = True) -> list[KernelCost]:
+    """The analytic cost of the fused training sweep (`mosaic_tpu.fused_forward_backward`) per
+    kernel, all chunks together (padding rows included): flops ``2·Tc·D·V`` per kernel and chunk;
+    bytes as the pipelines move them —
+
+    * logits forward: ``x`` once, the weights once per token block, the kept logits written;
+    * ``dz``/``dx``: the weights once per token block, the logits read, ``dz`` written over them,
+      ``dx`` (float32) written;
+    * ``dw``: ``x`` once (plus XLA's transpose of it for ``[D, V]`` weights), ``dz`` once per
+      hidden slice, the running ``dw`` read (after the first chunk) and written: two parts of
+      ``itemsize`` (bfloat16) or one float32 (the last chunk writes no ``lo`` when there is one
+      chunk).
+
+    The per-token vectors and the running maxima (``4·128·⌈V/(128·bv)⌉`` bytes per token) are
+    counted too; XLA's small ops between the kernels are not."""
+    chunks, chunk = tpu_chunk(tokens, config.block_t, config.chunk_t)
+    bt, bv = tpu_tile(tokens, config.block_t), tpu_tile(vocab, config.block_v)
+    blocks, weights = chunk // bt, float(vocab) * features * itemsize
+    kept, x_bytes = float(chunk) * vocab * itemsize, float(chunk) * features * itemsize
+    tiles = -(-vocab // bv)
+    maxes, vectors = float(chunk) * 4 * 128 * -(-tiles // 128), float(chunk) * 4 * 8
+    flops = 2.0 * chunk * features * vocab
+    slices = -(-features // dw_slice(chunk, features, bv, itemsize))
+    running = 4.0 * vocab * features  # hi + lo of 2 bytes, or one float32
+    dw_running = (running if chunks > 1 else weights) + (chunks - 1) * 2 * running
+    transpose = 0.0 if transpose_w else 2 * x_bytes
+    return [
+        KernelCost("logits", chunks * flops, chunks * (x_bytes + blocks * weights + kept + maxes + vectors)),
+        KernelCost("dz_dx", chunks * flops,
+                   chunks * (blocks * weights + 2 * kept + maxes + vectors + chunk * features * 4.0)),
+        KernelCost("dw_chunk", chunks * flops, chunks * (x_bytes + transpose + slices * kept) + dw_running),
+    ]
 
 
 # -- backends: one row each; its kernel module provides forward_stats / backward (see above) -----------

@@ -87,17 +87,21 @@ def triton_heuristic(call: Call) -> LinearCrossEntropyConfig:
 class LossTpuConfig(KernelConfig):
     """Tiles of the Mosaic TPU kernels: ``block_t`` token rows × ``block_v`` vocabulary
     columns per logits tile, the whole hidden size ``D`` in one contraction. The forward
-    and the ``dx`` kernel keep a ``[block_t, D]`` token block resident and stream the
-    ``[D, block_v]`` weight tiles; the ``dw`` kernel keeps a weight tile resident and
-    streams the token blocks. ``block_t`` is a multiple of 16 (bfloat16 sublanes),
-    ``block_v`` of 128 (lanes); a dimension smaller than its tile is one whole block."""
+    and the ``dx`` kernels keep a ``[block_t, D]`` token block resident and stream the
+    ``[D, block_v]`` weight tiles; the ``dw`` kernel of the backward op keeps a weight tile
+    resident and streams the token blocks. ``block_t`` is a multiple of 16 (bfloat16
+    sublanes), ``block_v`` of 128 (lanes); a dimension smaller than its tile is one whole
+    block. ``chunk_t``: tokens per chunk of the fused training sweep (a scalar loss under
+    differentiation, `mosaic_tpu.fused_forward_backward`), which keeps a ``[chunk, V]``
+    logits array in HBM; rounded to whole token blocks."""
 
     block_t: int = 512
     block_v: int = 512
+    chunk_t: int = 2048
 
     def validate(self) -> None:
         super().validate()
-        for field, multiple in (("block_t", 16), ("block_v", 128)):
+        for field, multiple in (("block_t", 16), ("block_v", 128), ("chunk_t", 16)):
             value = getattr(self, field)
             require_positive("LossTpuConfig", field, value)
             if value % multiple:
@@ -113,12 +117,61 @@ def _round_up(n: int, m: int) -> int:
     return -(-int(n) // m) * m
 
 
+def tpu_chunk(tokens: int, block_t: int, chunk_t: int) -> tuple[int, int]:
+    """``(chunks, chunk)`` of the fused sweep: ``tokens`` padded to ``chunks`` chunks of
+    ``chunk`` tokens, a whole number of ``bt``-token blocks (the whole call when it is one
+    block) between half of ``max(chunk_t, bt)`` and all of it — the one that pads least, the
+    largest of those (3000 tokens, 512-token blocks, ``chunk_t`` 2048: two chunks of 1536,
+    not 2048 + a padded 2048). Chunks much smaller than ``chunk_t`` would make the running
+    ``dw``'s traffic per chunk the ``dw`` kernel's bound."""
+    bt = tpu_tile(tokens, block_t)
+    largest = min(max(int(chunk_t), bt) // bt, -(-int(tokens) // bt))
+    best = None
+    for blocks in range(max(1, (largest + 1) // 2), largest + 1):
+        chunk = blocks * bt
+        padded = -(-int(tokens) // chunk) * chunk
+        if best is None or padded <= best[0]:
+            best = (padded, chunk)
+    return best[0] // best[1], best[1]
+
+
+#: Hidden-size slices the fused ``dw`` kernel tries, widest first (it re-reads the chunk's
+#: ``dz`` once per slice, and holds ``[chunk, slice]`` of ``x`` in VMEM).
+DW_SLICES = (2048, 1024, 512, 256, 128)
+
+
+def dw_accumulate_vmem_bytes(chunk: int, slice_d: int, bv: int, itemsize: int) -> int:
+    """VMEM of the fused ``dw`` kernel's grid step: double-buffered ``x [chunk, slice_d]`` and
+    ``dz [chunk, bv]`` blocks, the running ``dw`` tile ``[bv, slice_d]`` in and out (two
+    bfloat16 parts, or one float32), double-buffered, four float32 temporaries of the tile, a
+    transposed copy of ``dz``, and for float32 operands Mosaic's bfloat16 splits of both blocks
+    (fitted to the real compiler: chunk 2048, slice 1024, float32 takes 64 MiB on a v5p)."""
+    chunk, bv, slice_d = _round_up(chunk, 16), _round_up(bv, 128), _round_up(slice_d, 128)
+    blocks = chunk * (slice_d + bv) * itemsize
+    running = 2 * 2 * bv * slice_d * 4
+    splits = 2 * blocks if itemsize >= 4 else chunk * bv * itemsize
+    return 2 * blocks + running + 4 * bv * slice_d * 4 + splits
+
+
+def dw_slice(chunk: int, features: int, bv: int, itemsize: int) -> int:
+    """The widest hidden-size slice (``D`` itself when ``D`` ≤ 2048, else one of `DW_SLICES`)
+    whose fused ``dw`` step fits half the generation's VMEM (wider slices only save re-reads
+    of ``dz``, a fifth of that kernel's traffic at D=4096 and 2048)."""
+    candidates = ([features] if features <= DW_SLICES[0] else []) + [s for s in DW_SLICES if s < features]
+    for slice_d in candidates:
+        if dw_accumulate_vmem_bytes(chunk, slice_d, bv, itemsize) <= target_generation().vmem_bytes // 2:
+            return slice_d
+    return candidates[-1]
+
+
 def loss_tpu_vmem_bytes(tokens: int, features: int, vocab: int, itemsize: int, config: LossTpuConfig) -> int:
-    """VMEM the largest of the three kernels (forward, ``dx``, ``dw``) needs for one grid step:
-    double-buffered ``[bt, D]`` and ``[bv, D]`` operand blocks of ``itemsize`` bytes, the
-    ``dx``/``dw`` output block (double-buffered) and its float32 accumulator, five ``[bt, 1]``
-    per-token vectors (padded to 128 lanes) and about six float32 ``[bt, bv]`` temporaries
-    (logits, soft cap, exponentials, masks, ``dz``)."""
+    """VMEM the largest of the kernels (forward, ``dx``, ``dw``; the fused sweep's logits
+    forward, ``dz``/``dx`` and ``dw`` kernels) needs for one grid step: double-buffered
+    ``[bt, D]`` and ``[bv, D]`` operand blocks of ``itemsize`` bytes, the ``dx``/``dw``
+    output block (double-buffered) and its float32 accumulator, five ``[bt, 1]`` per-token
+    vectors (padded to 128 lanes), about six float32 ``[bt, bv]`` temporaries (logits, soft
+    cap, exponentials, masks, ``dz``) and, in the fused sweep, the ``[bt, bv]`` logits blocks
+    in and out (`dw_accumulate_vmem_bytes` for its ``dw`` kernel)."""
     bt = _round_up(tpu_tile(tokens, config.block_t), 16)
     bv = _round_up(tpu_tile(vocab, config.block_v), 128)
     d = _round_up(features, 128)
@@ -127,7 +180,12 @@ def loss_tpu_vmem_bytes(tokens: int, features: int, vocab: int, itemsize: int, c
     temps = 6 * bt * bv * 4
     dx = bt * d * 4 + 2 * bt * d * itemsize
     dw = bv * d * 4 + 2 * bv * d * itemsize
-    return operands + vectors + temps + max(dx, dw)
+    logits = 2 * 2 * bt * bv * itemsize + 2 * bt * 128 * 4
+    fused_forward = operands + vectors + temps + logits
+    fused_dx = 2 * bv * d * itemsize + logits + vectors + temps + 2 * bt * d * 4
+    _, chunk = tpu_chunk(tokens, config.block_t, config.chunk_t)
+    fused_dw = dw_accumulate_vmem_bytes(chunk, dw_slice(chunk, features, bv, itemsize), bv, itemsize)
+    return max(operands + vectors + temps + max(dx, dw), fused_forward, fused_dx, fused_dw)
 
 
 def loss_tpu_vmem_limit(need: int) -> int | None:
@@ -175,7 +233,12 @@ def loss_tpu_heuristic(call: Call) -> LossTpuConfig:
     in bfloat16 — a v5e needs ~240 (197 TFLOP/s over 819 GB/s) to keep its MXU busy. The
     ``dw`` kernel streams the tokens once per weight tile, ``2·bv`` flop/byte. The grid then
     has ``T/512 · V/512`` steps (4096 at T=8192, V=131072: ~1.4 ms of step overhead against
-    ~45 ms of MXU work per matmul)."""
+    ~45 ms of MXU work per matmul).
+
+    Chunks of 2048 tokens for the fused sweep: its ``dw`` kernel reads and writes the running
+    ``dw`` (8 bytes per weight, two bfloat16 parts or float32) once per chunk against
+    ``2·chunk`` flops per weight, ``chunk/4`` flop/byte — 512 at 2048, twice what a v5e needs —
+    while the kept logits take ``chunk·V`` elements of HBM (512 MiB at V=131072 in bfloat16)."""
     tokens, features, vocab, itemsize = _tpu_dims(call)
     config = LossTpuConfig(block_t=512, block_v=512)
     for field in ("block_v", "block_t") * 3:
