@@ -5,8 +5,11 @@ import pytest
 import stellax
 from stellax.core import Platform, lowering_target
 from stellax.core.op import backend_support
-from stellax.testing.validation import examples_of
+from stellax.testing.validation import abstract_examples_of
 
+# Dispatch reads shapes, dtypes and metadata only: the abstract examples (built at collection,
+# `abstract_examples_of`) select exactly what the concrete ones do, without computing every op's
+# random inputs (that took ~100 s of this file's time on the 2-core CPU).
 TPU_OPS = sorted((name, op) for name, op in stellax.registered_ops().items() if "mosaic_tpu" in op.implementations)
 
 
@@ -24,7 +27,7 @@ def test_backend_support_by_generation():
 def test_tpu_default_chain_starts_with_mosaic_tpu(name, op):
     names, explicit = op.candidates(None)
     assert not explicit and names[0] == "mosaic_tpu" and names[-1] == "xla", names
-    example = examples_of(op, "float32")[0]
+    example = abstract_examples_of(op, "float32")[0]
     call = op.check(*example.args, **example.kwargs)
     for generation in ("v5e", "v6e", "tpu7x"):
         with lowering_target(generation) as platform:
@@ -41,7 +44,7 @@ def test_tpu_default_chain_starts_with_mosaic_tpu(name, op):
 
 def test_cpu_never_picks_tpu_kernels_by_default():
     for name, op in TPU_OPS:
-        example = examples_of(op, "float32")[0]
+        example = abstract_examples_of(op, "float32")[0]
         call = op.check(*example.args, **example.kwargs)
         assert op.select(call).name != "mosaic_tpu", name
 
@@ -51,7 +54,7 @@ def test_a_kernel_measured_slower_than_xla_is_not_the_default_there(capsys):
     for the forward and the backward op, says why, and still runs them on request; on the
     generations where they were not measured slower they stay the default."""
     glu = stellax.registered_ops()["gated_linear_unit"]
-    example = examples_of(glu, "bfloat16")[0]
+    example = abstract_examples_of(glu, "bfloat16")[0]
     call = glu.check(*example.args, **example.kwargs)
     for name in ("gated_linear_unit", "gated_linear_unit_backward"):
         kernel = stellax.registered_ops()[name].implementations["mosaic_tpu"]
@@ -65,7 +68,7 @@ def test_a_kernel_measured_slower_than_xla_is_not_the_default_there(capsys):
     with lowering_target("v6e"):
         assert glu.select(call).name == "mosaic_tpu"
     paged = stellax.registered_ops()["paged_attention"]  # its head-group decode kernel beats XLA on a v5e
-    example = examples_of(paged, "bfloat16")[0]
+    example = abstract_examples_of(paged, "bfloat16")[0]
     call = paged.check(*example.args, **example.kwargs)
     with lowering_target("v5e"):
         assert paged.select(call).name == "mosaic_tpu"

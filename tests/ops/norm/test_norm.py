@@ -147,6 +147,18 @@ def test_bad_input_names_the_argument(call, error, pattern):
 
 
 # -- lowering ----------------------------------------------------------------------
+def test_cuda_lowering_default_config():
+    """The default tier's lowering check (the extended tier lowers every config): the config
+    dispatch resolves, forward with its gradient, the backward op, the fused residual."""
+    x = jax.ShapeDtypeStruct((9, 127), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((127,), jnp.bfloat16)
+    assert check_op_lowering(layer_norm_op, "triton", (x, s, s), configs=[None], grad=True) == 1
+    rows = jax.ShapeDtypeStruct((9,), jnp.float32)
+    assert check_op_lowering(layer_norm_backward_op, "triton", (x, x, s, s, rows, rows, x), configs=[None]) == 1
+    assert check_op_lowering(layer_norm_op, "triton", (x, s, None), {"residual": x, "subtract_mean": False},
+                             configs=[None]) == 1
+
+
 @pytest.mark.parametrize("features", [127, 4097])
 def test_cuda_lowering_every_config(features):
     x = jax.ShapeDtypeStruct((9, features), jnp.bfloat16)

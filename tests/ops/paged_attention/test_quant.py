@@ -50,16 +50,18 @@ def test_error_bounds_per_bit_width(fmt, group):
 
 
 def test_hadamard_is_orthonormal_and_rotation_preserves_dot_products():
+    # jitted: op by op, each butterfly stage's primitives compiled one by one per shape (~10 s)
+    wht, rot, unrot = jax.jit(hadamard), jax.jit(rotate), jax.jit(unrotate)
     x = jax.random.normal(jax.random.PRNGKey(1), (5, 64), jnp.float32)
-    np.testing.assert_allclose(np.asarray(hadamard(hadamard(x))), np.asarray(x), atol=1e-5)
-    h = np.asarray(hadamard(jnp.eye(8)))
+    np.testing.assert_allclose(np.asarray(wht(wht(x))), np.asarray(x), atol=1e-5)
+    h = np.asarray(wht(jnp.eye(8)))
     np.testing.assert_allclose(h @ h.T, np.eye(8), atol=1e-6)
     assert np.allclose(np.abs(h), 1 / np.sqrt(8))
     signs = rotation_signs(64, seed=3)
     q, k = x[:2], x[2:]
-    np.testing.assert_allclose(np.asarray(rotate(q, signs) @ rotate(k, signs).T), np.asarray(q @ k.T), rtol=1e-5,
+    np.testing.assert_allclose(np.asarray(rot(q, signs) @ rot(k, signs).T), np.asarray(q @ k.T), rtol=1e-5,
                                atol=1e-5)
-    np.testing.assert_allclose(np.asarray(unrotate(rotate(x, signs), signs)), np.asarray(x), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(unrot(rot(x, signs), signs)), np.asarray(x), atol=1e-5)
 
 
 def test_rotation_spreads_outlier_channels():

@@ -137,9 +137,14 @@ def test_gradients_f32_tight():
     """float32 in and out: the custom VJP equals the golden to float32 rounding."""
     x, w, dy = _inputs()
     key = jax.random.key(11)
-    _, vjp = jax.vjp(lambda a, b: stellax.quantized_linear(a, b, "nvfp4", key=key, implementation="xla"), x, w)
-    dx, dw = vjp(dy)
-    _, dxr, dwr = T.quantized_linear_reference(x, w, dy, "nvfp4", key=key)
+
+    @jax.jit  # one program each (run op by op, their hundreds of small compiles took ~30 s)
+    def grads(x, w, dy):
+        _, vjp = jax.vjp(lambda a, b: stellax.quantized_linear(a, b, "nvfp4", key=key, implementation="xla"), x, w)
+        return vjp(dy)
+
+    dx, dw = grads(x, w, dy)
+    _, dxr, dwr = jax.jit(lambda x, w, dy: T.quantized_linear_reference(x, w, dy, "nvfp4", key=key))(x, w, dy)
     assert float(jnp.linalg.norm(dx - dxr) / jnp.linalg.norm(dxr)) < 1e-6
     # wgrad: the fast and the dense Hadamard round differently (1 ulp), which can flip a code
     assert float(jnp.linalg.norm(dw - dwr) / jnp.linalg.norm(dwr)) < 1e-3
@@ -256,10 +261,11 @@ def test_training_steps_decrease_loss():
         return jnp.mean((stellax.quantized_linear(h, p["w2"], "nvfp4", key=k_b) - target) ** 2)
 
     step = jax.jit(lambda p, key: jax.tree.map(lambda a, g: a - 0.5 * g, p, jax.grad(loss)(p, key)))
-    first = float(loss(params, jax.random.key(100)))
+    evaluate = jax.jit(loss)  # not op by op: that compiled every primitive (~8 s)
+    first = float(evaluate(params, jax.random.key(100)))
     for s in range(6):
         params = step(params, jax.random.key(s))
-    last = float(loss(params, jax.random.key(100)))
+    last = float(evaluate(params, jax.random.key(100)))
     assert last < 0.8 * first, (first, last)
 
 
