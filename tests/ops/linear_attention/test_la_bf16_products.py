@@ -11,7 +11,8 @@ precision.
   sequences; KDA; SSD packed): forward, final state and every gradient against the float32
   golden within the documented bound (bfloat16's rel-L2 1e-2, gradients 2e-2), and
   bit-identical to `emulate.emulated_call` (the long-T error measurements run that);
-* float32 inputs with correlated keys (cosine 0.8) through the kernel: float32-accurate.
+* float32 inputs with correlated keys (cosine 0.8) through the kernel: float32-accurate;
+* the cost model's pass counts and the heuristic it drives.
 """
 
 import jax
@@ -20,15 +21,18 @@ import numpy as np
 import pytest
 
 import stellax
+from stellax.core import Call, lowering_target
 from stellax.core.pallas import square_iota
 from stellax.core.precision import DEFAULT, HIGH, HIGHEST
 from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op, ssd_op
+from stellax.ops.linear_attention.configs import TpuLinearAttentionConfig, linear_attention_tpu_heuristic
 from stellax.ops.linear_attention.emulate import emulated_call
 from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
 from stellax.ops.linear_attention.mosaic_tpu import scalar_spans
 from stellax.ops.linear_attention.mxu import (BF16_PRODUCTS, BF16_SOLVE, EXACT, Products, chunk_products,
                                               exact_matmul, mxu_matmul)
 from stellax.ops.linear_attention.solve import merge_inverse, unit_lower_inverse
+from stellax.ops.linear_attention.tpu_costs import chunk_pass_flops
 from stellax.testing.numerics import compare
 
 from la_helpers import check_against_golden
@@ -173,3 +177,29 @@ def test_float32_kernel_with_correlated_keys():
                                              implementation="mosaic_tpu")
     ref, ref_final = chunk_gated_delta_rule_op.reference(*args, initial_state=h0, output_final_state=True)
     assert compare(o, ref).rel_l2 < 1e-5 and compare(final, ref_final).rel_l2 < 1e-5
+
+
+# -- the cost model ------------------------------------------------------------------------------
+def test_pass_counts():
+    """bfloat16-pass FLOPs of one GDN chunk step at chunk 64, K = V = 128 (`tpu_costs`): float32
+    at ``HIGHEST`` six passes everywhere; bfloat16 inputs one pass for the input-like products,
+    three for the inverse and the decay sums."""
+    count = lambda products, backward=False: chunk_pass_flops(64, 128, 128, per_channel=False, delta=True,
+                                                              products=products, backward=backward)
+    highest = Products.uniform(HIGHEST)
+    assert count(highest) == 6 * count(Products.uniform(DEFAULT)) == 251_658_240
+    assert count(BF16_PRODUCTS) == 88_080_384
+    assert count(highest, backward=True) == 1_031_798_784 and count(BF16_PRODUCTS, backward=True) == 352_321_536
+
+
+def test_heuristic_follows_the_pass_count():
+    """On a v5e at 16k tokens × 32 heads (bfloat16, K = V = 128) the grid steps saved by
+    chunks of 128 outweigh their larger inverse for GDN; KDA's per-channel sums grow with
+    the chunk, so 64."""
+    lead = jax.ShapeDtypeStruct((1, 16384, 32, 128), BF16)
+    gdn = Call({"q": lead, "k": lead, "v": lead, "g": jax.ShapeDtypeStruct((1, 16384, 32), BF16),
+                "beta": jax.ShapeDtypeStruct((1, 16384, 32), BF16)}, {"precision": HIGHEST})
+    kda = Call(dict(gdn.arrays, g=lead), {"precision": HIGHEST})
+    with lowering_target("v5e"):
+        assert linear_attention_tpu_heuristic(gdn) == TpuLinearAttentionConfig(chunk=128, block_v=128)
+        assert linear_attention_tpu_heuristic(kda) == TpuLinearAttentionConfig(chunk=64, block_v=128)
