@@ -37,14 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chip_run import environment  # noqa: E402
-
-from stellax.core.precision import DEFAULT, HIGHEST  # noqa: E402
-from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op, ssd_op  # noqa: E402
-from stellax.ops.linear_attention.emulate import emulated_call  # noqa: E402
-from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs  # noqa: E402
-from stellax.ops.linear_attention.mxu import BF16_PRODUCTS, EXACT, Products  # noqa: E402
+from chip_run import environment
+from stellax.core.precision import DEFAULT, HIGHEST
+from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op, ssd_op
+from stellax.ops.linear_attention.emulate import emulated_call
+from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
+from stellax.ops.linear_attention.mxu import BF16_PRODUCTS, EXACT, Products
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 OPS = {"gdn": chunk_gated_delta_rule_op, "kda": chunk_kda_op, "ssd": ssd_op}
@@ -87,7 +85,7 @@ def ssd_case(T, heads, decay, packed, dim):
     (``g = dt·A``)."""
     cu = [0, T // 3, T // 3, T - 5, T] if packed else None
     n = len(cu) - 1 if packed else 1
-    x, dt, A, B, C, D, z, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(2), 1, T, heads, dim // 2,
+    x, dt, A, B, C, D, _, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(2), 1, T, heads, dim // 2,
                                                         max(1, heads // 4), dim, n_states=n, dtype=BF16)
     dt = (jax.nn.softplus(dt.astype(F32) + dt_bias.astype(F32)) * decay).astype(BF16)
     diff = {"x": x, "dt": dt, "A": A.astype(F32), "B": B, "C": C, "D": D, "initial_states": h0}

@@ -122,8 +122,8 @@ def _check_bf16(op, diff, static):
     with stellax.interpret_mode():
         out = check_against_golden(run, lambda d, s: op.reference(**d, **static), diff, dtype=BF16)
     emulated = jax.jit(lambda d: emulated_call(op, **d, **static))(diff)
-    for got, emulated in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(emulated)):
-        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(emulated.astype(F32)))
+    for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(emulated)):
+        np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(want.astype(F32)))
 
 
 def _gdn_case():
@@ -157,7 +157,7 @@ def test_kda_bf16():
 
 
 def test_ssd_bf16_packed():
-    x, dt, A, B, C, D, z, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(2), 1, 70, 2, 16, 1, 16, n_states=3,
+    x, dt, A, B, C, D, _, dt_bias, h0 = make_ssd_inputs(jax.random.PRNGKey(2), 1, 70, 2, 16, 1, 16, n_states=3,
                                                         dtype=BF16)
     diff = {"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias, "initial_states": h0}
     _check_bf16(ssd_op, diff, {"dt_softplus": True, "return_final_states": True,

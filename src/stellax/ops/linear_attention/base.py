@@ -29,13 +29,13 @@ from ...core.backends import Backend, BackendTable, Tuning
 from ...core.config import is_power_of_two
 from ...core.pallas import padded_dim
 from . import mosaic_tpu, mosaic_tpu_backward, mosaic_tpu_decode, pipeline, xla
-from .mxu import operand_dtype
 from .configs import (FusedRecurrentTpuConfig, LinearAttentionConfig, SsdStepTpuConfig, TpuLinearAttentionConfig,
                       fused_recurrent_tpu_heuristic, fused_recurrent_tpu_requirements, fused_recurrent_tpu_space, lanes,
                       linear_attention_heuristic, linear_attention_space, linear_attention_tpu_backward_heuristic,
                       linear_attention_tpu_backward_space, linear_attention_tpu_heuristic,
                       linear_attention_tpu_requirements, linear_attention_tpu_space, ssd_step_tpu_heuristic,
                       ssd_step_tpu_requirements, ssd_step_tpu_space, triton_requirements)
+from .mxu import operand_dtype
 
 
 # -- backend tables ----------------------------------------------------------------------------

@@ -168,7 +168,7 @@ class Products:
     sums: Precision | str
 
     @classmethod
-    def uniform(cls, precision: Precision) -> "Products":
+    def uniform(cls, precision: Precision) -> Products:
         """Every product at ``precision`` (float32 operands)."""
         return cls(precision, precision, precision)
 
