@@ -122,7 +122,7 @@ def _check_kda(q, k, v, g, beta, **kwargs) -> Call:
 
 
 # -- implementations -----------------------------------------------------------
-def _preparer(call: Call):
+def delta_rule_preparer(call: Call):
     """Per-token preparation (`recurrence.recurrence`): float32, l2-norm, gate, beta
     sigmoid (`reference.prepare_delta_inputs`), q/k heads expanded to the value
     heads, q scaled."""
@@ -136,7 +136,8 @@ def _preparer(call: Call):
     return prepare
 
 
-def _initial(call: Call):
+def delta_rule_initial_state(call: Call):
+    """The call's initial states ``[N, HV, K, V]`` as float32 (zeros when absent)."""
     if call.initial_state is not None:
         return call.initial_state.astype(F32)
     n = call.q.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
@@ -173,8 +174,9 @@ _guarded_reference.__wrapped__ = delta_rule_reference  # what the lab shows as t
 def _run_chunked(row: Backend, call: Call, config, *, per_channel: bool):
     tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
     chunk = base.xla_chunk(call.chunk_size, per_channel)
-    o, final = recurrence(row, tokens, _preparer(call), _initial(call), call.cu_seqlens, per_channel=per_channel,
-                          chunk_size=chunk, config=config, precision=call.precision)
+    o, final = recurrence(row, tokens, delta_rule_preparer(call), delta_rule_initial_state(call), call.cu_seqlens, per_channel=per_channel,
+                          chunk_size=chunk, config=config, precision=call.precision,
+                          inputs=jnp.result_type(call.q, call.k, call.v))
     return o.astype(call.v.dtype), (final if call.output_final_state else None)
 
 

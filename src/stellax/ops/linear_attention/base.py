@@ -35,6 +35,7 @@ from .configs import (FusedRecurrentTpuConfig, LinearAttentionConfig, SsdStepTpu
                       linear_attention_tpu_backward_space, linear_attention_tpu_heuristic,
                       linear_attention_tpu_requirements, linear_attention_tpu_space, ssd_step_tpu_heuristic,
                       ssd_step_tpu_requirements, ssd_step_tpu_space, triton_requirements)
+from .mxu import operand_dtype
 
 
 # -- backend tables ----------------------------------------------------------------------------
@@ -51,12 +52,15 @@ class Kernels:
         backward ops' implementation on their layout (`backward`).
       head_size: ``head_size(d)``, a head size padded as the kernels take it (with ``forward``).
       chunk: ``chunk(config)``, tokens per chunk of the kernels' layout (with ``forward``).
+      operand_dtype: ``operand_dtype(dtype)``, the dtype the kernels take ``q, k, v`` in for
+        inputs of ``dtype`` (with ``forward``; ``None``: float32).
     """
 
     forward: Callable[..., tuple] | None
     backward: Callable[..., tuple]
     head_size: Callable[[int], int] | None = None
     chunk: Callable[[Any], int] | None = None
+    operand_dtype: Callable[[Any], Any] | None = None
 
 
 _TPU_CHUNKED = Tuning(TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_space,
@@ -67,7 +71,8 @@ _TPU_CHUNKED_BACKWARD = Tuning(TpuLinearAttentionConfig, linear_attention_tpu_ba
 #: The chunked recurrence's backends: the forward ops' (GDN, KDA, SSD) and the backward ops'
 #: implementations are generated from it.
 BACKENDS = BackendTable("linear_attention", [
-    Backend("mosaic_tpu", Kernels(mosaic_tpu.forward, mosaic_tpu_backward.backward, lanes, mosaic_tpu.layout_chunk),
+    Backend("mosaic_tpu", Kernels(mosaic_tpu.forward, mosaic_tpu_backward.backward, lanes, mosaic_tpu.layout_chunk,
+                                  operand_dtype),
             "mosaic_tpu", _TPU_CHUNKED, _TPU_CHUNKED_BACKWARD),
     Backend("triton", Kernels(pipeline.forward, pipeline.backward, padded_dim, pipeline.layout_chunk), "triton",
             Tuning(LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements)),

@@ -19,6 +19,9 @@ from ...core import Call, KernelConfig, TritonConfig, current_platform, product_
 from ...core.config import require_in
 from ...core.pallas import padded_dim
 from ...core.platform import target_generation
+from ...core.precision import HIGHEST
+from .mxu import Products, chunk_products, operand_dtype
+from .tpu_costs import kernel_seconds
 
 #: The Triton kernels work on chunks of this many tokens (fla's BT).
 TRITON_CHUNK = 64
@@ -236,11 +239,41 @@ def linear_attention_tpu_backward_heuristic(call: Call) -> TpuLinearAttentionCon
     return max(whole, key=lambda c: c.chunk) if whole else TpuLinearAttentionConfig(64, min(lanes(vdim), 256))
 
 
+def tpu_products(call: Call) -> Products:
+    """The `mxu.Products` the Mosaic TPU chunked kernels run ``call`` with: bfloat16
+    ``q, k, v`` inputs (GDN/KDA; SSD's ``x, B, C``) take `mxu.BF16_PRODUCTS`, others
+    every product at the call's precision (``HIGHEST`` when it has none)."""
+    names = ("x", "B", "C") if "x" in call.arrays else tuple(n for n in ("q", "k", "v") if n in call.arrays)
+    dtype = np.result_type(*(call.arrays[n].dtype for n in names))
+    precision = call.options.get("precision")
+    return chunk_products(operand_dtype(dtype), HIGHEST if precision is None else precision)
+
+
+def tpu_forward_seconds(call: Call, config: TpuLinearAttentionConfig) -> float:
+    """The forward kernel's modelled time on ``call`` with ``config`` (`tpu_costs.kernel_seconds`:
+    grid steps and bfloat16-pass MXU FLOPs at the call's `tpu_products`)."""
+    kdim, vdim, per_channel = _tpu_dims(call)
+    lead = call.x if "x" in call.arrays else call.v
+    if "do" in call.arrays:  # a backward op's call, heads-major [Bs, HV, Tp, V]
+        rows, tokens = lead.shape[0] * lead.shape[1], lead.shape[2]
+    else:  # [B, T, HV, V]
+        rows, tokens = lead.shape[0] * lead.shape[2], lead.shape[1]
+    delta = "x" not in call.arrays and call.arrays.get("beta", True) is not None  # SSD: no delta rule
+    return kernel_seconds(rows, tokens, lanes(kdim), lanes(vdim), config.chunk, config.block_v,
+                          per_channel=per_channel, delta=delta, products=tpu_products(call),
+                          mxu=target_generation().mxu)
+
+
 def linear_attention_tpu_heuristic(call: Call) -> TpuLinearAttentionConfig:
-    """Chunks of 64 (the solve's MXU work per token grows with the chunk) and
-    the whole padded V per program (splitting V repeats the chunk's solve)."""
+    """The config of the space with the least modelled time (`tpu_forward_seconds`: the
+    solve's MXU work per token grows with the chunk, the grid steps shrink; splitting V
+    repeats the chunk's solve), the earlier one of the space on a tie; chunks of 64
+    and the whole padded V (≤ 256) when the space is empty."""
     _, vdim, _ = _tpu_dims(call)
-    return TpuLinearAttentionConfig(chunk=64, block_v=min(lanes(vdim), 256))
+    space = linear_attention_tpu_space(call)
+    if not space:
+        return TpuLinearAttentionConfig(chunk=64, block_v=min(lanes(vdim), 256))
+    return min(space, key=lambda c: tpu_forward_seconds(call, c))
 
 
 def linear_attention_tpu_requirements(call: Call) -> str | None:

@@ -4,7 +4,10 @@ roofline code).
 The chunked forward's matmul FLOPs per token and head (`recurrence_flops`):
 the decayed scores ``2CK`` (twice with the delta rule), the triangular solve
 ``C(K+V)``, ``W S`` / ``Q S`` / ``K̃ᵀΔ`` (``2KV`` each) and ``PΔ`` (``2CV``);
-the backward costs about 2.5 forwards; the token recurrence ``7KV``.
+the backward costs about 2.5 forwards; the token recurrence ``7KV``. These count
+the algorithm's FLOPs, the same for every implementation; what the Mosaic TPU
+kernels execute on the MXU — each product's bfloat16 passes at its precision,
+the tile padding — is `tpu_costs` (the kernels' heuristic ranks configs by it).
 """
 
 from __future__ import annotations

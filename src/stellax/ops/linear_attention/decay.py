@@ -97,7 +97,8 @@ def block_pair_spans(blocks, a: int, c: int):
 def span_sum(mask, g, *, precision=HIGHEST, mxu: bool = False):
     """``Σ_t mask[i, t] g_t`` for a 0/1 ``mask [C, C]`` and per-channel ``g [C, K]``:
     a direct sum over each row's span (same-sign terms), ``[C, K]``: exact products
-    at `HIGHEST`; at `TF32X3` (tensor cores; the mask is exact in TF32) each ``g_t``
+    at `HIGHEST` and at `mxu.EXACT` (three bfloat16 pieces of ``g``, inside a Mosaic TPU
+    kernel); at `TF32X3` (tensor cores; the mask is exact in TF32) each ``g_t``
     carries a relative error below 2⁻²⁰; ``mxu``: inside a Mosaic TPU kernel (`mxu.tile_dot`)."""
     return tile_dot(mask.astype(F32), g, precision=precision, mxu=mxu)
 

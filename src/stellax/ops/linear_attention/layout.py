@@ -124,9 +124,9 @@ def from_chunks(x):
 
 
 # -- the kernels' heads-major layout ------------------------------------------------
-def heads_major(stream: Stream, x, dim: int | None = None):
-    """``[B, T, HV(, D)]`` → ``[Bs, HV, Tp(, D)]`` float32, ``D`` zero-padded to ``dim``."""
-    x = stream.pack(x.astype(F32))
+def heads_major(stream: Stream, x, dim: int | None = None, dtype=F32):
+    """``[B, T, HV(, D)]`` → ``[Bs, HV, Tp(, D)]`` in ``dtype``, ``D`` zero-padded to ``dim``."""
+    x = stream.pack(x.astype(dtype))
     if dim is not None:
         x = pad_axis(x, x.ndim - 1, dim)
     return jnp.moveaxis(x, 2, 1)

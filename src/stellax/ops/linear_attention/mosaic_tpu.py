@@ -14,7 +14,7 @@ exponent a direct span sum ≤ 0, masked to −inf outside its span):
     scalar decays (GDN, SSD):                  per-channel decays (KDA):
     D_ij = Σ_{j<t≤i} g_t  (0/1-mask matmul)     P_x = scores.channel_scores (sub-blocks)
     P_x  = (X Kᵀ) ⊙ exp(D)   (x = q, k)
-    A  = β ⊙ strictly_lower(P_k),   T = (I + A)⁻¹   (`solve.unit_lower_inverse`: log₂C MXU products)
+    A  = β ⊙ strictly_lower(P_k),   T = (I + A)⁻¹   (`solve.merge_inverse`: 2·log₂(C/2) MXU products)
     U  = T (β V),   W = T (β Γ K)                   (SSD: U = V, no W)
     Δ  = U − W S,   O = (Γ Q) S + P_q Δ,   S ← Γ_C S + K̃ᵀ Δ    (K̃_j = k_j exp(Σ_{t>j} g_t))
 
@@ -28,6 +28,25 @@ batches get ``first = [c = 0]``, ``seq = 0``, ``last = [c = NT−1]``): the
 state is reset to ``h0[seq·HV + head]`` at a sequence's first chunk and
 written to ``final[seq·HV + head]`` at its last (the block index maps read
 ``seq``). Padding tokens are the identity step (``k = v = q = β = g = 0``).
+
+Precision of the products (`mxu.Products`, `kernel_products`): float32 ``q, k, v``
+run every product at the call's precision (the float32 contract). bfloat16
+``q, k, v`` — what bfloat16 inputs get (`mxu.operand_dtype`; half the bytes to
+read) — are upcast once in VMEM (`load_tile`) and run `mxu.BF16_PRODUCTS`:
+
+* one bfloat16 pass, float32 accumulation: ``Q Kᵀ``, ``K Kᵀ`` (and KDA's gathers and
+  sub-block scores), ``T (β V)``, ``T (β Γ K)``, ``W S``, ``(Γ⊙Q) S``, ``P Δ``,
+  ``K̃ᵀ Δ`` — inputs and well-scaled factors (every decay factor ≤ 1), each rounded
+  once to bfloat16 as the MXU takes it;
+* exact (`mxu.EXACT`, three passes): the 0/1-mask matmuls that sum log decays
+  (``D``, KDA's prefixes, tails, chunk totals and sub-block spans): the decays' digits
+  set every ``exp``, and the sums' transposes carry ``dg``;
+* three passes (`mxu.BF16_SOLVE`): the inverse's products;
+* float32 on the VPU: every ``exp`` and the state ``S``.
+
+Against the float32 golden at T = 65536 the bfloat16 kernels stay within bfloat16's
+tolerance (rel-L2 1e-2, gradients 2e-2); their output and gradient errors are one to
+four times the XLA path's on the same inputs (docs/linear_attention.md).
 """
 
 from __future__ import annotations
@@ -40,10 +59,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import F32, HIGHEST, operand, output, square_iota, tpu_kernel_call
-from .mxu import mxu_matmul
+from .mxu import Products, chunk_products, mask_matmul, mxu_matmul
 from .scores import channel_scores
-from .solve import unit_lower_inverse
+from .solve import merge_inverse
 from .configs import TRITON_CHUNK, TpuLinearAttentionConfig, tpu_vmem_limit
+
+#: Every product at `HIGHEST` (float32 operands at the default precision).
+UNIFORM_HIGHEST = Products.uniform(HIGHEST)
 
 
 def dense_meta(chunks: int):
@@ -67,66 +89,77 @@ def _dot_tn(a, b, precision):
 def scalar_spans(g_col, g_row, chunk: int, precision=HIGHEST):
     """Span sums of one chunk's scalar log decays, from ``g`` as a column
     ``[C, 1]`` and as a row ``[1, C]``: ``(D [C, C], G [C, 1], tail [C, 1],
-    total [1, 1])`` with ``D_ij = Σ_{j<t≤i} g_t`` (a matmul with a 0/1 mask),
-    ``G_i = Σ_{t≤i} g_t``, ``tail_j = Σ_{t>j} g_t`` (lane sums) and ``total = Σ_t g_t``."""
+    total [1, 1])`` with ``D_ij = Σ_{j<t≤i} g_t`` (a matmul with a 0/1 mask at
+    ``precision``, `mxu.EXACT` or a resolved precision), ``G_i = Σ_{t≤i} g_t``,
+    ``tail_j = Σ_{t>j} g_t`` (lane sums) and ``total = Σ_t g_t``."""
     rows, cols = square_iota(chunk)
     later = jnp.where(rows > cols, g_col, 0.0)  # [t, j]: g_t for t > j
-    spans = _dot((rows >= cols).astype(F32), later, precision)
+    spans = mask_matmul((rows >= cols).astype(F32), later, "nn", precision)
     prefix = jnp.sum(jnp.where(cols <= rows, g_row, 0.0), axis=1, keepdims=True)
     tail = jnp.sum(jnp.where(cols > rows, g_row, 0.0), axis=1, keepdims=True)
     return spans, prefix, tail, jnp.sum(g_row, axis=1, keepdims=True)
 
 
-def _delta_rule(kk_scores, beta, v, chunk: int, precision):
-    """``(U, T)`` of the delta rule: ``T = (I + β ⊙ strictly_lower(S_k))⁻¹``, ``U = T (β V)``."""
+def _delta_rule(kk_scores, beta, v, chunk: int, products: Products):
+    """``(U, T)`` of the delta rule: ``T = (I + β ⊙ strictly_lower(S_k))⁻¹`` (its
+    products at ``products.solve``), ``U = T (β V)`` (at ``products.operands``)."""
     rows, cols = square_iota(chunk)
     a = jnp.where(rows > cols, kk_scores, 0.0) * beta
-    t = unit_lower_inverse(a, rows, cols, chunk, precision=precision, mxu=True)
-    return _dot(t, beta * v, precision), t
+    t = merge_inverse(a, rows, cols, chunk, precision=products.solve, mxu=True)
+    return _dot(t, beta * v, products.operands), t
 
 
-def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int, precision=HIGHEST):
+def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int, products: Products = UNIFORM_HIGHEST):
     """One chunk of the scalar-decay recurrence, a pure function of its tiles
     (the forward kernel runs it, the backward kernel differentiates it):
-    ``(O [C, BV], S' [K, BV])`` from ``q, k [C, K]``, ``v [C, BV]``, the decays
-    as ``g_col [C, 1]`` and ``g_row [1, C]`` (the same values), ``beta [C, 1]``
-    or ``None`` (SSD: ``Δ = V``) and the chunk's initial state ``s [K, BV]``; every
-    matmul at the resolved ``precision`` (`mxu.mxu_matmul`)."""
-    spans, prefix, tail, total = scalar_spans(g_col, g_row, chunk, precision)
+    ``(O [C, BV], S' [K, BV])`` from float32 ``q, k [C, K]``, ``v [C, BV]``, the
+    decays as ``g_col [C, 1]`` and ``g_row [1, C]`` (the same values), ``beta
+    [C, 1]`` or ``None`` (SSD: ``Δ = V``) and the chunk's initial state ``s [K, BV]``.
+    Products (`mxu.Products`): the decay spans at ``sums``, the inverse at
+    ``solve``, the scores ``Q Kᵀ``, ``K Kᵀ``, ``T (β V)``, ``T (β Γ K)``, ``W S``,
+    ``(Γ⊙Q) S``, ``P Δ`` and ``K̃ᵀ Δ`` at ``operands``; the exponentials float32."""
+    spans, prefix, tail, total = scalar_spans(g_col, g_row, chunk, products.sums)
     rows, cols = square_iota(chunk)
     decay = jnp.exp(jnp.where(rows >= cols, spans, -jnp.inf))
     gate = jnp.exp(prefix)
+    p = products.operands
     if beta is None:
         delta = v
     else:
-        u, t = _delta_rule(_dot_nt(k, k, precision) * decay, beta, v, chunk, precision)
-        delta = u - _dot(_dot(t, beta * gate * k, precision), s, precision)
-    o = _dot(q * gate, s, precision) + _dot(_dot_nt(q, k, precision) * decay, delta, precision)
-    return o, jnp.exp(total) * s + _dot_tn(k * jnp.exp(tail), delta, precision)
+        u, t = _delta_rule(_dot_nt(k, k, p) * decay, beta, v, chunk, products)
+        delta = u - _dot(_dot(t, beta * gate * k, p), s, p)
+    o = _dot(q * gate, s, p) + _dot(_dot_nt(q, k, p) * decay, delta, p)
+    return o, jnp.exp(total) * s + _dot_tn(k * jnp.exp(tail), delta, p)
 
 
-def channel_chunk(q, k, v, g, beta, s, *, chunk: int, precision=HIGHEST):
+def channel_chunk(q, k, v, g, beta, s, *, chunk: int, products: Products = UNIFORM_HIGHEST):
     """One chunk of the per-channel (KDA) recurrence, as `scalar_chunk` with
-    ``g [C, K]`` (``beta [C, 1]``)."""
+    ``g [C, K]`` (``beta [C, 1]``): the per-channel prefix, tail and chunk sums and
+    the decay spans of `scores.channel_scores` at ``products.sums``, its gathers
+    and sub-block scores at ``products.operands``."""
     rows, cols = square_iota(chunk)
-    prefix = _dot((rows >= cols).astype(F32), g, precision)  # Σ_{t≤i} g_t per channel
-    tail = _dot((cols > rows).astype(F32), g, precision)     # Σ_{t>j} g_t per channel
+    sums, p = products.sums, products.operands
+    prefix = mask_matmul((rows >= cols).astype(F32), g, "nn", sums)  # Σ_{t≤i} g_t per channel
+    tail = mask_matmul((cols > rows).astype(F32), g, "nn", sums)     # Σ_{t>j} g_t per channel
     gate = jnp.exp(prefix)
-    pq, pk = channel_scores(q, k, g, chunk, unrolled=True, precision=precision, mxu=True)
-    u, t = _delta_rule(pk, beta, v, chunk, precision)
-    delta = u - _dot(_dot(t, beta * gate * k, precision), s, precision)
-    o = _dot(q * gate, s, precision) + _dot(pq, delta, precision)
+    pq, pk = channel_scores(q, k, g, chunk, unrolled=True, precision=p, sums=sums, mxu=True)
+    u, t = _delta_rule(pk, beta, v, chunk, products)
+    delta = u - _dot(_dot(t, beta * gate * k, p), s, p)
+    o = _dot(q * gate, s, p) + _dot(pq, delta, p)
     # Γ_C per channel as a column [K, 1]: Σ_t g_tk by a matmul with ones (lanes all equal).
-    gamma = jnp.exp(_dot_tn(g, jnp.ones((chunk, 128), F32), precision)[:, :1])
-    return o, gamma * s + _dot_tn(k * jnp.exp(tail), delta, precision)
+    gamma = jnp.exp(mask_matmul(g, jnp.ones((chunk, 128), F32), "tn", sums, mask="b")[:, :1])
+    return o, gamma * s + _dot_tn(k * jnp.exp(tail), delta, p)
 
 
-def _load(ref):
-    return None if ref is None else ref[...]
+def load_tile(ref):
+    """A tile as float32 (``None`` for an absent operand): bfloat16 ``q, k, v`` are
+    upcast once here, so that the chunk's elementwise work, its transpose and
+    the cotangents are float32 and only the products round to bfloat16."""
+    return None if ref is None else ref[...].astype(F32)
 
 
 def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, states, state, chunk, per_channel,
-                    precision):
+                    products):
     """One chunk: reset the state at a sequence's first chunk, store the
     chunk-initial state (``states``, for the backward), run the chunk, write
     the final state at a sequence's last chunk."""
@@ -140,11 +173,11 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     s = state[...]
     if states is not None:
         states[...] = s
+    tiles = (load_tile(q), load_tile(k), load_tile(v))
     if per_channel:
-        out, new = channel_chunk(q[...], k[...], v[...], g[...], beta[...], s, chunk=chunk, precision=precision)
+        out, new = channel_chunk(*tiles, load_tile(g), load_tile(beta), s, chunk=chunk, products=products)
     else:
-        out, new = scalar_chunk(q[...], k[...], v[...], g[...], g_row[...], _load(beta), s, chunk=chunk,
-                                precision=precision)
+        out, new = scalar_chunk(*tiles, load_tile(g), load_tile(g_row), load_tile(beta), s, chunk=chunk, products=products)
     if o is not None:
         o[...] = out.astype(o.dtype)
     state[...] = new
@@ -201,6 +234,15 @@ def check_layout(k, v, chunk: int, bv: int) -> None:
         raise ValueError(f"config.block_v: expected a divisor of the padded value size {v.shape[-1]}, got {bv}")
 
 
+def kernel_products(q, k, v, precision) -> Products:
+    """The `mxu.Products` of kernels given ``q, k, v`` (all float32, or all bfloat16:
+    `mxu.chunk_products`) and the call's resolved ``precision``."""
+    dtypes = {jnp.dtype(x.dtype).name for x in (q, k, v)}
+    if len(dtypes) != 1 or not dtypes <= {"float32", "bfloat16"}:
+        raise TypeError(f"q, k, v: expected all float32 or all bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return chunk_products(q.dtype, precision)
+
+
 def decay_operands(g, specs: Specs, per_channel: bool, name: str = "g"):
     """The named decay operands: ``g [BH, Tp, Kp]`` per channel, else ``g`` as a
     column ``[BH, Tp, 1]`` and as rows ``[BH, NT, 1, C]`` (``g_row``)."""
@@ -217,14 +259,16 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
 
     Args:
       q, k: ``[BH, Tp, Kp]`` (q scaled); v: ``[BH, Tp, Vp]``; ``Kp, Vp``
-        multiples of 128, ``Tp`` a multiple of ``config.chunk``.
+        multiples of 128, ``Tp`` a multiple of ``config.chunk``; all float32, or
+        all bfloat16 (the products of `mxu.BF16_PRODUCTS`: `kernel_products`).
       g: ``[BH, Tp]`` scalar or ``[BH, Tp, Kp]`` per-channel (``per_channel``) log decays.
       beta: ``[BH, Tp]`` or ``None`` (no delta rule; scalar decays only).
       h0: ``[N·HV, Kp, Vp]`` initial states; meta: ``None`` (dense) or int32
         ``(first, seq, last) [NT]`` of a packed row (``BH = HV``).
       heads: ``HV``.
-      precision: a resolved `jax.lax.Precision` of every matmul (`stellax.core.precision`:
-        ``DEFAULT`` one bfloat16 pass, ``HIGH`` three, ``HIGHEST`` float32).
+      precision: a resolved `jax.lax.Precision` of every matmul of float32 ``q, k, v``
+        (`stellax.core.precision`: ``DEFAULT`` one bfloat16 pass, ``HIGH`` three,
+        ``HIGHEST`` float32); bfloat16 ones do not use it.
       with_states: return each chunk's initial state ``[BH, NT, Kp, Vp]`` instead
         of ``o`` (what the backward needs; ``o`` would take HBM for nothing).
     Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])`` (``(states, final)``); the
@@ -237,6 +281,7 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
     check_layout(k, v, chunk, bv)
     if per_channel and beta is None:
         raise ValueError("beta: the per-channel recurrence is a delta rule (beta required), got None")
+    products = kernel_products(q, k, v, precision)
     nt = tp // chunk
     first, seq, last = dense_meta(nt) if meta is None else meta
     specs = Specs(kp, bv, chunk, heads, nt)
@@ -244,7 +289,7 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
               "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
               "h0": operand(h0, specs.state), **decay_operands(g, specs, per_channel)}
     outs = tpu_kernel_call(
-        functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, precision=precision),
+        functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, products=products),
         grid=(bh, vp // bv, nt),
         inputs=inputs,
         outputs={"o": None if with_states else output((bh, tp, vp), F32, specs.cols),

@@ -41,11 +41,13 @@ from ...core import Call
 from ...core.pallas import F32, HIGHEST, operand, output, pad_axis, tpu_kernel_call
 from .configs import TpuLinearAttentionConfig, lanes, tpu_vmem_limit
 from .layout import call_meta, dfinal_of, flat, pass_empty_sequences
-from .mosaic_tpu import Specs, channel_chunk, check_layout, decay_operands, dense_meta, recurrence_forward, scalar_chunk
+from .mxu import operand_dtype
+from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, kernel_products, load_tile,
+                         recurrence_forward, scalar_chunk)
 
 
 def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
-                     dbeta, dh0, dstate, chunk, chunks, per_channel, precision):
+                     dbeta, dh0, dstate, chunk, chunks, per_channel, products):
     """One chunk, walked in reverse (module docstring)."""
     del seq
     rc = chunks - 1 - pl.program_id(2)
@@ -58,13 +60,13 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
     def _():
         dstate[...] = dfinal[...]
 
+    qkv = (load_tile(q), load_tile(k), load_tile(v))  # float32 tiles: float32 cotangents
     if per_channel:
-        tiles = (q[...], k[...], v[...], g[...], beta[...], states[...])
-        f = functools.partial(channel_chunk, chunk=chunk, precision=precision)
+        tiles = qkv + (load_tile(g), load_tile(beta), states[...])
+        f = functools.partial(channel_chunk, chunk=chunk, products=products)
     else:
-        b = None if beta is None else beta[...]
-        tiles = (q[...], k[...], v[...], g[...], g_row[...], b, states[...])
-        f = functools.partial(scalar_chunk, chunk=chunk, precision=precision)
+        tiles = qkv + (load_tile(g), load_tile(g_row), load_tile(beta), states[...])
+        f = functools.partial(scalar_chunk, chunk=chunk, products=products)
     _, vjp = jax.vjp(f, *tiles)
     grads = vjp((do[...], dstate[...]))
     if per_channel:
@@ -92,12 +94,15 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
     ``do [BH, Tp, Vp]``, ``dfinal [N·HV, Kp, Vp]`` or ``None``), float32:
     ``(dq, dk, dv, dg, dβ or None, dh0)`` shaped as their primals. ``dh0`` of a
     packed sequence with no chunk is left unwritten (the caller passes ``dfinal``). ``precision``:
-    the forward's (a resolved `jax.lax.Precision`), of every matmul, forward and transposed."""
+    the forward's (a resolved `jax.lax.Precision`), of every matmul of float32 ``q, k, v``,
+    forward and transposed; bfloat16 ``q, k, v`` take `mxu.BF16_PRODUCTS` (each transposed
+    product at its forward product's precision, the cotangents float32)."""
     bh, tp, kp = k.shape
     vp = v.shape[-1]
     chunk, bv = config.chunk, min(config.block_v, vp)
     check_layout(k, v, chunk, bv)
     nt, nv = tp // chunk, vp // bv
+    products = kernel_products(q, k, v, precision)
     states, _ = recurrence_forward(q, k, v, g, beta, h0, meta, heads=heads, per_channel=per_channel,
                                       config=config, with_states=True, precision=precision)
     first, seq, last = dense_meta(nt) if meta is None else meta
@@ -118,7 +123,7 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
         "dh0": output(h0.shape, F32, specs.state),
     }
     outs = tpu_kernel_call(
-        functools.partial(_backward_kernel, chunk=chunk, chunks=nt, per_channel=per_channel, precision=precision),
+        functools.partial(_backward_kernel, chunk=chunk, chunks=nt, per_channel=per_channel, products=products),
         grid=(bh, nv, nt),
         inputs=inputs,
         outputs=outputs,
@@ -137,13 +142,16 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
 
 
 def _pad_operands(call: Call, per_channel: bool):
-    """The backward call's arrays on the kernel's flat layout, head sizes padded to 128 lanes, float32."""
+    """The backward call's arrays on the kernel's flat layout, head sizes padded to
+    128 lanes: ``q, k, v`` in `mxu.operand_dtype` of their dtype (bfloat16 when all
+    three are), the rest float32."""
     q, k, v, g, beta, h0 = (call.arrays[n] for n in ("q", "k", "v", "g", "beta", "h0"))
     kp, vp = lanes(k.shape[-1]), lanes(v.shape[-1])
-    pad = lambda x, d: None if x is None else pad_axis(x.astype(F32), x.ndim - 1, d)
+    pad = lambda x, d, dtype=F32: None if x is None else pad_axis(x.astype(dtype), x.ndim - 1, d)
     state = lambda x: None if x is None else pad(pad_axis(x.astype(F32), x.ndim - 2, kp), vp)
     gp = pad(g, kp) if per_channel else g.astype(F32)
-    return (flat(pad(q, kp)), flat(pad(k, kp)), flat(pad(v, vp)), flat(gp),
+    dtype = operand_dtype(jnp.result_type(q, k, v))
+    return (flat(pad(q, kp, dtype)), flat(pad(k, kp, dtype)), flat(pad(v, vp, dtype)), flat(gp),
             flat(None if beta is None else beta.astype(F32)), flat(state(h0)), flat(pad(call.do, vp)),
             flat(state(call.dfinal)))
 

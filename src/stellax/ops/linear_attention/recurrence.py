@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from ...core import Call, backward_implementation, vjp
@@ -75,19 +76,21 @@ def _fine_meta(stream):
 
 
 def _kernel_recurrence(row: Backend, tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, config,
-                       precision):
+                       precision, inputs):
     """`recurrence` on a kernel row (module docstring)."""
     kernels = row.kernels
     q, k, v, g, beta = prepare(tokens)
+    dtype = F32 if kernels.operand_dtype is None else kernels.operand_dtype(inputs)
     B, T, HV, K = k.shape
     V = v.shape[-1]
-    if config is None:
-        config = row.tuning.heuristic(Call({"k": k, "v": v, "g": g}, {}))
+    if config is None:  # the heuristic reads shapes, dtypes and the precision
+        typed = lambda x: jax.ShapeDtypeStruct(x.shape, dtype)
+        config = row.tuning.heuristic(Call({"k": typed(k), "v": typed(v), "g": g}, {"precision": precision}))
     stream = make_stream(B, T, kernels.chunk(config), cu_seqlens)
     kp, vp = kernels.head_size(K), kernels.head_size(V)
     b = None if beta is None else heads_major(stream, beta)
     h0p = jnp.pad(h0.astype(F32), [(0, 0), (0, 0), (0, kp - K), (0, vp - V)])
-    args = (heads_major(stream, q, kp), heads_major(stream, k, kp), heads_major(stream, v, vp))
+    args = (heads_major(stream, q, kp, dtype), heads_major(stream, k, kp, dtype), heads_major(stream, v, vp, dtype))
     gh = heads_major(stream, g, kp) if per_channel else heads_major(stream, g)  # padded channels: exp(0) = 1
     rule = KernelRecurrence(row, config, per_channel, precision)
     o, final = vjp.apply(rule, *args, gh, b, h0p, _fine_meta(stream))
@@ -99,7 +102,7 @@ def _kernel_recurrence(row: Backend, tokens: dict, prepare, h0, cu_seqlens, *, p
 
 
 def recurrence(row: Backend, tokens: dict, prepare, h0, cu_seqlens, *, per_channel: bool, chunk_size: int,
-               config=None, precision=HIGHEST):
+               config=None, precision=HIGHEST, inputs=F32):
     """The gated (delta-rule) recurrence, chunked.
 
     Args:
@@ -119,10 +122,13 @@ def recurrence(row: Backend, tokens: dict, prepare, h0, cu_seqlens, *, per_chann
         `TpuLinearAttentionConfig` for the Mosaic TPU kernels; ``None``: the heuristic's).
       precision: a resolved `jax.lax.Precision` for every float32 contraction,
         forward and backward (`stellax.core.precision`).
+      inputs: the dtype of the op's inputs that ``q, k, v`` are made of: a kernel row
+        takes ``q, k, v`` in its ``operand_dtype`` of it (the Mosaic TPU kernels:
+        bfloat16 for bfloat16 inputs, whose products run `mxu.BF16_PRODUCTS`).
     Returns float32 ``(o [B, T, HV, V], final [N, HV, K, V])``.
     """
     if row.kernels.forward is None:
         return xla.chunked_scan(tokens, prepare, initial_state=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                 precision=precision)
     return _kernel_recurrence(row, tokens, prepare, h0, cu_seqlens, per_channel=per_channel, config=config,
-                              precision=precision)
+                              precision=precision, inputs=inputs)

@@ -101,7 +101,7 @@ def _channel_decayed_scores(x, y, g, precision=HIGHEST):
     return out.reshape(*lead, r, c, c)
 
 
-def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIGHEST, mxu: bool = False):
+def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIGHEST, sums=None, mxu: bool = False):
     """``(P_q, P_k)``, each ``[C, C]`` float32, on one tile inside a kernel:
     ``P_x[i, j] = Σ_c x_ic k_jc exp(Σ_{j<t≤i} g_tc)`` for ``j ≤ i`` and 0 above,
     for ``x = q`` and ``x = k`` (``q, k, g [C, K]`` float32).
@@ -113,20 +113,23 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIG
     block at once, elementwise (``s`` steps of a ``[C, K]`` exp and row sum).
     Every exponent is a direct span sum ≤ 0 (−inf outside its span).
     ``unrolled`` runs the diagonal offsets as a Python loop instead of a ``fori_loop``;
-    ``precision`` of every matmul (``mxu``: inside a Mosaic TPU kernel, `mxu.tile_dot`).
+    ``precision`` of the gathers and the block scores, ``sums`` (default: ``precision``;
+    `mxu.EXACT` inside a Mosaic TPU kernel) of the 0/1-mask span sums of ``g``
+    (``mxu``: inside a Mosaic TPU kernel, `mxu.tile_dot`).
     """
+    sums = precision if sums is None else sums
     s = CHANNEL_SUB_BLOCK if chunk % CHANNEL_SUB_BLOCK == 0 else chunk
     rows, cols = square_iota(chunk)
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
     start = row & -s  # [C, 1]: the first row of row i's block (s a power of two; no vector division)
     # Σ_{start(i) ≤ t ≤ i} g_t: the row factor of the off-diagonal blocks.
-    inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g, precision=precision, mxu=mxu))
+    inner = jnp.exp(span_sum((cols >= start) & (cols <= rows), g, precision=sums, mxu=mxu))
     qi, ki = q * inner, k * inner
     pq = jnp.zeros((chunk, chunk), F32)
     pk = jnp.zeros((chunk, chunk), F32)
     for a in range(1, chunk // s):
         # Column factor exp(Σ_{j<t<a·s} g_t) for the columns j < a·s of earlier blocks.
-        span = span_sum((cols > rows) & (cols < a * s), g, precision=precision, mxu=mxu)
+        span = span_sum((cols > rows) & (cols < a * s), g, precision=sums, mxu=mxu)
         before = jnp.exp(jnp.where(row < a * s, span, -jnp.inf))
         y = k * before
         in_block = start == a * s
@@ -139,7 +142,7 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIG
         pick = cols == col
         kd = tile_dot(pick.astype(F32), k, precision=precision, mxu=mxu)  # row i holds k_j (a gather)
         valid = col <= row
-        span = span_sum((cols > col) & (cols <= rows), g, precision=precision, mxu=mxu)
+        span = span_sum((cols > col) & (cols <= rows), g, precision=sums, mxu=mxu)
         e = jnp.exp(jnp.where(valid, span, -jnp.inf))
         ke = kd * e
         sq = jnp.sum(q * ke, axis=1, keepdims=True)

@@ -7,14 +7,17 @@ sides (stage 4). ``A`` is nilpotent (``A^C = 0``), so
 
     (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)…        (log₂ C factors, exact)
 
-Three forms: `solve_unit_lower` (XLA) is a blocked forward substitution over
+Four forms: `solve_unit_lower` (XLA) is a blocked forward substitution over
 sub-blocks of 16 rows, each diagonal block inverted by the product above;
-`unit_lower_inverse` (inside the Triton kernels) forms the whole ``[C, C]``
-inverse by the product; `lazy_block_inverse` (inside the Triton kernels below
-sm_90) forms the inverse's blocks of 32 rows by the same forward substitution,
-so that no matmul takes a ``[C, C]`` operand, with the diagonal blocks
-inverted row by row without matmuls (`substitution_inverse`) and ``A``'s
-blocks formed on demand.
+`unit_lower_inverse` (inside the Triton kernels on sm_90) forms the whole
+``[C, C]`` inverse by the product; `merge_inverse` (inside the Mosaic TPU
+kernels) forms it with as many matmuls by merging diagonal blocks of doubling
+size, which stays accurate where the product over a whole chunk cancels (keys
+correlated at cosine 0.5 or more: its powers ``A^2^j`` grow like binomial
+coefficients); `lazy_block_inverse` (inside the Triton kernels below sm_90)
+forms the inverse's blocks of 32 rows by forward substitution, so that no
+matmul takes a ``[C, C]`` operand, with the diagonal blocks inverted row by row
+without matmuls (`substitution_inverse`) and ``A``'s blocks formed on demand.
 """
 
 from __future__ import annotations
@@ -88,6 +91,37 @@ def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, serial: 
         power = tile_dot(lhs, power, precision=precision, mxu=mxu)
         inv = inv + tile_dot(inv, power, precision=precision, mxu=mxu)
         span *= 2
+    return inv
+
+
+def _merge_mask(rows, cols, size: int):
+    """The lower-left ``size × size`` block of every diagonal block of ``2·size``
+    (``size`` a power of two; bitwise, no vector division)."""
+    same = (rows & -(2 * size)) == (cols & -(2 * size))
+    return same & ((rows & size) != 0) & ((cols & size) == 0)
+
+
+def merge_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, mxu: bool = False):
+    """``T = (I + A)⁻¹ [C, C]`` of a strictly lower ``A [C, C]`` on one tile (``rows,
+    cols`` its `square_iota`, ``C`` a power of two) by merging diagonal blocks of
+    doubling size: with ``T_b`` the inverse of ``A``'s diagonal blocks of ``b`` rows
+    and ``X`` the lower-left ``b × b`` blocks of its diagonal blocks of ``2b``,
+
+        T_2b = T_b − T_b X T_b                (T_1 = I; the same 2·log2(C/2) matmuls)
+
+    — the 2 × 2 block inverse ``[[T₁, 0], [−T₂ X T₁, T₂]]`` of every pair at once.
+    Each product is of accurate sub-inverses, bounded where ``T`` is; the nilpotent
+    product of `unit_lower_inverse` forms the powers ``A^2^j`` instead, whose entries
+    reach binomial coefficients times ``|A|^2^j`` and cancel: with keys at cosine 0.5 it
+    lost four digits at float32 (``HIGHEST``), with cosine 0.8 every digit
+    (docs/linear_attention.md). ``precision`` of the matmuls (``mxu``: inside a Mosaic
+    TPU kernel, `mxu.tile_dot`)."""
+    inv = (rows == cols).astype(F32) - jnp.where(_merge_mask(rows, cols, 1), a, 0.0)
+    size = 2
+    while size < chunk:
+        x = jnp.where(_merge_mask(rows, cols, size), a, 0.0)
+        inv = inv - tile_dot(inv, tile_dot(x, inv, precision=precision, mxu=mxu), precision=precision, mxu=mxu)
+        size *= 2
     return inv
 
 

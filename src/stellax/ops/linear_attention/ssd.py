@@ -179,23 +179,34 @@ def _ssd_reference(call: Call):
 _ssd_reference.__wrapped__ = ssd_reference  # what the lab shows as the golden (inspect.unwrap)
 
 
-def _run_ssd_valid(row: Backend, call: Call, config):
-    x = call.x
-    group = x.shape[2] // call.B.shape[2]
+def ssd_preparer(call: Call):
+    """SSD as gated linear attention, token by token (`recurrence.recurrence`):
+    ``q = C``, ``k = B`` (groups expanded to heads), ``v = dt·x``, ``g = dt·A``, no ``β``."""
+    group = call.x.shape[2] // call.B.shape[2]
 
-    def prepare(tokens):  # SSD as gated linear attention: q = C, k = B, v = dt·x, g = dt·A
+    def prepare(tokens):
         dt = ssd_dt(tokens["dt"], call.dt_bias, call.dt_softplus, call.dt_limit)
         q = jnp.repeat(tokens["C"].astype(F32), group, axis=-2)
         k = jnp.repeat(tokens["B"].astype(F32), group, axis=-2)
         return q, k, tokens["x"].astype(F32) * dt[..., None], dt * call.A.astype(F32), None
+    return prepare
 
+
+def ssd_initial_state(call: Call):
+    """The call's initial states on the recurrence's layout ``[N, H, N_state, P]``, float32."""
+    x = call.x
     n = x.shape[0] if call.cu_seqlens is None else call.cu_seqlens.shape[0] - 1
-    h0 = (jnp.zeros((n, x.shape[2], call.B.shape[-1], x.shape[3]), F32) if call.initial_states is None
-          else _transpose_state(call.initial_states.astype(F32)))
+    if call.initial_states is None:
+        return jnp.zeros((n, x.shape[2], call.B.shape[-1], x.shape[3]), F32)
+    return _transpose_state(call.initial_states.astype(F32))
+
+
+def _run_ssd_valid(row: Backend, call: Call, config):
+    x = call.x
     tokens = {"x": x, "dt": call.dt, "B": call.B, "C": call.C}
-    y, final = recurrence(row, tokens, prepare, h0, call.cu_seqlens, per_channel=False,
-                          chunk_size=base.xla_chunk(call.chunk_size, False), config=config,
-                          precision=call.precision)
+    y, final = recurrence(row, tokens, ssd_preparer(call), ssd_initial_state(call), call.cu_seqlens,
+                          per_channel=False, chunk_size=base.xla_chunk(call.chunk_size, False), config=config,
+                          precision=call.precision, inputs=jnp.result_type(call.x, call.B, call.C))
     y = ssd_epilogue(y, x, call.D, call.z).astype(x.dtype)
     return y, (_transpose_state(final) if call.return_final_states else None)
 
