@@ -117,6 +117,17 @@ def test_gradients_quantized_constant_float_exact(impl):
     assert_close(dbias, ref_dbias, dtype=jnp.bfloat16, gradient=True, name="dbias")
 
 
+def test_lowering_default_config():
+    """The default tier's lowering check (the extended tier lowers every config): the config
+    dispatch resolves, forward and the VJP of a float bias."""
+    q, k, v = operands(0, 1, 64, 50, 4, 2, 64)
+    args = (quantize_for_attention(q, "fp8_e4m3", scales="token"), quantize_for_attention(k, "fp8_e5m2", scales="head"),
+            quantize_for_attention(v, "fp8_e4m3", scales="tensor"))
+    assert lowering.check_op_lowering(attention_fp8_op, "triton", args, {"is_causal": True}, configs=[None]) == 1
+    assert lowering.check_op_lowering(attention_fp8_op, "triton", args + (jnp.zeros((1, 4, 64, 50)),),
+                                      {"is_causal": True}, configs=[None], grad=True) == 1
+
+
 def test_lowering_every_forward_config():
     q, k, v = operands(0, 1, 256, 200, 4, 2, 64)
     args = (quantize_for_attention(q, "fp8_e4m3", scales="token"), quantize_for_attention(k, "fp8_e5m2", scales="head"),
