@@ -70,6 +70,12 @@ def _device_mapped_bytes(smaps: str = "/proc/self/smaps") -> int | None:
         return None
 
 
+def _proc_status() -> dict[str, str]:
+    """``/proc/self/status`` as ``{field: value text}`` (raises OSError off Linux)."""
+    with open("/proc/self/status") as f:
+        return dict(line.split(":", 1) for line in f if ":" in line)
+
+
 def host_memory() -> dict:
     """This process's memory in bytes: ``peak_rss`` (the most it held) and ``rss``
     now, as Linux counts them; ``device_mapped``, the part of ``rss`` that is an
@@ -82,8 +88,7 @@ def host_memory() -> dict:
         import resource
 
         out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        fields = _proc_status()
         for key, name in (("VmRSS", "rss"), ("RssAnon", "anonymous"), ("RssFile", "file"), ("RssShmem", "shared")):
             if key in fields:
                 out[name] = int(fields[key].split()[0]) * 1024
@@ -99,13 +104,9 @@ def host_memory() -> dict:
 def _rss_now() -> int | None:
     """This process's resident bytes now (``VmRSS``; Linux only, else None)."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+        return int(_proc_status()["VmRSS"].split()[0]) * 1024
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _sequential(jobs: Iterable[CheckJob]):
