@@ -84,3 +84,52 @@ def test_release_host_memory_drops_compiled_programs():
     assert f._cache_size() == 1
     workers.release_host_memory()
     assert f._cache_size() == 0
+
+
+def test_memory_watch_names_what_ran_at_the_peak():
+    import time
+
+    state = {"now": "idle"}
+    with report.MemoryWatch(lambda: state["now"], interval=0.01) as watch:
+        time.sleep(0.05)
+        state["now"] = "the big one"
+        block = bytearray(200 << 20)  # 200 MiB, touched
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(0.1)
+        del block
+        state["now"] = "after"
+        time.sleep(0.05)
+    summary = watch.summary()
+    if summary:  # Linux
+        assert summary["sampled_peak_during"] == "the big one"
+        assert summary["sampled_peak"] >= 200 << 20
+
+
+def test_threads_take_the_next_job_when_free(monkeypatch):
+    """One slow job does not hold back the jobs dealt after it: the other thread runs them all."""
+    import threading
+    import time
+    import types
+
+    from stellax.testing import validation, workers
+
+    monkeypatch.setattr(validation, "examples_of", lambda op, dtype: [])
+    monkeypatch.setattr(workers, "release_host_memory", lambda: None)
+    monkeypatch.setattr(workers, "row_of", lambda job, result, seconds: {"thread": result})
+
+    class Op:  # hashable, as registered ops are
+        name = "op"
+
+    op = Op()
+
+    def job(seconds):
+        def run():
+            time.sleep(seconds)
+            return threading.current_thread().name
+        return types.SimpleNamespace(op=op, dtype="float32", run=run)
+
+    jobs = [job(0.6)] + [job(0.01) for _ in range(6)]
+    rows = {id(j): row for kind, j, row in workers.threaded_events(jobs, 2) if kind == "done"}
+    slow = rows[id(jobs[0])]["thread"]
+    assert all(rows[id(j)]["thread"] != slow for j in jobs[1:])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
 import time
 from typing import Iterable
 
@@ -31,6 +32,10 @@ class CheckReport:
     rows: list[dict] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    #: `MemoryWatch.summary` of the run (where the host memory peaked), when watched.
+    memory_trace: dict = dataclasses.field(default_factory=dict)
+    #: Seconds from the start to the first check (building the examples).
+    examples_seconds: float | None = None
 
     def count(self, result: str) -> int:
         return sum(r["result"] == result for r in self.rows)
@@ -42,7 +47,8 @@ class CheckReport:
     def summary(self) -> dict:
         return {"checks": len(self.rows), "passed": self.count("ok"), "failed": self.failures,
                 "skipped": self.count("skip"), "seconds": round(self.seconds, 2),
-                "cpu_seconds": round(self.cpu_seconds, 2), "host_memory": host_memory()}
+                "cpu_seconds": round(self.cpu_seconds, 2), "examples_seconds": self.examples_seconds,
+                "host_memory": {**host_memory(), **self.memory_trace}}
 
     def to_json(self) -> dict:
         return {"platform": self.platform, "mode": self.mode, "rows": self.rows, "summary": self.summary()}
@@ -109,6 +115,43 @@ def _rss_now() -> int | None:
         return None
 
 
+class MemoryWatch:
+    """Samples this process's resident memory (`_rss_now`) every ``interval`` seconds
+    in a daemon thread while the ``with`` block runs, keeping the largest sample, when
+    it came and what ``running()`` said then (the checks in flight): the process's
+    ``peak_rss`` alone cannot tell a peak while checks ran from one in start-up."""
+
+    def __init__(self, running, interval: float = 0.1):
+        self.running, self.interval = running, interval
+        self.peak, self.at, self.during = 0, 0.0, ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="stellax-memory", daemon=True)
+
+    def _sample(self) -> None:
+        start = time.perf_counter()
+        while True:
+            rss = _rss_now()
+            if rss is not None and rss > self.peak:
+                self.peak, self.at, self.during = rss, time.perf_counter() - start, self.running()
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "MemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        """``{"sampled_peak": bytes, "sampled_peak_at": seconds, "sampled_peak_during": text}``
+        (empty where no sample was read)."""
+        if not self.peak:
+            return {}
+        return {"sampled_peak": self.peak, "sampled_peak_at": round(self.at, 1), "sampled_peak_during": self.during}
+
+
 def _sequential(jobs: Iterable[CheckJob]):
     """The events of `workers.events`, run in this process."""
     cpu_start = time.process_time()
@@ -135,18 +178,31 @@ def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, threads
         stream = workers_lib.events(jobs, workers)
     else:
         stream = _sequential(jobs)
-    done = []
-    for kind, job, value in stream:
-        if kind == "start" and on_start is not None:
-            on_start(job)
-        elif kind == "done":
-            if workers <= 1:  # where the memory grows: this process ran the check
-                value["host_rss"] = _rss_now()
-            done.append((order[id(job)], value))
-            if on_row is not None:
-                on_row(job, value)
-        elif kind == "cpu":
-            report.cpu_seconds += value
+    done, running = [], {}
+
+    def in_flight() -> str:
+        if not done and not running:
+            return "start-up and building the examples"
+        return "; ".join(f"{j.op.name}/{j.implementation}/{j.dtype}" for j in list(running.values())) or "between checks"
+
+    with MemoryWatch(in_flight) as watch:
+        for kind, job, value in stream:
+            if kind == "start":
+                if report.examples_seconds is None:
+                    report.examples_seconds = round(time.perf_counter() - start, 1)
+                running[id(job)] = job
+                if on_start is not None:
+                    on_start(job)
+            elif kind == "done":
+                running.pop(id(job), None)
+                if workers <= 1:  # where the memory grows: this process ran the check
+                    value["host_rss"] = _rss_now()
+                done.append((order[id(job)], value))
+                if on_row is not None:
+                    on_row(job, value)
+            elif kind == "cpu":
+                report.cpu_seconds += value
+    report.memory_trace = watch.summary()
     report.rows = [row for _, row in sorted(done, key=lambda item: item[0])]
     report.seconds = time.perf_counter() - start
     return report
@@ -202,6 +258,9 @@ def _memory_text(memory: dict) -> str:
     elif "anonymous" in memory:
         text += (f" (now {memory.get('rss', 0) / gb:.1f} GB: {memory['anonymous'] / gb:.1f} allocated, "
                  f"{memory.get('file', 0) / gb:.1f} file-mapped, {memory.get('shared', 0) / gb:.1f} shared)")
+    if "sampled_peak" in memory:
+        text += (f"; sampled peak {(memory['sampled_peak'] - memory.get('device_mapped', 0)) / gb:.1f} GB host "
+                 f"at {memory['sampled_peak_at']:.0f} s ({memory['sampled_peak_during']})")
     return text + " "
 
 
@@ -240,8 +299,10 @@ def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, work
                       on_row=on_row)
     summary = report.summary()
     colour = "red" if report.failures else "green"
+    first = summary["examples_seconds"]
     console.print(f"[{colour}]{summary['failed']} failure(s)[/], {summary['passed']} passed, "
                   f"{summary['skipped']} skipped, {summary['checks']} checks in {summary['seconds']:.1f} s "
+                  f"{'' if first is None else f'(first check at {first:.0f} s) '}"
                   f"{_memory_text(summary['host_memory'])}"
                   f"({summary['cpu_seconds']:.1f} s CPU)", highlight=False)
     return report

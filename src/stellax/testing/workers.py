@@ -86,8 +86,8 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
     examples are built first, once per op and dtype, in the same threads
     (building them compiles their random-number programs; built one after the
     other on a v5e they kept 8 threads idle: the 79 checks' own times added up
-    to 265 s, the run took 156 s); then the jobs are dealt to the threads one
-    by one. Host memory is released (`release_host_memory`) after every
+    to 265 s, the run took 156 s); then each thread takes the next job when it
+    is free. Host memory is released (`release_host_memory`) after every
     ``threads`` examples built (on a v5e the quick check's peak, 5.3 GB, came
     while they were built with one release at the end) and whenever an op's
     last check finishes."""
@@ -108,7 +108,7 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
     results: "queue_lib.Queue" = queue_lib.Queue()
     cpu_start = time.process_time()
 
-    def run(indices: list[int]) -> None:
+    def run(indices: Iterator[int]) -> None:
         for index in indices:
             results.put(("start", index, None))
             t0 = time.perf_counter()
@@ -120,9 +120,22 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
                                      detail=f"{type(e).__name__}: {e}"[:300])
             results.put(("done", index, row_of(jobs[index], result, time.perf_counter() - t0)))
 
-    parts = [list(range(i, len(jobs), threads)) for i in range(min(threads, len(jobs)))]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="stellax-check") as pool:
-        futures = [pool.submit(run, part) for part in parts]
+    # Each thread takes the next job when it is free (dealt round-robin in advance, one
+    # thread drew the slow linear-attention checks while others sat idle).
+    pending: "queue_lib.SimpleQueue[int]" = queue_lib.SimpleQueue()
+    for index in range(len(jobs)):
+        pending.put(index)
+
+    def next_jobs():
+        while True:
+            try:
+                yield pending.get_nowait()
+            except queue_lib.Empty:
+                return
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(threads, len(jobs)),
+                                               thread_name_prefix="stellax-check") as pool:
+        futures = [pool.submit(run, next_jobs()) for _ in range(min(threads, len(jobs)))]
         finished = 0
         while finished < len(jobs):
             try:
