@@ -133,3 +133,39 @@ def test_threads_take_the_next_job_when_free(monkeypatch):
     rows = {id(j): row for kind, j, row in workers.threaded_events(jobs, 2) if kind == "done"}
     slow = rows[id(jobs[0])]["thread"]
     assert all(rows[id(j)]["thread"] != slow for j in jobs[1:])
+
+
+def test_examples_are_built_by_one_compiled_program():
+    """`validation.compiled_examples`: the random numbers of an op's examples are the eager
+    builder's bits, and the builder runs once, traced (no op-by-op dispatch)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import stellax
+    from stellax.core.op import Example
+    from stellax.testing import validation
+
+    op = stellax.registered_ops()["attention"]
+    built = validation.compiled_examples(lambda: op.examples(jnp.dtype("float32")))
+    eager = op.examples(jnp.dtype("float32"))
+    assert [e.label for e in built] == [e.label for e in eager]
+    for x, y in zip(validation._leaves(built), validation._leaves(eager)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    traced = []
+
+    def make():
+        x = jax.random.normal(jax.random.PRNGKey(0), (4, 8))
+        traced.append(isinstance(x, jax.core.Tracer))
+        return [Example("x", (x, jnp.tanh(x)), {"axis": 1})]
+
+    (example,) = validation.compiled_examples(make)
+    assert traced == [True] and example.kwargs == {"axis": 1}
+    np.testing.assert_allclose(example.args[1], np.tanh(np.asarray(example.args[0])), rtol=1e-6)
+
+    def concrete():  # a builder that reads its values back is built eagerly
+        x = jax.random.normal(jax.random.PRNGKey(0), (3,))
+        return [Example("x", (x, int(np.asarray(x).argmax())), {})]
+
+    (example,) = validation.compiled_examples(concrete)
+    assert isinstance(example.args[1], int)
