@@ -98,11 +98,15 @@ class Mla:
 
 
 CASES = [
-    Ragged(((512, 512), (1024, 2048), (2048, 4096)), 60, 4096),          # 0 the issue's mixed batch, smaller caches
+    # 0 the suite's mixed batch (issue 41: 93.5 ms; 52 ms with the shipped v5e config, 16 pages x
+    #   block_q 8 unsplit, the first explicit config here; its pool size differs from the suite's, so
+    #   the default row is the heuristic's, split)
+    Ragged(((512, 512), (1024, 4096), (2048, 8192)), 60, 8192),
     Mla(64, 4096),                                                       # 1 MLA at batch 64
     Ragged(((2048, 2048),) * 4, 16, 4096),                               # 2 prefill-heavy
     Ragged(((512, 8192), (1024, 8192)), 62, 8192, q_heads=32),           # 3 decode-heavy, long caches, 32q/8kv
     Mla(8, 32768),                                                       # 4
+    Ragged(((512, 512), (1024, 2048), (2048, 4096)), 60, 4096),          # 5 the same, smaller caches (heuristic)
 ]
 MAIN = (0, 1, 2)                      # in this order; ``--budget`` stops starting cases past 90 s
 DRY_CASES = [Ragged(((40, 64), (8, 24)), 3, 40, q_heads=16, configs=((32, 8, True),), jax_blocks=((32, 8),)),
