@@ -1,6 +1,7 @@
 """The paged-decode TPU benchmark (benchmarks/paged_decode_tpu.py) runs on the CPU
 (--dry-run, interpreted kernels, a tiny case), so it is ready for the chip: every
-stellax contender and jax's paged attention time, match the golden and land as rows
+stellax contender (bf16, mixed lengths with NaN in the free slots, int8 and int4 caches) and
+jax's paged attention time, match the golden and land as rows
 of the suite's results schema; jax's ragged paged attention, which cannot run
 interpreted on jax 0.10.2, is an error row, not a crash."""
 
@@ -28,14 +29,18 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
     by = {}
     for r in rows:
         by.setdefault(r["contender"], []).append(r)
-    for contender in ("stellax:mosaic_tpu", "stellax:xla", "jax:paged_attention"):
+    for contender in ("stellax:mosaic_tpu", "jax:paged_attention"):      # XLA only with --xla
         for r in by[contender]:
             assert r["error"] is None, r
             assert r["ms"] > 0 and r["gbps"] > 0 and r["pct_peak"] > 0, r
             assert r["max_rel_err"] < 3e-2 and r["rel_l2"] < 1e-2, r
-    # The default config row (and it alone) is stellax's own pick; explicit configs are rows too.
+    # The default config rows (and they alone) are stellax's own pick, one per case and cache
+    # format; explicit configs are rows too.
     defaults = [r for r in rows if r["default"]]
-    assert [(r["contender"], r["config"]) for r in defaults] == [("stellax:mosaic_tpu", "default")]
-    assert len(by["stellax:mosaic_tpu"]) >= 2
+    cases = {r["case"] for r in rows}
+    assert len(cases) == 3 and any("mixed" in c for c in cases)
+    assert {r["contender"] for r in defaults} == {"stellax:mosaic_tpu"}
+    assert sorted(r["config"] for r in defaults) == ["default"] * 3 + ["int4 default", "int8 default"]
+    assert len(by["stellax:mosaic_tpu"]) >= 6
     assert sum(r.get("best", False) for r in by["jax:paged_attention"]) == 1
     assert all(r["peer"] for r in by["jax:ragged_paged_attention"])

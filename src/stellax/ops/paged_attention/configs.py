@@ -281,6 +281,24 @@ def head_group(kv_heads: int) -> int:
     return HEAD_GROUP
 
 
+def kernel_head_group(kv_heads: int, split: bool = False) -> int:
+    """KV heads one block computes together: `head_group`, or 1 with ``split``
+    (a kv head's ``[T, H]`` rows read out of the slot's ``[T, K, H]`` tiles)
+    where the pool is not read token-major (`TOKEN_MAJOR_HEADS`: a token-major
+    slot has no kv-head axis to index)."""
+    if split and kv_heads not in TOKEN_MAJOR_HEADS:
+        return 1
+    return head_group(kv_heads)
+
+
+def can_split_heads(call: Call) -> bool:
+    """Whether ``split_heads`` changes anything for a ragged call: dense (not
+    quantized) separate K and V pools of more than 4 kv heads."""
+    if call.v_pages is None or any(call.options.get(f"{p}_quant") is not None for p in ("k", "v")):
+        return False
+    return call.k_pages.ndim == 4 and call.k_pages.shape[2] not in TOKEN_MAJOR_HEADS
+
+
 def folds_scales(spec, page_size: int, kv_heads: int, head_dim: int, combined: bool = False) -> bool:
     """Whether the Mosaic TPU kernels apply a quantized pool's scales (and zero
     points) to a block's logits and probabilities instead of dequantizing its
@@ -305,11 +323,16 @@ class TpuPagedConfig(KernelConfig):
 
 @dataclasses.dataclass(frozen=True)
 class TpuRaggedConfig(TpuPagedConfig):
-    """... and ``block_q`` query tokens per program."""
+    """... and ``block_q`` query tokens per program; ``split_heads``: one kv head
+    at a time (`kernel_head_group`) instead of a head group's keys as one
+    matrix — for programs with many query rows per kv head (prefill), where
+    the group's ``hg``-times wider logits and matmuls cost more than reading
+    a head's rows out of the slot."""
 
     block_q: int = 8
+    split_heads: bool = False
 
-    CHOICES = {"block_q": BLOCK_Q}
+    CHOICES = {"block_q": BLOCK_Q, "split_heads": (False, True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +434,7 @@ def paged_tpu_vmem(call: Call, kind: str, c: TpuPagedConfig) -> int:
     values' are not live together). Fitted so that what it admits compiles
     on v5e (`benchmarks/results/tpu_compile_paged_attention_cpu.json`)."""
     geo = _geo(call, kind, c)
-    hg = head_group(geo.kv_heads)
+    hg = kernel_head_group(geo.kv_heads, getattr(c, "split_heads", False) and can_split_heads(call))
     groups = geo.kv_heads // hg
     rows = cdiv(hg * geo.rows, 8) * 8
     ps, ppb = geo.page_size, c.pages_per_block
@@ -434,6 +457,11 @@ def paged_tpu_vmem(call: Call, kind: str, c: TpuPagedConfig) -> int:
             if spec.group_axis == "token":
                 tiles += _tiled(keys, keys // spec.group(dim), 4)
             dequant.append(tiles)
+    if hg < geo.kv_heads:
+        # A head's keys and values read out of the slot's [K, H] tiles land as [T, 1, H]: a
+        # whole (8, 128) tile of 32-bit words per token (fitted: 19.1 MiB on v5e for 1024 keys,
+        # block_q 16, 64q/8kv, head dim 128, where the unpadded rows would count 5.6 MiB less).
+        dequant.append(2 * keys * 8 * cdiv(max(geo.dims), 128) * 128 * 4)
     return slots + io + scratch + 3 * _tiled(rows, keys, 4) + max(dequant)
 
 
@@ -489,13 +517,21 @@ def mla_tpu_space(call: Call) -> list[TpuMlaConfig]:
         or [TpuMlaConfig(1)]
 
 
+#: Fewest query tokens of a ragged call whose autotuning space tries ``split_heads``
+#: (a batch of decodes gains nothing from it: a few rows per kv head).
+SPLIT_MIN_TOKENS = 256
+
+
 def ragged_tpu_space(call: Call) -> list[TpuRaggedConfig]:
-    """``pages_per_block`` × ``block_q`` (up to the call's tokens) that fit scoped VMEM."""
+    """``pages_per_block`` × ``block_q`` (up to the call's tokens) × ``split_heads``
+    (calls of `SPLIT_MIN_TOKENS` or more that `can_split_heads`) that fit scoped VMEM."""
     geo = _geo(call, "ragged")
     tokens = next_power_of_two(max(1, call.q.shape[0]))
     bqs = [b for b in BLOCK_Q if b <= max(tokens, 1)]
+    split = (False, True) if can_split_heads(call) and tokens >= SPLIT_MIN_TOKENS else (False,)
     return _tpu_space(call, "ragged", lambda: product_space(TpuRaggedConfig, pages_per_block=_pages_choices(geo),
-                                                         block_q=bqs)) or [TpuRaggedConfig(1, 1)]
+                                                         block_q=bqs, split_heads=split)) \
+        or [TpuRaggedConfig(1, 1)]
 
 
 def _heuristic_pages(call: Call, kind: str, space: list, bq: int | None = None):
@@ -518,9 +554,21 @@ def mla_tpu_heuristic(call: Call) -> TpuMlaConfig:
     return _heuristic_pages(call, "mla", mla_tpu_space(call))
 
 
+#: Fewest query rows per kv head and program (``block_q · G``) for which the heuristic
+#: splits the heads (analysis, docs/paged_attention.md: with ~64 rows the head group's
+#: 8-times wider softmax costs more than reading a head's rows out of the slot; to be
+#: confirmed on the chip, `benchmarks/ragged_paged_tpu.py` times both).
+SPLIT_MIN_ROWS = 32
+
+
 def ragged_tpu_heuristic(call: Call) -> TpuRaggedConfig:
-    """``block_q`` with about 64 rows per kv head, blocks as `paged_tpu_heuristic`."""
-    return _heuristic_pages(call, "ragged", ragged_tpu_space(call), _ragged_block_q(call))
+    """``block_q`` with about 64 rows per kv head, blocks as `paged_tpu_heuristic`;
+    ``split_heads`` when the space has it (prefill-sized dense calls) and a
+    program has `SPLIT_MIN_ROWS` query rows per kv head or more."""
+    bq = _ragged_block_q(call)
+    split = any(c.split_heads for c in ragged_tpu_space(call)) and bq * _geo(call, "ragged").rows >= SPLIT_MIN_ROWS
+    space = [c for c in ragged_tpu_space(call) if c.split_heads == split]
+    return _heuristic_pages(call, "ragged", space or [TpuRaggedConfig(1, 1)], bq)
 
 
 # -- Mosaic TPU: requirements -------------------------------------------------------------------------

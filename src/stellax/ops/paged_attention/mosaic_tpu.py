@@ -72,7 +72,7 @@ from ...core.pallas import cdiv, mxu_dot, mxu_dot_nt, online_softmax_step, opera
 from ...core.platform import target_generation
 from ...core.precision import accurate_functions, float32_tanh_raw
 from . import plan as plan_mod
-from .configs import TpuPagedConfig, TpuRaggedConfig, head_group
+from .configs import TpuPagedConfig, TpuRaggedConfig, can_split_heads, kernel_head_group
 from .mosaic_tpu_pages import (
     dequantize, folded_scales, idiv, imod, merge_parts, pipeline_scratch, program_pipeline, run_pipeline, source_arrays,
     source_meta, split_parts,
@@ -340,7 +340,7 @@ def _collect(problem: Problem, res, rt: int):
 
 
 def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dict, values: str, ppb: int,
-                name: str, cores: int | None = None):
+                name: str, cores: int | None = None, split_heads: bool = False):
     """Launch a paged kernel over grid ``(cores, per_core)`` and return
     normalized float32 rows ``[Bp, K, Rt, Hv]``.
 
@@ -348,7 +348,8 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
     TensorCores per device, the ``parallel`` axis; programs padded to a
     multiple of it are empty); a core's steps run in order, so each program's
     last block prefetches the next one's first (`run_pipeline`). The kv heads
-    are taken ``hg`` at a time (`configs.head_group`): a step's query rows are
+    are taken ``hg`` at a time (`configs.kernel_head_group`; 1 with
+    ``split_heads``): a step's query rows are
     grouped ``[K/hg, R, H]`` (`grouped`, ``R = hg·Rt`` padded to 8).
     ``sources``: name → `Source` (pools copied by the page pipeline);
     ``queries``: operand name → (query rows ``[Bp, K, Rt, H]``, source name),
@@ -362,7 +363,7 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
     cores = max(1, min(cores or target_generation().cores_per_chip, bp))
     per_core = cdiv(bp, cores)
     programs = cores * per_core
-    hg = head_group(heads)
+    hg = kernel_head_group(heads, split_heads)
     groups = heads // hg
     r = padded_rows(hg * rt)
     metas = {n: source_meta(src) for n, src in sources.items()}
@@ -396,13 +397,15 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
     return _collect(problem, res, rt)
 
 
-def attention_rows(problem: Problem, tables, *, pages_per_block: int, cores: int | None = None):
+def attention_rows(problem: Problem, tables, *, pages_per_block: int, cores: int | None = None,
+                   split_heads: bool = False):
     """Normalized float32 rows ``[Bp, K, Rt, Hv]`` of a `paged`/`ragged` problem
     (``tables``: the clamped block tables the programs' ``seq_rows`` index;
-    ``cores``: the ``parallel`` grid axis, by default the target's TensorCores)."""
+    ``cores``: the ``parallel`` grid axis, by default the target's TensorCores;
+    ``split_heads``: one kv head per matmul, `configs.kernel_head_group`)."""
     return launch_rows(_kernel, problem, tables, sources={"k": problem.k, "v": problem.values},
                        queries={"q": (problem.q, "k")}, values="v", ppb=pages_per_block,
-                       name="stellax_paged_attention_tpu", cores=cores)
+                       name="stellax_paged_attention_tpu", cores=cores, split_heads=split_heads)
 
 
 def _tables(call, problem: Problem):
@@ -418,5 +421,7 @@ def run_paged(call, config: TpuPagedConfig):
 def run_ragged(call, config: TpuRaggedConfig):
     """`ragged_paged_attention` on the Mosaic TPU kernel (programs of ``config.block_q`` tokens)."""
     problem, finish = plan_mod.ragged_problem(call, block_q=config.block_q)
-    return finish(attention_rows(problem, _tables(call, problem), pages_per_block=config.pages_per_block))
+    split = config.split_heads and can_split_heads(call)
+    return finish(attention_rows(problem, _tables(call, problem), pages_per_block=config.pages_per_block,
+                                 split_heads=split))
 
