@@ -355,9 +355,15 @@ def _seconds(flops: float, nbytes: float, steps: float) -> float:
 
 def gmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     """Modelled seconds of a `ragged_dot` call with ``c``: MXU work (every visit computes its
-    whole tile, K and N padded to the blocks), HBM traffic (``lhs`` re-read for every column
-    block, one ``rhs [K, bn]`` column block per visit, the output once) and grid steps, with
-    the visits of `visits_estimate`."""
+    whole tile, K and N rounded up to the blocks: edge blocks are computed whole), HBM traffic
+    and grid steps, with the visits of `visits_estimate`.
+
+    Traffic: the output once; with several K steps, for every column block each visit
+    re-reads its ``lhs`` row tile and its group's ``rhs [K, bn]`` column block (K is the
+    innermost grid axis, so block indices change at every step); with a single K step
+    (``block_k >= K``) the blocks of consecutive visits of one group (``rhs``) or one tile
+    (``lhs``) have the same index and are not copied again: each column block reads
+    ``lhs`` once and every group's ``rhs`` once."""
     m, k, n_total, g, gated = gmm_dims(call)
     halves = 2 if gated else 1
     n = n_total // halves
@@ -366,8 +372,11 @@ def gmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     columns = np_ // c.block_n
     item, out_item = _itemsize(call), np.dtype(call.out_dtype).itemsize
     flops = 2.0 * visits * c.block_m * kp * np_ * halves
-    nbytes = (columns * visits * c.block_m * kp * item + visits * kp * np_ * halves * item
-              + m * np_ * out_item)
+    if kp == c.block_k:
+        lhs_reads, rhs_reads = _round_up(m, c.block_m), min(visits, g)
+    else:
+        lhs_reads, rhs_reads = visits * c.block_m, visits
+    nbytes = (columns * lhs_reads * kp * item + rhs_reads * kp * np_ * halves * item + m * np_ * out_item)
     return _seconds(flops, nbytes, columns * visits * (kp // c.block_k))
 
 
