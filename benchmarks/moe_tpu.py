@@ -284,7 +284,6 @@ class Run(ChipRun):
         self.measure("ragged_dot_quantized", c.name, "fwd", "stellax:mosaic_tpu int8 weights", "default", int8,
                      (x, q, sizes), functools.partial(check, weights=weights_int8), flops,
                      default=self.picks_mosaic("ragged_dot_quantized", x, q, sizes), peer=False)
-        del x, w, q, deq
 
     def picked_cases(self, count: int) -> list[int]:
         """``--cases`` (indices), or without it `MAIN_CASES` (every dry-run case in a dry run)."""

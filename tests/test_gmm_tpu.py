@@ -33,7 +33,8 @@ def test_group_sizes_balanced_and_dirichlet():
 def test_dry_run_times_and_checks_every_contender(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     out = tmp_path / "gmm.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gmm_tpu.py", "--dry-run", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "benchmarks/gmm_tpu.py", "--dry-run", "--budget", "10000", "--out",
+                           str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "summary" in proc.stdout

@@ -204,7 +204,7 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     transposed, ``[G, K, 2, N]`` gated) → ``(out [M, N], preactivation or None)``;
     rows outside the local groups are zeros. A callable activation is applied
     by XLA to the kernel's pre-activation (it is not traced into the kernel)."""
-    m, k = lhs.shape
+    m = lhs.shape[0]
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[-1]
