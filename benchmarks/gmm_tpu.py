@@ -24,7 +24,9 @@ same data; a case runs a pass or part only where its `Case.tiles` names it:
   ``dw`` by ``jax.vjp``): rows of op ``ragged_dot``;
 * ``dlhs`` (``dx = dy @ w[g]ᵀ``, the transposed-rhs gmm) and ``tgmm`` (``dw[g] = x[g]ᵀ @
   dy[g]``) alone: rows of op ``ragged_dot_dlhs`` / ``ragged_dot_tgmm`` with pass ``fwd``
-  (their own TFLOP/s, ``2·M·K·N``);
+  (their own TFLOP/s, ``2·M·K·N``); the tgmm also with ``lhs = xᵀ [K, M]`` made outside the
+  timing (config ``default, lhs=xT [K, M]``: the gradient's tgmm takes ``x [M, K]`` and
+  contracts its row axis in the kernel, which may cost a transpose per step);
 
 the contenders:
 
@@ -349,6 +351,9 @@ def part_contenders(case: Case, part: str):
             x, dy, s, transpose_lhs=True, implementation="mosaic_tpu", config=cfg)})
 
     out = [("stellax:mosaic_tpu", "default", stellax_fn(None), True, False)]
+    if part == "tgmm":  # lhs [K, M] (xᵀ made outside, as megablox's VJP does): no transpose in the kernel
+        out.append(("stellax:mosaic_tpu", "default, lhs=xT [K, M]", jax.jit(lambda x, w, s, dy, xt: {
+            "dw": stellax.ragged_dot_tgmm(xt, dy, s, implementation="mosaic_tpu")}), False, False))
     for tiling in case.tiles.get(part, ()):
         out.append(("stellax:mosaic_tpu", _tile_label(tiling, part), stellax_fn(TpuGroupedMatmulConfig(*tiling)),
                     False, False))

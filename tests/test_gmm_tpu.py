@@ -62,7 +62,8 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
             assert defaults == [("stellax:mosaic_tpu", "default")]
             # the case's explicit tilings are rows too
             part = {"ragged_dot_dlhs": "dlhs", "ragged_dot_tgmm": "tgmm"}.get(op, kind)
-            assert sum(r["contender"] == "stellax:mosaic_tpu" for r in got) == 1 + len(tiles[case][part])
+            assert sum(r["contender"] == "stellax:mosaic_tpu" for r in got) == (1 + len(tiles[case][part])
+                                                                              + (part == "tgmm"))
             assert sum(r.get("best", False) for r in got if r["contender"] == "jax:megablox_gmm") == 1
     # The skewed case has empty groups: their weight gradient is exactly zero for every contender.
     skewed_bwd = [r for r in rows if r["case"].startswith("skewed")

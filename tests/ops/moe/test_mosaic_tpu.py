@@ -393,6 +393,10 @@ def _space_cases():
         "gated silu": ("ragged_dot", (x, s((8, _BIG, 2, _BIG), bf), sizes), {"activation": "silu"}),
         "dlhs (transpose_rhs)": ("ragged_dot", (x, s((8, _BIG, _BIG), bf), sizes), {"transpose_rhs": True}),
         "tgmm": ("ragged_dot_tgmm", (x, x, sizes), {"transpose_lhs": True}),
+        # N = 1408 (no power of two): whole-dimension blocks and partial edge blocks in N (K for the dlhs)
+        "forward N=1408": ("ragged_dot", (x, s((8, _BIG, 1408), bf), sizes), {}),
+        "dlhs K=1408": ("ragged_dot", (s((_BIG, 1408), bf), s((8, _BIG, 1408), bf), sizes), {"transpose_rhs": True}),
+        "tgmm N=1408": ("ragged_dot_tgmm", (x, s((_BIG, 1408), bf), sizes), {"transpose_lhs": True}),
     }
 
 
@@ -408,7 +412,7 @@ def test_every_config_of_the_space_lowers_for_tpu(case, generation="v5e"):
     op = stellax.registered_ops()[name]
     with lowering_target(generation):
         space = op.implementations["mosaic_tpu"].config_space(op.check(*args, **kwargs))
-    assert len(space) >= 40 and max(c.block_k for c in space) == 2048
+    assert len(space) >= 40 and max(c.block_k for c in space) == (1408 if "K=1408" in case else 2048)
     for config in space:
         lower_config(op, "mosaic_tpu", args, kwargs, config=config, platform="tpu", target=generation)
 
