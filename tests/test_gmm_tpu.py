@@ -33,7 +33,8 @@ def test_group_sizes_balanced_and_dirichlet():
 def test_dry_run_times_and_checks_every_contender(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     out = tmp_path / "gmm.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gmm_tpu.py", "--dry-run", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "benchmarks/gmm_tpu.py", "--dry-run", "--budget", "10000", "--out",
+                           str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "summary" in proc.stdout
@@ -42,12 +43,16 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
     rows = doc["rows"]
     assert rows and all(SCHEMA <= set(r) for r in rows)
     cases = {r["case"] for r in rows}
+    import gmm_tpu
+
+    tiles = {c.name: c.tiles for c in gmm_tpu.DRY_CASES}
     assert len(cases) == 2 and any(c.startswith("skewed") for c in cases)
     for case in cases:
-        for kind in ("fwd", "fwd+bwd"):
-            got = [r for r in rows if r["case"] == case and r["pass"] == kind]
+        for op, kind in (("ragged_dot", "fwd"), ("ragged_dot", "fwd+bwd"), ("ragged_dot_dlhs", "fwd"),
+                         ("ragged_dot_tgmm", "fwd")):
+            got = [r for r in rows if r["case"] == case and r["pass"] == kind and r["op"] == op]
             contenders = {r["contender"] for r in got}
-            assert contenders == {"stellax:mosaic_tpu", "xla:ragged_dot", "jax:megablox_gmm"}, (case, kind)
+            assert contenders == {"stellax:mosaic_tpu", "xla:ragged_dot", "jax:megablox_gmm"}, (case, op, kind)
             for r in got:
                 assert r["error"] is None and r["skipped"] is None, r
                 assert r["ms"] > 0 and r["tflops"] > 0 and r["pct_peak"] > 0, r
@@ -55,10 +60,14 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
             # The default row (and it alone) is stellax's own pick; explicit tilings are rows too.
             defaults = [(r["contender"], r["config"]) for r in got if r["default"]]
             assert defaults == [("stellax:mosaic_tpu", "default")]
-            assert sum(r["contender"] == "stellax:mosaic_tpu" for r in got) >= 2
+            # the case's explicit tilings are rows too
+            part = {"ragged_dot_dlhs": "dlhs", "ragged_dot_tgmm": "tgmm"}.get(op, kind)
+            assert sum(r["contender"] == "stellax:mosaic_tpu" for r in got) == (1 + len(tiles[case][part])
+                                                                              + (part == "tgmm"))
             assert sum(r.get("best", False) for r in got if r["contender"] == "jax:megablox_gmm") == 1
     # The skewed case has empty groups: their weight gradient is exactly zero for every contender.
-    skewed_bwd = [r for r in rows if r["case"].startswith("skewed") and r["pass"] == "fwd+bwd"]
+    skewed_bwd = [r for r in rows if r["case"].startswith("skewed")
+                  and (r["pass"] == "fwd+bwd" or r["op"] == "ragged_dot_tgmm")]
     assert skewed_bwd and all(r["empty_dw_zero"] is True for r in skewed_bwd)
 
 

@@ -393,6 +393,10 @@ def _space_cases():
         "gated silu": ("ragged_dot", (x, s((8, _BIG, 2, _BIG), bf), sizes), {"activation": "silu"}),
         "dlhs (transpose_rhs)": ("ragged_dot", (x, s((8, _BIG, _BIG), bf), sizes), {"transpose_rhs": True}),
         "tgmm": ("ragged_dot_tgmm", (x, x, sizes), {"transpose_lhs": True}),
+        # N = 1408 (no power of two): whole-dimension blocks and partial edge blocks in N (K for the dlhs)
+        "forward N=1408": ("ragged_dot", (x, s((8, _BIG, 1408), bf), sizes), {}),
+        "dlhs K=1408": ("ragged_dot", (s((_BIG, 1408), bf), s((8, _BIG, 1408), bf), sizes), {"transpose_rhs": True}),
+        "tgmm N=1408": ("ragged_dot_tgmm", (x, s((_BIG, 1408), bf), sizes), {"transpose_lhs": True}),
     }
 
 
@@ -408,6 +412,126 @@ def test_every_config_of_the_space_lowers_for_tpu(case, generation="v5e"):
     op = stellax.registered_ops()[name]
     with lowering_target(generation):
         space = op.implementations["mosaic_tpu"].config_space(op.check(*args, **kwargs))
-    assert len(space) >= 40 and max(c.block_k for c in space) == 2048
+    assert len(space) >= 40 and max(c.block_k for c in space) == (1408 if "K=1408" in case else 2048)
     for config in space:
         lower_config(op, "mosaic_tpu", args, kwargs, config=config, platform="tpu", target=generation)
+
+
+# -- edge blocks instead of padding copies (issue 38's skewed case: N = 1408) ------------------------
+def _skewed_calls(n=1408, g=64):
+    """The forward, dlhs and tgmm calls of issue 38's skewed case (M=32768 K=2048 N=1408 G=64, bf16;
+    Qwen3-MoE-like with N=768 G=128)."""
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    ops = stellax.registered_ops()
+    x, w, dy, sizes = s((32768, 2048), bf), s((g, 2048, n), bf), s((32768, n), bf), s((g,), jnp.int32)
+    return {"forward": (ops["ragged_dot"], (x, w, sizes), {}),
+            "dlhs": (ops["ragged_dot"], (dy, w, sizes), {"transpose_rhs": True}),
+            "tgmm": (ops["ragged_dot_tgmm"], (x, dy, sizes), {"transpose_lhs": True})}
+
+
+@pytest.mark.parametrize("name", ["forward", "dlhs", "tgmm"])
+def test_operands_longer_than_their_blocks_are_not_padded(name):
+    """N = 1408 is no multiple of 512 (nor K = 1408 of the dlhs): the kernels read the last block
+    as a partial edge block, with no pad or slice copy of the 369 MB weights or of the output
+    (a pad would cost about 1 ms of HBM traffic per call on a v5e)."""
+    op, args, kwargs = _skewed_calls()[name]
+    config = TpuGroupedMatmulConfig(256, 512, 512)
+    with interpret_mode(), lowering_target("v5e"):
+        jaxpr = jax.make_jaxpr(lambda *a: op(*a, implementation="mosaic_tpu", config=config, **kwargs))(*args)
+    prims = set()
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name in ("pad", "slice", "dynamic_slice", "concatenate"):
+                if any(int(np.prod(v.aval.shape)) >= 1 << 20 for v in eqn.outvars):
+                    prims.add((eqn.primitive.name, tuple(eqn.outvars[0].aval.shape)))
+            if eqn.primitive.name != "pallas_call":  # the kernel body slices refs, not arrays
+                for sub in jax.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+    walk(jaxpr.jaxpr)
+    assert not prims, prims
+
+
+def test_partial_edge_blocks_in_every_dimension_match_the_golden():
+    """M, K and N each longer than their block and no multiple of it (with an empty group and
+    rows past the groups): the forward, dlhs and tgmm, interpreted (uninitialised VMEM is NaN:
+    the K remainder must be masked in both operands), against the golden."""
+    m, k, n = 1000, 328, 264
+    lhs, rhs = _inputs(m=m, k=k, n=n, seed=5)
+    sizes = jnp.array([300, 0, 417, 250], jnp.int32)  # 967 of 1000 rows
+    dy = jax.random.normal(jax.random.PRNGKey(6), (m, n), jnp.float32)
+    config = TpuGroupedMatmulConfig(256, 256, 256)
+    op, tg = stellax.registered_ops()["ragged_dot"], stellax.registered_ops()["ragged_dot_tgmm"]
+    with interpret_mode():
+        y = op(lhs, rhs, sizes, implementation="mosaic_tpu", config=config)
+        dx = op(dy, rhs, sizes, transpose_rhs=True, implementation="mosaic_tpu", config=config)
+        dw = tg(lhs, dy, sizes, transpose_lhs=True, implementation="mosaic_tpu", config=config)
+    assert _rel(y, op.reference(lhs, rhs, sizes)) < 1e-5
+    assert _rel(dx, op.reference(dy, rhs, sizes, transpose_rhs=True)) < 1e-5
+    assert _rel(dw, tg.reference(lhs, dy, sizes, transpose_lhs=True)) < 1e-5
+    assert not np.asarray(dw[1]).any()  # the empty group's weight gradient is exactly zero
+
+
+def test_single_k_step_and_whole_n_heuristics_on_the_skewed_case():
+    """With ``block_k >= K`` consecutive visits of one group keep their ``rhs`` block (no copy):
+    the cost model counts each group's weights once, so on issue 38's skewed case the forward
+    takes the whole K (2048) in one step, the whole N (1408, `whole_tile`: no padded columns,
+    ``lhs`` read once) and a row tile below 512 (each of the 63 group boundaries costs a whole
+    extra tile), modelled well ahead of the old choice (512, 2048, 512); the dlhs (K = 1408)
+    takes its whole K as well."""
+    calls = _skewed_calls()
+    with lowering_target("v5e"):
+        call = calls["forward"][0].check(*calls["forward"][1], **calls["forward"][2])
+        c = configs.gmm_tpu_heuristic(call)
+        assert (c.block_k, c.block_n) == (2048, 1408) and c.block_m < 512, c
+        assert configs.gmm_tpu_cost(call, c) < 0.7 * configs.gmm_tpu_cost(call, TpuGroupedMatmulConfig(512, 2048, 512))
+        dlhs = calls["dlhs"][0].check(*calls["dlhs"][1], **calls["dlhs"][2])
+        assert configs.gmm_tpu_heuristic(dlhs).block_k == 1408
+        tgmm = calls["tgmm"][0].check(*calls["tgmm"][1], **calls["tgmm"][2])
+        assert {c.block_n for c in configs.tgmm_tpu_space(tgmm)} == {128, 256, 512, 1024, 1408}
+
+
+def test_whole_tiles_are_multiples_of_128_only():
+    assert configs.whole_tile(1408) == (1408,) and configs.whole_tile(768) == (768,)
+    assert configs.whole_tile(1024) == () and configs.whole_tile(1400) == () and configs.whole_tile(4096) == ()
+    with pytest.raises(ValueError, match="block_n: expected a multiple of 128"):
+        TpuGroupedMatmulConfig(128, 256, 1400)
+    with pytest.raises(ValueError, match="block_k"):
+        TpuGroupedMatmulConfig(128, 2176, 256)
+
+
+def test_whole_dimension_tiles_match_the_golden():
+    """Blocks of a whole K (384) and N (640) that are no power of two, forward, dlhs and tgmm,
+    interpreted, against the golden (an empty group, rows past the groups)."""
+    m, k, n = 700, 384, 640
+    lhs, rhs = _inputs(m=m, k=k, n=n, seed=7)
+    sizes = jnp.array([200, 0, 301, 150], jnp.int32)
+    dy = jax.random.normal(jax.random.PRNGKey(8), (m, n), jnp.float32)
+    op, tg = stellax.registered_ops()["ragged_dot"], stellax.registered_ops()["ragged_dot_tgmm"]
+    with interpret_mode():
+        y = op(lhs, rhs, sizes, implementation="mosaic_tpu", config=TpuGroupedMatmulConfig(128, 384, 640))
+        dx = op(dy, rhs, sizes, transpose_rhs=True, implementation="mosaic_tpu",
+                config=TpuGroupedMatmulConfig(256, 640, 384))
+        dw = tg(lhs, dy, sizes, transpose_lhs=True, implementation="mosaic_tpu",
+                config=TpuGroupedMatmulConfig(128, 384, 640))
+    assert _rel(y, op.reference(lhs, rhs, sizes)) < 1e-5
+    assert _rel(dx, op.reference(dy, rhs, sizes, transpose_rhs=True)) < 1e-5
+    assert _rel(dw, tg.reference(lhs, dy, sizes, transpose_lhs=True)) < 1e-5
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("n, g", [(1408, 64), (768, 128)])
+def test_edge_and_whole_tile_heuristics_compile(generation, n, g):
+    """The heuristic configs of the skewed case (N = 1408) and the Qwen3-MoE-like one (N = 768):
+    whole-dimension blocks or partial last blocks in N (in K for the dlhs) compile with the
+    real Mosaic compiler; so do explicit power-of-two tiles that leave partial edge blocks."""
+    from stellax.testing.tpu_compile import compile_config, libtpu_available
+
+    ok, reason = libtpu_available()
+    if not ok:
+        pytest.skip(reason)
+    for name, (op, args, kwargs) in _skewed_calls(n, g).items():
+        for config in (None, TpuGroupedMatmulConfig(256, 512, 512)):
+            result = compile_config(op, "mosaic_tpu", args, kwargs, generation=generation, config=config)
+            assert result.ok, (name, config, result.describe())

@@ -259,10 +259,14 @@ class TpuGroupedMatmulConfig(KernelConfig):
     block_n: int = 256
 
     def validate(self) -> None:
-        """``block_m`` one of `M_TILES` (128 … 1024), ``block_k`` and ``block_n`` of `KN_TILES` (128 … 2048)."""
+        """``block_m`` one of `M_TILES` (128 … 1024); ``block_k`` and ``block_n`` multiples of 128
+        from 128 to 2048 (the spaces hold `KN_TILES` and a dimension's own length, `whole_tile`)."""
         require_in("TpuGroupedMatmulConfig", "block_m", self.block_m, M_TILES)
         for name in ("block_k", "block_n"):
-            require_in("TpuGroupedMatmulConfig", name, getattr(self, name), KN_TILES)
+            value = getattr(self, name)
+            if not isinstance(value, int) or value % 128 or not KN_TILES[0] <= value <= KN_TILES[-1]:
+                raise ValueError(f"TpuGroupedMatmulConfig.{name}: expected a multiple of 128 from {KN_TILES[0]} "
+                                 f"to {KN_TILES[-1]}, got {value!r}")
 
 
 def _round_up(x: int, to: int) -> int:
@@ -326,11 +330,24 @@ def _useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
             and c.block_n <= _round_up(n_out, 128))
 
 
-def _fitting_tiles(call: Call, useful, vmem) -> list[TpuGroupedMatmulConfig]:
-    """The ``M_TILES × KN_TILES²`` configs that ``useful(call, c)`` keeps and whose
-    ``vmem(call, c)`` fits `tpu_space_budget` (128³ when none does)."""
+def whole_tile(dim: int) -> tuple[int, ...]:
+    """``(dim,)`` when one block can hold the whole dimension and `KN_TILES` has no such block
+    (a multiple of 128 up to 2048 that is no power of two, e.g. N = 1408 or 768), else ``()``.
+
+    Such a block has no padded columns for the MXU to multiply (1408 in 2048-blocks wastes 31 %,
+    in 512-blocks 8 %), and as ``block_k`` it makes the contraction one step, so consecutive
+    visits of a group keep their ``rhs`` block (read once per group); as ``block_n`` one column
+    block, so ``lhs`` is read once."""
+    return (dim,) if dim % 128 == 0 and KN_TILES[0] < dim < KN_TILES[-1] and dim not in KN_TILES else ()
+
+
+def _fitting_tiles(call: Call, useful, vmem, k: int, n: int) -> list[TpuGroupedMatmulConfig]:
+    """The ``M_TILES × KN_TILES²`` configs (with the call's whole ``k`` and ``n`` as blocks too,
+    `whole_tile`) that ``useful(call, c)`` keeps and whose ``vmem(call, c)`` fits
+    `tpu_space_budget` (128³ when none does)."""
     budget = tpu_space_budget()
-    configs = product_space(TpuGroupedMatmulConfig, block_m=M_TILES, block_k=KN_TILES, block_n=KN_TILES)
+    configs = product_space(TpuGroupedMatmulConfig, block_m=M_TILES, block_k=KN_TILES + whole_tile(k),
+                            block_n=KN_TILES + whole_tile(n))
     kept = [c for c in configs if useful(call, c) and vmem(call, c) <= budget]
     return kept or [TpuGroupedMatmulConfig(128, 128, 128)]
 
@@ -355,9 +372,15 @@ def _seconds(flops: float, nbytes: float, steps: float) -> float:
 
 def gmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     """Modelled seconds of a `ragged_dot` call with ``c``: MXU work (every visit computes its
-    whole tile, K and N padded to the blocks), HBM traffic (``lhs`` re-read for every column
-    block, one ``rhs [K, bn]`` column block per visit, the output once) and grid steps, with
-    the visits of `visits_estimate`."""
+    whole tile, K and N rounded up to the blocks: edge blocks are computed whole), HBM traffic
+    and grid steps, with the visits of `visits_estimate`.
+
+    Traffic: the output once; with several K steps, for every column block each visit
+    re-reads its ``lhs`` row tile and its group's ``rhs [K, bn]`` column block (K is the
+    innermost grid axis, so block indices change at every step); with a single K step
+    (``block_k >= K``) the blocks of consecutive visits of one group (``rhs``) or one tile
+    (``lhs``) have the same index and are not copied again: each column block reads
+    ``lhs`` once and every group's ``rhs`` once."""
     m, k, n_total, g, gated = gmm_dims(call)
     halves = 2 if gated else 1
     n = n_total // halves
@@ -366,8 +389,11 @@ def gmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     columns = np_ // c.block_n
     item, out_item = _itemsize(call), np.dtype(call.out_dtype).itemsize
     flops = 2.0 * visits * c.block_m * kp * np_ * halves
-    nbytes = (columns * visits * c.block_m * kp * item + visits * kp * np_ * halves * item
-              + m * np_ * out_item)
+    if kp == c.block_k:
+        lhs_reads, rhs_reads = _round_up(m, c.block_m), min(visits, g)
+    else:
+        lhs_reads, rhs_reads = visits * c.block_m, visits
+    nbytes = (columns * lhs_reads * kp * item + rhs_reads * kp * np_ * halves * item + m * np_ * out_item)
     return _seconds(flops, nbytes, columns * visits * (kp // c.block_k))
 
 
@@ -395,7 +421,8 @@ def _cheapest(space, cost, vmem, parallel):
 def gmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
     """Row tiles of 128–1024 and K/N tiles of 128–2048 that the call's dimensions can use and
     whose VMEM fits `tpu_space_budget` (the kernel raises its VMEM limit to match)."""
-    return _fitting_tiles(call, _useful, gmm_tpu_vmem)
+    _, k, n_total, _, gated = gmm_dims(call)
+    return _fitting_tiles(call, _useful, gmm_tpu_vmem, k, n_total // (2 if gated else 1))
 
 
 def gmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
@@ -435,7 +462,8 @@ def _tgmm_useful(call: Call, c: TpuGroupedMatmulConfig) -> bool:
 def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
     """Row tiles of 128–1024 and K/N tiles of 128–2048 that the `ragged_dot_tgmm` call can
     use and whose VMEM fits `tpu_space_budget`."""
-    return _fitting_tiles(call, _tgmm_useful, tgmm_tpu_vmem)
+    _, k, n, _ = tgmm_dims(call)
+    return _fitting_tiles(call, _tgmm_useful, tgmm_tpu_vmem, k, n)
 
 
 def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:

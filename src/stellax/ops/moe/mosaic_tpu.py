@@ -30,8 +30,14 @@ no operands (their K index is pinned) and write zeros.
 
 The epilogue is the fused activation, or ``act(gate) · up`` for gated weights
 ``rhs [G, K, 2, N]`` (two accumulators; the gate and up halves are two block
-views of the same array). Dimensions that are not block multiples are padded
-inside (M with rows outside every group, K and N with zeros). Blocks larger
+views of the same array). Dimensions that are not block multiples are *not*
+padded (a pad is an HBM copy of the whole operand: about 1 ms for the 369 MB
+weights of issue 38's skewed case on a v5e): the last block along M, K or N is
+a partial edge block, whose part past the array holds whatever the DMA left
+there. Rows past M are outside every group (a zero-fill visit, never stored);
+columns past N are never stored; the K remainder is zeroed in *both* operands
+of the last K step (`_keep_k`: a select, since the leftover may be NaN). Only a
+dimension shorter than its block is padded up to the block (a small copy). Blocks larger
 than the generation's scoped-VMEM default raise ``vmem_limit_bytes``
 (`configs.tpu_vmem_limit`).
 
@@ -109,13 +115,21 @@ class Blocks:
     bn: int
 
 
+def _keep_k(x, axis: int, k_rem: int):
+    """``x`` with its entries at ``axis`` index ``>= k_rem`` zeroed (a select: garbage there may be NaN)."""
+    shape = [1, 1]
+    shape[axis] = x.shape[axis]
+    idx = jax.lax.broadcasted_iota(jnp.int32, tuple(shape), axis)
+    return jnp.where(idx < k_rem, x, jnp.zeros_like(x))
+
+
 def _epilogue(accs, activation, gated: bool):
     act = kernel_activation_fn(activation)
     return act(accs[0]) * accs[1] if gated else act(accs[0])
 
 
 def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, *, lhs, rhs, rhs_up, out, pre, acc, acc_up,
-                bm, transpose_rhs, activation, precision, halves):
+                bm, transpose_rhs, activation, precision, halves, k_rem):
     """Grid step ``(j, v, k)``: accumulate ``lhs[tile, k] @ rhs[g][k, j]`` of visit
     ``v``; at the last K step write the visit's rows of ``out`` / ``pre`` (the whole
     block when the visit covers the tile, no select)."""
@@ -130,13 +144,23 @@ def _gmm_kernel(visit_group, visit_tile, visit_lo, visit_hi, *, lhs, rhs, rhs_up
         for a in accs:
             a[...] = jnp.zeros(a.shape, a.dtype)
 
-    @pl.when(valued)
-    def _accumulate():
-        a = lhs[...]
+    def accumulate(masked: bool):
+        a, w = lhs[...], rhs[0]
+        w_up = None if rhs_up is None else rhs_up[0]
+        if masked:  # the partial last K block: columns past K hold whatever the edge DMA left
+            a = _keep_k(a, 1, k_rem)
+            w = _keep_k(w, 1 if transpose_rhs else 0, k_rem)
+            w_up = None if w_up is None else _keep_k(w_up, 0, k_rem)
         product = mxu_dot_nt if transpose_rhs else mxu_dot
-        acc[...] += product(a, rhs[0], precision)
-        if rhs_up is not None:
-            acc_up[...] += mxu_dot(a, rhs_up[0], precision)
+        acc[...] += product(a, w, precision)
+        if w_up is not None:
+            acc_up[...] += mxu_dot(a, w_up, precision)
+
+    if k_rem:
+        pl.when(valued & jnp.logical_not(last_k))(lambda: accumulate(False))
+        pl.when(valued & last_k)(lambda: accumulate(True))
+    else:
+        pl.when(valued)(lambda: accumulate(False))
 
     base = visit_tile[v] * bm
     lo, hi = visit_lo[v], visit_hi[v]
@@ -180,22 +204,25 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     transposed, ``[G, K, 2, N]`` gated) → ``(out [M, N], preactivation or None)``;
     rows outside the local groups are zeros. A callable activation is applied
     by XLA to the kernel's pre-activation (it is not traced into the kernel)."""
-    m, k = lhs.shape
+    m = lhs.shape[0]
     gated = rhs.ndim == 4
     num_local = rhs.shape[0]
     n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[-1]
     fused = fusable_in_kernel(activation)
     write_pre = save_preactivation or not fused
     b = Blocks(config.block_m, config.block_k, config.block_n)
-    m_p, k_p, n_p = cdiv(m, b.bm) * b.bm, cdiv(k, b.bk) * b.bk, cdiv(n_dim, b.bn) * b.bn
-
-    lhs_p = pad_axis(pad_axis(lhs, 0, m_p), 1, k_p)
+    # No padding copies of dimensions longer than their block: the last block of M, K or N is a
+    # partial (edge) block; only a dimension shorter than its block is padded to it.
+    lhs_p = pad_axis(pad_axis(lhs, 0, b.bm), 1, b.bk)
     if transpose_rhs:
-        rhs_p = pad_axis(pad_axis(rhs, 1, n_p), 2, k_p)
+        rhs_p = pad_axis(pad_axis(rhs, 1, b.bn), 2, b.bk)
     elif gated:  # [G, K, 2, N] -> [G, 2, K, N]: gate and up as two block views
-        rhs_p = pad_axis(pad_axis(jnp.moveaxis(rhs, 2, 1), 2, k_p), 3, n_p)
+        rhs_p = pad_axis(pad_axis(jnp.moveaxis(rhs, 2, 1), 2, b.bk), 3, b.bn)
     else:
-        rhs_p = pad_axis(pad_axis(rhs, 1, k_p), 2, n_p)
+        rhs_p = pad_axis(pad_axis(rhs, 1, b.bk), 2, b.bn)
+    m_a, k_a = lhs_p.shape
+    n_a = max(n_dim, b.bn)
+    m_p, k_p, n_p = cdiv(m_a, b.bm) * b.bm, cdiv(k_a, b.bk) * b.bk, cdiv(n_a, b.bn) * b.bn
     visits = tile_visits(group_bounds(group_sizes, group_offset, num_local, m), m_p, b.bm)
     k_steps = k_p // b.bk
 
@@ -218,7 +245,8 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
     pre_spec = (pl.BlockSpec((2, b.bm, b.bn), lambda j, v, kk, g, t, *_: (0, t[v], j)) if gated else out_spec)
     halves = 2 if gated else 1
     kernel = functools.partial(_gmm_kernel, bm=b.bm, transpose_rhs=transpose_rhs,
-                               activation=activation if fused else None, precision=precision, halves=halves)
+                               activation=activation if fused else None, precision=precision, halves=halves,
+                               k_rem=k_a % b.bk)
     need = gmm_tpu_vmem_need(b.bm, b.bk, b.bn, halves=halves, itemsize=jnp.dtype(lhs.dtype).itemsize,
                              out_itemsize=jnp.dtype(out_dtype).itemsize, outputs=int(fused) + int(write_pre))
     outs = tpu_kernel_call(
@@ -226,8 +254,8 @@ def gmm(lhs, rhs, group_sizes, group_offset, *, transpose_rhs: bool, activation,
         scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,
                              visit_hi=visits.hi),
         inputs=dict(lhs=operand(lhs_p, lhs_spec), **rhs_operands),
-        outputs=dict(out=output((m_p, n_p), out_dtype, out_spec) if fused else None,
-                     pre=output(((2, m_p, n_p) if gated else (m_p, n_p)), out_dtype, pre_spec) if write_pre
+        outputs=dict(out=output((m_a, n_a), out_dtype, out_spec) if fused else None,
+                     pre=output(((2, m_a, n_a) if gated else (m_a, n_a)), out_dtype, pre_spec) if write_pre
                      else None),
         scratch=dict(acc=pltpu.VMEM((b.bm, b.bn), jnp.float32),
                      acc_up=pltpu.VMEM((b.bm, b.bn), jnp.float32) if gated else None),
@@ -330,22 +358,29 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
     group's last visit (deterministic: no atomics, a fixed order). Rows of a
     straddling tile that are not the visit's are masked to zero in both
     operands; an empty group's one visit adds nothing and writes zeros; rows
-    outside the local groups are never visited. K, N and M are padded to block
-    multiples inside."""
+    outside the local groups are never visited. M, K and N that are not block
+    multiples end in partial edge blocks (no padding copy): rows past M are only in
+    partial visits (masked), and output rows and columns past K and N are never stored."""
     if transpose_lhs:
         m, k = lhs.shape
     else:
         k, m = lhs.shape
     n = rhs.shape[1]
     b = Blocks(config.block_m, config.block_k, config.block_n)
-    m_p, k_p, n_p = cdiv(m, b.bm) * b.bm, cdiv(k, b.bk) * b.bk, cdiv(n, b.bn) * b.bn
+    # As in `gmm`: edge blocks instead of padding copies, except for a dimension shorter than its
+    # block. Rows past M are only in partial visits (masked); K and N past the array are
+    # output rows and columns that are never stored.
     if transpose_lhs:
-        lhs_p = pad_axis(pad_axis(lhs, 0, m_p), 1, k_p)
+        lhs_p = pad_axis(pad_axis(lhs, 0, b.bm), 1, b.bk)
         lhs_spec = pl.BlockSpec((b.bm, b.bk), lambda kk, j, v, g, t, *_: (t[v], kk))
+        m_a, k_a = lhs_p.shape
     else:
-        lhs_p = pad_axis(pad_axis(lhs, 0, k_p), 1, m_p)
+        lhs_p = pad_axis(pad_axis(lhs, 0, b.bk), 1, b.bm)
         lhs_spec = pl.BlockSpec((b.bk, b.bm), lambda kk, j, v, g, t, *_: (kk, t[v]))
-    rhs_p = pad_axis(pad_axis(rhs, 0, m_p), 1, n_p)
+        k_a, m_a = lhs_p.shape
+    rhs_p = pad_axis(pad_axis(rhs, 0, b.bm), 1, b.bn)
+    n_a = rhs_p.shape[1]
+    m_p, k_p, n_p = cdiv(m_a, b.bm) * b.bm, cdiv(k_a, b.bk) * b.bk, cdiv(n_a, b.bn) * b.bn
     rhs_spec = pl.BlockSpec((b.bm, b.bn), lambda kk, j, v, g, t, *_: (t[v], j))
     out_spec = pl.BlockSpec((1, b.bk, b.bn), lambda kk, j, v, g, *_: (g[v], kk, j))
     visits = group_visits(group_bounds(group_sizes, group_offset, num_local, m), m_p, b.bm)
@@ -357,7 +392,7 @@ def tgmm(lhs, rhs, group_sizes, group_offset, *, num_local: int, transpose_lhs: 
         scalar_prefetch=dict(visit_group=visits.group, visit_tile=visits.tile, visit_lo=visits.lo,
                              visit_hi=visits.hi),
         inputs=dict(lhs=operand(lhs_p, lhs_spec), rhs=operand(rhs_p, rhs_spec)),
-        outputs=dict(out=output((num_local, k_p, n_p), out_dtype, out_spec)),
+        outputs=dict(out=output((num_local, k_a, n_a), out_dtype, out_spec)),
         scratch=dict(acc=pltpu.VMEM((b.bk, b.bn), jnp.float32)),
         dimension_semantics=("parallel", "parallel", "arbitrary"), name="stellax_ragged_dot_tgmm_tpu",
         vmem_limit_bytes=tpu_vmem_limit(need),
