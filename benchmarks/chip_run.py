@@ -1,6 +1,7 @@
 """What the one-process chip benchmarks share (`gmm_tpu.py`, `loss_tpu.py`, `norm_tpu.py`,
-`paged_decode_tpu.py`, `model_step.py`): the environment record, the timer, and `ChipRun`, a
-run's rows written to its JSON after every row so that a command cut short keeps what it measured.
+`paged_decode_tpu.py`, `model_step.py`, `glu_tpu.py`, `linear_attention_tpu.py`): the environment
+record, the timer, and `ChipRun`, a run's rows written to its JSON after every row so that a command
+cut short keeps what it measured (`ChipRun.compute_row`: the row of a compute-bound contender).
 
 The scripts run as ``python3 benchmarks/<script>.py``, so this module is importable beside them.
 """
@@ -113,6 +114,30 @@ class ChipRun:
     def over_budget(self) -> bool:
         """Whether ``--budget`` seconds have passed (no new case or contender starts then)."""
         return elapsed() > self.args.budget
+
+    def compute_row(self, fields: dict, label: str, *, flops: float, peak: float | None, ms=None, xla_ms=None,
+                    errs=(None, None), compile_s=None, error=None, skipped=None) -> dict:
+        """One compute-bound contender's row, appended, saved and printed after ``label``: ``fields``
+        (``op``, ``case``, ``pass``, ``contender``, ``config``, ``default``, ``peer``) then ``ms``,
+        ``tflops = flops / ms``, ``pct_peak`` (of ``peak`` TFLOP/s; None without one), ``bound``,
+        ``vs_xla = xla_ms / ms``, ``max_rel_err`` and ``rel_l2`` (``errs``, `errors`), ``compile_s``,
+        ``device``, ``date``, ``skipped`` and ``error`` (a row with either has ``ms`` None)."""
+        tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
+        pct = None if tflops is None or peak is None else 100.0 * tflops / peak
+        r = {**fields, "ms": ms, "tflops": tflops, "pct_peak": pct, "bound": "compute",
+             "vs_xla": None if ms is None or xla_ms is None else xla_ms / ms, "max_rel_err": errs[0],
+             "rel_l2": errs[1], "compile_s": compile_s, "device": self.device, "date": self.date,
+             "skipped": skipped, "error": error}
+        self.rows.append(r)
+        self.save()
+        if skipped or error:
+            print(f"{label} {'skipped: ' + skipped if skipped else 'ERROR ' + error[:300]}", flush=True)
+        else:
+            ratio = "" if r["vs_xla"] is None else f" {r['vs_xla']:5.2f}x XLA"
+            err = "" if errs[1] is None else f" max_rel_err {errs[0]:.1e} rel_l2 {errs[1]:.1e}"
+            print(f"{label} {ms:9.3f} ms {tflops:6.2f} TFLOP/s {pct or 0:5.1f}%{ratio}{err} "
+                  f"(first call {compile_s:.1f} s)", flush=True)
+        return r
 
 
 def parser(description: str, *, reps: tuple[int, int], warmup: tuple[int, int], budget: float,

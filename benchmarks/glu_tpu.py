@@ -125,26 +125,13 @@ class Run(ChipRun):
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
         self.tiles = parse_tiles(args.tiles if args.tiles is not None else (DRY_TILES if self.dry else TILES))
 
-    def row(self, case, pass_, contender, config, *, default, flops, ms=None, xla_ms=None, errs=(None, None),
-            compile_s=None, error=None, skipped=None):
-        tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
-        pct = None if tflops is None or self.peak is None else 100.0 * tflops / self.peak
-        r = {"op": "gated_linear_unit", "case": case, "pass": pass_, "contender": contender, "config": config,
-             "default": default, "peer": contender == "xla:jnp", "ms": ms, "tflops": tflops, "pct_peak": pct,
-             "bound": "compute", "vs_xla": None if ms is None or xla_ms is None else xla_ms / ms,
-             "max_rel_err": errs[0], "rel_l2": errs[1], "compile_s": compile_s, "device": self.device,
-             "date": self.date, "skipped": skipped, "error": error}
-        self.rows.append(r)
-        self.save()
-        label = f"  {pass_:8s} {contender:20s} {config:36s}"
-        if skipped or error:
-            print(f"{label} {'skipped: ' + skipped if skipped else 'ERROR ' + error[:200]}", flush=True)
-        else:
-            ratio = "" if r["vs_xla"] is None else f" {r['vs_xla']:5.2f}x XLA"
-            err = "" if errs[0] is None else f" max_rel_err {errs[0]:.1e} rel_l2 {errs[1]:.1e}"
-            print(f"{label} {ms:9.3f} ms {tflops:6.1f} TFLOP/s {pct or 0:5.1f}%{ratio}{err} "
-                  f"(first call {compile_s:.1f} s)", flush=True)
-        return r
+    def row(self, case, pass_, contender, config, *, default, flops, **result):
+        """One contender's row (`ChipRun.compute_row`; ``result``: its ``ms``, ``xla_ms``, ``errs``,
+        ``compile_s``, ``error`` or ``skipped``)."""
+        fields = {"op": "gated_linear_unit", "case": case, "pass": pass_, "contender": contender, "config": config,
+                  "default": default, "peer": contender == "xla:jnp"}
+        return self.compute_row(fields, f"  {pass_:8s} {contender:20s} {config:36s}", flops=flops, peak=self.peak,
+                                **result)
 
     def measure(self, case, pass_, contender, config, fn, operands, flops, *, default, xla_ms, ref):
         if self.over_budget():

@@ -148,27 +148,13 @@ class Run(ChipRun):
         if args.configs is None:
             args.configs = "none" if self.dry else "all"
 
-    def row(self, op, case, pass_, contender, config, *, flops, ms=None, xla_ms=None, errs=(None, None),
-            compile_s=None, error=None, skipped=None):
-        tflops = None if ms is None else flops / (ms * 1e-3) / 1e12
-        pct = None if tflops is None or self.peak is None else 100.0 * tflops / self.peak
-        r = {"op": op, "case": case, "pass": pass_, "contender": contender, "config": config,
-             "default": config.startswith("default"), "peer": contender == "xla:chunked", "ms": ms,
-             "tflops": tflops, "pct_peak": pct, "bound": "compute",
-             "vs_xla": None if ms is None or xla_ms is None else xla_ms / ms, "max_rel_err": errs[0],
-             "rel_l2": errs[1], "compile_s": compile_s, "device": self.device, "date": self.date,
-             "skipped": skipped, "error": error}
-        self.rows.append(r)
-        self.save()
-        label = f"  {pass_:8s} {contender:36s} {config:18s}"
-        if skipped or error:
-            print(f"{label} {'skipped: ' + skipped if skipped else 'ERROR ' + error[:300]}", flush=True)
-        else:
-            ratio = "" if r["vs_xla"] is None else f" {r['vs_xla']:5.2f}x XLA"
-            err = "" if errs[1] is None else f" rel_l2 {errs[1]:.1e}"
-            print(f"{label} {ms:9.3f} ms {tflops:6.2f} TFLOP/s {pct or 0:5.1f}%{ratio}{err} "
-                  f"(first call {compile_s:.1f} s)", flush=True)
-        return r
+    def row(self, op, case, pass_, contender, config, *, flops, **result):
+        """One contender's row (`ChipRun.compute_row`; ``result``: its ``ms``, ``xla_ms``, ``errs``,
+        ``compile_s``, ``error`` or ``skipped``)."""
+        fields = {"op": op, "case": case, "pass": pass_, "contender": contender, "config": config,
+                  "default": config.startswith("default"), "peer": contender == "xla:chunked"}
+        return self.compute_row(fields, f"  {pass_:8s} {contender:36s} {config:18s}", flops=flops, peak=self.peak,
+                                **result)
 
     def measure(self, key, contender, config, fn, operands, *, xla_ms=None, ref=None):
         op, case, pass_, flops = key

@@ -159,7 +159,7 @@ class Products:
 
     Attributes:
       operands: the scores, the state products, ``T (β V)``, ``T (β Γ K)`` and ``P Δ``.
-      solve: the doubling products of the unit-lower inverse (`solve.unit_lower_inverse`).
+      solve: the doubling products of the unit-lower inverse (`solve.merge_inverse`).
       sums: the 0/1-mask matmuls that sum log decays over spans (`EXACT` or a precision).
     """
 

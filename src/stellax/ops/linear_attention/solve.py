@@ -7,17 +7,18 @@ sides (stage 4). ``A`` is nilpotent (``A^C = 0``), so
 
     (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)…        (log₂ C factors, exact)
 
-Four forms: `solve_unit_lower` (XLA) is a blocked forward substitution over
+Three forms: `solve_unit_lower` (XLA) is a blocked forward substitution over
 sub-blocks of 16 rows, each diagonal block inverted by the product above;
-`unit_lower_inverse` (inside the Triton kernels on sm_90) forms the whole
-``[C, C]`` inverse by the product; `merge_inverse` (inside the Mosaic TPU
-kernels) forms it with as many matmuls by merging diagonal blocks of doubling
-size, which stays accurate where the product over a whole chunk cancels (keys
-correlated at cosine 0.5 or more: its powers ``A^2^j`` grow like binomial
-coefficients); `lazy_block_inverse` (inside the Triton kernels below sm_90)
-forms the inverse's blocks of 32 rows by forward substitution, so that no
-matmul takes a ``[C, C]`` operand, with the diagonal blocks inverted row by row
-without matmuls (`substitution_inverse`) and ``A``'s blocks formed on demand.
+`merge_inverse` (inside the Mosaic TPU kernels, and the Triton kernels on
+sm_90) forms the whole ``[C, C]`` inverse with ``2·log₂(C/2)`` matmuls by
+merging diagonal blocks of doubling size, which stays accurate where the
+product over a whole chunk cancels (keys correlated at cosine 0.5 or more: its
+powers ``A^2^j`` grow like binomial coefficients; the Triton kernels used that
+product until issue 39's follow-up, docs/linear_attention.md);
+`lazy_block_inverse` (inside the Triton kernels below sm_90) forms the
+inverse's blocks of 32 rows by forward substitution, so that no matmul takes a
+``[C, C]`` operand, with the diagonal blocks inverted row by row without
+matmuls (`substitution_inverse`) and ``A``'s blocks formed on demand.
 """
 
 from __future__ import annotations
@@ -71,29 +72,6 @@ def solve_unit_lower(A, R, precision=HIGHEST):
     return jnp.concatenate(xs, axis=-2)
 
 
-def unit_lower_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, serial: bool = False, mxu: bool = False):
-    """``T = (I + A)⁻¹ [C, C]`` of a strictly lower ``A [C, C]`` on one tile
-    (``rows, cols`` its `square_iota`): ``(I − A)(I + A²)(I + A⁴)…`` — exact,
-    as ``A^C = 0``. ``precision`` of its ``2·log2(C/2)`` matmuls (``mxu``: inside a
-    Mosaic TPU kernel, `mxu.tile_dot`).
-
-    ``serial`` makes each squaring wait for the previous product's update (an
-    added ``0·T``, exact for finite ``T``): the two matmuls of a step are
-    otherwise independent and, on sm_90 (wgmma), ptxas overlaps them — at C = 64
-    on 4 warps the GDN WY kernel spilled 44–84 B there, none serialized. Below
-    sm_90 (mma.sync, operands in registers) the serialized chain spilled more.
-    """
-    inv = (rows == cols).astype(F32) - a
-    power = a
-    span = 2
-    while span < chunk:
-        lhs = power + 0.0 * inv if serial and span > 2 else power
-        power = tile_dot(lhs, power, precision=precision, mxu=mxu)
-        inv = inv + tile_dot(inv, power, precision=precision, mxu=mxu)
-        span *= 2
-    return inv
-
-
 def _merge_mask(rows, cols, size: int):
     """The lower-left ``size × size`` block of every diagonal block of ``2·size``
     (``size`` a power of two; bitwise, no vector division)."""
@@ -111,11 +89,13 @@ def merge_inverse(a, rows, cols, chunk: int, *, precision=HIGHEST, mxu: bool = F
 
     — the 2 × 2 block inverse ``[[T₁, 0], [−T₂ X T₁, T₂]]`` of every pair at once.
     Each product is of accurate sub-inverses, bounded where ``T`` is; the nilpotent
-    product of `unit_lower_inverse` forms the powers ``A^2^j`` instead, whose entries
+    product ``(I − A)(I + A²)(I + A⁴)…`` (removed) forms the powers ``A^2^j`` instead, whose entries
     reach binomial coefficients times ``|A|^2^j`` and cancel: with keys at cosine 0.5 it
     lost four digits at float32 (``HIGHEST``), with cosine 0.8 every digit
-    (docs/linear_attention.md). ``precision`` of the matmuls (``mxu``: inside a Mosaic
-    TPU kernel, `mxu.tile_dot`)."""
+    (docs/linear_attention.md). Each step's two matmuls depend on each other, so ptxas
+    cannot overlap them on sm_90 (the product's independent pair spilled there unless
+    serialized). ``precision`` of the matmuls (``mxu``: inside a Mosaic TPU kernel,
+    `mxu.tile_dot`; inside a Triton kernel, `tile_dot` is the Triton `dot`)."""
     inv = (rows == cols).astype(F32) - jnp.where(_merge_mask(rows, cols, 1), a, 0.0)
     size = 2
     while size < chunk:

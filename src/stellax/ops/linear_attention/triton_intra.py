@@ -6,9 +6,9 @@ a multiple of the chunk ``C``, ``D`` padded with zeros to a power of two
 ≥ 16; `layout`). Notation as in `wy.py`.
 
 * `gdn_wy_forward` (GDN's scalar decays ``g [BH, Tp]``, delta rule only): per
-  chunk ``A = strict_lower(β_i exp(D_ij) k_i·k_j)``, ``T = (I + A)⁻¹`` by the
-  nilpotent product ``(I − A)(I + A²)…(I + A³²)`` (its steps serialized:
-  `solve.unit_lower_inverse`; below sm_90 in blocks of 32 rows,
+  chunk ``A = strict_lower(β_i exp(D_ij) k_i·k_j)``, ``T = (I + A)⁻¹`` by
+  merging diagonal blocks of doubling size (`solve.merge_inverse`, accurate
+  with correlated keys; below sm_90 in blocks of 32 rows,
   `solve.lazy_block_inverse`: the diagonal blocks by row-by-row forward
   substitution, the others by matmuls), then ``U = T(β⊙V)`` and
   ``W = T(β⊙Γ⊙K)``. SSD (no delta rule) skips this stage (``U = V``).
@@ -47,7 +47,7 @@ from .configs import KDA_BLOCK_K, LinearAttentionConfig
 from .decay import block_pair_spans, masked_decay, tile_spans
 from .layout import check_flat_layout
 from .scores import CHANNEL_SUB_BLOCK, diagonal_block_scores, sub_block_spans
-from .solve import lazy_block_inverse, sub_block, unit_lower_inverse
+from .solve import lazy_block_inverse, merge_inverse, sub_block
 
 #: Rows per block of the GDN WY kernel below sm_90 (`_gdn_wy_blocked_kernel`). sm_80,
 #: spill stores per thread at the heuristic's configs (K=V=128 / K=32, V=16 / K=16, V=32):
@@ -84,8 +84,8 @@ def _gdn_wy_kernel(*, k, v, g, beta, u, w, chunk, precision):
 
     kk = jax.lax.fori_loop(0, kdim // bk, scores, jnp.zeros((chunk, chunk), F32))
     spans, prefix, _, _ = tile_spans(g[...], chunk)
-    inv = unit_lower_inverse(kk * masked_decay(spans, rows > cols) * b[:, None], rows, cols, chunk,
-                             precision=precision, serial=True)
+    a = kk * masked_decay(spans, rows > cols) * b[:, None]
+    inv = merge_inverse(a, rows, cols, chunk, precision=precision)
 
     def u_block(i, _):
         vs = pl.ds(i * bv, bv)
@@ -170,7 +170,7 @@ def gdn_wy_forward(k, v, g, beta, *, chunk: int, config: LinearAttentionConfig, 
     if current_platform().nvidia_below((9, 0)):  # mma.sync: small register operands (see the kernel)
         kernel = functools.partial(_gdn_wy_blocked_kernel, chunk=chunk, precision=triton_precision(precision))
         stages = stages if kdim > WY_SCORE_BLOCK_K or vdim > KDA_BLOCK_K else 1
-    else:  # wgmma: whole-chunk matmuls, the inverse's steps serialized
+    else:  # wgmma: whole-chunk matmuls
         kernel = functools.partial(_gdn_wy_kernel, chunk=chunk, precision=triton_precision(precision))
     outs = triton_kernel_call(
         kernel, grid=(tp // chunk, bh),
@@ -267,15 +267,15 @@ def _kda_scores_kernel(*, q, k, g, p, sk, qg, kg, gamma, chunk, precision):
 
 
 def _kda_wy_kernel(*, k, v, g, beta, sk, u, w, t, chunk, precision):
-    """One chunk's WY representation: ``T = (I + β⊙S_k)⁻¹`` (`solve.unit_lower_inverse`,
-    serialized), ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)`` (``Γ_i = exp(Σ_{t≤i} g_t)``, a
+    """One chunk's WY representation: ``T = (I + β⊙S_k)⁻¹`` (`solve.merge_inverse`),
+    ``U = T(β⊙V)``, ``W = T(β⊙Γ⊙K)`` (``Γ_i = exp(Σ_{t≤i} g_t)``, a
     cumulative sum), in blocks of `KDA_WY_BLOCK` channels / value columns; ``T`` is
     written when ``t`` is given."""
     kdim, vdim = k.shape[-1], v.shape[-1]
     bk, bv = min(kdim, KDA_WY_BLOCK), min(vdim, KDA_WY_BLOCK)
     b = beta[...].astype(F32)
     rows, cols = square_iota(chunk)
-    inv = unit_lower_inverse(sk[...] * b[:, None], rows, cols, chunk, precision=precision, serial=True)
+    inv = merge_inverse(sk[...] * b[:, None], rows, cols, chunk, precision=precision)
     if t is not None:
         t[...] = inv
 
