@@ -50,7 +50,7 @@ from ...core.pallas import (
 from ...core.platform import target_generation
 from ...core.precision import float32_log, soft_cap_tanh
 from .configs import splash_vmem_bytes
-from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn
+from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn, static_block_counts
 
 F32 = jnp.float32
 LANES = 128
@@ -125,12 +125,26 @@ def mask_classes(c, tiling: Tiling, *, kv_major: bool = False):
 
 
 def schedule(c, tiling: Tiling, *, kv_major: bool = False):
-    """``(table, step)``: the flat block table of the mask (`block_table`;
-    per query block, or per key block with ``kv_major``) and the `Step` that
-    reads it."""
+    """``(table, step, width)``: the flat block table of the mask (`block_table`;
+    per query block, or per key block with ``kv_major``), the `Step` that
+    reads it and the grid steps per table row: the most non-empty blocks a
+    row can have (`masks.static_block_counts`) with the default positions,
+    else the whole row."""
     classes = mask_classes(c, tiling, kv_major=kv_major)
     table, _ = block_table(classes)
-    return table, Step(classes.shape[0] > 1, classes.shape[1], classes.shape[2])
+    return table, Step(classes.shape[0] > 1, classes.shape[1], classes.shape[2]), grid_width(c, tiling,
+                                                                                            kv_major=kv_major)
+
+
+def grid_width(c, tiling: Tiling, *, kv_major: bool = False) -> int:
+    """Grid steps per table row (module docstring): with the default positions, the
+    static bound of `masks.static_block_counts` (a sliding window of ``w`` visits about
+    ``w / block + 2`` blocks, not all of them); otherwise ``nk`` (``nq`` with ``kv_major``)."""
+    whole = tiling.nq if kv_major else tiling.nk
+    if not c.spec.default_positions:
+        return whole
+    per_row, per_col = static_block_counts(c.spec, tiling.t, tiling.s, block_q=tiling.bq, block_k=tiling.bk)
+    return min(whole, per_col if kv_major else per_row)
 
 
 def visited_blocks(c, block_q: int, block_kv: int):
@@ -387,7 +401,7 @@ def forward(c, config, *, debug: bool = False):
     tiling = Tiling.of(c, config.block_q, config.block_kv)
     t_ = tiling
     math_ = TileMath.of(c, tiling)
-    table, step = schedule(c, tiling)
+    table, step, width = schedule(c, tiling)
     toks = Tokens.of(c, tiling)
     col = lambda b, i, j, tab: step.block(tab, b, i, j)
     rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, i, j, tab: (b, kk, i, 0, 0))
@@ -400,7 +414,7 @@ def forward(c, config, *, debug: bool = False):
     itemsize = jnp.dtype(c.q.dtype).itemsize
     outs = tpu_kernel_call(
         functools.partial(_forward_kernel, math_=math_, step=step),
-        grid=(t_.b, t_.kh, t_.nq, t_.nk),
+        grid=(t_.b, t_.kh, t_.nq, width),
         scalar_prefetch=dict(table=table),
         inputs=dict(q=operand(group_rows(c.q, tiling), rows(t_.h)),
                     k=operand(head_major(c.k, t_.sp), keys(t_.h)),

@@ -127,13 +127,13 @@ def _inputs(c, d_out, lse, delta, tiling: Tiling, rows_spec, keys_spec, q_block,
 def _dq(c, d_out, lse, delta, block_q: int, block_kv: int):
     tiling = Tiling.of(c, block_q, block_kv)
     t_ = tiling
-    table, step = schedule(c, tiling)
+    table, step, width = schedule(c, tiling)
     col = lambda b, i, j, tab: step.block(tab, b, i, j)
     rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, i, j, tab: (b, kk, i, 0, 0))
     keys = lambda d: pl.BlockSpec((None, None, t_.bk, d), lambda b, kk, i, j, tab: (b, kk, col(b, i, j, tab), 0))
     outs = tpu_kernel_call(
         functools.partial(_dq_kernel, math_=TileMath.of(c, tiling), step=step),
-        grid=(t_.b, t_.kh, t_.nq, t_.nk),
+        grid=(t_.b, t_.kh, t_.nq, width),
         scalar_prefetch=dict(table=table),
         inputs=_inputs(c, d_out, lse, delta, tiling, rows, keys, lambda b, i, j, tab: i, col),
         outputs=dict(dq=output((t_.b, t_.kh, t_.nq, t_.rows, t_.h), c.q.dtype, rows(t_.h))),
@@ -148,14 +148,14 @@ def _dq(c, d_out, lse, delta, block_q: int, block_kv: int):
 def _dkdv(c, d_out, lse, delta, block_q: int, block_kv: int):
     tiling = Tiling.of(c, block_q, block_kv)
     t_ = tiling
-    table, step = schedule(c, tiling, kv_major=True)
+    table, step, width = schedule(c, tiling, kv_major=True)
     row_block = lambda b, j, i, tab: step.block(tab, b, j, i)
     rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d),
                                   lambda b, kk, j, i, tab: (b, kk, row_block(b, j, i, tab), 0, 0))
     keys = lambda d: pl.BlockSpec((None, None, t_.bk, d), lambda b, kk, j, i, tab: (b, kk, j, 0))
     outs = tpu_kernel_call(
         functools.partial(_dkdv_kernel, math_=TileMath.of(c, tiling), step=step),
-        grid=(t_.b, t_.kh, t_.nk, t_.nq),
+        grid=(t_.b, t_.kh, t_.nk, width),
         scalar_prefetch=dict(table=table),
         inputs=_inputs(c, d_out, lse, delta, tiling, rows, keys, row_block, lambda b, j, i, tab: j),
         outputs=dict(dk=output((t_.b, t_.kh, t_.sp, t_.h), c.k.dtype, keys(t_.h)),
