@@ -54,7 +54,6 @@ import sys
 import chip_run
 import jax
 import jax.numpy as jnp
-import numpy as np
 from chip_run import ChipRun, elapsed, time_fn
 
 #: v5e bf16 peak (TFLOP/s); the dry run reports against it too.
@@ -295,16 +294,16 @@ def splash_attend(kernel, seg, sinks, scale: float, *, transpose: bool):
     the logits."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
-    def attend(q, k, v):
-        if transpose:
-            return heads_first(attend(heads_first(q), heads_first(k), heads_first(v)))
+    def heads_first_attend(q, k, v):
         q = q * jnp.asarray(scale, q.dtype)
         if seg is None:
             return jax.vmap(lambda q_, k_, v_: kernel(q_, k_, v_, sinks=sinks))(q, k, v)
         ids = splash.SegmentIds(q=seg, kv=seg)
         return jax.vmap(lambda q_, k_, v_, i: kernel(q_, k_, v_, segment_ids=i, sinks=sinks))(q, k, v, ids)
 
-    return attend
+    if not transpose:
+        return heads_first_attend
+    return lambda q, k, v: heads_first(heads_first_attend(heads_first(q), heads_first(k), heads_first(v)))
 
 
 def heads_first(x):
@@ -451,8 +450,8 @@ class Run(ChipRun):
             # jax splash, its block sizes searched
             native = self.args.splash_layout == "native"
             split = (heads_first(q), heads_first(k), heads_first(v), heads_first(d_out)) if native else operands
-            back = lambda out: (heads_first(out) if pass_ == "fwd" else
-                                (heads_first(out[0]), tuple(heads_first(g) for g in out[1])))
+            back = lambda out, pass_=pass_: (heads_first(out) if pass_ == "fwd" else
+                                             (heads_first(out[0]), tuple(heads_first(g) for g in out[1])))
             back = back if native else None
             for name in self.splash:
                 try:

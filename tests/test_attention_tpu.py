@@ -41,9 +41,9 @@ def test_cases_flop_model_and_names():
 def test_dry_run_times_and_checks_every_contender(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     out = tmp_path / "attention.json"
-    # window, documents, soft cap, sinks (the other families: test_splash_expresses_every_case)
+    # a sliding window and sinks (every case's splash mask: test_splash_expresses_every_case)
     proc = subprocess.run([sys.executable, "benchmarks/attention_tpu.py", "--dry-run", "--out", str(out),
-                           "--cases", "2,4,16,17", "--configs", "f1024-bkv1024", "--splash", "1024-kv512",
+                           "--cases", "2,17", "--configs", "f1024-bkv1024", "--splash", "1024-kv512",
                            "--xla", "--budget", "1e9"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -52,7 +52,7 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
     assert doc["format"] == "stellax-attention-tpu" and doc["environment"]["dry_run"]
     rows = doc["rows"]
     assert rows and all(SCHEMA <= set(r) for r in rows)
-    assert len({r["case"] for r in rows}) == 4 and {r["pass"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert len({r["case"] for r in rows}) == 2 and {r["pass"] for r in rows} == {"fwd", "fwd+bwd"}
     for r in rows:
         assert r["error"] is None, r
         if r["skipped"]:

@@ -220,6 +220,23 @@ def test_narrow_grid_matches_golden(opt, t, s, kh):
     check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=BLOCKS)
 
 
+@pytest.mark.parametrize("opt,t,s,h,hv,kh", [
+    ({"is_causal": True, "local_window_size": (200, 0)}, 512, 384, 256, 128, 4),  # direct: T != S, Hv != H
+    ({"is_causal": True}, 384, 384, 128, 128, 2),                                 # grouped (G = 2): the copies
+])
+def test_direct_layout_matches_golden(opt, t, s, h, hv, kh):
+    """MHA with lane-aligned head dims and block-multiple lengths reads q/k/v/dO and writes
+    out/dq/dk/dv in place (`mosaic_tpu.Layout.direct`); GQA keeps the grouped copies. Both
+    interpreted, forward and gradients (sinks included), against the golden."""
+    args, kwargs = make_inputs(t + s + h, 1, t, s, 4, kh, h, hv, jnp.float32, sinks=True)
+    q = jnp.zeros((1, t, 4, h))
+    k = jnp.zeros((1, s, kh, h))
+    c = base.canonicalize(attention_op.check(q, k, jnp.zeros((1, s, kh, hv)), **opt))
+    layout = mosaic_tpu.Layout(mosaic_tpu.Tiling.of(c, 128, 128), None, None)
+    assert layout.direct == (kh == 4)
+    check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=BLOCKS)
+
+
 def test_kernel_visits_what_the_table_lists():
     """The forward kernel's own step counter (debug output) equals the table:
     causal (bottom-right, T = 256, S = 384) within packed documents; the last
@@ -349,17 +366,19 @@ def test_heuristic_compiles_forward_and_gradients(generation, h):
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
-@pytest.mark.parametrize("mask", [{"local_window_size": (1024, 0), "is_causal": True}, {"chunk_size": 1024}])
-def test_narrow_grid_compiles_forward_and_gradients(generation, mask):
-    """B=1, N=8 (GQA, K=2), T=S=8192, bf16, a sliding window or chunks: the kernels on their narrow
-    grids (`mosaic_tpu.grid_width`) with the heuristic configs compile for each generation."""
+@pytest.mark.parametrize("mask, kv_heads", [({"local_window_size": (1024, 0), "is_causal": True}, 8),
+                                            ({"chunk_size": 1024}, 2)])
+def test_narrow_grid_compiles_forward_and_gradients(generation, mask, kv_heads):
+    """B=1, N=8, T=S=8192, bf16, a sliding window (MHA: the direct layout) or chunks (GQA, K=2: the
+    grouped one): the kernels on their narrow grids (`mosaic_tpu.grid_width`) with the heuristic
+    configs compile for each generation."""
     from stellax.testing.tpu_compile import compile_config, libtpu_available
 
     ok, reason = libtpu_available()
     if not ok:
         pytest.skip(reason)
     q = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 8192, 2, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
     result = compile_config(attention_op, "mosaic_tpu", (q, kv, kv), mask, generation=generation, grad=True)
     assert result.ok, result.describe()
 
