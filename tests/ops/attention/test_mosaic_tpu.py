@@ -177,6 +177,66 @@ def test_visited_blocks_equal_the_masks_nonempty_blocks(case):
         assert int((live % 4 == FULL).sum()) == unmasked[i]
 
 
+@pytest.mark.parametrize("case", list(SPARSITY_CASES))
+def test_grid_width_bounds_the_nonempty_blocks_of_every_row_and_column(case):
+    """With the default positions the kernels' grid walks `grid_width` steps per table row:
+    never fewer than a row's (column's, for dk/dv) non-empty blocks, exactly the most of them
+    without segments (which only remove blocks), and fewer than the whole row for a window
+    or chunks (what made a sliding window cost the whole row)."""
+    t, s, kwargs = SPARSITY_CASES[case]
+    c = _canonical(t, s, **kwargs)
+    assert c.spec.default_positions
+    for bq, bk in ((128, 128), (128, 256), (256, 128)):
+        tiling = mosaic_tpu.Tiling.of(c, bq, bk)
+        nonempty = _nonempty_blocks(c, bq, bk)
+        rows, cols = mosaic_tpu.grid_width(c, tiling), mosaic_tpu.grid_width(c, tiling, kv_major=True)
+        assert rows >= nonempty.sum(axis=1).max() and cols >= nonempty.sum(axis=0).max(), (bq, bk)
+        if not c.spec.segments:
+            assert (rows, cols) == (nonempty.sum(axis=1).max(), nonempty.sum(axis=0).max()), (bq, bk)
+        if "window" in case or "chunk" in case:
+            assert rows < tiling.nk and cols < tiling.nq, (bq, bk, rows, cols)
+
+
+def test_grid_width_is_the_whole_row_with_explicit_positions():
+    """Explicit positions (varlen, context parallelism) can put any key in any block: no static bound."""
+    pos = jnp.arange(1024, dtype=jnp.int32)[None]
+    c = _canonical(1024, 1024, local_window_size=(128, 0), q_positions=pos, kv_positions=pos)
+    assert not c.spec.default_positions
+    tiling = mosaic_tpu.Tiling.of(c, 128, 128)
+    assert mosaic_tpu.grid_width(c, tiling) == tiling.nk and mosaic_tpu.grid_width(c, tiling, kv_major=True) == 8
+
+
+@pytest.mark.parametrize("opt,t,s,kh", [
+    ({"local_window_size": (150, 0), "is_causal": True}, 1000, 1000, 2),  # odd length, GQA: 2-3 of 8 blocks a row
+    ({"chunk_size": 256}, 700, 900, 1),                                      # chunks, T < S, MQA
+])
+def test_narrow_grid_matches_golden(opt, t, s, kh):
+    """Windows and chunks on a grid narrower than the row (`grid_width`), interpreted, forward
+    and gradients (with sinks) against the golden."""
+    args, kwargs = make_inputs(t + s, 1, t, s, 4, kh, 64, 64, jnp.float32, sinks=True)
+    c = _canonical(t, s, **opt)
+    tiling = mosaic_tpu.Tiling.of(c, 128, 128)
+    assert mosaic_tpu.grid_width(c, tiling) < tiling.nk and mosaic_tpu.grid_width(c, tiling, kv_major=True) < tiling.nq
+    check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=BLOCKS)
+
+
+@pytest.mark.parametrize("opt,t,s,h,hv,kh", [
+    ({"is_causal": True, "local_window_size": (200, 0)}, 512, 384, 256, 128, 4),  # direct: T != S, Hv != H
+    ({"is_causal": True}, 384, 384, 128, 128, 2),                                 # grouped (G = 2): the copies
+])
+def test_direct_layout_matches_golden(opt, t, s, h, hv, kh):
+    """MHA with lane-aligned head dims and block-multiple lengths reads q/k/v/dO and writes
+    out/dq/dk/dv in place (`mosaic_tpu.Layout.direct`); GQA keeps the grouped copies. Both
+    interpreted, forward and gradients (sinks included), against the golden."""
+    args, kwargs = make_inputs(t + s + h, 1, t, s, 4, kh, h, hv, jnp.float32, sinks=True)
+    q = jnp.zeros((1, t, 4, h))
+    k = jnp.zeros((1, s, kh, h))
+    c = base.canonicalize(attention_op.check(q, k, jnp.zeros((1, s, kh, hv)), **opt))
+    layout = mosaic_tpu.Layout(mosaic_tpu.Tiling.of(c, 128, 128), None, None)
+    assert layout.direct == (kh == 4)
+    check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=BLOCKS)
+
+
 def test_kernel_visits_what_the_table_lists():
     """The forward kernel's own step counter (debug output) equals the table:
     causal (bottom-right, T = 256, S = 384) within packed documents; the last
@@ -304,6 +364,25 @@ def test_heuristic_compiles_forward_and_gradients(generation, h):
     assert result.ok, result.describe()
 
 
+@pytest.mark.tpu
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("mask, kv_heads", [({"local_window_size": (1024, 0), "is_causal": True}, 8),
+                                            ({"chunk_size": 1024}, 2)])
+def test_narrow_grid_compiles_forward_and_gradients(generation, mask, kv_heads):
+    """B=1, N=8, T=S=8192, bf16, a sliding window (MHA: the direct layout) or chunks (GQA, K=2: the
+    grouped one): the kernels on their narrow grids (`mosaic_tpu.grid_width`) with the heuristic
+    configs compile for each generation."""
+    from stellax.testing.tpu_compile import compile_config, libtpu_available
+
+    ok, reason = libtpu_available()
+    if not ok:
+        pytest.skip(reason)
+    q = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
+    result = compile_config(attention_op, "mosaic_tpu", (q, kv, kv), mask, generation=generation, grad=True)
+    assert result.ok, result.describe()
+
+
 # -- the float32 precision contract (docs/precision.md) --------------------------------------------
 def test_float32_precision_default_is_one_bf16_pass_high_is_float32_accurate():
     """Interpreted, the kernel writes ``'default'`` as one bfloat16 pass (bf16-like
@@ -327,7 +406,8 @@ def test_float32_precision_default_is_one_bf16_pass_high_is_float32_accurate():
 @pytest.mark.parametrize("generation, heads, kv_heads, forward, backward", [
     ("v5e", 16, 16, (1024, 1024), (512, 512)),   # MHA: the large forward blocks measured faster on a v5e
     ("v5p", 16, 16, (1024, 1024), (512, 512)),
-    ("v5e", 32, 8, (256, 256), (256, 256)),      # GQA: G·block_q rows outgrow the budget; the preference list
+    ("v5e", 32, 8, (256, 1024), (256, 256)),     # GQA: the MHA tile's 1024 rows (G·block_q); backward: the list
+    ("v5e", 16, 1, (128, 512), (128, 128)),      # MQA: 2048 rows, so half the kv block
     ("v6e", 16, 16, (1024, 512), (1024, 512)),   # 256-wide MXU: its own list
 ])
 def test_heuristic_blocks_per_generation(generation, heads, kv_heads, forward, backward):

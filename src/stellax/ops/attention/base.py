@@ -199,6 +199,7 @@ def mask_spec_of(call: Call) -> MaskSpec:
         window_right=None if window is None else window[1],
         chunk_size=call.chunk_size,
         segments=segments,
+        default_positions=call.q_positions is None,
     )
 
 

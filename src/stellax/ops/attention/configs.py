@@ -253,19 +253,30 @@ def _preferred_blocks(generation) -> list[tuple[int, int]]:
 #: The forward's first choice on 128-wide-MXU chips (v5e, v5p) when its VMEM estimate fits twice the
 #: scoped default (the launch raises the limit): measured on a v5e (bf16, B=1, N=16, D=128, T=8192),
 #: forward 2.87 ms causal / 4.42 ms full at 1024×1024 against 4.78 / 7.75 ms at 512×512, and on-chip
-#: autotuning of T=S=16384 full picked 2048×2048 (17.6 ms vs 30.3 at 512×512). GQA rows (G·block_q)
-#: grow past that budget and keep the preference list below; the backward keeps 512×512, its best there.
+#: autotuning of T=S=16384 full picked 2048×2048 (17.6 ms vs 30.3 at 512×512). The backward keeps
+#: 512×512, its best there.
 _LARGE_FORWARD_BLOCKS = (1024, 1024)
+
+
+def _large_forward_blocks(g: int) -> list[tuple[int, int]]:
+    """The forward's large candidates for ``g`` query heads per kv head: a step's logits tile is
+    ``(g·block_q) × block_kv``, so GQA/MQA keep the MHA tile's 1024 rows with ``block_q = 1024 / g``
+    (at least 128) rather than falling back to the small preference list; then half the kv block.
+    (Modelled from the MHA measurement, same tile shape; not yet measured for g > 1.)"""
+    rows, kv = _LARGE_FORWARD_BLOCKS
+    bq = max(128, rows // g)
+    return [(bq, kv), (bq, kv // 2)]
 
 
 def _heuristic_blocks(call: Call, *, backward: bool) -> tuple[int, int]:
     from ...core.platform import target_generation
 
     generation = target_generation()
-    t, s = _tpu_shape(call)[:2]
-    if not backward and generation.mxu < 256 and _fits_tpu(*_LARGE_FORWARD_BLOCKS, call, generation, backward=False,
-                                                           budget=2 * generation.scoped_vmem_bytes):
-        return _clamp(_LARGE_FORWARD_BLOCKS[0], t), _clamp(_LARGE_FORWARD_BLOCKS[1], s)
+    t, s, g = _tpu_shape(call)[:3]
+    if not backward and generation.mxu < 256:
+        for bq, bk in _large_forward_blocks(g):
+            if _fits_tpu(bq, bk, call, generation, backward=False, budget=2 * generation.scoped_vmem_bytes):
+                return _clamp(bq, t), _clamp(bk, s)
     for bq, bk in _preferred_blocks(generation):
         if _fits_tpu(bq, bk, call, generation, backward=backward, budget=generation.scoped_vmem_bytes):
             return _clamp(bq, t), _clamp(bk, s)

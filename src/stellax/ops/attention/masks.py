@@ -63,6 +63,10 @@ class MaskSpec:
         ``None`` means unbounded on that side.
       chunk_size: queries see only keys of their own chunk of positions.
       segments: segment ids are present (``q_segment_ids``/``kv_segment_ids``).
+      default_positions: the positions are the default bottom-right ones (no
+        explicit ``q_positions``/``kv_positions``), so the position part of the
+        block classes is known statically (`static_block_counts`): kernels
+        size their grids by it.
     """
 
     causal: bool = False
@@ -70,6 +74,7 @@ class MaskSpec:
     window_right: int | None = None
     chunk_size: int | None = None
     segments: bool = False
+    default_positions: bool = False
 
     def __post_init__(self):
         for name in ("window_left", "window_right"):
@@ -199,6 +204,38 @@ def classify_blocks(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, *, b
         every = every & (sqmin == sqmax) & (skmin == skmax) & (sqmin == skmin)
     classes = jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int32)
     return jnp.broadcast_to(classes, (classes.shape[0], nq, nk))
+
+
+def static_block_counts(spec: MaskSpec, t: int, s: int, *, block_q: int, block_k: int) -> tuple[int, int]:
+    """``(per_row, per_col)``: the most non-EMPTY blocks of a query-block row and of
+    a key-block column under the default (bottom-right) positions, from the
+    position part of ``spec`` alone (numpy, static; at least 1 each).
+
+    `classify_blocks` on the default positions never finds more: segments and
+    sequence lengths only remove visible pairs. A kernel whose grid walks a
+    row's compacted block list (`mosaic_tpu.block_table`) needs only
+    ``per_row`` steps per row instead of ``ceil(S / block_k)``: what makes a
+    sliding window or chunked mask cost its band, not the whole row.
+    """
+    nq, nk = -(-t // block_q), -(-s // block_k)
+    q_idx = np.arange(nq, dtype=np.int64)
+    k_idx = np.arange(nk, dtype=np.int64)
+    qmin = (q_idx * block_q + (s - t))[:, None]
+    qmax = (np.minimum((q_idx + 1) * block_q, t) - 1 + (s - t))[:, None]
+    kmin = (k_idx * block_k)[None, :]
+    kmax = (np.minimum((k_idx + 1) * block_k, s) - 1)[None, :]
+    some = np.ones((nq, nk), bool)
+    if spec.causal:
+        some &= kmin <= qmax
+    if spec.window_left is not None:
+        some &= kmax >= qmin - spec.window_left
+    if spec.window_right is not None:
+        some &= kmin <= qmax + spec.window_right
+    if spec.chunk_size is not None:
+        c = spec.chunk_size
+        cq0, cq1, ck0, ck1 = (np.floor_divide(x, c) for x in (qmin, qmax, kmin, kmax))
+        some &= (ck1 >= cq0) & (ck0 <= cq1)
+    return max(1, int(some.sum(axis=1).max())), max(1, int(some.sum(axis=0).max()))
 
 
 def visit_schedule(classes):

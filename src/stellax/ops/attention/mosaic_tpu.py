@@ -50,7 +50,7 @@ from ...core.pallas import (
 from ...core.platform import target_generation
 from ...core.precision import float32_log, soft_cap_tanh
 from .configs import splash_vmem_bytes
-from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn
+from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn, static_block_counts
 
 F32 = jnp.float32
 LANES = 128
@@ -125,12 +125,26 @@ def mask_classes(c, tiling: Tiling, *, kv_major: bool = False):
 
 
 def schedule(c, tiling: Tiling, *, kv_major: bool = False):
-    """``(table, step)``: the flat block table of the mask (`block_table`;
-    per query block, or per key block with ``kv_major``) and the `Step` that
-    reads it."""
+    """``(table, step, width)``: the flat block table of the mask (`block_table`;
+    per query block, or per key block with ``kv_major``), the `Step` that
+    reads it and the grid steps per table row: the most non-empty blocks a
+    row can have (`masks.static_block_counts`) with the default positions,
+    else the whole row."""
     classes = mask_classes(c, tiling, kv_major=kv_major)
     table, _ = block_table(classes)
-    return table, Step(classes.shape[0] > 1, classes.shape[1], classes.shape[2])
+    return table, Step(classes.shape[0] > 1, classes.shape[1], classes.shape[2]), grid_width(c, tiling,
+                                                                                            kv_major=kv_major)
+
+
+def grid_width(c, tiling: Tiling, *, kv_major: bool = False) -> int:
+    """Grid steps per table row (module docstring): with the default positions, the
+    static bound of `masks.static_block_counts` (a sliding window of ``w`` visits about
+    ``w / block + 2`` blocks, not all of them); otherwise ``nk`` (``nq`` with ``kv_major``)."""
+    whole = tiling.nq if kv_major else tiling.nk
+    if not c.spec.default_positions:
+        return whole
+    per_row, per_col = static_block_counts(c.spec, tiling.t, tiling.s, block_q=tiling.bq, block_k=tiling.bk)
+    return min(whole, per_col if kv_major else per_row)
 
 
 def visited_blocks(c, block_q: int, block_kv: int):
@@ -272,6 +286,66 @@ def sink_rows(sinks, tiling: Tiling):
     return jnp.broadcast_to(s, (tiling.kh, tiling.g, tiling.bq)).reshape(tiling.kh, tiling.rows, 1)
 
 
+class Layout:
+    """Where a launch over ``(b, kk, r, j)`` grids reads and writes its token-major operands
+    (q, dO, out, dq: ``[B, T, N, D]``; k, v, dk, dv: ``[B, S, K, D]``).
+
+    Direct (MHA, ``G = 1``, head dims multiples of 128, lengths multiples of the blocks): a
+    block is a ``[block, D]`` window of the operand viewed as ``[B, T, N·D]`` (a free reshape),
+    lane block = head, so no transpose or pad copies before or after the kernel. Otherwise
+    the grouped layouts (`group_rows`, `head_major`): one XLA copy each way.
+    ``q_block(b, r, j, tab)`` / ``kv_block(b, r, j, tab)`` give the block a step reads.
+    """
+
+    def __init__(self, tiling: Tiling, q_block, kv_block):
+        t_ = tiling
+        self.t_, self.q_block, self.kv_block = tiling, q_block, kv_block
+        self.direct = (t_.g == 1 and t_.h % LANES == 0 and t_.hv % LANES == 0 and t_.tp == t_.t
+                       and t_.sp == t_.s)
+
+    def _rows_spec(self, d: int):
+        t_, qb = self.t_, self.q_block
+        if self.direct:
+            return pl.BlockSpec((None, t_.bq, d), lambda b, kk, r, j, tab: (b, qb(b, r, j, tab), kk))
+        return pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, r, j, tab: (b, kk, qb(b, r, j, tab), 0, 0))
+
+    def _keys_spec(self, d: int):
+        t_, kb = self.t_, self.kv_block
+        if self.direct:
+            return pl.BlockSpec((None, t_.bk, d), lambda b, kk, r, j, tab: (b, kb(b, r, j, tab), kk))
+        return pl.BlockSpec((None, None, t_.bk, d), lambda b, kk, r, j, tab: (b, kk, kb(b, r, j, tab), 0))
+
+    def rows_in(self, x):
+        """A query-side input ``[B, T, N, D]``."""
+        b, t, n, d = x.shape
+        return operand(x.reshape(b, t, n * d) if self.direct else group_rows(x, self.t_), self._rows_spec(d))
+
+    def rows_out(self, d: int, dtype):
+        t_ = self.t_
+        shape = (t_.b, t_.t, t_.n * d) if self.direct else (t_.b, t_.kh, t_.nq, t_.rows, d)
+        return output(shape, dtype, self._rows_spec(d))
+
+    def rows_result(self, y):
+        """A `rows_out` result as ``[B, T, N, D]``."""
+        t_ = self.t_
+        return y.reshape(t_.b, t_.t, t_.n, -1) if self.direct else ungroup_rows(y, t_)
+
+    def keys_in(self, x):
+        """A key-side input ``[B, S, K, D]``."""
+        b, s, kh, d = x.shape
+        return operand(x.reshape(b, s, kh * d) if self.direct else head_major(x, self.t_.sp), self._keys_spec(d))
+
+    def keys_out(self, d: int, dtype):
+        t_ = self.t_
+        shape = (t_.b, t_.s, t_.kh * d) if self.direct else (t_.b, t_.kh, t_.sp, d)
+        return output(shape, dtype, self._keys_spec(d))
+
+    def keys_result(self, y):
+        """A `keys_out` result as ``[B, S, K, D]``."""
+        t_ = self.t_
+        return y.reshape(t_.b, t_.s, t_.kh, -1) if self.direct else jnp.swapaxes(y, 1, 2)[:, :t_.s]
+
+
 def batch_index(size: int):
     """Index-map helper: the batch index, or 0 for a broadcast (size-1) batch."""
     return (lambda b: b) if size > 1 else (lambda b: 0)
@@ -387,11 +461,11 @@ def forward(c, config, *, debug: bool = False):
     tiling = Tiling.of(c, config.block_q, config.block_kv)
     t_ = tiling
     math_ = TileMath.of(c, tiling)
-    table, step = schedule(c, tiling)
+    table, step, width = schedule(c, tiling)
     toks = Tokens.of(c, tiling)
     col = lambda b, i, j, tab: step.block(tab, b, i, j)
     rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, i, j, tab: (b, kk, i, 0, 0))
-    keys = lambda d: pl.BlockSpec((None, None, t_.bk, d), lambda b, kk, i, j, tab: (b, kk, col(b, i, j, tab), 0))
+    layout = Layout(tiling, lambda b, i, j, tab: i, col)
     stat = lambda dtype: output((t_.b, t_.kh, t_.nq, t_.rows, 1), dtype, rows(1))
     sinks = None
     if c.sinks is not None:
@@ -400,14 +474,12 @@ def forward(c, config, *, debug: bool = False):
     itemsize = jnp.dtype(c.q.dtype).itemsize
     outs = tpu_kernel_call(
         functools.partial(_forward_kernel, math_=math_, step=step),
-        grid=(t_.b, t_.kh, t_.nq, t_.nk),
+        grid=(t_.b, t_.kh, t_.nq, width),
         scalar_prefetch=dict(table=table),
-        inputs=dict(q=operand(group_rows(c.q, tiling), rows(t_.h)),
-                    k=operand(head_major(c.k, t_.sp), keys(t_.h)),
-                    v=operand(head_major(c.v, t_.sp), keys(t_.hv)),
+        inputs=dict(q=layout.rows_in(c.q), k=layout.keys_in(c.k), v=layout.keys_in(c.v),
                     sinks=sinks,
                     **token_inputs(toks, tiling, lambda b, i, j, tab: i, col)),
-        outputs=dict(out=output((t_.b, t_.kh, t_.nq, t_.rows, t_.hv), c.q.dtype, rows(t_.hv)),
+        outputs=dict(out=layout.rows_out(t_.hv, c.q.dtype),
                      lse=stat(F32), visits=stat(jnp.int32) if debug else None),
         scratch=dict(m_scr=pltpu.VMEM((t_.rows, LANES), F32), l_scr=pltpu.VMEM((t_.rows, LANES), F32),
                      acc_scr=pltpu.VMEM((t_.rows, t_.hv), F32),
@@ -416,7 +488,7 @@ def forward(c, config, *, debug: bool = False):
         vmem_limit_bytes=vmem_limit(tiling, itemsize),
         name="stellax_splash_attention_forward",
     )
-    out, lse = ungroup_rows(outs.out, tiling), ungroup_stats(outs.lse, tiling)
+    out, lse = layout.rows_result(outs.out), ungroup_stats(outs.lse, tiling)
     if debug:
         return out, lse, ungroup_stats(outs.visits, tiling)
     return out, lse

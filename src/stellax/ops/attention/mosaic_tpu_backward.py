@@ -33,11 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import operand, output, tpu_kernel_call
-from .mosaic_tpu import (
-    F32, Step, TileMath, Tiling, Tokens, group_rows, group_stats, head_major, schedule, token_inputs,
-    ungroup_rows, vmem_limit,
-)
+from ...core.pallas import operand, tpu_kernel_call
+from .mosaic_tpu import F32, Layout, Step, TileMath, Tiling, Tokens, group_stats, schedule, token_inputs, vmem_limit
 
 
 def _probabilities(math_: TileMath, q, k, lse, masked: bool, col, toks):
@@ -109,64 +106,60 @@ def _dkdv_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_
 
 
 # -- launches ------------------------------------------------------------------------------------
-def _inputs(c, d_out, lse, delta, tiling: Tiling, rows_spec, keys_spec, q_block, kv_block) -> dict:
-    """Both kernels' operands: q, dO, lse (+inf for fully masked and padded
-    rows) and delta in the grouped row layout of ``tiling`` (``rows_spec``),
-    k and v head-major (``keys_spec``), and the token arrays of query block
+def _inputs(c, d_out, lse, delta, tiling: Tiling, layout: Layout, stats_spec, q_block, kv_block) -> dict:
+    """Both kernels' operands: q, dO, k and v where ``layout`` puts them, lse
+    (+inf for fully masked and padded rows) and delta in the grouped row
+    layout of ``tiling`` (``stats_spec``), and the token arrays of query block
     ``q_block`` / key block ``kv_block`` (index maps of the grid step)."""
     lse_k = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    return dict(q=operand(group_rows(c.q, tiling), rows_spec(tiling.h)),
-                d_out=operand(group_rows(d_out, tiling), rows_spec(tiling.hv)),
-                lse=operand(group_stats(lse_k, tiling, jnp.inf), rows_spec(1)),
-                delta=operand(group_stats(delta, tiling), rows_spec(1)),
-                k=operand(head_major(c.k, tiling.sp), keys_spec(tiling.h)),
-                v=operand(head_major(c.v, tiling.sp), keys_spec(tiling.hv)),
+    return dict(q=layout.rows_in(c.q), d_out=layout.rows_in(d_out),
+                lse=operand(group_stats(lse_k, tiling, jnp.inf), stats_spec),
+                delta=operand(group_stats(delta, tiling), stats_spec),
+                k=layout.keys_in(c.k), v=layout.keys_in(c.v),
                 **token_inputs(Tokens.of(c, tiling), tiling, q_block, kv_block))
 
 
 def _dq(c, d_out, lse, delta, block_q: int, block_kv: int):
     tiling = Tiling.of(c, block_q, block_kv)
     t_ = tiling
-    table, step = schedule(c, tiling)
+    table, step, width = schedule(c, tiling)
     col = lambda b, i, j, tab: step.block(tab, b, i, j)
-    rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, i, j, tab: (b, kk, i, 0, 0))
-    keys = lambda d: pl.BlockSpec((None, None, t_.bk, d), lambda b, kk, i, j, tab: (b, kk, col(b, i, j, tab), 0))
+    layout = Layout(tiling, lambda b, i, j, tab: i, col)
+    stats = pl.BlockSpec((None, None, None, t_.rows, 1), lambda b, kk, i, j, tab: (b, kk, i, 0, 0))
     outs = tpu_kernel_call(
         functools.partial(_dq_kernel, math_=TileMath.of(c, tiling), step=step),
-        grid=(t_.b, t_.kh, t_.nq, t_.nk),
+        grid=(t_.b, t_.kh, t_.nq, width),
         scalar_prefetch=dict(table=table),
-        inputs=_inputs(c, d_out, lse, delta, tiling, rows, keys, lambda b, i, j, tab: i, col),
-        outputs=dict(dq=output((t_.b, t_.kh, t_.nq, t_.rows, t_.h), c.q.dtype, rows(t_.h))),
+        inputs=_inputs(c, d_out, lse, delta, tiling, layout, stats, lambda b, i, j, tab: i, col),
+        outputs=dict(dq=layout.rows_out(t_.h, c.q.dtype)),
         scratch=dict(dq_scr=pltpu.VMEM((t_.rows, t_.h), F32)),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=vmem_limit(tiling, jnp.dtype(c.q.dtype).itemsize, backward=True),
         name="stellax_splash_attention_backward_dq",
     )
-    return ungroup_rows(outs.dq, tiling)
+    return layout.rows_result(outs.dq)
 
 
 def _dkdv(c, d_out, lse, delta, block_q: int, block_kv: int):
     tiling = Tiling.of(c, block_q, block_kv)
     t_ = tiling
-    table, step = schedule(c, tiling, kv_major=True)
+    table, step, width = schedule(c, tiling, kv_major=True)
     row_block = lambda b, j, i, tab: step.block(tab, b, j, i)
-    rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d),
-                                  lambda b, kk, j, i, tab: (b, kk, row_block(b, j, i, tab), 0, 0))
-    keys = lambda d: pl.BlockSpec((None, None, t_.bk, d), lambda b, kk, j, i, tab: (b, kk, j, 0))
+    layout = Layout(tiling, row_block, lambda b, j, i, tab: j)
+    stats = pl.BlockSpec((None, None, None, t_.rows, 1),
+                         lambda b, kk, j, i, tab: (b, kk, row_block(b, j, i, tab), 0, 0))
     outs = tpu_kernel_call(
         functools.partial(_dkdv_kernel, math_=TileMath.of(c, tiling), step=step),
-        grid=(t_.b, t_.kh, t_.nk, t_.nq),
+        grid=(t_.b, t_.kh, t_.nk, width),
         scalar_prefetch=dict(table=table),
-        inputs=_inputs(c, d_out, lse, delta, tiling, rows, keys, row_block, lambda b, j, i, tab: j),
-        outputs=dict(dk=output((t_.b, t_.kh, t_.sp, t_.h), c.k.dtype, keys(t_.h)),
-                     dv=output((t_.b, t_.kh, t_.sp, t_.hv), c.v.dtype, keys(t_.hv))),
+        inputs=_inputs(c, d_out, lse, delta, tiling, layout, stats, row_block, lambda b, j, i, tab: j),
+        outputs=dict(dk=layout.keys_out(t_.h, c.k.dtype), dv=layout.keys_out(t_.hv, c.v.dtype)),
         scratch=dict(dk_scr=pltpu.VMEM((t_.bk, t_.h), F32), dv_scr=pltpu.VMEM((t_.bk, t_.hv), F32)),
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=vmem_limit(tiling, jnp.dtype(c.q.dtype).itemsize, backward=True),
         name="stellax_splash_attention_backward_dkdv",
     )
-    unlayout = lambda x: jnp.swapaxes(x, 1, 2)[:, :t_.s]
-    return unlayout(outs.dk), unlayout(outs.dv)
+    return layout.keys_result(outs.dk), layout.keys_result(outs.dv)
 
 
 def backward(c, out, lse, d_out, d_lse, config):
