@@ -6,8 +6,11 @@
 Cases (bfloat16 inputs, B = 1, K = V = 128; the cases are listed at the start):
 
 0. ``chunk_gated_delta_rule`` T = 16384, HV = 32 (H = 16, qk l2-norm), every stage;
-1. ``ssd`` T = 16384, H = 32 (P = 64, N = 128, 8 groups): the forward kernel and the op's forward;
-2. ``chunk_kda`` T = 4096, HV = 16: the forward kernel and the op's forward.
+1. ``ssd`` T = 16384, H = 32 (P = 64, N = 128, 8 groups): the forward kernel;
+2. ``chunk_kda`` T = 4096, HV = 16: the forward kernel.
+
+Every case's forward stages run first, then GDN's backward ones (so that ``--budget`` cuts the
+backward first).
 
 Stages, each timed alone on the inputs it receives (made on the device in the kernels' layout:
 heads-major ``q, k [HV, Tp, 128]`` and ``v`` bfloat16, decays and ``β`` float32):
@@ -23,7 +26,8 @@ Each row carries ``model_ms``, `tpu_costs.kernel_seconds` for the stage (``kerne
 backward model less the forward's; the ops: the kernels' sum), so that model and chip can be
 compared stage by stage. ``--variants`` runs ``kernel:fwd`` again per explicit config
 (``chunk/block_v/heads_per_step``; default: one head per step at the heuristic's chunk, the
-config measured before issue 39's heads per step, and chunk 64). ``tflops`` / ``pct_peak``
+config measured before issue 39's heads per step, and for GDN chunk 64). ``--bwd-heads`` (default
+2) times ``kernel:bwd`` once more at that many heads per step (the backward ops' default is one). ``tflops`` / ``pct_peak``
 count the chunked algorithm's matmul FLOPs at chunk 64 (the op's ``flops``; ``fwd+bwd`` 3.5 times
 the forward) for the op rows and the forward kernel.
 
@@ -94,7 +98,7 @@ def kernel_inputs(op_name: str, t: int, hv: int):
     @jax.jit
     def make(keys):
         unit = lambda key: jax.nn.standardize(jax.random.normal(key, (hv, t, DIM)), axis=-1) / DIM ** 0.5
-        q, k = (DIM ** -0.5) * unit(keys[0]) * DIM ** 0.5, unit(keys[1])
+        q, k = DIM ** -0.5 * unit(keys[0]), unit(keys[1])
         v = jax.random.normal(keys[2], (hv, t, DIM))
         shape = (hv, t, DIM) if op_name == "chunk_kda" else (hv, t)
         g = -0.05 * jax.nn.softplus(jax.random.normal(keys[3], shape))
@@ -145,12 +149,12 @@ class Run(ChipRun):
             return self.row(op, case, stage, config, model_ms=model_ms,
                             error=f"{type(e).__name__}: {e}".replace("\n", " ")[:400]), None
 
-    def variants(self, default):
+    def variants(self, default, every_stage):
         from stellax.ops.linear_attention.configs import TpuLinearAttentionConfig
 
         spec = self.args.variants
         if spec is None:
-            out = [default.replace(heads_per_step=1), default.replace(chunk=64)]
+            out = [default.replace(heads_per_step=1)] + ([default.replace(chunk=64)] if every_stage else [])
             return [c for c in dict.fromkeys(out) if c != default]
         if spec == "none":
             return []
@@ -164,7 +168,8 @@ class Run(ChipRun):
             configs.append(config)
         return configs
 
-    def run_case(self, index, op_name, t, hv, every_stage):
+    def run_case(self, index, op_name, t, hv, every_stage, phase):
+        """The forward stages (``phase`` 0) or, for a case with ``every_stage``, the backward's (1)."""
         from stellax.core.precision import HIGHEST
         from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op, ssd_op
         from stellax.ops.linear_attention import mosaic_tpu, mosaic_tpu_backward
@@ -181,7 +186,8 @@ class Run(ChipRun):
         bwd_config = TpuLinearAttentionConfig(chunk=128 if t % 128 == 0 else 64, block_v=DIM)
         products = tpu_products(call)
         flops = op.flops(call) or None
-        print(f"case {index}: {op_name} {case}, forward {config}, backward {bwd_config}", flush=True)
+        print(f"case {index}: {op_name} {case}, forward {config}, backward {bwd_config}"
+              f"{'' if phase == 0 else ' (backward stages)'}", flush=True)
 
         def model(c, backward=False):
             """Modelled ms of the forward kernel, or (``backward``) of the backward kernel alone."""
@@ -201,12 +207,15 @@ class Run(ChipRun):
                                                                     **common))
 
         key = lambda stage: (op_name, case, stage)
-        self.measure(key("kernel:fwd"), name(config), forward(config), layout, model_ms=model(config), flops=flops)
-        for c in self.variants(config):
-            self.measure(key("kernel:fwd"), name(c, False), forward(c), layout, model_ms=model(c), flops=flops)
-        self.measure(key("op:fwd"), name(config), jax.jit(lambda *a: op(*a, **kwargs, implementation="mosaic_tpu")),
-                     args, model_ms=model(config), flops=flops)
-        if not every_stage:
+        if phase == 0:
+            self.measure(key("kernel:fwd"), name(config), forward(config), layout, model_ms=model(config),
+                         flops=flops)
+            for c in self.variants(config, every_stage):
+                self.measure(key("kernel:fwd"), name(c, False), forward(c), layout, model_ms=model(c), flops=flops)
+            if every_stage:
+                self.measure(key("op:fwd"), name(config),
+                             jax.jit(lambda *a: op(*a, **kwargs, implementation="mosaic_tpu")), args,
+                             model_ms=model(config), flops=flops)
             return
         _, out = self.measure(key("kernel:states"), name(bwd_config), forward(bwd_config, with_states=True), layout,
                               model_ms=model(bwd_config))
@@ -245,8 +254,11 @@ class Run(ChipRun):
         cases = DRY_CASES if self.dry else CASES
         for i, c in enumerate(cases):
             print(f"[{i}] {c[0]} T={c[1]} HV={c[2]}{' (every stage)' if c[3] else ''}", flush=True)
-        for i in self.picked_cases(len(cases)):
-            self.run_case(i, *cases[i])
+        picked = self.picked_cases(len(cases))
+        for phase in (0, 1):  # every case's forward first, then the backward stages
+            for i in picked:
+                if phase == 0 or cases[i][3]:
+                    self.run_case(i, *cases[i], phase)
         self.save()
         return 0
 
