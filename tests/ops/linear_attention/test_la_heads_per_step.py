@@ -148,6 +148,22 @@ def test_four_heads_per_step_compile_for_v5e(op):
     assert result.ok, result.describe()
 
 
+def test_backward_op_two_heads_per_step_compile_for_v5e():
+    """libtpu compiles the backward op's kernels (states pass and reverse scan) at two heads per
+    step for a v5e (what the stage benchmark's ``--bwd-heads 2`` runs)."""
+    available, reason = libtpu_available()
+    if not available:
+        pytest.skip(reason)
+    hv, tp = 4, 256
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, BF16)
+    args = (bf16(1, hv, tp, 128), bf16(1, hv, tp, 128), bf16(1, hv, tp, 128), f32(1, hv, tp), f32(1, hv, tp),
+            f32(1, hv, 128, 128), f32(1, hv, tp, 128), f32(1, hv, 128, 128), None, None, None)
+    config = TpuLinearAttentionConfig(chunk=128, block_v=128, heads_per_step=2)
+    result = compile_config(gated_recurrence_backward_op, "mosaic_tpu", args, {}, generation="v5e", config=config)
+    assert result.ok, result.describe()
+
+
 # -- configs and the cost model --------------------------------------------------------------
 def test_heads_per_step_must_divide_the_heads():
     with pytest.raises(ValueError, match="heads_per_step"):
