@@ -182,21 +182,24 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     def _():
         state[...] = h0[...].astype(F32)
 
-    news = []
-    for h in range(state.shape[0]):
-        s = state[h]
+    # Every head's loads first, then their chunk functions, then every store: no store to a
+    # ref sits between one head's work and the next head's loads.
+    heads = range(state.shape[0])
+    initial = [state[h] for h in heads]
+    if per_channel:
+        tiles = [(head_tile(q, h), head_tile(k, h), head_tile(v, h), head_tile(g, h), head_tile(beta, h)) for h in heads]
+        results = [channel_chunk(*t, s, chunk=chunk, products=products) for t, s in zip(tiles, initial)]
+    else:
+        tiles = [(head_tile(q, h), head_tile(k, h), head_tile(v, h), head_tile(g, h), head_tile(g_row, h),
+                  head_tile(beta, h)) for h in heads]
+        results = [scalar_chunk(*t, s, chunk=chunk, products=products) for t, s in zip(tiles, initial)]
+    for h, s, (out, new) in zip(heads, initial, results):
         if states is not None:
             states[h] = s
-        tiles = (head_tile(q, h), head_tile(k, h), head_tile(v, h))
-        if per_channel:
-            out, new = channel_chunk(*tiles, head_tile(g, h), head_tile(beta, h), s, chunk=chunk, products=products)
-        else:
-            out, new = scalar_chunk(*tiles, head_tile(g, h), head_tile(g_row, h), head_tile(beta, h), s, chunk=chunk,
-                                    products=products)
         if o is not None:
             o[h] = out.astype(o.dtype)
         state[h] = new
-        news.append(new)
+    news = [new for _, new in results]
 
     @pl.when(last[c] != 0)
     def _():

@@ -62,17 +62,18 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
     def _():
         dstate[...] = dfinal[...]
 
-    initial = []
-    for h in range(dstate.shape[0]):
+    # Every head's loads first, then their transposed chunk functions, then every store (as the forward).
+    heads = range(dstate.shape[0])
+    f = functools.partial(channel_chunk if per_channel else scalar_chunk, chunk=chunk, products=products)
+    loaded = []
+    for h in heads:
         qkv = (head_tile(q, h), head_tile(k, h), head_tile(v, h))  # float32 tiles: float32 cotangents
-        if per_channel:
-            tiles = qkv + (head_tile(g, h), head_tile(beta, h), states[h])
-            f = functools.partial(channel_chunk, chunk=chunk, products=products)
-        else:
-            tiles = qkv + (head_tile(g, h), head_tile(g_row, h), head_tile(beta, h), states[h])
-            f = functools.partial(scalar_chunk, chunk=chunk, products=products)
-        _, vjp = jax.vjp(f, *tiles)
-        grads = vjp((do[h], dstate[h]))
+        rest = (head_tile(g, h), head_tile(beta, h)) if per_channel else \
+            (head_tile(g, h), head_tile(g_row, h), head_tile(beta, h))
+        loaded.append((qkv + rest + (states[h],), (do[h], dstate[h])))
+    all_grads = [jax.vjp(f, *tiles)[1](cot) for tiles, cot in loaded]
+    initial = []
+    for h, grads in zip(heads, all_grads):
         if per_channel:
             gq, gk, gv, gg, gb, gs = grads
             dg[h] = gg
