@@ -207,11 +207,12 @@ def test_pass_counts():
 def test_heuristic_follows_the_pass_count():
     """On a v5e at 16k tokens × 32 heads (bfloat16, K = V = 128) the grid steps saved by
     chunks of 128 outweigh their larger inverse for GDN; KDA's per-channel sums grow with
-    the chunk, so 64."""
+    the chunk, so 64; both with four heads per step (`tpu_costs`: their chains overlap)."""
     lead = jax.ShapeDtypeStruct((1, 16384, 32, 128), BF16)
     gdn = Call({"q": lead, "k": lead, "v": lead, "g": jax.ShapeDtypeStruct((1, 16384, 32), BF16),
                 "beta": jax.ShapeDtypeStruct((1, 16384, 32), BF16)}, {"precision": HIGHEST})
     kda = Call(dict(gdn.arrays, g=lead), {"precision": HIGHEST})
     with lowering_target("v5e"):
-        assert linear_attention_tpu_heuristic(gdn) == TpuLinearAttentionConfig(chunk=128, block_v=128)
-        assert linear_attention_tpu_heuristic(kda) == TpuLinearAttentionConfig(chunk=64, block_v=128)
+        # Four heads per step overlap their chains of dependent products (`tpu_costs`).
+        assert linear_attention_tpu_heuristic(gdn) == TpuLinearAttentionConfig(chunk=128, block_v=128, heads_per_step=4)
+        assert linear_attention_tpu_heuristic(kda) == TpuLinearAttentionConfig(chunk=64, block_v=128, heads_per_step=4)

@@ -113,7 +113,8 @@ def test_configs():
     with pytest.raises(ValueError, match="block_v"):
         TpuLinearAttentionConfig(block_v=64)
     call = Call({"k": jnp.zeros((1, 8, 2, 160)), "v": jnp.zeros((1, 8, 2, 200)), "g": jnp.zeros((1, 8, 2))}, {})
-    assert linear_attention_tpu_heuristic(call) == TpuLinearAttentionConfig(chunk=64, block_v=256)
+    # Two heads per step: half the grid steps (`tpu_costs`); V = 200 whole in one block.
+    assert linear_attention_tpu_heuristic(call) == TpuLinearAttentionConfig(chunk=64, block_v=256, heads_per_step=2)
     assert TpuLinearAttentionConfig(chunk=128, block_v=128) in linear_attention_tpu_space(call)
     big = Call({"k": jnp.zeros((1, 8, 2, 512)), "v": jnp.zeros((1, 8, 2, 64)), "g": jnp.zeros((1, 8, 2))}, {})
     assert "K=512" in linear_attention_tpu_requirements(big)

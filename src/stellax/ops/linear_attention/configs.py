@@ -139,6 +139,9 @@ def triton_requirements(call: Call) -> str | None:
 TPU_CHUNKS = (64, 128)
 #: Value columns of the state per program.
 TPU_BLOCK_V = (128, 256)
+#: (batch·)heads per grid step: their independent chains of products overlap on the MXU
+#: (`tpu_costs`); the space keeps those that divide the call's heads.
+TPU_HEADS_PER_STEP = (1, 2, 4)
 #: Largest key / value head size (the ``[K, V]`` state and ``[C, K]`` tiles in VMEM).
 TPU_MAX_HEAD_DIM = 256
 #: Temporaries of one chunk step, in ``[C, max(C, Kp, BV)]`` float32 tiles (scores,
@@ -148,14 +151,17 @@ _TEMPORARIES = 16
 
 @dataclasses.dataclass(frozen=True)
 class TpuLinearAttentionConfig(KernelConfig):
-    """``chunk`` tokens per grid step and ``block_v`` value columns of the state per program."""
+    """``chunk`` tokens per grid step, ``block_v`` value columns of the state per program and
+    ``heads_per_step`` heads per grid step (a divisor of the call's heads ``HV``)."""
 
     chunk: int = 64
     block_v: int = 128
+    heads_per_step: int = 1
 
     def validate(self) -> None:
         require_in("TpuLinearAttentionConfig", "chunk", self.chunk, TPU_CHUNKS)
         require_in("TpuLinearAttentionConfig", "block_v", self.block_v, TPU_BLOCK_V)
+        require_in("TpuLinearAttentionConfig", "heads_per_step", self.heads_per_step, TPU_HEADS_PER_STEP)
 
 
 def lanes(d: int) -> int:
@@ -171,8 +177,9 @@ def _tpu_dims(call: Call) -> tuple[int, int, bool]:
     return call.k.shape[-1], call.v.shape[-1], per_channel
 
 
-def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False) -> int:
-    """VMEM bytes of one grid step (module docstring), float32. The backward
+def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False, heads: int = 1) -> int:
+    """VMEM bytes of one grid step of ``heads`` heads (module docstring; each head's blocks and
+    temporaries, all live at once in the unrolled step), float32. The backward
     kernel (``backward``) adds ``do``, the stored state, ``dfinal``/``dh0``, the
     gradient blocks, and keeps the chunk's forward temporaries for its
     transpose (counted three times; per channel ``3·C/16`` times)."""
@@ -187,28 +194,39 @@ def tpu_vmem_bytes(kp: int, bv: int, chunk: int, per_channel: bool, backward: bo
         # step of the unrolled diagonal loop of `scores.channel_scores` (16 steps of
         # [C, K] tiles, each step's count growing with the chunk's sub-blocks).
         temporaries *= 3 * chunk // 16 if per_channel else 3
-    return 4 * (tokens + states + temporaries)
+    return 4 * heads * (tokens + states + temporaries)
 
 
-def tpu_vmem_limit(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False) -> int | None:
+def tpu_vmem_limit(kp: int, bv: int, chunk: int, per_channel: bool, backward: bool = False,
+                   heads: int = 1) -> int | None:
     """``vmem_limit_bytes`` for a config: ``None`` within the generation's scoped
     default, else twice the estimate (at most half the physical VMEM)."""
     generation = target_generation()
-    need = tpu_vmem_bytes(kp, bv, chunk, per_channel, backward)
+    need = tpu_vmem_bytes(kp, bv, chunk, per_channel, backward, heads)
     if need <= generation.scoped_vmem_bytes:
         return None
     return min(2 * need, generation.vmem_bytes // 2)
 
 
+def tpu_heads(call: Call) -> int:
+    """The heads ``HV`` of a GDN/KDA, SSD or backward call (the grid's rows are batch × ``HV``)."""
+    if "x" in call.arrays:  # ssd [B, T, H, P]
+        return call.x.shape[2]
+    return call.v.shape[1] if "do" in call.arrays else call.v.shape[2]
+
+
 def linear_attention_tpu_space(call: Call) -> list[TpuLinearAttentionConfig]:
-    """Chunks of 64 or 128 and ``block_v`` 128 or 256 (≤ the padded V) whose VMEM
-    estimate fits half the generation's physical VMEM."""
+    """Chunks of 64 or 128, ``block_v`` 128 or 256 (≤ the padded V) and 1, 2 or 4 heads
+    per step (divisors of ``HV``) whose VMEM estimate fits half the generation's physical VMEM."""
     kdim, vdim, per_channel = _tpu_dims(call)
     kp, vp = lanes(kdim), lanes(vdim)
+    heads = tpu_heads(call)
     budget = target_generation().vmem_bytes // 2
-    configs = product_space(TpuLinearAttentionConfig, chunk=TPU_CHUNKS, block_v=TPU_BLOCK_V)
+    configs = product_space(TpuLinearAttentionConfig, chunk=TPU_CHUNKS, block_v=TPU_BLOCK_V,
+                            heads_per_step=TPU_HEADS_PER_STEP)
     return [c for c in configs
-            if c.block_v <= vp and vp % c.block_v == 0 and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel) <= budget]
+            if c.block_v <= vp and vp % c.block_v == 0 and heads % c.heads_per_step == 0
+            and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel, heads=c.heads_per_step) <= budget]
 
 
 def _backward_chunks(call: Call) -> tuple[int, ...]:
@@ -261,13 +279,14 @@ def tpu_forward_seconds(call: Call, config: TpuLinearAttentionConfig) -> float:
     delta = "x" not in call.arrays and call.arrays.get("beta", True) is not None  # SSD: no delta rule
     return kernel_seconds(rows, tokens, lanes(kdim), lanes(vdim), config.chunk, config.block_v,
                           per_channel=per_channel, delta=delta, products=tpu_products(call),
-                          mxu=target_generation().mxu)
+                          mxu=target_generation().mxu, heads_per_step=config.heads_per_step)
 
 
 def linear_attention_tpu_heuristic(call: Call) -> TpuLinearAttentionConfig:
     """The config of the space with the least modelled time (`tpu_forward_seconds`: the
     solve's MXU work per token grows with the chunk, the grid steps shrink; splitting V
-    repeats the chunk's solve), the earlier one of the space on a tie; chunks of 64
+    repeats the chunk's solve; more heads per step overlap their chains of dependent
+    products), the earlier one of the space on a tie; chunks of 64
     and the whole padded V (≤ 256) when the space is empty."""
     _, vdim, _ = _tpu_dims(call)
     space = linear_attention_tpu_space(call)

@@ -1,9 +1,15 @@
 """Pallas Mosaic TPU kernels of the chunked recurrence (forward): stages 1–6
 fused in one kernel per chunk, the state carried in VMEM across chunks.
 
-Grid ``(BH, V/BV, NT)``: every (batch·head, block of ``BV`` value columns)
+Grid ``(BH/hb, V/BV, NT)``: every (batch·head, block of ``BV`` value columns)
 pair is independent (``"parallel"``) and walks its ``NT`` chunks in order
-(``"arbitrary"``), holding ``S [K, BV]`` in a float32 VMEM scratch. The value
+(``"arbitrary"``), holding ``S [K, BV]`` in a float32 VMEM scratch. A step
+takes ``hb`` heads (``config.heads_per_step``; every block's leading axis),
+their chunk functions unrolled one after the other in one basic block: each
+head's chain of dependent small products (the inverse's doubling steps, then
+``W S`` and ``P Δ``) leaves the MXU idle while it waits for results, and the
+scheduler fills that time with the other heads' independent products
+(`tpu_costs`); the grid steps fall ``hb``-fold. The value
 columns of the delta rule are independent given the keys (``W`` and ``T``
 depend on ``k, g, β`` only), so splitting ``V`` recomputes the chunk's solve
 per value block and nothing else.
@@ -158,11 +164,17 @@ def load_tile(ref):
     return None if ref is None else ref[...].astype(F32)
 
 
+def head_tile(ref, h: int):
+    """Head ``h`` of a block whose leading axis is the step's heads, as float32 (`load_tile`)."""
+    return None if ref is None else ref[h].astype(F32)
+
+
 def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, states, state, chunk, per_channel,
                     products):
-    """One chunk: reset the state at a sequence's first chunk, store the
-    chunk-initial state (``states``, for the backward), run the chunk, write
-    the final state at a sequence's last chunk."""
+    """One chunk of the step's heads (the blocks' leading axis; their chains are
+    independent, unrolled here so that the scheduler interleaves them): reset the
+    state at a sequence's first chunk, store the chunk-initial state (``states``,
+    for the backward), run the chunk, write the final state at a sequence's last chunk."""
     del seq
     c = pl.program_id(2)
 
@@ -170,57 +182,69 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     def _():
         state[...] = h0[...].astype(F32)
 
-    s = state[...]
-    if states is not None:
-        states[...] = s
-    tiles = (load_tile(q), load_tile(k), load_tile(v))
+    # Every head's loads first, then their chunk functions, then every store: no store to a
+    # ref sits between one head's work and the next head's loads.
+    heads = range(state.shape[0])
+    initial = [state[h] for h in heads]
     if per_channel:
-        out, new = channel_chunk(*tiles, load_tile(g), load_tile(beta), s, chunk=chunk, products=products)
+        tiles = [(head_tile(q, h), head_tile(k, h), head_tile(v, h), head_tile(g, h), head_tile(beta, h)) for h in heads]
+        results = [channel_chunk(*t, s, chunk=chunk, products=products) for t, s in zip(tiles, initial)]
     else:
-        out, new = scalar_chunk(*tiles, load_tile(g), load_tile(g_row), load_tile(beta), s, chunk=chunk, products=products)
-    if o is not None:
-        o[...] = out.astype(o.dtype)
-    state[...] = new
+        tiles = [(head_tile(q, h), head_tile(k, h), head_tile(v, h), head_tile(g, h), head_tile(g_row, h),
+                  head_tile(beta, h)) for h in heads]
+        results = [scalar_chunk(*t, s, chunk=chunk, products=products) for t, s in zip(tiles, initial)]
+    for h, s, (out, new) in zip(heads, initial, results):
+        if states is not None:
+            states[h] = s
+        if o is not None:
+            o[h] = out.astype(o.dtype)
+        state[h] = new
+    news = [new for _, new in results]
 
     @pl.when(last[c] != 0)
     def _():
-        final[...] = new
+        for h, new in enumerate(news):
+            final[h] = new
 
 
 class Specs:
-    """Block specs of the operands on grid ``(BH, V/BV, NT)`` (``reverse``: the
-    chunk axis runs from the last chunk back), index maps reading the
-    prefetched ``(first, seq, last)``: ``tokens(width)`` ``[BH, Tp, width]``,
-    ``cols`` ``[BH, Tp, Vp]``, ``state`` ``[N·HV, Kp, Vp]`` by sequence,
-    ``per_chunk`` ``[BH, NT, Kp, Vp]``, ``rows`` ``[BH, NT, 1, C]``; ``parts``
-    wraps a spec with a leading value-block axis (partial sums over ``V/BV``)."""
+    """Block specs of the operands on grid ``(BH/hb, V/BV, NT)``, ``hb`` heads per step
+    (every block's leading axis; ``hb`` divides ``heads``), ``reverse``: the chunk axis
+    runs from the last chunk back; index maps reading the prefetched ``(first, seq,
+    last)``: ``tokens(width)`` ``[BH, Tp, width]``, ``cols`` ``[BH, Tp, Vp]``, ``state``
+    ``[N·HV, Kp, Vp]`` by sequence, ``per_chunk`` ``[BH, NT, Kp, Vp]``, ``rows`` ``[BH,
+    NT, 1, C]``; ``parts`` wraps a spec with a leading value-block axis (partial sums
+    over ``V/BV``)."""
 
-    def __init__(self, kp: int, bv: int, chunk: int, heads: int, chunks: int, reverse: bool = False):
-        self.kp, self.bv, self.chunk, self.heads = kp, bv, chunk, heads
+    def __init__(self, kp: int, bv: int, chunk: int, heads: int, chunks: int, reverse: bool = False, hb: int = 1):
+        if heads % hb:
+            raise ValueError(f"config.heads_per_step: expected a divisor of the heads {heads}, got {hb}")
+        self.kp, self.bv, self.chunk, self.heads, self.hb = kp, bv, chunk, heads, hb
         self.at = (lambda c: chunks - 1 - c) if reverse else (lambda c: c)
 
     def tokens(self, width: int, parts: bool = False):
         if parts:
-            return pl.BlockSpec((None, None, self.chunk, width), lambda i, j, c, *_: (j, i, self.at(c), 0))
-        return pl.BlockSpec((None, self.chunk, width), lambda i, j, c, *_: (i, self.at(c), 0))
+            return pl.BlockSpec((None, self.hb, self.chunk, width), lambda i, j, c, *_: (j, i, self.at(c), 0))
+        return pl.BlockSpec((self.hb, self.chunk, width), lambda i, j, c, *_: (i, self.at(c), 0))
 
     @property
     def cols(self):
-        return pl.BlockSpec((None, self.chunk, self.bv), lambda i, j, c, *_: (i, self.at(c), j))
+        return pl.BlockSpec((self.hb, self.chunk, self.bv), lambda i, j, c, *_: (i, self.at(c), j))
 
     @property
     def state(self):
-        return pl.BlockSpec((None, self.kp, self.bv),
-                            lambda i, j, c, first, seq, last: (seq[self.at(c)] * self.heads + i, 0, j))
+        groups = self.heads // self.hb  # blocks of hb states per sequence
+        return pl.BlockSpec((self.hb, self.kp, self.bv),
+                            lambda i, j, c, first, seq, last: (seq[self.at(c)] * groups + i, 0, j))
 
     @property
     def per_chunk(self):
-        return pl.BlockSpec((None, None, self.kp, self.bv), lambda i, j, c, *_: (i, self.at(c), 0, j))
+        return pl.BlockSpec((self.hb, None, self.kp, self.bv), lambda i, j, c, *_: (i, self.at(c), 0, j))
 
     def rows(self, parts: bool = False):
         if parts:
-            return pl.BlockSpec((None, None, None, 1, self.chunk), lambda i, j, c, *_: (j, i, self.at(c), 0, 0))
-        return pl.BlockSpec((None, None, 1, self.chunk), lambda i, j, c, *_: (i, self.at(c), 0, 0))
+            return pl.BlockSpec((None, self.hb, None, 1, self.chunk), lambda i, j, c, *_: (j, i, self.at(c), 0, 0))
+        return pl.BlockSpec((self.hb, None, 1, self.chunk), lambda i, j, c, *_: (i, self.at(c), 0, 0))
 
 
 def check_layout(k, v, chunk: int, bv: int) -> None:
@@ -284,21 +308,22 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
     products = kernel_products(q, k, v, precision)
     nt = tp // chunk
     first, seq, last = dense_meta(nt) if meta is None else meta
-    specs = Specs(kp, bv, chunk, heads, nt)
+    hb = config.heads_per_step
+    specs = Specs(kp, bv, chunk, heads, nt, hb=hb)
     inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
               "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
               "h0": operand(h0, specs.state), **decay_operands(g, specs, per_channel)}
     outs = tpu_kernel_call(
         functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, products=products),
-        grid=(bh, vp // bv, nt),
+        grid=(bh // hb, vp // bv, nt),
         inputs=inputs,
         outputs={"o": None if with_states else output((bh, tp, vp), F32, specs.cols),
                  "final": output(h0.shape, F32, specs.state),
                  "states": output((bh, nt, kp, vp), F32, specs.per_chunk) if with_states else None},
-        scratch={"state": pltpu.VMEM((kp, bv), F32)},
+        scratch={"state": pltpu.VMEM((hb, kp, bv), F32)},
         scalar_prefetch={"first": first, "seq": seq, "last": last},
         dimension_semantics=("parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel),
+        vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel, heads=hb),
         name="linear_attention_channel_forward" if per_channel else "linear_attention_scalar_forward",
     )
     return (outs.states, outs.final) if with_states else (outs.o, outs.final)

@@ -3,7 +3,8 @@ state scan and every chunk's gradients in one kernel, ``dS`` carried in VMEM.
 
 The forward kernel runs again storing each chunk's initial state ``S_c``
 (`mosaic_tpu.recurrence_forward` with ``with_states``; recomputed, not kept
-from the forward). Then on grid ``(BH, V/BV, NT)`` with the chunk axis
+from the forward). Then on grid ``(BH/hb, V/BV, NT)`` (``hb`` heads per step, unrolled as in the
+forward: `mosaic_tpu`) with the chunk axis
 ``"arbitrary"`` and walked from the last chunk back, each step holds
 ``dS'`` (the cotangent of the chunk's final state) in a float32 scratch and
 differentiates the chunk's own function (`mosaic_tpu.scalar_chunk` /
@@ -42,13 +43,14 @@ from ...core.pallas import F32, HIGHEST, operand, output, pad_axis, tpu_kernel_c
 from .configs import TpuLinearAttentionConfig, lanes, tpu_vmem_limit
 from .layout import call_meta, dfinal_of, flat, pass_empty_sequences
 from .mxu import operand_dtype
-from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, kernel_products, load_tile,
+from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, head_tile, kernel_products,
                          recurrence_forward, scalar_chunk)
 
 
 def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
                      dbeta, dh0, dstate, chunk, chunks, per_channel, products):
-    """One chunk, walked in reverse (module docstring)."""
+    """One chunk of the step's heads (the blocks' leading axis, unrolled as in the
+    forward), walked in reverse (module docstring)."""
     del seq
     rc = chunks - 1 - pl.program_id(2)
 
@@ -60,32 +62,37 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
     def _():
         dstate[...] = dfinal[...]
 
-    qkv = (load_tile(q), load_tile(k), load_tile(v))  # float32 tiles: float32 cotangents
-    if per_channel:
-        tiles = qkv + (load_tile(g), load_tile(beta), states[...])
-        f = functools.partial(channel_chunk, chunk=chunk, products=products)
-    else:
-        tiles = qkv + (load_tile(g), load_tile(g_row), load_tile(beta), states[...])
-        f = functools.partial(scalar_chunk, chunk=chunk, products=products)
-    _, vjp = jax.vjp(f, *tiles)
-    grads = vjp((do[...], dstate[...]))
-    if per_channel:
-        gq, gk, gv, gg, gb, gs = grads
-        dg[...] = gg
-    else:
-        gq, gk, gv, gg, gr, gb, gs = grads
-        dg[...] = gg
-        dg_row[...] = gr
-    dq[...] = gq
-    dk[...] = gk
-    dv[...] = gv
-    if dbeta is not None:
-        dbeta[...] = gb
-    dstate[...] = gs
+    # Every head's loads first, then their transposed chunk functions, then every store (as the forward).
+    heads = range(dstate.shape[0])
+    f = functools.partial(channel_chunk if per_channel else scalar_chunk, chunk=chunk, products=products)
+    loaded = []
+    for h in heads:
+        qkv = (head_tile(q, h), head_tile(k, h), head_tile(v, h))  # float32 tiles: float32 cotangents
+        rest = (head_tile(g, h), head_tile(beta, h)) if per_channel else \
+            (head_tile(g, h), head_tile(g_row, h), head_tile(beta, h))
+        loaded.append((qkv + rest + (states[h],), (do[h], dstate[h])))
+    all_grads = [jax.vjp(f, *tiles)[1](cot) for tiles, cot in loaded]
+    initial = []
+    for h, grads in zip(heads, all_grads):
+        if per_channel:
+            gq, gk, gv, gg, gb, gs = grads
+            dg[h] = gg
+        else:
+            gq, gk, gv, gg, gr, gb, gs = grads
+            dg[h] = gg
+            dg_row[h] = gr
+        dq[h] = gq
+        dk[h] = gk
+        dv[h] = gv
+        if dbeta is not None:
+            dbeta[h] = gb
+        dstate[h] = gs
+        initial.append(gs)
 
     @pl.when(first[rc] != 0)
     def _():
-        dh0[...] = gs
+        for h, gs in enumerate(initial):
+            dh0[h] = gs
 
 
 def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, per_channel: bool,
@@ -97,17 +104,27 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
     the forward's (a resolved `jax.lax.Precision`), of every matmul of float32 ``q, k, v``,
     forward and transposed; bfloat16 ``q, k, v`` take `mxu.BF16_PRODUCTS` (each transposed
     product at its forward product's precision, the cotangents float32)."""
+    states, _ = recurrence_forward(q, k, v, g, beta, h0, meta, heads=heads, per_channel=per_channel,
+                                   config=config, with_states=True, precision=precision)
+    return backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, heads=heads,
+                                per_channel=per_channel, config=config, precision=precision)
+
+
+def backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, *, heads: int, per_channel: bool,
+                         config: TpuLinearAttentionConfig, precision=HIGHEST):
+    """The backward kernel alone (`recurrence_backward` after its states pass): ``states
+    [BH, NT, Kp, Vp]`` float32, each chunk's initial state (`mosaic_tpu.recurrence_forward`
+    with ``with_states``); the other arguments and the result as `recurrence_backward`'s."""
     bh, tp, kp = k.shape
     vp = v.shape[-1]
     chunk, bv = config.chunk, min(config.block_v, vp)
     check_layout(k, v, chunk, bv)
     nt, nv = tp // chunk, vp // bv
     products = kernel_products(q, k, v, precision)
-    states, _ = recurrence_forward(q, k, v, g, beta, h0, meta, heads=heads, per_channel=per_channel,
-                                      config=config, with_states=True, precision=precision)
     first, seq, last = dense_meta(nt) if meta is None else meta
     dfinal = jnp.zeros(h0.shape, F32) if dfinal is None else dfinal.astype(F32)
-    specs = Specs(kp, bv, chunk, heads, nt, reverse=True)
+    hb = config.heads_per_step
+    specs = Specs(kp, bv, chunk, heads, nt, reverse=True, hb=hb)
     inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
               "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
               "states": operand(states, specs.per_chunk), "do": operand(do.astype(F32), specs.cols),
@@ -124,13 +141,13 @@ def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, p
     }
     outs = tpu_kernel_call(
         functools.partial(_backward_kernel, chunk=chunk, chunks=nt, per_channel=per_channel, products=products),
-        grid=(bh, nv, nt),
+        grid=(bh // hb, nv, nt),
         inputs=inputs,
         outputs=outputs,
-        scratch={"dstate": pltpu.VMEM((kp, bv), F32)},
+        scratch={"dstate": pltpu.VMEM((hb, kp, bv), F32)},
         scalar_prefetch={"first": first, "seq": seq, "last": last},
         dimension_semantics=("parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel, backward=True),
+        vmem_limit_bytes=tpu_vmem_limit(kp, bv, chunk, per_channel, backward=True, heads=hb),
         name="linear_attention_channel_backward" if per_channel else "linear_attention_scalar_backward",
     )
     total = lambda x: x[0] if nv == 1 else jnp.sum(x, axis=0)

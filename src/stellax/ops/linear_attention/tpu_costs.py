@@ -18,9 +18,33 @@ At chunk 64, K = V = 128, per chunk step (forward): GDN's float32 operands at
 of it the exact decay sums of its sub-block scores); SSD (no inverse) 7.6e7 and
 1.7e7, 4.5× fewer (`tests/ops/linear_attention/test_la_bf16_products.py` pins GDN's).
 
-The time of a call is ``steps · STEP_SECONDS + pass-FLOPs / PEAK_FLOPS`` (a v5e's
-bfloat16 peak; only the ratio steers the choice). The VPU's work (the ``exp`` of
-the decays, the masks) is not counted.
+The time of a call (`kernel_seconds`) sums, over the grid steps (``heads_per_step``
+heads of one block of value columns and one chunk each):
+
+    STEP_SECONDS + heads · VPU_SECONDS_PER_TOKEN · C + max(chain · LATENCY_SECONDS, heads · pass-FLOPs / PEAK_FLOPS)
+
+* ``STEP_SECONDS``: the fixed cost of a grid step (its DMA issue and wait, the pipeline's
+  bookkeeping);
+* the VPU/EUP work of each head (the ``exp`` of the decay spans, the masks, the bfloat16
+  splits of the exact sums, the upcasts) and its tiles' DMA, taken as proportional to the
+  chunk's tokens;
+* the MXU: a head's products form a chain of `chain_length` dependent products (the
+  inverse's doubling steps, then ``U``/``W``, ``W S``, ``P Δ``), each waiting for the one
+  before it (``LATENCY_SECONDS``: a small ``[C, ·] × [·, 128]`` product fills and drains the
+  systolic array before its result can feed the next). One head alone leaves the MXU idle
+  most of that time; the independent chains of several heads in one step (`mosaic_tpu`
+  unrolls them in one basic block) overlap, until the step is bound by its pass-FLOPs.
+
+Calibration (v5e, 2026-12-06, bfloat16 inputs, the whole op, `benchmarks/linear_attention_tpu.py`,
+one head per step): GDN T = 16384, HV = 32, chunk 128 / block_v 128 took 17.9 ms (4096 steps,
+4.37 µs each; the model before this term said 5.5 ms) and SSD T = 16384, H = 32, chunk 128 took
+6.58 ms (1.61 µs per step). With ``STEP_SECONDS`` = 0.35 µs, the two fix ``LATENCY_SECONDS``
+(GDN's chain of 16 against SSD's of 2: 0.197 µs) and the per-token term (0.87 µs per head at
+chunk 128). The model then says 17.9 and 6.58 ms on those; on KDA T = 4096, HV = 16, chunk 64
+(measured 5.04 ms, 1024 steps, chain 17) it says 4.0 ms, 20 % low. More heads per step are
+modelled only (overlap of the chains, not measured yet): GDN at 16384 × 32 with 4 heads per
+step 8.0 ms. ``benchmarks/linear_attention_stages_tpu.py`` prints this model beside each
+measured kernel.
 """
 
 from __future__ import annotations
@@ -35,6 +59,10 @@ PASSES = {DEFAULT: 1, HIGH: 3, HIGHEST: 6, EXACT: 3}
 #: A v5e's bfloat16 MXU peak (FLOP/s) and the fixed cost of one grid step (seconds).
 PEAK_FLOPS = 197e12
 STEP_SECONDS = 0.35e-6
+#: Latency of one dependent product in a head's chain (seconds; calibrated, module docstring).
+LATENCY_SECONDS = 0.197e-6
+#: VPU/EUP work and DMA of one head per token of its chunk (seconds; calibrated, module docstring).
+VPU_SECONDS_PER_TOKEN = 0.87e-6 / 128
 
 
 def _mm(kind: str, m: int, k: int, n: int, grads: str = "ab"):
@@ -92,12 +120,28 @@ def chunk_pass_flops(c: int, kp: int, bv: int, *, per_channel: bool, delta: bool
     return total
 
 
+def chain_length(c: int, *, per_channel: bool, delta: bool) -> int:
+    """Dependent products on the longest path of one head's chunk step: the decay spans
+    (per channel also the scores' sub-block sums), then for the delta rule the inverse's
+    ``2·log2(C/2)`` doubling products, ``U``/``W``, ``W S``, and last ``P Δ`` (``K̃ᵀ Δ``
+    and ``(Γ⊙Q) S`` beside it)."""
+    if not delta:
+        return 2
+    return (3 if per_channel else 1) + 2 * (int(math.log2(c)) - 1) + 3
+
+
 def kernel_seconds(rows: int, tokens: int, kp: int, vp: int, chunk: int, block_v: int, *, per_channel: bool,
-                   delta: bool, products: Products, backward: bool = False, mxu: int = 128) -> float:
-    """Modelled seconds of the forward (or ``backward``) kernel over ``rows`` (batch·heads)
-    of ``tokens`` each: grid steps at `STEP_SECONDS` plus the pass-FLOPs at `PEAK_FLOPS`."""
+                   delta: bool, products: Products, backward: bool = False, mxu: int = 128,
+                   heads_per_step: int = 1) -> float:
+    """Modelled seconds of the forward (or ``backward``: twice the chain, the VPU work and
+    the step cost) kernel over ``rows`` (batch·heads) of ``tokens`` each, ``heads_per_step``
+    rows per grid step (module docstring)."""
     bv = min(block_v, vp)
-    steps = rows * (vp // bv) * -(-tokens // chunk)
+    hb = heads_per_step
+    steps = -(-rows // hb) * (vp // bv) * -(-tokens // chunk)
     flops = chunk_pass_flops(chunk, kp, bv, per_channel=per_channel, delta=delta, products=products,
                              backward=backward, mxu=mxu)
-    return steps * (STEP_SECONDS * (2 if backward else 1) + flops / PEAK_FLOPS)
+    twice = 2 if backward else 1
+    chain = twice * chain_length(chunk, per_channel=per_channel, delta=delta) * LATENCY_SECONDS
+    vpu = twice * hb * VPU_SECONDS_PER_TOKEN * chunk
+    return steps * (STEP_SECONDS * twice + vpu + max(chain, hb * flops / PEAK_FLOPS))
