@@ -80,7 +80,7 @@ class Case:
     soft_cap: float | None = None
     sinks: bool = False
 
-    def dry(self) -> "Case":
+    def dry(self) -> Case:
         """The tiny stand-in of the dry run: T/16 (windows and chunks too), N=2 (grouped: N=4, K=2 or 1)."""
         n, k = (2, 2) if self.n == self.k else (4, 1 if self.k == 1 else 2)
         return dataclasses.replace(self, t=self.t // 16, n=n, k=k,
@@ -265,8 +265,12 @@ def _describe(config) -> str:
 def splash_kernel(case: Case, name: str, dry: bool, scale: float):
     """jax's splash attention kernel for ``case`` with the `SPLASH` block sizes ``name``:
     ``kernel(q [N, T, D], k [K, T, D], v, segment_ids=None, sinks=None)``."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
 
     from stellax.core import interpret_enabled
 
@@ -292,7 +296,9 @@ def splash_attend(kernel, seg, sinks, scale: float, *, transpose: bool):
     """``attend(q, k, v)`` on splash's heads-first ``[B, N, T, D]`` (with ``transpose``: on
     ``[B, T, N, D]``, transposed in and out). Queries are pre-scaled: splash does not scale
     the logits."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
 
     def heads_first_attend(q, k, v):
         q = q * jnp.asarray(scale, q.dtype)
@@ -493,14 +499,7 @@ class Run(ChipRun):
         picked = self.picked()
         print(f"attention on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), cases {picked}, "
               f"explicit {self.explicit}, splash {self.splash}, reps {self.reps}, warmup {self.warmup}", flush=True)
-        for n, i in enumerate(picked):
-            if self.over_budget():
-                print(f"budget of {self.args.budget:.0f} s spent: cases {picked[n:]} not run", flush=True)
-                self.env["left"] = picked[n:]
-                break
-            self.run_case(i)
-            self.save()
-        self.save()
+        self.run_cases(picked, self.run_case)
         summary(self.rows)
         print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0

@@ -115,6 +115,19 @@ class ChipRun:
         """Whether ``--budget`` seconds have passed (no new case or contender starts then)."""
         return elapsed() > self.args.budget
 
+    def run_cases(self, picked: list[int], run_one) -> None:
+        """``run_one(i)`` for each case index of ``picked`` in order, the JSON saved after each,
+        until ``--budget`` is spent: the cases not started are named, and kept as the
+        environment's ``left``."""
+        for n, i in enumerate(picked):
+            if self.over_budget():
+                print(f"budget of {self.args.budget:.0f} s spent: cases {picked[n:]} not run", flush=True)
+                self.env["left"] = picked[n:]
+                break
+            run_one(i)
+            self.save()
+        self.save()
+
     def compute_row(self, fields: dict, label: str, *, flops: float, peak: float | None, ms=None, xla_ms=None,
                     errs=(None, None), compile_s=None, error=None, skipped=None) -> dict:
         """One compute-bound contender's row, appended, saved and printed after ``label``: ``fields``
@@ -157,6 +170,13 @@ def parser(description: str, *, reps: tuple[int, int], warmup: tuple[int, int], 
     if passes:
         p.add_argument("--passes", default=",".join(PASSES), help="fwd and/or fwd+bwd, comma-separated (default both)")
     return p
+
+
+def list_cases(cases, main_set) -> int:
+    """``--list``: each case's index, ``main`` for the default set, and its label."""
+    for i, case in enumerate(cases):
+        print(f"{i:2d} {'main ' if i in main_set else '     '}{case.label()}")
+    return 0
 
 
 def mark_best(rows: list[dict]) -> None:

@@ -396,13 +396,7 @@ class Run(ChipRun):
         print(f"linear_cross_entropy on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"{len(picked)} cases, reps {self.reps}, warmup {self.warmup}, budget {self.args.budget:.0f} s",
               flush=True)
-        for i in picked:
-            if self.over_budget():
-                print(f"budget of {self.args.budget:.0f} s spent: cases from {i} not run", flush=True)
-                self.env["left"] = picked[picked.index(i):]
-                break
-            self.run_case(i, *cases[i])
-        self.save()
+        self.run_cases(picked, lambda i: self.run_case(i, *cases[i]))
         summary(self.rows)
         print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0

@@ -243,14 +243,7 @@ class Run(ChipRun):
         picked = self.picked_cases(len(cases))
         print(f"norms on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), {len(picked)} cases, "
               f"reps {self.reps}, warmup {self.warmup}", flush=True)
-        for n, i in enumerate(picked):
-            if self.over_budget():
-                print(f"budget of {self.args.budget:.0f} s spent: cases {picked[n:]} not run", flush=True)
-                self.env["left"] = picked[n:]
-                break
-            self.run_case(i, *cases[i])
-            self.save()
-        self.save()
+        self.run_cases(picked, lambda i: self.run_case(i, *cases[i]))
         summary(self.rows)
         print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0

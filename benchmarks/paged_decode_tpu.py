@@ -214,7 +214,9 @@ def stellax_contenders(case: Case, width: int, page_size: int, *, xla: bool, fmt
 
 def jax_paged_contenders(width: int, page_size: int, head_dim: int, dry: bool):
     """jax's paged_attention over head-major pages, one per ``pages_per_compute_block``."""
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_paged
+    from jax.experimental.pallas.ops.tpu.paged_attention import (
+        paged_attention as jax_paged,
+    )
 
     scale = 1.0 / math.sqrt(head_dim)      # jax's kernel does not scale the logits: the query is pre-scaled
     tokens = (32,) if dry else (1024, 2048)    # the first chip run: its best was always the largest tried
@@ -377,14 +379,7 @@ class Run(Timed):
         picked = self.picked_cases(len(cases)) if (self.args.cases or self.dry) else list(MAIN)
         print(f"paged decode on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"cases {picked}, reps {self.reps}, warmup {self.warmup}", flush=True)
-        for i in picked:
-            if self.over_budget():
-                print(f"budget of {self.args.budget:.0f} s spent: cases from {i} not run", flush=True)
-                self.env["left"] = picked[picked.index(i):]
-                break
-            self.run_case(i, cases[i], *shape)
-            self.save()
-        self.save()
+        self.run_cases(picked, lambda i: self.run_case(i, cases[i], *shape))
         summary(self.rows)
         print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0
@@ -426,16 +421,10 @@ def config_format(config: str) -> str:
     return head if " " in config and "=" not in head else ""
 
 
-def list_cases() -> int:
-    for i, case in enumerate(CASES):
-        print(f"{i:2d} {'main ' if i in MAIN else '     '}{case.label()}")
-    return 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
-        return list_cases()
+        return chip_run.list_cases(CASES, MAIN)
     return chip_run.run(Run, args, tpu_interpret=True)
 
 

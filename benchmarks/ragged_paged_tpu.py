@@ -45,7 +45,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from chip_run import elapsed, mark_best
-from paged_decode_tpu import REPS, WARMUP, Timed, interleaved, jax_ragged_contenders, poison_free_slots, summary
+from paged_decode_tpu import (
+    REPS,
+    WARMUP,
+    Timed,
+    interleaved,
+    jax_ragged_contenders,
+    poison_free_slots,
+    summary,
+)
 
 KV_HEADS, HEAD_DIM = 8, 128
 #: Query tokens per golden chunk of a prefill.
@@ -214,7 +222,11 @@ class Run(Timed):
         super().__init__(args, "stellax-ragged-paged-tpu")
 
     def run_ragged(self, seed, case: Ragged, kv_heads, head_dim):
-        from stellax.ops.paged_attention import TpuRaggedConfig, ragged_paged_attention, ragged_paged_attention_op
+        from stellax.ops.paged_attention import (
+            TpuRaggedConfig,
+            ragged_paged_attention,
+            ragged_paged_attention_op,
+        )
 
         label = case.label(kv_heads, head_dim)
         print(f"== {label}", flush=True)
@@ -289,18 +301,13 @@ class Run(Timed):
         picked = self.picked_cases(len(cases)) if (self.args.cases or self.dry) else list(MAIN)
         print(f"ragged paged / MLA on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"cases {picked}, reps {self.reps}, warmup {self.warmup}", flush=True)
-        for i in picked:
-            if self.over_budget():
-                print(f"budget of {self.args.budget:.0f} s spent: cases from {i} not run", flush=True)
-                self.env["left"] = picked[picked.index(i):]
-                break
-            case = cases[i]
-            if isinstance(case, Mla):
-                self.run_mla(i, case)
+        def run_one(i):
+            if isinstance(cases[i], Mla):
+                self.run_mla(i, cases[i])
             else:
-                self.run_ragged(i, case, kv_heads, head_dim)
-            self.save()
-        self.save()
+                self.run_ragged(i, cases[i], kv_heads, head_dim)
+
+        self.run_cases(picked, run_one)
         summary(self.rows)
         for r in self.rows:
             if r.get("tflops") is not None and r["error"] is None:
@@ -310,16 +317,10 @@ class Run(Timed):
         return 0
 
 
-def list_cases() -> int:
-    for i, case in enumerate(CASES):
-        print(f"{i:2d} {'main ' if i in MAIN else '     '}{case.label()}")
-    return 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
-        return list_cases()
+        return chip_run.list_cases(CASES, MAIN)
     return chip_run.run(Run, args, tpu_interpret=True)
 
 
