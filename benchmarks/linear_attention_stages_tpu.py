@@ -46,6 +46,7 @@ import chip_run
 import jax
 import jax.numpy as jnp
 from chip_run import ChipRun, time_fn
+from linear_attention_tpu import case_inputs
 
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
 V5E_TFLOPS = 197.0
@@ -66,26 +67,6 @@ def parse_args(argv=None):
     p.add_argument("--bwd-heads", type=int, default=2,
                    help="after the default stages, kernel:bwd again with this many heads per step (1: not)")
     return p.parse_args(argv)
-
-
-# -- inputs --------------------------------------------------------------------------------------
-def op_inputs(op_name: str, t: int, hv: int):
-    """``(args, kwargs)`` of one bfloat16 call (made on the device), decays of a long memory."""
-    keys = jax.random.split(jax.random.PRNGKey(t + hv), 8)
-    normal = lambda key, shape, scale=1.0: jax.jit(
-        lambda k: (scale * jax.random.normal(k, shape, jnp.float32)).astype(jnp.bfloat16))(key)
-    if op_name == "ssd":
-        p, n, g = DIM // 2, DIM, min(8, hv)
-        x, b, c = normal(keys[0], (1, t, hv, p)), normal(keys[1], (1, t, g, n), n ** -0.5), normal(keys[2], (1, t, g, n), n ** -0.5)
-        dt = jax.jit(lambda k: jax.nn.softplus(jax.random.normal(k, (1, t, hv)) - 3.0).astype(jnp.bfloat16))(keys[3])
-        a = -jnp.exp(jnp.linspace(0.0, 2.0, hv, dtype=jnp.float32))
-        return (x, dt, a, b, c), {"return_final_states": True}
-    h = hv // 2 if op_name == "chunk_gated_delta_rule" else hv
-    q, k, v = normal(keys[0], (1, t, h, DIM)), normal(keys[1], (1, t, h, DIM)), normal(keys[2], (1, t, hv, DIM))
-    shape = (1, t, hv, DIM) if op_name == "chunk_kda" else (1, t, hv)
-    g = jax.jit(lambda key: (-0.05 * jax.nn.softplus(jax.random.normal(key, shape))).astype(jnp.bfloat16))(keys[3])
-    beta = jax.jit(lambda key: jax.nn.sigmoid(jax.random.normal(key, (1, t, hv))).astype(jnp.bfloat16))(keys[4])
-    return (q, k, v, g, beta), {"output_final_state": True, "use_qk_l2norm": True}
 
 
 def kernel_inputs(op_name: str, t: int, hv: int):
@@ -171,15 +152,23 @@ class Run(ChipRun):
     def run_case(self, index, op_name, t, hv, every_stage, phase):
         """The forward stages (``phase`` 0) or, for a case with ``every_stage``, the backward's (1)."""
         from stellax.core.precision import HIGHEST
-        from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op, ssd_op
-        from stellax.ops.linear_attention import mosaic_tpu, mosaic_tpu_backward
-        from stellax.ops.linear_attention.configs import TpuLinearAttentionConfig, tpu_products
+        from stellax.ops.linear_attention import (
+            chunk_gated_delta_rule_op,
+            chunk_kda_op,
+            mosaic_tpu,
+            mosaic_tpu_backward,
+            ssd_op,
+        )
+        from stellax.ops.linear_attention.configs import (
+            TpuLinearAttentionConfig,
+            tpu_products,
+        )
         from stellax.ops.linear_attention.tpu_costs import kernel_seconds
 
         op = {"chunk_gated_delta_rule": chunk_gated_delta_rule_op, "chunk_kda": chunk_kda_op, "ssd": ssd_op}[op_name]
         per_channel, delta = op_name == "chunk_kda", op_name != "ssd"
         case = f"T={t} HV={hv} K=V={DIM} bf16" if op_name != "ssd" else f"T={t} H={hv} P={DIM // 2} N={DIM} bf16"
-        args, kwargs = op_inputs(op_name, t, hv)
+        args, kwargs = case_inputs(op_name, t, hv, DIM)  # the op benchmark's inputs
         call = op.check(*args, **kwargs)
         config = op.implementations["mosaic_tpu"].default_config(call)
         # The backward op's own heuristic on a dense batch of whole chunks of 128 (`configs`).
