@@ -46,25 +46,36 @@ def compiled_examples(make: Callable[[], list[Example]]) -> list[Example]:
     Run eagerly, a builder dispatches its random numbers and reference outputs op
     by op, each a program compiled on first use: `attention_backward`'s two
     examples compiled 130 of them (35 s of a loaded 2-core CPU), and on a TPU the
-    quick check's examples were where its host memory peaked. Same values as
+    memory sampled during a quick check peaked while the examples were built. Same values as
     eagerly for the random numbers (the same threefry bits); derived values (a
     reference output an example carries) up to XLA's fusion. A builder that needs
     concrete values (``np.asarray``, ``int(...)`` of an array it made) is built eagerly."""
-    box: list[Example] = []
-
-    def build():
-        box[:] = make()
-        return [x for x in _leaves(box) if isinstance(x, jax.core.Tracer)]
-
-    try:
-        values = iter(_evaluate_only(jax.make_jaxpr(build)()))
-    except jax.errors.JAXTypeError:
+    trace = _trace_examples(make, lambda x: True)
+    if trace is None:
         return list(make())
+    box, values = trace
 
     def settle(x):
         return next(values) if isinstance(x, jax.core.Tracer) else x
 
     return [Example(e.label, *jax.tree_util.tree_map(settle, (e.args, e.kwargs))) for e in box]
+
+
+def _trace_examples(make: Callable[[], list[Example]], wanted: Callable) -> tuple[list[Example], Iterator] | None:
+    """``make()`` traced once (`jax.make_jaxpr`): its examples (arrays as tracers) and an
+    iterator over the values of the traced arrays that ``wanted`` picks, in leaf order,
+    computed by one compiled program of only what they depend on (`_evaluate_only`).
+    None for a builder that needs concrete values (``np.asarray``, ``int(...)``)."""
+    box: list[Example] = []
+
+    def build():
+        box[:] = make()
+        return [x for x in _leaves(box) if isinstance(x, jax.core.Tracer) and wanted(x)]
+
+    try:
+        return box, iter(_evaluate_only(jax.make_jaxpr(build)()))
+    except jax.errors.JAXTypeError:
+        return None
 
 
 def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
@@ -80,17 +91,10 @@ def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
     compile, not gigabytes of random numbers computed in the background (which
     also stalled every later computation of the process). A builder that needs
     concrete values (``np.asarray`` of an array it made) is built for real."""
-    box: list[Example] = []
-
-    def build():
-        box[:] = make()
-        return [x for x in _leaves(box) if isinstance(x, jax.core.Tracer) and _is_metadata(x)]
-
-    try:
-        metadata = iter(_evaluate_only(jax.make_jaxpr(build)()))
-    except jax.errors.JAXTypeError:  # a builder that needs concrete values (np.asarray, int(...)): build it for real
-        box = list(make())
-        return [Example(e.label, _abstract_floats(e.args), _abstract_floats(e.kwargs)) for e in box]
+    trace = _trace_examples(make, _is_metadata)
+    if trace is None:  # a builder that needs concrete values: build it for real
+        return [Example(e.label, _abstract_floats(e.args), _abstract_floats(e.kwargs)) for e in make()]
+    box, metadata = trace
 
     def settle(x):
         traced = isinstance(x, jax.core.Tracer)
