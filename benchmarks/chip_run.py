@@ -107,9 +107,13 @@ class ChipRun:
                "seconds": round(elapsed(), 1), "rows": self.rows}
         self.out.write_text(json.dumps(doc, indent=1))
 
-    def picked_cases(self, count: int) -> list[int]:
-        """The case indices ``--cases`` names, in its order (every one of ``count`` when empty)."""
-        return [int(i) for i in self.args.cases.split(",") if i] or list(range(count))
+    def picked_cases(self, count: int, main=None) -> list[int]:
+        """The case indices ``--cases`` names, in its order; without it the ``main`` set where
+        the script has one (not in a dry run, which takes every case), else every one of ``count``."""
+        named = [int(i) for i in self.args.cases.split(",") if i]
+        if named:
+            return named
+        return list(main) if main is not None and not self.dry else list(range(count))
 
     def over_budget(self) -> bool:
         """Whether ``--budget`` seconds have passed (no new case or contender starts then)."""

@@ -478,15 +478,9 @@ class Run(ChipRun):
             mark_best(rows)
         self.save()
 
-    def picked_cases(self, count: int) -> list[int]:
-        """``--cases`` (indices), or without it `MAIN_CASES` (every dry-run case in a dry run)."""
-        if self.args.cases or self.dry:
-            return super().picked_cases(count)
-        return list(MAIN_CASES)
-
     def main(self):
         cases = DRY_CASES if self.dry else CASES
-        picked = self.picked_cases(len(cases))
+        picked = self.picked_cases(len(cases), MAIN_CASES)
         print(f"grouped matmul on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"{len(picked)} cases, passes {self.passes}, parts {self.args.parts!r}, reps {self.reps}, "
               f"warmup {self.warmup}, budget {self.args.budget:.0f} s", flush=True)

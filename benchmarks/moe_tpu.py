@@ -285,15 +285,9 @@ class Run(ChipRun):
                      (x, q, sizes), functools.partial(check, weights=weights_int8), flops,
                      default=self.picks_mosaic("ragged_dot_quantized", x, q, sizes), peer=False)
 
-    def picked_cases(self, count: int) -> list[int]:
-        """``--cases`` (indices), or without it `MAIN_CASES` (every dry-run case in a dry run)."""
-        if self.args.cases or self.dry:
-            return super().picked_cases(count)
-        return list(MAIN_CASES)
-
     def main(self):
         cases = DRY_CASES if self.dry else CASES
-        picked = self.picked_cases(len(cases))
+        picked = self.picked_cases(len(cases), MAIN_CASES)
         print(f"MoE layer and int8 weights on {self.device} ({'dry run' if self.dry else 'native'}), "
               f"{len(picked)} cases, passes {self.passes}, budget {self.args.budget:.0f} s", flush=True)
         for i in picked:

@@ -298,7 +298,7 @@ class Run(Timed):
     def main(self):
         cases = DRY_CASES if self.dry else CASES
         kv_heads, head_dim = DRY_SHAPE if self.dry else (KV_HEADS, HEAD_DIM)
-        picked = self.picked_cases(len(cases)) if (self.args.cases or self.dry) else list(MAIN)
+        picked = self.picked_cases(len(cases), MAIN)
         print(f"ragged paged / MLA on {self.device} ({'dry run, interpreted' if self.dry else 'native'}), "
               f"cases {picked}, reps {self.reps}, warmup {self.warmup}", flush=True)
         def run_one(i):
