@@ -151,11 +151,15 @@ def _check(args) -> int:
         from stellax.testing.static_gpu import run_cli
         return run_cli(args.ops, args.arch.split(","), json_path=args.json, heuristic_only=args.heuristic_only)
     _fast_compiles()
+    from stellax.testing import report as check_report
+
+    # Watched from here (before jax starts its backend), so that a start-up peak is seen and named.
+    watch = check_report.MemoryWatch(interval=0.05).start()
+    watch.phase = "registering the ops"
     from rich.console import Console
 
     import stellax
     from stellax._op_names import is_op_name, valid_names
-    from stellax.testing import report as check_report
     from stellax.testing.plan import plan_checks, select_ops
 
     console = Console(width=max(Console().width, 150), stderr=bool(args.json == "-"))
@@ -169,6 +173,7 @@ def _check(args) -> int:
     selected = select_ops(ops, args.ops)
     if args.tpu_compile:
         return _check_tpu_compile(args, console, selected)
+    watch.phase = "planning the checks"
     try:
         jobs = plan_checks(selected, full=args.all, dtypes=args.dtypes.split(",") if args.dtypes else None,
                            implementations=args.implementations.split(",") if args.implementations else None,
@@ -176,16 +181,18 @@ def _check(args) -> int:
     except ValueError as e:
         console.print(f"[red]{e}")
         return 2
+    watch.phase = "starting the backend"
     platform = stellax.current_platform()
+    watch.phase = "between start-up and the first check"
     threads = args.threads if args.threads else _default_threads(platform)
     workers = args.workers if args.workers else (1 if threads > 1 else _default_workers(platform))
     mode = "all" if args.all else "quick"
     if args.json == "-":
         report = check_report.run_quietly(jobs, platform=platform.describe(), mode=mode, workers=workers,
-                                          threads=threads)
+                                          threads=threads, watch=watch)
     else:
         report = check_report.run_watched(jobs, console, platform=platform.describe(), mode=mode, workers=workers,
-                                          threads=threads)
+                                          threads=threads, watch=watch)
     if args.json:
         check_report.write_json(report, args.json)
     return 1 if report.failures else 0

@@ -104,6 +104,32 @@ def test_memory_watch_names_what_ran_at_the_peak():
     if summary:  # Linux
         assert summary["sampled_peak_during"] == "the big one"
         assert summary["sampled_peak"] >= 200 << 20
+        phases = summary["sampled_phases"]
+        assert set(phases) == {"idle", "the big one", "after"}
+        assert phases["the big one"] == summary["sampled_peak"] >= phases["idle"] + (150 << 20)
+
+
+def test_a_started_watch_names_its_phases_then_the_checks(monkeypatch):
+    """`stellax check`'s watch runs from start-up (phases it names) through `_run`, which labels
+    the samples by the checks in flight and stops it at the end."""
+    import time
+    import types
+
+    monkeypatch.setattr(report, "_sequential", lambda jobs: iter([("start", jobs[0], None), ("cpu", None, 0.0)]))
+    watch = report.MemoryWatch(interval=0.01).start()
+    watch.phase = "starting the backend"
+    block = bytearray(100 << 20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    time.sleep(0.05)
+    del block
+    job = types.SimpleNamespace(op=types.SimpleNamespace(name="op"), implementation="xla", dtype="float32")
+    out = report._run([job], report.CheckReport("cpu", "quick"), watch=watch)
+    assert not watch._thread.is_alive()  # stopped by _run
+    trace = out.memory_trace
+    if trace:  # Linux
+        assert trace["sampled_peak_during"] == "starting the backend"
+        assert "starting the backend" in trace["sampled_phases"]
 
 
 def test_threads_take_the_next_job_when_free(monkeypatch):

@@ -117,13 +117,24 @@ def _rss_now() -> int | None:
 
 class MemoryWatch:
     """Samples this process's resident memory (`_rss_now`) every ``interval`` seconds
-    in a daemon thread while the ``with`` block runs, keeping the largest sample, when
-    it came and what ``running()`` said then (the checks in flight): the process's
-    ``peak_rss`` alone cannot tell a peak while checks ran from one in start-up."""
+    in a daemon thread while the ``with`` block runs (or from `start` to `stop`),
+    keeping the largest sample, when it came and what ``running()`` said then (the
+    checks in flight, or the `phase` the caller set): the process's ``peak_rss``
+    alone cannot tell a peak while checks ran from one in start-up. The largest
+    sample of each label is kept too (`summary`'s ``sampled_phases``).
 
-    def __init__(self, running, interval: float = 0.1):
-        self.running, self.interval = running, interval
+    `stellax check` starts one before jax starts its backend and names its phases
+    (``importing``, ``starting the backend``, ...), so the whole process is watched."""
+
+    #: Labels whose own peaks `summary` lists (the largest ones).
+    PHASES_SHOWN = 6
+
+    def __init__(self, running=None, interval: float = 0.1):
+        self.phase = "start-up"
+        self.running = running if running is not None else (lambda: self.phase)
+        self.interval = interval
         self.peak, self.at, self.during = 0, 0.0, ""
+        self.phase_peaks: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="stellax-memory", daemon=True)
 
@@ -131,25 +142,44 @@ class MemoryWatch:
         start = time.perf_counter()
         while True:
             rss = _rss_now()
-            if rss is not None and rss > self.peak:
-                self.peak, self.at, self.during = rss, time.perf_counter() - start, self.running()
+            if rss is not None:
+                try:
+                    label = self.running()
+                except Exception as e:  # a label must not end the sampling
+                    label = f"unlabelled ({type(e).__name__})"
+                if rss > self.phase_peaks.get(label, 0):
+                    self.phase_peaks[label] = rss
+                if rss > self.peak:
+                    self.peak, self.at, self.during = rss, time.perf_counter() - start, label
             if self._stop.wait(self.interval):
                 return
 
-    def __enter__(self) -> "MemoryWatch":
-        self._thread.start()
+    def start(self) -> "MemoryWatch":
+        """Start sampling, unless started already (returns self)."""
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Take one last sample and stop."""
         self._stop.set()
         self._thread.join()
 
+    def __enter__(self) -> "MemoryWatch":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def summary(self) -> dict:
-        """``{"sampled_peak": bytes, "sampled_peak_at": seconds, "sampled_peak_during": text}``
-        (empty where no sample was read)."""
+        """``{"sampled_peak": bytes, "sampled_peak_at": seconds, "sampled_peak_during": text,
+        "sampled_phases": {label: bytes}}`` (the `PHASES_SHOWN` labels with the largest
+        samples; empty where no sample was read)."""
         if not self.peak:
             return {}
-        return {"sampled_peak": self.peak, "sampled_peak_at": round(self.at, 1), "sampled_peak_during": self.during}
+        phases = sorted(self.phase_peaks.items(), key=lambda item: -item[1])[:self.PHASES_SHOWN]
+        return {"sampled_peak": self.peak, "sampled_peak_at": round(self.at, 1), "sampled_peak_during": self.during,
+                "sampled_phases": dict(phases)}
 
 
 def _sequential(jobs: Iterable[CheckJob]):
@@ -164,10 +194,13 @@ def _sequential(jobs: Iterable[CheckJob]):
 
 
 def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, threads: int = 1, on_start=None,
-         on_row=None) -> CheckReport:
+         on_row=None, watch: MemoryWatch | None = None) -> CheckReport:
     """Run ``jobs``, in ``workers`` processes (or ``threads`` threads of this process,
     for an accelerator only one process can hold) when they split into several
-    (whole ops per worker: a single op runs here); rows in plan order at the end."""
+    (whole ops per worker: a single op runs here); rows in plan order at the end.
+    ``watch``: a running `MemoryWatch` of the whole process (`stellax check`'s), which
+    labels its samples by the checks in flight from here on and is stopped at the end;
+    without one, the run is watched by its own."""
     from . import workers as workers_lib
 
     start = time.perf_counter()
@@ -185,7 +218,9 @@ def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, threads
             return "start-up and building the examples"
         return "; ".join(f"{j.op.name}/{j.implementation}/{j.dtype}" for j in list(running.values())) or "between checks"
 
-    with MemoryWatch(in_flight) as watch:
+    watch = watch if watch is not None else MemoryWatch()
+    watch.running = in_flight
+    with watch:
         for kind, job, value in stream:
             if kind == "start":
                 if report.examples_seconds is None:
@@ -208,9 +243,10 @@ def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, threads
     return report
 
 
-def run_quietly(jobs: list[CheckJob], *, platform: str, mode: str, workers: int = 1, threads: int = 1) -> CheckReport:
-    """Run every job, printing nothing."""
-    return _run(jobs, CheckReport(platform, mode), workers=workers, threads=threads)
+def run_quietly(jobs: list[CheckJob], *, platform: str, mode: str, workers: int = 1, threads: int = 1,
+                watch: MemoryWatch | None = None) -> CheckReport:
+    """Run every job, printing nothing (``watch``: as `_run`)."""
+    return _run(jobs, CheckReport(platform, mode), workers=workers, threads=threads, watch=watch)
 
 
 def write_json(report: CheckReport, path: str) -> None:
@@ -265,10 +301,10 @@ def _memory_text(memory: dict) -> str:
 
 
 def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, workers: int = 1,
-                threads: int = 1) -> CheckReport:
+                threads: int = 1, watch: MemoryWatch | None = None) -> CheckReport:
     """Run every job under a progress bar (the op, implementation and dtype
     running, elapsed time), printing each row above it as it finishes, then a
-    summary line."""
+    summary line (``watch``: as `_run`)."""
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -296,7 +332,7 @@ def run_watched(jobs: list[CheckJob], console, *, platform: str, mode: str, work
             show()
 
         report = _run(jobs, CheckReport(platform, mode), workers=workers, threads=threads, on_start=on_start,
-                      on_row=on_row)
+                      on_row=on_row, watch=watch)
     summary = report.summary()
     colour = "red" if report.failures else "green"
     first = summary["examples_seconds"]
