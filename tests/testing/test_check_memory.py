@@ -130,6 +130,9 @@ def test_a_started_watch_names_its_phases_then_the_checks(monkeypatch):
     if trace:  # Linux
         assert trace["sampled_peak_during"] == "starting the backend"
         assert "starting the backend" in trace["sampled_phases"]
+        starts = trace["phase_starts"]
+        assert list(starts) == ["start-up", "starting the backend", "building the examples"]
+        assert 0 <= starts["starting the backend"] <= starts["building the examples"]
 
 
 def test_threads_take_the_next_job_when_free(monkeypatch):

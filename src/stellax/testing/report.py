@@ -130,6 +130,8 @@ class MemoryWatch:
     PHASES_SHOWN = 6
 
     def __init__(self, running=None, interval: float = 0.1):
+        self.created = time.perf_counter()
+        self.phase_starts: dict[str, float] = {}
         self.phase = "start-up"
         self.running = running if running is not None else (lambda: self.phase)
         self.interval = interval
@@ -139,7 +141,7 @@ class MemoryWatch:
         self._thread = threading.Thread(target=self._sample, name="stellax-memory", daemon=True)
 
     def _sample(self) -> None:
-        start = time.perf_counter()
+        start = self.created
         while True:
             rss = _rss_now()
             if rss is not None:
@@ -153,6 +155,17 @@ class MemoryWatch:
                     self.peak, self.at, self.during = rss, time.perf_counter() - start, label
             if self._stop.wait(self.interval):
                 return
+
+    @property
+    def phase(self) -> str:
+        """What the process is doing (the samples' label until `running` is replaced);
+        setting it records when each phase began (`summary`'s ``phase_starts``)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, label: str) -> None:
+        self._phase = label
+        self.phase_starts.setdefault(label, round(time.perf_counter() - self.created, 2))
 
     def start(self) -> "MemoryWatch":
         """Start sampling, unless started already (returns self)."""
@@ -173,13 +186,14 @@ class MemoryWatch:
 
     def summary(self) -> dict:
         """``{"sampled_peak": bytes, "sampled_peak_at": seconds, "sampled_peak_during": text,
-        "sampled_phases": {label: bytes}}`` (the `PHASES_SHOWN` labels with the largest
-        samples; empty where no sample was read)."""
+        "sampled_phases": {label: bytes}, "phase_starts": {phase: seconds}}`` (the
+        `PHASES_SHOWN` labels with the largest samples; when each `phase` began, from the
+        watch's creation; empty where no sample was read)."""
         if not self.peak:
             return {}
         phases = sorted(self.phase_peaks.items(), key=lambda item: -item[1])[:self.PHASES_SHOWN]
         return {"sampled_peak": self.peak, "sampled_peak_at": round(self.at, 1), "sampled_peak_during": self.during,
-                "sampled_phases": dict(phases)}
+                "sampled_phases": dict(phases), "phase_starts": dict(self.phase_starts)}
 
 
 def _sequential(jobs: Iterable[CheckJob]):
@@ -215,10 +229,11 @@ def _run(jobs: list[CheckJob], report: CheckReport, *, workers: int = 1, threads
 
     def in_flight() -> str:
         if not done and not running:
-            return "start-up and building the examples"
+            return "building the examples"
         return "; ".join(f"{j.op.name}/{j.implementation}/{j.dtype}" for j in list(running.values())) or "between checks"
 
     watch = watch if watch is not None else MemoryWatch()
+    watch.phase = "building the examples"
     watch.running = in_flight
     with watch:
         for kind, job, value in stream:
