@@ -174,6 +174,8 @@ def test_heuristics_start_big_on_large_k_and_n():
         assert configs.gmm_tpu_vmem(forward, fwd) <= configs.tpu_heuristic_budget() == 32 << 20
         # dlhs is its own call (K and N swapped): its own choice, not the forward's
         assert configs.gmm_tpu_heuristic(dlhs) != fwd
+        # 128-row dlhs tiles ran 1.30x slower than 256-row ones on the v5e (the MXU fill)
+        assert configs.gmm_tpu_heuristic(dlhs).block_m >= 256
     with lowering_target("v5p"):  # two TensorCores: at least two column blocks on the parallel axis
         c = configs.gmm_tpu_heuristic(forward)
         assert -(-2048 // c.block_n) >= 2
@@ -477,14 +479,14 @@ def test_single_k_step_and_whole_n_heuristics_on_the_skewed_case():
     the cost model counts each group's weights once, so on issue 38's skewed case the forward
     takes the whole K (2048) in one step, the whole N (1408, `whole_tile`: no padded columns,
     ``lhs`` read once) and a row tile below 512 (each of the 63 group boundaries costs a whole
-    extra tile), modelled well ahead of the old choice (512, 2048, 512); the dlhs (K = 1408)
-    takes its whole K as well."""
+    extra tile), modelled ahead of the old choice (512, 2048, 512) by a sixth (the MXU fill,
+    `configs.mxu_seconds`, favours long row tiles); the dlhs (K = 1408) takes its whole K as well."""
     calls = _skewed_calls()
     with lowering_target("v5e"):
         call = calls["forward"][0].check(*calls["forward"][1], **calls["forward"][2])
         c = configs.gmm_tpu_heuristic(call)
         assert (c.block_k, c.block_n) == (2048, 1408) and c.block_m < 512, c
-        assert configs.gmm_tpu_cost(call, c) < 0.7 * configs.gmm_tpu_cost(call, TpuGroupedMatmulConfig(512, 2048, 512))
+        assert configs.gmm_tpu_cost(call, c) < 0.85 * configs.gmm_tpu_cost(call, TpuGroupedMatmulConfig(512, 2048, 512))
         dlhs = calls["dlhs"][0].check(*calls["dlhs"][1], **calls["dlhs"][2])
         assert configs.gmm_tpu_heuristic(dlhs).block_k == 1408
         tgmm = calls["tgmm"][0].check(*calls["tgmm"][1], **calls["tgmm"][2])

@@ -248,6 +248,11 @@ HEURISTIC_TILE_MAX = 512
 PEAK_FLOPS = 197e12
 HBM_BYTES_PER_S = 819e9
 STEP_SECONDS = 0.35e-6
+#: Rows-equivalent cost of a step's float32 accumulator read-modify-write (``[rows, bn]`` per
+#: ``contraction`` of a step): `mxu_seconds` charges ``ACCUMULATOR_ROWS / contraction``
+#: extra. Fitted on the v5e's balanced DeepSeek-like tgmm (M=16384, K=7168, N=2048, G=64):
+#: (128, 1024, 2048) 5.96 ms against (256, 1024, 1024) 5.25 ms (2026-12-06).
+ACCUMULATOR_ROWS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,14 +371,26 @@ def visits_estimate(m: int, groups: int, block_m: int) -> int:
     return -(-m // block_m) + max(groups - 1, 0)
 
 
-def _seconds(flops: float, nbytes: float, steps: float) -> float:
-    return max(flops / PEAK_FLOPS, nbytes / HBM_BYTES_PER_S) + steps * STEP_SECONDS
+def mxu_seconds(flops: float, streamed: int, contraction: int) -> float:
+    """Modelled MXU seconds of ``flops`` done as ``[streamed, contraction] @ [contraction, n]``
+    steps: the peak rate, slowed by the weight-stationary MXU's fill (each ``mxu × mxu`` weight
+    tile is loaded, about ``mxu`` cycles, for ``streamed`` rows pushed through it: 128-row gmm
+    tiles run at half the rate, 256 at two thirds — the v5e measured 67 % of peak for the
+    forward at 256 rows, and 128-row dlhs tiles 1.30x slower than 256) and by the float32
+    accumulator's update per step (`ACCUMULATOR_ROWS`)."""
+    mxu = target_generation().mxu
+    return flops / PEAK_FLOPS * (1 + mxu / streamed + ACCUMULATOR_ROWS / contraction)
+
+
+def _seconds(mxu: float, nbytes: float, steps: float) -> float:
+    return max(mxu, nbytes / HBM_BYTES_PER_S) + steps * STEP_SECONDS
 
 
 def gmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     """Modelled seconds of a `ragged_dot` call with ``c``: MXU work (every visit computes its
-    whole tile, K and N rounded up to the blocks: edge blocks are computed whole), HBM traffic
-    and grid steps, with the visits of `visits_estimate`.
+    whole tile, K and N rounded up to the blocks: edge blocks are computed whole; at the rate
+    of `mxu_seconds`, ``block_m`` rows streamed), HBM traffic and grid steps, with the visits
+    of `visits_estimate`.
 
     Traffic: the output once; with several K steps, for every column block each visit
     re-reads its ``lhs`` row tile and its group's ``rhs [K, bn]`` column block (K is the
@@ -394,7 +411,7 @@ def gmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     else:
         lhs_reads, rhs_reads = visits * c.block_m, visits
     nbytes = (columns * lhs_reads * kp * item + rhs_reads * kp * np_ * halves * item + m * np_ * out_item)
-    return _seconds(flops, nbytes, columns * visits * (kp // c.block_k))
+    return _seconds(mxu_seconds(flops, c.block_m, c.block_k), nbytes, columns * visits * (kp // c.block_k))
 
 
 def _megacore_ok(parallel_blocks: int, extent: int) -> bool:
@@ -468,7 +485,7 @@ def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
 
 def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     """Modelled seconds of a `ragged_dot_tgmm` call with ``c``: MXU work (whole tiles per
-    visit), HBM traffic (for every ``[bk, bn]`` output block the visited rows of ``lhs`` and
+    visit, at the rate of `mxu_seconds`: ``block_k`` rows streamed, ``block_m`` contracted), HBM traffic (for every ``[bk, bn]`` output block the visited rows of ``lhs`` and
     ``rhs``; the ``[G, K, N]`` output once) and grid steps (`visits_estimate` visits per
     output block)."""
     m, k, n, g = tgmm_dims(call)
@@ -478,7 +495,8 @@ def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     item, out_item = _itemsize(call), np.dtype(call.out_dtype).itemsize
     flops = 2.0 * visits * c.block_m * kp * np_
     nbytes = blocks * visits * c.block_m * (c.block_k + c.block_n) * item + g * kp * np_ * out_item
-    return _seconds(flops, nbytes, blocks * visits)
+    # out[bk, bn] += lhs[g]ᵀ[bk, bm] @ rhs[bm, bn]: bk rows streamed, bm contracted per step.
+    return _seconds(mxu_seconds(flops, c.block_k, c.block_m), nbytes, blocks * visits)
 
 
 def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
