@@ -22,8 +22,8 @@ import stellax
 from stellax.core import lowering_target, use_configs
 from stellax.ops.attention import attention_op, base, mosaic_tpu, mosaic_tpu_backward
 from stellax.ops.attention.configs import (
-    SplashBackwardConfig, SplashConfig, fused_backward_fits, fused_dq_bytes, splash_backward_heuristic,
-    splash_backward_space,
+    FUSED_BACKWARD_BY_DEFAULT, SplashBackwardConfig, SplashConfig, fused_backward_fits, fused_dq_bytes,
+    splash_backward_heuristic, splash_backward_space,
 )
 from stellax.testing import assert_close
 
@@ -130,7 +130,8 @@ def _call(t, n, kh, h=128, dtype=jnp.bfloat16):
 def test_resident_dq_bytes_and_the_default_rule():
     """The resident dq is ``T·G·H`` float32 plus two output buffers; the heuristic fuses where
     it fits three quarters of VMEM (T=8192 MHA and GQA 4 on a v5e) and not where it does not
-    (T=131072 MHA: 128 MiB), and the tuning space holds both forms exactly where it fits."""
+    (T=131072 MHA: 128 MiB) — unless `FUSED_BACKWARD_BY_DEFAULT` is off — and the tuning space
+    holds both forms exactly where it fits."""
     assert fused_dq_bytes(8192, 1, 128, 2, 1024) == 8192 * 128 * 8
     assert fused_dq_bytes(1000, 4, 64, 4, 128) == 1024 * 4 * 128 * 12  # T padded, lanes padded
     for generation, call, fused in (("v5e", _call(8192, 16, 16), True), ("v5e", _call(8192, 32, 8), True),
@@ -142,7 +143,7 @@ def test_resident_dq_bytes_and_the_default_rule():
             from stellax.core.platform import target_generation
 
             gen = target_generation()
-        assert config.fused is fused, (generation, call.query.shape)
+        assert config.fused is (fused and FUSED_BACKWARD_BY_DEFAULT), (generation, call.query.shape)
         assert config in space
         pairs = {(c.block_q_dkv, c.block_kv_dkv) for c in space}
         for bq, bk in pairs:
@@ -153,13 +154,14 @@ def test_resident_dq_bytes_and_the_default_rule():
 
 # -- Mosaic lowering and the real compiler ----------------------------------------------------------------
 def test_default_lowers_the_fused_kernel_only():
-    """On a v5e at T=2048 (the heuristic fuses) the gradients run the fused kernel and neither
-    of the unfused pair; with ``fused=False`` the pair, not the fused kernel."""
+    """On a v5e at T=2048 (the heuristic fuses, `FUSED_BACKWARD_BY_DEFAULT`) the gradients run
+    the fused kernel and neither of the unfused pair; with ``fused=False`` the pair, not the
+    fused kernel."""
     q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
     text = _lowered_backward_text(q, kv, is_causal=True)
-    assert FUSED_NAME in text
-    assert "stellax_splash_attention_backward_dq" not in text and "backward_dkdv" not in text
+    assert (FUSED_NAME in text) is FUSED_BACKWARD_BY_DEFAULT
+    assert ("stellax_splash_attention_backward_dkdv" in text) is not FUSED_BACKWARD_BY_DEFAULT
     unfused = {("attention_backward", "mosaic_tpu"): SplashBackwardConfig(512, 512, 512, 512, fused=False)}
     text = _lowered_backward_text(q, kv, configs=unfused, is_causal=True)
     assert FUSED_NAME not in text and "stellax_splash_attention_backward_dkdv" in text
