@@ -18,7 +18,10 @@ q, k, v for a random cotangent, through ``jax.vjp``), on the same data:
   names ``mosaic_tpu`` (a CPU dispatch would pick XLA).
 * ``stellax:mosaic_tpu`` explicit: the combos `EXPLICIT` names in ``--configs`` (forward
   ``SplashConfig`` and backward ``SplashBackwardConfig``, the dq and dk/dv kernels' blocks chosen
-  independently), through `stellax.use_configs`; a forward config already timed is not timed again.
+  independently, or the fused backward: names ending ``-fused``), through `stellax.use_configs`; a
+  forward config already timed is not timed again, nor a combo equal to the default's configs.
+  Fused against unfused against splash in one run: ``--cases 0,3 --passes fwd+bwd --configs
+  f1024-b1024,f1024-b1024-fused,f1024-b512-fused --splash 1024,1024-unfused``.
 * ``jax:splash``: jax's bundled splash attention (``make_splash_mha``; GQA/MQA by its kv-head
   grouping) on its own heads-first layout ``[N, T, D]`` (vmapped over the batch; the transposes are
   outside the timing), its block sizes searched over `SPLASH` (``--splash``); its masks: CausalMask,
@@ -137,9 +140,10 @@ CASES = [
 MAIN = [0, 1, 2, 3, 4]
 
 #: Explicit stellax configs: name → (forward (block_q, block_kv) or None for the default,
-#: backward (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv) or None for the default). The query
-#: blocks count rows of a step's tile (``G·block_q``): with ``G`` query heads per kv head (GQA/MQA)
-#: the config's ``block_q`` is that over ``G`` (at least 128).
+#: backward (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv[, fused]) or None for the default;
+#: ``fused`` (default False: the dq and dk/dv kernels) runs the fused backward on the dk/dv blocks).
+#: The query blocks count rows of a step's tile (``G·block_q``): with ``G`` query heads per kv head
+#: (GQA/MQA) the config's ``block_q`` is that over ``G`` (at least 128).
 EXPLICIT = {
     "f1024-b512": ((1024, 1024), (512, 512, 512, 512)),
     "f1024-b1024": ((1024, 1024), (1024, 1024, 1024, 1024)),
@@ -147,8 +151,14 @@ EXPLICIT = {
     "f1024-bkv1024": ((1024, 1024), (512, 1024, 1024, 512)),   # big on each kernel's streamed side
     "f2048x1024-b512": ((2048, 1024), (512, 512, 512, 512)),
     "f512-b512": ((512, 512), (512, 512, 512, 512)),
+    # the fused backward (one kernel, dq resident in VMEM) on its dk/dv blocks (block_q × block_kv)
+    "f1024-b1024-fused": ((1024, 1024), (1024, 1024, 1024, 1024, True)),
+    "f1024-b512-fused": ((1024, 1024), (512, 512, 512, 512, True)),
+    "f1024-b512x1024-fused": ((1024, 1024), (512, 1024, 512, 1024, True)),
 }
-DEFAULT_EXPLICIT = "f1024-b1024,f1024-bq1024"
+#: The heuristic default fuses where the resident dq fits (`configs.fused_backward_default`), so the
+#: default explicit set times the unfused pair at the same blocks and a smaller fused tile.
+DEFAULT_EXPLICIT = "f1024-b1024,f1024-b1024-fused,f1024-b512-fused"
 
 #: jax splash block sizes: name → (block_q, block_kv, block_kv_compute, block_q_dkv, block_kv_dkv, fused,
 #: block_q_dq, block_kv_dq) (the dq blocks only without the fused dkv+dq kernel).
@@ -249,8 +259,9 @@ def explicit_table(name: str, dry: bool, g: int) -> dict:
     if fwd is not None:
         table[("attention", "mosaic_tpu")] = SplashConfig(rows(fwd[0]), _scaled(fwd[1], dry))
     if bwd is not None:
+        fused = bool(bwd[4]) if len(bwd) > 4 else False
         table[("attention_backward", "mosaic_tpu")] = SplashBackwardConfig(
-            rows(bwd[0]), _scaled(bwd[1], dry), rows(bwd[2]), _scaled(bwd[3], dry))
+            rows(bwd[0]), _scaled(bwd[1], dry), rows(bwd[2]), _scaled(bwd[3], dry), fused=fused)
     return table
 
 

@@ -43,7 +43,7 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
     out = tmp_path / "attention.json"
     # a sliding window and sinks (every case's splash mask: test_splash_expresses_every_case)
     proc = subprocess.run([sys.executable, "benchmarks/attention_tpu.py", "--dry-run", "--out", str(out),
-                           "--cases", "2,17", "--configs", "f1024-bkv1024", "--splash", "1024-kv512",
+                           "--cases", "2,17", "--configs", "f1024-bkv1024,f1024-b512-fused", "--splash", "1024-kv512",
                            "--xla", "--budget", "1e9"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -67,6 +67,10 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
             assert len(defaults) == 1 and defaults[0]["config"].startswith("default(attention=mosaic_tpu:")
             if pass_ == "fwd+bwd":
                 assert "attention_backward=mosaic_tpu:" in defaults[0]["config"]
+                # the fused backward timed beside the unfused one (explicit configs)
+                labels = [r["config"] for r in group if r["contender"] == "stellax:mosaic_tpu"]
+                assert any(c.startswith("f1024-b512-fused [") and c.endswith("/True]") for c in labels), labels
+                assert any(c.startswith("f1024-bkv1024 [") and c.endswith("/False]") for c in labels), labels
             contenders = {r["contender"] for r in group}
             assert {"stellax:mosaic_tpu", "jax:splash", "stellax:xla_chunked"} <= contenders, contenders
             assert any(r["config"].startswith("f1024") for r in group if r["contender"] == "stellax:mosaic_tpu")

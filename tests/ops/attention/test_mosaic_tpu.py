@@ -27,12 +27,15 @@ from jax.sharding import Mesh
 import stellax
 from stellax.core import UnsupportedError, use_configs
 from stellax.ops.attention import attention_op, base, mosaic_tpu
-from stellax.ops.attention.configs import SplashBackwardConfig, SplashConfig
+from stellax.ops.attention.configs import FUSED_BACKWARD_BY_DEFAULT, SplashBackwardConfig, SplashConfig
 from stellax.ops.attention.masks import EMPTY, FULL, dense_mask
 from stellax.testing import assert_close
 
 from .attention_cases import check_against_golden, make_inputs
 
+#: The backward kernels the heuristic runs where the fused one fits (`configs.fused_backward_default`).
+BACKWARD_KERNELS = (("stellax_splash_attention_backward_fused",) if FUSED_BACKWARD_BY_DEFAULT else
+                    ("stellax_splash_attention_backward_dq", "stellax_splash_attention_backward_dkdv"))
 BLOCKS = {("attention", "mosaic_tpu"): SplashConfig(block_q=128, block_kv=128),
           ("attention_backward", "mosaic_tpu"): SplashBackwardConfig(128, 128, 128, 128)}
 
@@ -306,23 +309,23 @@ def test_requirements_explain_and_dispatch_falls_back():
 
 
 def test_default_implementation_on_a_tpu_lowers_to_mosaic_kernels():
-    """On a TPU ``implementation=None`` runs the three Mosaic kernels (forward, dq, dk/dv)."""
+    """On a TPU ``implementation=None`` runs the Mosaic kernels: the forward and the backward's
+    (`BACKWARD_KERNELS`: fused where its resident dq fits)."""
     x = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(stellax.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
     with stellax.lowering_target("v6e"):
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, kv, kv).lower(
             lowering_platforms=("tpu",)).as_text()
-    for name in ("stellax_splash_attention_forward", "stellax_splash_attention_backward_dq",
-                 "stellax_splash_attention_backward_dkdv"):
+    for name in ("stellax_splash_attention_forward",) + BACKWARD_KERNELS:
         assert name in text, name
-    assert text.count("tpu_custom_call") >= 3
+    assert text.count("tpu_custom_call") >= 1 + len(BACKWARD_KERNELS)
 
 
 # -- context parallelism on a TPU ---------------------------------------------------------------------
 def test_ring_attention_runs_mosaic_tpu_locally_on_a_tpu():
     """``context_parallel_attention`` (ring, 8 devices) on a TPU: its local
-    attention and the flash backward are the Mosaic TPU kernels."""
+    attention and the flash backward (fused by default) are the Mosaic TPU kernels."""
     from stellax.parallel import context_parallel_attention
     from stellax.parallel.ring import FLASH_BACKWARDS
 
@@ -341,8 +344,7 @@ def test_ring_attention_runs_mosaic_tpu_locally_on_a_tpu():
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
             lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text
-    for name in ("stellax_splash_attention_forward", "stellax_splash_attention_backward_dq",
-                 "stellax_splash_attention_backward_dkdv"):
+    for name in ("stellax_splash_attention_forward",) + BACKWARD_KERNELS:
         assert name in text, name
 
 

@@ -188,14 +188,22 @@ class SplashConfig(KernelConfig):
 @dataclasses.dataclass(frozen=True)
 class SplashBackwardConfig(KernelConfig):
     """Mosaic TPU backward kernels: dq (``block_q_dq × block_kv_dq`` tiles, q-block
-    major) and dk/dv (``block_q_dkv × block_kv_dkv`` tiles, kv-block major)."""
+    major) and dk/dv (``block_q_dkv × block_kv_dkv`` tiles, kv-block major); with
+    ``fused`` one kernel computes dq, dk and dv on the dk/dv blocks (the dq blocks
+    are unused), the head group's dq resident in VMEM (`mosaic_tpu_backward`)."""
 
     block_q_dq: int = 512
     block_kv_dq: int = 512
     block_q_dkv: int = 512
     block_kv_dkv: int = 512
+    fused: bool = False
+
+    CHOICES = {"fused": (False, True)}
 
     def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"SplashBackwardConfig: fused must be a bool, got {self.fused!r}")
         for name in ("block_q_dq", "block_kv_dq", "block_q_dkv", "block_kv_dkv"):
             _require_tpu_block("SplashBackwardConfig", name, getattr(self, name))
 
@@ -225,6 +233,22 @@ def splash_vmem_bytes(rows: int, block_kv: int, h: int, hv: int, itemsize: int, 
     else:
         scratch = 4 * rows * (hvp + 2 * 128)
     return blocks + stats + scratch + 4 * 4 * rows * block_kv
+
+
+def fused_dq_bytes(t: int, g: int, h: int, itemsize: int, block_q: int) -> int:
+    """VMEM the fused backward keeps for one head group's whole dq (bytes): the float32
+    accumulator ``[T·G, H]`` (``T`` padded to ``block_q``) and its double-buffered output
+    block in the operands' dtype. MHA, T=8192, H=128, bf16: 8 MiB; GQA G=4: 32 MiB."""
+    rows = -(-t // block_q) * block_q * g
+    return rows * _lane_pad(h) * (4 + 2 * itemsize)
+
+
+def fused_backward_fits(call: Call, block_q: int, block_kv: int, generation) -> bool:
+    """Whether the fused backward's step estimate (`splash_vmem_bytes`) plus its resident
+    dq (`fused_dq_bytes`) fit three quarters of the generation's VMEM."""
+    t, s, g, h, hv, size = _tpu_shape(call)
+    need = splash_vmem_bytes(g * block_q, block_kv, h, hv, size, backward=True)
+    return need + fused_dq_bytes(t, g, h, size, block_q) <= _tpu_budget(generation)
 
 
 def _tpu_budget(generation) -> int:
@@ -296,8 +320,31 @@ def splash_heuristic(call: Call) -> SplashConfig:
 
 
 def splash_backward_heuristic(call: Call) -> SplashBackwardConfig:
+    """The heuristic blocks for both kernels, fused (`fused_backward_default`) where its
+    resident dq fits."""
+    from ...core.platform import target_generation
+
     bq, bk = _heuristic_blocks(call, backward=True)
-    return SplashBackwardConfig(block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk)
+    fused = fused_backward_default(call, bq, bk, target_generation())
+    return SplashBackwardConfig(block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk, fused=fused)
+
+
+#: The fused backward's default (`fused_backward_default`); flip to False to make the unfused
+#: pair the default everywhere.
+FUSED_BACKWARD_BY_DEFAULT = True
+
+
+def fused_backward_default(call: Call, block_q: int, block_kv: int, generation) -> bool:
+    """The one rule choosing the fused backward: wherever its resident dq fits
+    (`fused_backward_fits`). Modelled, not yet measured on a chip: per visited block pair it
+    runs 5 matmuls and one ``exp`` pass against the unfused pair's 7 and two (T=8192, N=16,
+    H=128 causal, 1024 blocks: 36 pairs per head, 2 matmuls of 0.27 GFLOP each saved, 0.31
+    TFLOP in all, ~1.6-1.9 ms of the unfused backward's ~8.7 ms on a v5e at 167-197 TFLOP/s),
+    and reads q/dO/lse/delta once per pair instead of twice and k/v once per kv block; it
+    writes dq once (2 MiB per head in bf16) where splash's fused kernel writes and re-reads a
+    dq partial per kv block (8 × 2 MiB per head, ~0.5 GB in all at N=16, ~0.65 ms at 819 GB/s).
+    Its cost: the j axis is sequential, so megacore chips split only batch and kv heads."""
+    return FUSED_BACKWARD_BY_DEFAULT and fused_backward_fits(call, block_q, block_kv, generation)
 
 
 def _tpu_block_pairs(call: Call, *, backward: bool) -> list[tuple[int, int]]:
@@ -323,9 +370,18 @@ def splash_space(call: Call) -> list[SplashConfig]:
 
 def splash_backward_space(call: Call) -> list[SplashBackwardConfig]:
     """The dq and dk/dv kernels tuned with the same pair (they launch one
-    after the other; their blocks are independent fields for explicit use)."""
-    return [SplashBackwardConfig(block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk)
-            for bq, bk in _tpu_block_pairs(call, backward=True)]
+    after the other; their blocks are independent fields for explicit use),
+    each pair also fused where its resident dq fits (`fused_backward_fits`)."""
+    from ...core.platform import target_generation
+
+    generation = target_generation()
+    space = []
+    for bq, bk in _tpu_block_pairs(call, backward=True):
+        for fused in (False, True):
+            if not fused or fused_backward_fits(call, bq, bk, generation):
+                space.append(SplashBackwardConfig(block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                                                  fused=fused))
+    return space
 
 
 def splash_requirements(call: Call) -> str | None:

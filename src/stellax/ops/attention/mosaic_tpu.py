@@ -393,12 +393,15 @@ def token_inputs(toks: Tokens, tiling: Tiling, q_block, kv_block) -> dict:
                 kv_seg=cols(toks.kv_seg))
 
 
-def vmem_limit(tiling: Tiling, itemsize: int, *, backward: bool = False) -> int | None:
+def vmem_limit(tiling: Tiling, itemsize: int, *, backward: bool = False, resident: int = 0) -> int | None:
     """The scoped-VMEM limit a launch asks for: twice the estimate
-    (`configs.splash_vmem_bytes`) when that exceeds the generation's default,
-    capped at seven eighths of its VMEM; None when the default suffices."""
+    (`configs.splash_vmem_bytes`) plus ``resident`` bytes (the fused backward's
+    whole-sequence dq, `configs.fused_dq_bytes`) when that exceeds the
+    generation's default, capped at seven eighths of its VMEM; None when the
+    default suffices."""
     generation = target_generation()
     need = 2 * splash_vmem_bytes(tiling.rows, tiling.bk, tiling.h, tiling.hv, itemsize, backward=backward)
+    need += resident
     if need <= generation.scoped_vmem_bytes:
         return None
     return min(need, generation.vmem_bytes * 7 // 8)

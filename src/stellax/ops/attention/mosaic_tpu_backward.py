@@ -5,8 +5,9 @@ Given the forward's ``out`` and ``lse``, in XLA first (one elementwise pass):
     delta = rowsum(dO·O) - dlse                 [B, N, T] float32
     dsinks = -Σ_{b,t} exp(σ - lse)·delta        (with sinks)
 
-then two kernels, deterministic (no atomics; each output block is owned by
-one grid point and accumulated over a sequential "arbitrary" axis in VMEM):
+then, unfused (``config.fused`` False), two kernels, deterministic (no
+atomics; each output block is owned by one grid point and accumulated over a
+sequential "arbitrary" axis in VMEM):
 
 1. dq, grid ``(b, kk, i, j)``: query block ``i`` (the ``G`` heads of kv head
    ``kk``, ``R = G·block_q`` rows) walks its row of the mask's block table
@@ -21,6 +22,20 @@ one grid point and accumulated over a sequential "arbitrary" axis in VMEM):
 
        dv += pᵀ·dO;  dk += dsᵀ·q;   last step: dk *= scale
 
+3. fused (``config.fused``), one kernel, grid ``(b, kk, j, i)`` as dk/dv, both
+   ``j`` and ``i`` "arbitrary": per visited pair ``s``, ``dp``, ``dv``, ``dk``
+   and ``dq`` (5 matmuls, against 3 + 4 above), with the dq of the whole
+   sequence of the head group resident in VMEM (float32 ``[nq·R, H]``):
+
+       dq[rows of block i] += ds·k;   after the last pair: dq *= scale
+
+   and written to HBM once, as one output block per ``(b, kk)``. Against
+   splash's fused kernel (a dq partial per kv block in HBM, summed in XLA:
+   ``nk`` extra ``[T, H]`` arrays written and read per head) this adds no
+   HBM traffic; its limit is VMEM (``T·G·H·(4 + 2·itemsize)`` bytes,
+   `configs.fused_dq_bytes`), and ``j`` is sequential (megacore chips split
+   only ``b`` and ``kk``).
+
 A fully masked row has ``lse = -inf``; the kernels read ``+inf`` there (and in
 padded rows), so ``p = 0`` and every gradient of the row is zero.
 """
@@ -29,12 +44,16 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core.pallas import operand, tpu_kernel_call
-from .mosaic_tpu import F32, Layout, Step, TileMath, Tiling, Tokens, group_stats, schedule, token_inputs, vmem_limit
+from ...core.pallas import operand, output, tpu_kernel_call
+from .configs import fused_dq_bytes
+from .mosaic_tpu import (
+    F32, Layout, Step, TileMath, Tiling, Tokens, group_stats, schedule, token_inputs, ungroup_rows, vmem_limit,
+)
 
 
 def _probabilities(math_: TileMath, q, k, lse, masked: bool, col, toks):
@@ -105,6 +124,50 @@ def _dkdv_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_
         dv[...] = dv_scr[...].astype(dv.dtype)
 
 
+# -- 3. fused: dq, dk and dv in one kv-block-major pass -------------------------------------------
+def _fused_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_seg, dq, dk, dv, dq_scr,
+                  dk_scr, dv_scr, math_: TileMath, step: Step, rows: int, n_row_blocks: int):
+    """Step ``(b, kk, j, i)``: key block ``j`` with the ``i``-th query block of its table column.
+    ``dq_scr [n_row_blocks·rows, H]`` float32 holds the head group's whole dq (module docstring);
+    ``dq`` is its output block, written at the group's last step."""
+    b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    last_j, last_i = pl.num_programs(2) - 1, pl.num_programs(3) - 1
+
+    @pl.when(jnp.logical_and(j == 0, i == 0))
+    def _init_dq():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, F32)
+
+    @pl.when(i == 0)
+    def _init_dkdv():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, F32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, F32)
+
+    def update(masked: bool):
+        q_tile, k_tile, do = q[...], k[...], d_out[...]
+        p, tanh = _probabilities(math_, q_tile, k_tile, lse[...], masked, j, (q_pos, kv_pos, q_seg, kv_seg))
+        dv_scr[...] += math_.dot_tn(p.astype(do.dtype), do)
+        ds = _logit_grad(math_, p, tanh, do, v[...], delta[...]).astype(q_tile.dtype)
+        dk_scr[...] += math_.dot_tn(ds, q_tile)
+        at = pl.ds(pl.multiple_of(step.block(table, b, j, i) * rows, rows), rows)
+        dq_scr[at, :] += math_.dot(ds, k_tile)
+
+    step.visit(table, b, j, i, update)
+
+    @pl.when(i == last_i)
+    def _finish_dkdv():
+        dk[...] = (dk_scr[...] * F32(math_.scale)).astype(dk.dtype)
+        dv[...] = dv_scr[...].astype(dv.dtype)
+
+    @pl.when(jnp.logical_and(j == last_j, i == last_i))
+    def _finish_dq():
+        def write(r, carry):
+            at = pl.ds(pl.multiple_of(r * rows, rows), rows)
+            dq[at, :] = (dq_scr[at, :] * F32(math_.scale)).astype(dq.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, n_row_blocks, write, 0)
+
+
 # -- launches ------------------------------------------------------------------------------------
 def _inputs(c, d_out, lse, delta, tiling: Tiling, layout: Layout, stats_spec, q_block, kv_block) -> dict:
     """Both kernels' operands: q, dO, k and v where ``layout`` puts them, lse
@@ -162,10 +225,56 @@ def _dkdv(c, d_out, lse, delta, block_q: int, block_kv: int):
     return layout.keys_result(outs.dk), layout.keys_result(outs.dv)
 
 
+def _resident_dq_output(tiling: Tiling, layout: Layout, dtype):
+    """The fused kernel's dq: one output block per ``(b, kk)`` holding the group's whole
+    sequence, ``[T, H]`` of ``[B, T, N·H]`` (direct layout) or ``[nq·R, H]`` of
+    ``[B, K, nq·R, H]`` (grouped: `group_rows` with the block axes merged)."""
+    t_ = tiling
+    if layout.direct:
+        spec = pl.BlockSpec((None, t_.tp, t_.h), lambda b, kk, j, i, tab: (b, 0, kk))
+        return output((t_.b, t_.t, t_.n * t_.h), dtype, spec)
+    spec = pl.BlockSpec((None, None, t_.nq * t_.rows, t_.h), lambda b, kk, j, i, tab: (b, kk, 0, 0))
+    return output((t_.b, t_.kh, t_.nq * t_.rows, t_.h), dtype, spec)
+
+
+def _fused(c, d_out, lse, delta, block_q: int, block_kv: int):
+    """``(dq, dk, dv)`` from the fused kernel (module docstring, 3.)."""
+    tiling = Tiling.of(c, block_q, block_kv)
+    t_ = tiling
+    table, step, width = schedule(c, tiling, kv_major=True)
+    row_block = lambda b, j, i, tab: step.block(tab, b, j, i)
+    layout = Layout(tiling, row_block, lambda b, j, i, tab: j)
+    stats = pl.BlockSpec((None, None, None, t_.rows, 1),
+                         lambda b, kk, j, i, tab: (b, kk, row_block(b, j, i, tab), 0, 0))
+    itemsize = jnp.dtype(c.q.dtype).itemsize
+    outs = tpu_kernel_call(
+        functools.partial(_fused_kernel, math_=TileMath.of(c, tiling), step=step, rows=t_.rows,
+                          n_row_blocks=t_.nq),
+        grid=(t_.b, t_.kh, t_.nk, width),
+        scalar_prefetch=dict(table=table),
+        inputs=_inputs(c, d_out, lse, delta, tiling, layout, stats, row_block, lambda b, j, i, tab: j),
+        outputs=dict(dq=_resident_dq_output(tiling, layout, c.q.dtype),
+                     dk=layout.keys_out(t_.h, c.k.dtype), dv=layout.keys_out(t_.hv, c.v.dtype)),
+        scratch=dict(dq_scr=pltpu.VMEM((t_.nq * t_.rows, t_.h), F32),
+                     dk_scr=pltpu.VMEM((t_.bk, t_.h), F32), dv_scr=pltpu.VMEM((t_.bk, t_.hv), F32)),
+        dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+        vmem_limit_bytes=vmem_limit(tiling, itemsize, backward=True,
+                                    resident=fused_dq_bytes(t_.t, t_.g, t_.h, itemsize, t_.bq)),
+        name="stellax_splash_attention_backward_fused",
+    )
+    dq = outs.dq
+    if layout.direct:
+        dq = dq.reshape(t_.b, t_.t, t_.n, t_.h)
+    else:
+        dq = ungroup_rows(dq.reshape(t_.b, t_.kh, t_.nq, t_.rows, t_.h), t_)
+    return dq, layout.keys_result(outs.dk), layout.keys_result(outs.dv)
+
+
 def backward(c, out, lse, d_out, d_lse, config):
     """``(dq, dk, dv, None, dsinks)`` of canonical operands ``c`` (no dense
     bias/mask) in the operands' dtypes, from the forward's ``out [B, T, N, Hv]``
-    and ``lse [B, N, T]``."""
+    and ``lse [B, N, T]``: the fused kernel with ``config.fused`` (on the dk/dv blocks),
+    else the dq and dk/dv kernels."""
     d_out = d_out.astype(out.dtype)
     delta = jnp.sum(out.astype(F32) * d_out.astype(F32), axis=-1)  # [B, T, N]
     delta = jnp.swapaxes(delta, 1, 2)
@@ -175,6 +284,9 @@ def backward(c, out, lse, d_out, d_lse, config):
     if c.sinks is not None:
         weight = jnp.exp(c.sinks.astype(F32)[None, :, None] - lse)  # lse is finite with a sink
         dsinks = (-jnp.sum(weight * delta, axis=(0, 2))).astype(c.sinks.dtype)
-    dq = _dq(c, d_out, lse, delta, config.block_q_dq, config.block_kv_dq)
-    dk, dv = _dkdv(c, d_out, lse, delta, config.block_q_dkv, config.block_kv_dkv)
+    if config.fused:
+        dq, dk, dv = _fused(c, d_out, lse, delta, config.block_q_dkv, config.block_kv_dkv)
+    else:
+        dq = _dq(c, d_out, lse, delta, config.block_q_dq, config.block_kv_dq)
+        dk, dv = _dkdv(c, d_out, lse, delta, config.block_q_dkv, config.block_kv_dkv)
     return dq, dk, dv, None, dsinks
