@@ -3,8 +3,8 @@ state scan and every chunk's gradients in one kernel, ``dS`` carried in VMEM.
 
 The forward kernel runs again storing each chunk's initial state ``S_c``
 (`mosaic_tpu.recurrence_forward` with ``with_states``; recomputed, not kept
-from the forward). Then on grid ``(BH/hb, V/BV, NT)`` (``hb`` heads per step, unrolled as in the
-forward: `mosaic_tpu`) with the chunk axis
+from the forward). Then on grid ``(BH/hb, V/BV, NT)`` (``hb`` heads per step, one chunk function
+batched over them as in the forward: `mosaic_tpu`) with the chunk axis
 ``"arbitrary"`` and walked from the last chunk back, each step holds
 ``dS'`` (the cotangent of the chunk's final state) in a float32 scratch and
 differentiates the chunk's own function (`mosaic_tpu.scalar_chunk` /
@@ -43,13 +43,13 @@ from ...core.pallas import F32, HIGHEST, operand, output, pad_axis, tpu_kernel_c
 from .configs import TpuLinearAttentionConfig, lanes, tpu_vmem_limit
 from .layout import call_meta, dfinal_of, flat, pass_empty_sequences
 from .mxu import operand_dtype
-from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, head_tile, kernel_products,
+from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, kernel_products, load_tile,
                          recurrence_forward, scalar_chunk)
 
 
 def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
                      dbeta, dh0, dstate, chunk, chunks, per_channel, products):
-    """One chunk of the step's heads (the blocks' leading axis, unrolled as in the
+    """One chunk of the step's heads (the blocks' leading axis, batched as in the
     forward), walked in reverse (module docstring)."""
     del seq
     rc = chunks - 1 - pl.program_id(2)
@@ -62,37 +62,27 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
     def _():
         dstate[...] = dfinal[...]
 
-    # Every head's loads first, then their transposed chunk functions, then every store (as the forward).
-    heads = range(dstate.shape[0])
+    # The step's heads as one batched chunk function (a leading head axis; as the forward), transposed.
     f = functools.partial(channel_chunk if per_channel else scalar_chunk, chunk=chunk, products=products)
-    loaded = []
-    for h in heads:
-        qkv = (head_tile(q, h), head_tile(k, h), head_tile(v, h))  # float32 tiles: float32 cotangents
-        rest = (head_tile(g, h), head_tile(beta, h)) if per_channel else \
-            (head_tile(g, h), head_tile(g_row, h), head_tile(beta, h))
-        loaded.append((qkv + rest + (states[h],), (do[h], dstate[h])))
-    all_grads = [jax.vjp(f, *tiles)[1](cot) for tiles, cot in loaded]
-    initial = []
-    for h, grads in zip(heads, all_grads):
-        if per_channel:
-            gq, gk, gv, gg, gb, gs = grads
-            dg[h] = gg
-        else:
-            gq, gk, gv, gg, gr, gb, gs = grads
-            dg[h] = gg
-            dg_row[h] = gr
-        dq[h] = gq
-        dk[h] = gk
-        dv[h] = gv
-        if dbeta is not None:
-            dbeta[h] = gb
-        dstate[h] = gs
-        initial.append(gs)
+    qkv = (load_tile(q), load_tile(k), load_tile(v))  # float32 tiles: float32 cotangents
+    rest = (load_tile(g), load_tile(beta)) if per_channel else (load_tile(g), load_tile(g_row), load_tile(beta))
+    grads = jax.vjp(f, *qkv, *rest, states[...])[1]((do[...], dstate[...]))
+    if per_channel:
+        gq, gk, gv, gg, gb, gs = grads
+    else:
+        gq, gk, gv, gg, gr, gb, gs = grads
+        dg_row[...] = gr
+    dg[...] = gg
+    dq[...] = gq
+    dk[...] = gk
+    dv[...] = gv
+    if dbeta is not None:
+        dbeta[...] = gb
+    dstate[...] = gs
 
     @pl.when(first[rc] != 0)
     def _():
-        for h, gs in enumerate(initial):
-            dh0[h] = gs
+        dh0[...] = gs
 
 
 def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, per_channel: bool,
