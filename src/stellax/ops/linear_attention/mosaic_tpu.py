@@ -33,8 +33,11 @@ exponent a direct span sum ≤ 0, masked to −inf outside its span):
 Layout (`recurrence`; `forward` is the entry of the backend's row in
 `base.BACKENDS`): heads-major, flattened, ``q, k [BH, Tp, Kp]``,
 ``v [BH, Tp, Vp]``, head sizes zero-padded to multiples of 128 lanes;
-scalar decays come twice, as a column ``[BH, Tp, 1]`` and as rows
-``[BH, NT, 1, C]`` (span sums over lanes stay exact), ``β`` as a column.
+scalar decays and ``β`` come to both kernels as lane-dense rows ``[BH, NT, 1, C]``
+(span sums over lanes stay exact; the columns the chunk functions also take are
+formed in VMEM, `row_to_column`: a ``[BH, Tp, 1]`` operand pads its lane to 128,
+moving 128 times its bytes — at T = 16384, HV = 32, 268 MB per column instead of 2
+MB; the backward's ``dg``, ``dβ`` are rows too).
 Packed batches use int32 ``first, seq, last [NT]`` by scalar prefetch (dense
 batches get ``first = [c = 0]``, ``seq = 0``, ``last = [c = NT−1]``): the
 state is reset to ``h0[seq·HV + head]`` at a sequence's first chunk and
@@ -234,13 +237,16 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     # The step's heads run as one batched chunk function (a leading head axis on every tile):
     # each product is issued for every head back to back, so the heads' independent chains
     # overlap on the MXUs (written head after head, each head's chain ran to its end first).
+    # β and the scalar decays arrive as rows [hb, 1, C]; the chunk functions take them as columns too.
     initial = state[...]
+    b = None if beta is None else row_to_column(load_tile(beta), chunk)
     if per_channel:
-        out, new = channel_chunk(load_tile(q), load_tile(k), load_tile(v), load_tile(g), load_tile(beta), initial,
+        out, new = channel_chunk(load_tile(q), load_tile(k), load_tile(v), load_tile(g), b, initial,
                                  chunk=chunk, products=products, skip=skip)
     else:
-        out, new = scalar_chunk(load_tile(q), load_tile(k), load_tile(v), load_tile(g), load_tile(g_row),
-                                load_tile(beta), initial, chunk=chunk, products=products, skip=skip)
+        rows = load_tile(g_row)
+        out, new = scalar_chunk(load_tile(q), load_tile(k), load_tile(v), row_to_column(rows, chunk), rows, b,
+                                initial, chunk=chunk, products=products, skip=skip)
     if states is not None:
         states[...] = initial
     if o is not None:
@@ -313,13 +319,20 @@ def kernel_products(q, k, v, precision) -> Products:
 
 
 def decay_operands(g, specs: Specs, per_channel: bool, name: str = "g"):
-    """The named decay operands: ``g [BH, Tp, Kp]`` per channel, else ``g`` as a
-    column ``[BH, Tp, 1]`` and as rows ``[BH, NT, 1, C]`` (``g_row``)."""
+    """The named decay operands: ``g [BH, Tp, Kp]`` per channel, else ``g`` as lane-dense
+    rows ``[BH, NT, 1, C]`` only (``g_row``; the kernels form the column, `row_to_column`:
+    a ``[BH, Tp, 1]`` operand pads its one lane to 128 in HBM, 128 times its bytes)."""
     if per_channel:
         return {name: operand(g, specs.tokens(specs.kp)), name + "_row": None}
     bh, tp = g.shape
-    return {name: operand(g[..., None], specs.tokens(1)),
-            name + "_row": operand(g.reshape(bh, tp // specs.chunk, 1, specs.chunk), specs.rows())}
+    return {name: None, name + "_row": operand(g.reshape(bh, tp // specs.chunk, 1, specs.chunk), specs.rows())}
+
+
+def row_to_column(row, chunk: int):
+    """A chunk's per-token values from a lane-dense row ``[..., 1, C]`` to a column ``[..., C, 1]``,
+    exactly (each row's sum holds one nonzero term: the diagonal of the row broadcast over ``C`` rows)."""
+    rows, cols = square_iota(chunk)
+    return jnp.sum(jnp.where(rows == cols, row, 0.0), axis=-1, keepdims=True)
 
 
 def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: bool,
@@ -357,8 +370,11 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
     first, seq, last = dense_meta(nt) if meta is None else meta
     hb = config.heads_per_step
     specs = Specs(kp, bv, chunk, heads, nt, hb=hb)
+    # Scalar decays and β as lane-dense rows only (`row_to_column` in the kernel): a [BH, Tp, 1] column
+    # operand would move 128 times its bytes (its lane padded to 128) and cost XLA a padded copy.
+    beta_rows = None if beta is None else beta.reshape(bh, nt, 1, chunk)
     inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
-              "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
+              "beta": operand(beta_rows, specs.rows()),
               "h0": operand(h0, specs.state), **decay_operands(g, specs, per_channel)}
     outs = tpu_kernel_call(
         functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, products=products,

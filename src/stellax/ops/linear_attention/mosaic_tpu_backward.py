@@ -44,7 +44,7 @@ from .configs import TpuLinearAttentionConfig, lanes, tpu_vmem_limit
 from .layout import call_meta, dfinal_of, flat, pass_empty_sequences
 from .mxu import operand_dtype
 from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, kernel_products, load_tile,
-                         recurrence_forward, scalar_chunk)
+                         recurrence_forward, row_to_column, scalar_chunk)
 
 
 def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
@@ -63,16 +63,23 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
         dstate[...] = dfinal[...]
 
     # The step's heads as one batched chunk function (a leading head axis; as the forward), transposed.
-    f = functools.partial(channel_chunk if per_channel else scalar_chunk, chunk=chunk, products=products)
-    qkv = (load_tile(q), load_tile(k), load_tile(v))  # float32 tiles: float32 cotangents
-    rest = (load_tile(g), load_tile(beta)) if per_channel else (load_tile(g), load_tile(g_row), load_tile(beta))
-    grads = jax.vjp(f, *qkv, *rest, states[...])[1]((do[...], dstate[...]))
+    # β and the scalar decays come as rows [hb, 1, C] (as the forward's): their columns are formed
+    # inside the differentiated function, so the rows get the whole cotangent.
+    fixed = dict(chunk=chunk, products=products)
+    col = lambda row: None if row is None else row_to_column(row, chunk)
     if per_channel:
-        gq, gk, gv, gg, gb, gs = grads
+        f = lambda q_, k_, v_, g_, b_, s_: channel_chunk(q_, k_, v_, g_, col(b_), s_, **fixed)
+        decays = load_tile(g)
     else:
-        gq, gk, gv, gg, gr, gb, gs = grads
-        dg_row[...] = gr
-    dg[...] = gg
+        f = lambda q_, k_, v_, r_, b_, s_: scalar_chunk(q_, k_, v_, col(r_), r_, col(b_), s_, **fixed)
+        decays = load_tile(g_row)
+    qkv = (load_tile(q), load_tile(k), load_tile(v))  # float32 tiles: float32 cotangents
+    grads = jax.vjp(f, *qkv, decays, load_tile(beta), states[...])[1]((do[...], dstate[...]))
+    gq, gk, gv, gd, gb, gs = grads
+    if per_channel:
+        dg[...] = gd
+    else:
+        dg_row[...] = gd
     dq[...] = gq
     dk[...] = gk
     dv[...] = gv
@@ -115,8 +122,10 @@ def backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, *, head
     dfinal = jnp.zeros(h0.shape, F32) if dfinal is None else dfinal.astype(F32)
     hb = config.heads_per_step
     specs = Specs(kp, bv, chunk, heads, nt, reverse=True, hb=hb)
+    # β and the scalar decays as lane-dense rows [BH, NT, 1, C] in and out (no [BH, Tp, 1] column:
+    # its lane pads to 128 in HBM; `mosaic_tpu.row_to_column`).
     inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
-              "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
+              "beta": operand(None if beta is None else beta.reshape(bh, nt, 1, chunk), specs.rows()),
               "states": operand(states, specs.per_chunk), "do": operand(do.astype(F32), specs.cols),
               "dfinal": operand(dfinal, specs.state), **decay_operands(g, specs, per_channel)}
     parts = lambda *shape: jax.ShapeDtypeStruct((nv,) + shape, F32)
@@ -124,9 +133,9 @@ def backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, *, head
         "dq": output(parts(bh, tp, kp).shape, F32, specs.tokens(kp, parts=True)),
         "dk": output(parts(bh, tp, kp).shape, F32, specs.tokens(kp, parts=True)),
         "dv": output((bh, tp, vp), F32, specs.cols),
-        "dg": output((nv, bh, tp, kp if per_channel else 1), F32, specs.tokens(kp if per_channel else 1, parts=True)),
+        "dg": output((nv, bh, tp, kp), F32, specs.tokens(kp, parts=True)) if per_channel else None,
         "dg_row": None if per_channel else output((nv, bh, nt, 1, chunk), F32, specs.rows(parts=True)),
-        "dbeta": None if beta is None else output((nv, bh, tp, 1), F32, specs.tokens(1, parts=True)),
+        "dbeta": None if beta is None else output((nv, bh, nt, 1, chunk), F32, specs.rows(parts=True)),
         "dh0": output(h0.shape, F32, specs.state),
     }
     outs = tpu_kernel_call(
@@ -141,10 +150,8 @@ def backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, *, head
         name="linear_attention_channel_backward" if per_channel else "linear_attention_scalar_backward",
     )
     total = lambda x: x[0] if nv == 1 else jnp.sum(x, axis=0)
-    dg = total(outs.dg)
-    if not per_channel:
-        dg = dg[..., 0] + total(outs.dg_row).reshape(bh, tp)
-    dbeta = None if beta is None else total(outs.dbeta)[..., 0]
+    dg = total(outs.dg) if per_channel else total(outs.dg_row).reshape(bh, tp)
+    dbeta = None if beta is None else total(outs.dbeta).reshape(bh, tp)
     return total(outs.dq), total(outs.dk), outs.dv, dg, dbeta, outs.dh0
 
 
