@@ -4,12 +4,18 @@ fused in one kernel per chunk, the state carried in VMEM across chunks.
 Grid ``(BH/hb, V/BV, NT)``: every (batch·head, block of ``BV`` value columns)
 pair is independent (``"parallel"``) and walks its ``NT`` chunks in order
 (``"arbitrary"``), holding ``S [K, BV]`` in a float32 VMEM scratch. A step
-takes ``hb`` heads (``config.heads_per_step``; every block's leading axis),
-their chunk functions unrolled one after the other in one basic block: each
-head's chain of dependent small products (the inverse's doubling steps, then
-``W S`` and ``P Δ``) leaves the MXU idle while it waits for results, and the
-scheduler fills that time with the other heads' independent products
-(`tpu_costs`); the grid steps fall ``hb``-fold. The value
+takes ``hb`` heads (``config.heads_per_step``; every block's leading axis)
+through one chunk function batched over that axis: each head's chain of
+dependent small products (the inverse's doubling steps, then ``W S`` and
+``P Δ``) leaves the MXU idle while it waits for results (a product's weight
+push, row issues and ~130 cycles before its first result: ~290 cycles per link
+at chunk 128 on a v5e), and a batched product issues every head's product back
+to back, on all four MXUs, so that the other heads' products fill that time
+(`tpu_costs`; the grid steps fall ``hb``-fold). Written head after head, the
+compiler kept each MXU's products in program order and the heads' chains ran
+one after the other: the static schedule of the GDN forward at chunk 128 and 4
+heads had a critical path of 17285 cycles (3.7 times one head's 4624), batched
+8468 (`stellax.testing.llo_schedule`; v5e, libtpu 0.0.42). The value
 columns of the delta rule are independent given the keys (``W`` and ``T``
 depend on ``k, g, β`` only), so splitting ``V`` recomputes the chunk's solve
 per value block and nothing else.
@@ -27,8 +33,11 @@ exponent a direct span sum ≤ 0, masked to −inf outside its span):
 Layout (`recurrence`; `forward` is the entry of the backend's row in
 `base.BACKENDS`): heads-major, flattened, ``q, k [BH, Tp, Kp]``,
 ``v [BH, Tp, Vp]``, head sizes zero-padded to multiples of 128 lanes;
-scalar decays come twice, as a column ``[BH, Tp, 1]`` and as rows
-``[BH, NT, 1, C]`` (span sums over lanes stay exact), ``β`` as a column.
+scalar decays and ``β`` come to both kernels as lane-dense rows ``[BH, NT, 1, C]``
+(span sums over lanes stay exact; the columns the chunk functions also take are
+formed in VMEM, `row_to_column`: a ``[BH, Tp, 1]`` operand pads its lane to 128,
+moving 128 times its bytes — at T = 16384, HV = 32, 268 MB per column instead of 2
+MB; the backward's ``dg``, ``dβ`` are rows too).
 Packed batches use int32 ``first, seq, last [NT]`` by scalar prefetch (dense
 batches get ``first = [c = 0]``, ``seq = 0``, ``last = [c = NT−1]``): the
 state is reset to ``h0[seq·HV + head]`` at a sequence's first chunk and
@@ -49,6 +58,9 @@ read) — are upcast once in VMEM (`load_tile`) and run `mxu.BF16_PRODUCTS`:
   set every ``exp``, and the sums' transposes carry ``dg``;
 * three passes (`mxu.BF16_SOLVE`): the inverse's products;
 * float32 on the VPU: every ``exp`` and the state ``S``.
+
+Batching the step's heads (above) changes no product: each head's products take the same
+operands at the same precision as one head alone.
 
 Against the float32 golden at T = 65536 the bfloat16 kernels stay within bfloat16's
 tolerance (rel-L2 1e-2, gradients 2e-2); their output and gradient errors are one to
@@ -92,30 +104,56 @@ def _dot_tn(a, b, precision):
     return mxu_matmul(a, b, "tn", precision)
 
 
-def scalar_spans(g_col, g_row, chunk: int, precision=HIGHEST):
+def scalar_spans(g_col, g_row, chunk: int, precision=HIGHEST, pairs: bool = True):
     """Span sums of one chunk's scalar log decays, from ``g`` as a column
     ``[C, 1]`` and as a row ``[1, C]``: ``(D [C, C], G [C, 1], tail [C, 1],
     total [1, 1])`` with ``D_ij = Σ_{j<t≤i} g_t`` (a matmul with a 0/1 mask at
     ``precision``, `mxu.EXACT` or a resolved precision), ``G_i = Σ_{t≤i} g_t``,
-    ``tail_j = Σ_{t>j} g_t`` (lane sums) and ``total = Σ_t g_t``."""
+    ``tail_j = Σ_{t>j} g_t`` (lane sums) and ``total = Σ_t g_t`` (without ``pairs``:
+    ``D = 0``, no matmul; the ablation benchmark's seam). Tiles may carry a leading axis of heads."""
     rows, cols = square_iota(chunk)
     later = jnp.where(rows > cols, g_col, 0.0)  # [t, j]: g_t for t > j
-    spans = mask_matmul((rows >= cols).astype(F32), later, "nn", precision)
-    prefix = jnp.sum(jnp.where(cols <= rows, g_row, 0.0), axis=1, keepdims=True)
-    tail = jnp.sum(jnp.where(cols > rows, g_row, 0.0), axis=1, keepdims=True)
-    return spans, prefix, tail, jnp.sum(g_row, axis=1, keepdims=True)
+    if pairs:
+        spans = mask_matmul((rows >= cols).astype(F32), later, "nn", precision)
+    else:
+        spans = jnp.zeros_like(later)
+    prefix = jnp.sum(jnp.where(cols <= rows, g_row, 0.0), axis=-1, keepdims=True)
+    tail = jnp.sum(jnp.where(cols > rows, g_row, 0.0), axis=-1, keepdims=True)
+    return spans, prefix, tail, jnp.sum(g_row, axis=-1, keepdims=True)
 
 
-def _delta_rule(kk_scores, beta, v, chunk: int, products: Products):
+#: The stages a chunk function can leave out (`check_skip`; the ablation benchmark's seam,
+#: benchmarks/linear_attention_ablation_tpu.py; the results are then wrong):
+#: ``"spans"``: the decay spans ``D`` (and KDA's channel scores) taken as 0 (no mask matmuls,
+#: still the masked ``exp``); ``"solve"``: ``T = I`` (no inverse products); ``"state"``: no
+#: products with the chunk's initial state (``Δ = U``, ``O = P Δ``); ``"update"``: ``S' = Γ_C S``
+#: (no ``K̃ᵀ Δ``).
+STAGES = ("spans", "solve", "state", "update")
+
+
+def check_skip(skip) -> frozenset:
+    """``skip`` as a frozenset of `STAGES` names."""
+    skip = frozenset(skip)
+    if not skip <= set(STAGES):
+        raise ValueError(f"skip: expected names among {STAGES}, got {sorted(skip)}")
+    return skip
+
+
+def _delta_rule(kk_scores, beta, v, chunk: int, products: Products, skip=frozenset()):
     """``(U, T)`` of the delta rule: ``T = (I + β ⊙ strictly_lower(S_k))⁻¹`` (its
-    products at ``products.solve``), ``U = T (β V)`` (at ``products.operands``)."""
+    products at ``products.solve``; ``"solve"`` in ``skip``: ``T = I``), ``U = T (β V)``
+    (at ``products.operands``)."""
     rows, cols = square_iota(chunk)
-    a = jnp.where(rows > cols, kk_scores, 0.0) * beta
-    t = merge_inverse(a, rows, cols, chunk, precision=products.solve, mxu=True)
+    if "solve" in skip:
+        t = jnp.broadcast_to((rows == cols).astype(F32), kk_scores.shape)
+    else:
+        a = jnp.where(rows > cols, kk_scores, 0.0) * beta
+        t = merge_inverse(a, rows, cols, chunk, precision=products.solve, mxu=True)
     return _dot(t, beta * v, products.operands), t
 
 
-def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int, products: Products = UNIFORM_HIGHEST):
+def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int, products: Products = UNIFORM_HIGHEST,
+                 skip=frozenset()):
     """One chunk of the scalar-decay recurrence, a pure function of its tiles
     (the forward kernel runs it, the backward kernel differentiates it):
     ``(O [C, BV], S' [K, BV])`` from float32 ``q, k [C, K]``, ``v [C, BV]``, the
@@ -123,8 +161,14 @@ def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int, products: Produc
     [C, 1]`` or ``None`` (SSD: ``Δ = V``) and the chunk's initial state ``s [K, BV]``.
     Products (`mxu.Products`): the decay spans at ``sums``, the inverse at
     ``solve``, the scores ``Q Kᵀ``, ``K Kᵀ``, ``T (β V)``, ``T (β Γ K)``, ``W S``,
-    ``(Γ⊙Q) S``, ``P Δ`` and ``K̃ᵀ Δ`` at ``operands``; the exponentials float32."""
-    spans, prefix, tail, total = scalar_spans(g_col, g_row, chunk, products.sums)
+    ``(Γ⊙Q) S``, ``P Δ`` and ``K̃ᵀ Δ`` at ``operands``; the exponentials float32.
+
+    Every tile may carry a leading axis of heads (``[hb, C, K]``, ..., ``s [hb, K,
+    BV]``): the products are batched over it (`mxu.mxu_matmul`), one issued per head
+    back to back, so that the heads' chains of dependent products overlap on the MXUs.
+    ``skip``: stages left out (`STAGES`; the ablation benchmark only)."""
+    skip = check_skip(skip)
+    spans, prefix, tail, total = scalar_spans(g_col, g_row, chunk, products.sums, pairs="spans" not in skip)
     rows, cols = square_iota(chunk)
     decay = jnp.exp(jnp.where(rows >= cols, spans, -jnp.inf))
     gate = jnp.exp(prefix)
@@ -132,28 +176,41 @@ def scalar_chunk(q, k, v, g_col, g_row, beta, s, *, chunk: int, products: Produc
     if beta is None:
         delta = v
     else:
-        u, t = _delta_rule(_dot_nt(k, k, p) * decay, beta, v, chunk, products)
-        delta = u - _dot(_dot(t, beta * gate * k, p), s, p)
-    o = _dot(q * gate, s, p) + _dot(_dot_nt(q, k, p) * decay, delta, p)
+        u, t = _delta_rule(_dot_nt(k, k, p) * decay, beta, v, chunk, products, skip)
+        delta = u if "state" in skip else u - _dot(_dot(t, beta * gate * k, p), s, p)
+    o = _dot(_dot_nt(q, k, p) * decay, delta, p)
+    if "state" not in skip:
+        o = _dot(q * gate, s, p) + o
+    if "update" in skip:
+        return o, jnp.exp(total) * s
     return o, jnp.exp(total) * s + _dot_tn(k * jnp.exp(tail), delta, p)
 
 
-def channel_chunk(q, k, v, g, beta, s, *, chunk: int, products: Products = UNIFORM_HIGHEST):
+def channel_chunk(q, k, v, g, beta, s, *, chunk: int, products: Products = UNIFORM_HIGHEST, skip=frozenset()):
     """One chunk of the per-channel (KDA) recurrence, as `scalar_chunk` with
     ``g [C, K]`` (``beta [C, 1]``): the per-channel prefix, tail and chunk sums and
     the decay spans of `scores.channel_scores` at ``products.sums``, its gathers
-    and sub-block scores at ``products.operands``."""
+    and sub-block scores at ``products.operands`` (``"spans"`` in ``skip``: plain
+    causal scores ``Q Kᵀ``, ``K Kᵀ`` instead)."""
+    skip = check_skip(skip)
     rows, cols = square_iota(chunk)
     sums, p = products.sums, products.operands
     prefix = mask_matmul((rows >= cols).astype(F32), g, "nn", sums)  # Σ_{t≤i} g_t per channel
     tail = mask_matmul((cols > rows).astype(F32), g, "nn", sums)     # Σ_{t>j} g_t per channel
     gate = jnp.exp(prefix)
-    pq, pk = channel_scores(q, k, g, chunk, unrolled=True, precision=p, sums=sums, mxu=True)
-    u, t = _delta_rule(pk, beta, v, chunk, products)
-    delta = u - _dot(_dot(t, beta * gate * k, p), s, p)
-    o = _dot(q * gate, s, p) + _dot(pq, delta, p)
+    if "spans" in skip:
+        pq, pk = (jnp.where(rows >= cols, _dot_nt(x, k, p), 0.0) for x in (q, k))
+    else:
+        pq, pk = channel_scores(q, k, g, chunk, unrolled=True, precision=p, sums=sums, mxu=True)
+    u, t = _delta_rule(pk, beta, v, chunk, products, skip)
+    delta = u if "state" in skip else u - _dot(_dot(t, beta * gate * k, p), s, p)
+    o = _dot(pq, delta, p)
+    if "state" not in skip:
+        o = _dot(q * gate, s, p) + o
     # Γ_C per channel as a column [K, 1]: Σ_t g_tk by a matmul with ones (lanes all equal).
-    gamma = jnp.exp(mask_matmul(g, jnp.ones((chunk, 128), F32), "tn", sums, mask="b")[:, :1])
+    gamma = jnp.exp(mask_matmul(g, jnp.ones((chunk, 128), F32), "tn", sums, mask="b")[..., :1])
+    if "update" in skip:
+        return o, gamma * s
     return o, gamma * s + _dot_tn(k * jnp.exp(tail), delta, p)
 
 
@@ -164,15 +221,10 @@ def load_tile(ref):
     return None if ref is None else ref[...].astype(F32)
 
 
-def head_tile(ref, h: int):
-    """Head ``h`` of a block whose leading axis is the step's heads, as float32 (`load_tile`)."""
-    return None if ref is None else ref[h].astype(F32)
-
-
 def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, states, state, chunk, per_channel,
-                    products):
+                    products, skip=frozenset()):
     """One chunk of the step's heads (the blocks' leading axis; their chains are
-    independent, unrolled here so that the scheduler interleaves them): reset the
+    independent, batched so that the MXUs interleave them): reset the
     state at a sequence's first chunk, store the chunk-initial state (``states``,
     for the backward), run the chunk, write the final state at a sequence's last chunk."""
     del seq
@@ -182,29 +234,28 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     def _():
         state[...] = h0[...].astype(F32)
 
-    # Every head's loads first, then their chunk functions, then every store: no store to a
-    # ref sits between one head's work and the next head's loads.
-    heads = range(state.shape[0])
-    initial = [state[h] for h in heads]
+    # The step's heads run as one batched chunk function (a leading head axis on every tile):
+    # each product is issued for every head back to back, so the heads' independent chains
+    # overlap on the MXUs (written head after head, each head's chain ran to its end first).
+    # β and the scalar decays arrive as rows [hb, 1, C]; the chunk functions take them as columns too.
+    initial = state[...]
+    b = None if beta is None else row_to_column(load_tile(beta), chunk)
     if per_channel:
-        tiles = [(head_tile(q, h), head_tile(k, h), head_tile(v, h), head_tile(g, h), head_tile(beta, h)) for h in heads]
-        results = [channel_chunk(*t, s, chunk=chunk, products=products) for t, s in zip(tiles, initial)]
+        out, new = channel_chunk(load_tile(q), load_tile(k), load_tile(v), load_tile(g), b, initial,
+                                 chunk=chunk, products=products, skip=skip)
     else:
-        tiles = [(head_tile(q, h), head_tile(k, h), head_tile(v, h), head_tile(g, h), head_tile(g_row, h),
-                  head_tile(beta, h)) for h in heads]
-        results = [scalar_chunk(*t, s, chunk=chunk, products=products) for t, s in zip(tiles, initial)]
-    for h, s, (out, new) in zip(heads, initial, results):
-        if states is not None:
-            states[h] = s
-        if o is not None:
-            o[h] = out.astype(o.dtype)
-        state[h] = new
-    news = [new for _, new in results]
+        rows = load_tile(g_row)
+        out, new = scalar_chunk(load_tile(q), load_tile(k), load_tile(v), row_to_column(rows, chunk), rows, b,
+                                initial, chunk=chunk, products=products, skip=skip)
+    if states is not None:
+        states[...] = initial
+    if o is not None:
+        o[...] = out.astype(o.dtype)
+    state[...] = new
 
     @pl.when(last[c] != 0)
     def _():
-        for h, new in enumerate(news):
-            final[h] = new
+        final[...] = new
 
 
 class Specs:
@@ -268,17 +319,25 @@ def kernel_products(q, k, v, precision) -> Products:
 
 
 def decay_operands(g, specs: Specs, per_channel: bool, name: str = "g"):
-    """The named decay operands: ``g [BH, Tp, Kp]`` per channel, else ``g`` as a
-    column ``[BH, Tp, 1]`` and as rows ``[BH, NT, 1, C]`` (``g_row``)."""
+    """The named decay operands: ``g [BH, Tp, Kp]`` per channel, else ``g`` as lane-dense
+    rows ``[BH, NT, 1, C]`` only (``g_row``; the kernels form the column, `row_to_column`:
+    a ``[BH, Tp, 1]`` operand pads its one lane to 128 in HBM, 128 times its bytes)."""
     if per_channel:
         return {name: operand(g, specs.tokens(specs.kp)), name + "_row": None}
     bh, tp = g.shape
-    return {name: operand(g[..., None], specs.tokens(1)),
-            name + "_row": operand(g.reshape(bh, tp // specs.chunk, 1, specs.chunk), specs.rows())}
+    return {name: None, name + "_row": operand(g.reshape(bh, tp // specs.chunk, 1, specs.chunk), specs.rows())}
+
+
+def row_to_column(row, chunk: int):
+    """A chunk's per-token values from a lane-dense row ``[..., 1, C]`` to a column ``[..., C, 1]``,
+    exactly (each row's sum holds one nonzero term: the diagonal of the row broadcast over ``C`` rows)."""
+    rows, cols = square_iota(chunk)
+    return jnp.sum(jnp.where(rows == cols, row, 0.0), axis=-1, keepdims=True)
 
 
 def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: bool,
-                       config: TpuLinearAttentionConfig, with_states: bool = False, precision=HIGHEST):
+                       config: TpuLinearAttentionConfig, with_states: bool = False, precision=HIGHEST,
+                       _skip=()):
     """The chunked recurrence on the kernels' layout (module docstring), float32.
 
     Args:
@@ -295,6 +354,7 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
         ``HIGHEST`` float32); bfloat16 ones do not use it.
       with_states: return each chunk's initial state ``[BH, NT, Kp, Vp]`` instead
         of ``o`` (what the backward needs; ``o`` would take HBM for nothing).
+      _skip: stages the chunks leave out (`STAGES`: wrong results; the ablation benchmark's seam).
     Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])`` (``(states, final)``); the
     final state of a packed sequence with no chunk is left unwritten (the
     caller passes ``h0``).
@@ -310,11 +370,15 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
     first, seq, last = dense_meta(nt) if meta is None else meta
     hb = config.heads_per_step
     specs = Specs(kp, bv, chunk, heads, nt, hb=hb)
+    # Scalar decays and β as lane-dense rows only (`row_to_column` in the kernel): a [BH, Tp, 1] column
+    # operand would move 128 times its bytes (its lane padded to 128) and cost XLA a padded copy.
+    beta_rows = None if beta is None else beta.reshape(bh, nt, 1, chunk)
     inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
-              "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
+              "beta": operand(beta_rows, specs.rows()),
               "h0": operand(h0, specs.state), **decay_operands(g, specs, per_channel)}
     outs = tpu_kernel_call(
-        functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, products=products),
+        functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, products=products,
+                          skip=check_skip(_skip)),
         grid=(bh // hb, vp // bv, nt),
         inputs=inputs,
         outputs={"o": None if with_states else output((bh, tp, vp), F32, specs.cols),

@@ -3,8 +3,8 @@ state scan and every chunk's gradients in one kernel, ``dS`` carried in VMEM.
 
 The forward kernel runs again storing each chunk's initial state ``S_c``
 (`mosaic_tpu.recurrence_forward` with ``with_states``; recomputed, not kept
-from the forward). Then on grid ``(BH/hb, V/BV, NT)`` (``hb`` heads per step, unrolled as in the
-forward: `mosaic_tpu`) with the chunk axis
+from the forward). Then on grid ``(BH/hb, V/BV, NT)`` (``hb`` heads per step, one chunk function
+batched over them as in the forward: `mosaic_tpu`) with the chunk axis
 ``"arbitrary"`` and walked from the last chunk back, each step holds
 ``dS'`` (the cotangent of the chunk's final state) in a float32 scratch and
 differentiates the chunk's own function (`mosaic_tpu.scalar_chunk` /
@@ -43,13 +43,13 @@ from ...core.pallas import F32, HIGHEST, operand, output, pad_axis, tpu_kernel_c
 from .configs import TpuLinearAttentionConfig, lanes, tpu_vmem_limit
 from .layout import call_meta, dfinal_of, flat, pass_empty_sequences
 from .mxu import operand_dtype
-from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, head_tile, kernel_products,
-                         recurrence_forward, scalar_chunk)
+from .mosaic_tpu import (Specs, channel_chunk, check_layout, decay_operands, dense_meta, kernel_products, load_tile,
+                         recurrence_forward, row_to_column, scalar_chunk)
 
 
 def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, dfinal, dq, dk, dv, dg, dg_row,
                      dbeta, dh0, dstate, chunk, chunks, per_channel, products):
-    """One chunk of the step's heads (the blocks' leading axis, unrolled as in the
+    """One chunk of the step's heads (the blocks' leading axis, batched as in the
     forward), walked in reverse (module docstring)."""
     del seq
     rc = chunks - 1 - pl.program_id(2)
@@ -62,37 +62,34 @@ def _backward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, states, do, d
     def _():
         dstate[...] = dfinal[...]
 
-    # Every head's loads first, then their transposed chunk functions, then every store (as the forward).
-    heads = range(dstate.shape[0])
-    f = functools.partial(channel_chunk if per_channel else scalar_chunk, chunk=chunk, products=products)
-    loaded = []
-    for h in heads:
-        qkv = (head_tile(q, h), head_tile(k, h), head_tile(v, h))  # float32 tiles: float32 cotangents
-        rest = (head_tile(g, h), head_tile(beta, h)) if per_channel else \
-            (head_tile(g, h), head_tile(g_row, h), head_tile(beta, h))
-        loaded.append((qkv + rest + (states[h],), (do[h], dstate[h])))
-    all_grads = [jax.vjp(f, *tiles)[1](cot) for tiles, cot in loaded]
-    initial = []
-    for h, grads in zip(heads, all_grads):
-        if per_channel:
-            gq, gk, gv, gg, gb, gs = grads
-            dg[h] = gg
-        else:
-            gq, gk, gv, gg, gr, gb, gs = grads
-            dg[h] = gg
-            dg_row[h] = gr
-        dq[h] = gq
-        dk[h] = gk
-        dv[h] = gv
-        if dbeta is not None:
-            dbeta[h] = gb
-        dstate[h] = gs
-        initial.append(gs)
+    # The step's heads as one batched chunk function (a leading head axis; as the forward), transposed.
+    # β and the scalar decays come as rows [hb, 1, C] (as the forward's): their columns are formed
+    # inside the differentiated function, so the rows get the whole cotangent.
+    fixed = dict(chunk=chunk, products=products)
+    col = lambda row: None if row is None else row_to_column(row, chunk)
+    if per_channel:
+        f = lambda q_, k_, v_, g_, b_, s_: channel_chunk(q_, k_, v_, g_, col(b_), s_, **fixed)
+        decays = load_tile(g)
+    else:
+        f = lambda q_, k_, v_, r_, b_, s_: scalar_chunk(q_, k_, v_, col(r_), r_, col(b_), s_, **fixed)
+        decays = load_tile(g_row)
+    qkv = (load_tile(q), load_tile(k), load_tile(v))  # float32 tiles: float32 cotangents
+    grads = jax.vjp(f, *qkv, decays, load_tile(beta), states[...])[1]((do[...], dstate[...]))
+    gq, gk, gv, gd, gb, gs = grads
+    if per_channel:
+        dg[...] = gd
+    else:
+        dg_row[...] = gd
+    dq[...] = gq
+    dk[...] = gk
+    dv[...] = gv
+    if dbeta is not None:
+        dbeta[...] = gb
+    dstate[...] = gs
 
     @pl.when(first[rc] != 0)
     def _():
-        for h, gs in enumerate(initial):
-            dh0[h] = gs
+        dh0[...] = gs
 
 
 def recurrence_backward(q, k, v, g, beta, h0, do, dfinal, meta, *, heads: int, per_channel: bool,
@@ -125,8 +122,10 @@ def backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, *, head
     dfinal = jnp.zeros(h0.shape, F32) if dfinal is None else dfinal.astype(F32)
     hb = config.heads_per_step
     specs = Specs(kp, bv, chunk, heads, nt, reverse=True, hb=hb)
+    # β and the scalar decays as lane-dense rows [BH, NT, 1, C] in and out (no [BH, Tp, 1] column:
+    # its lane pads to 128 in HBM; `mosaic_tpu.row_to_column`).
     inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
-              "beta": operand(None if beta is None else beta[..., None], specs.tokens(1)),
+              "beta": operand(None if beta is None else beta.reshape(bh, nt, 1, chunk), specs.rows()),
               "states": operand(states, specs.per_chunk), "do": operand(do.astype(F32), specs.cols),
               "dfinal": operand(dfinal, specs.state), **decay_operands(g, specs, per_channel)}
     parts = lambda *shape: jax.ShapeDtypeStruct((nv,) + shape, F32)
@@ -134,9 +133,9 @@ def backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, *, head
         "dq": output(parts(bh, tp, kp).shape, F32, specs.tokens(kp, parts=True)),
         "dk": output(parts(bh, tp, kp).shape, F32, specs.tokens(kp, parts=True)),
         "dv": output((bh, tp, vp), F32, specs.cols),
-        "dg": output((nv, bh, tp, kp if per_channel else 1), F32, specs.tokens(kp if per_channel else 1, parts=True)),
+        "dg": output((nv, bh, tp, kp), F32, specs.tokens(kp, parts=True)) if per_channel else None,
         "dg_row": None if per_channel else output((nv, bh, nt, 1, chunk), F32, specs.rows(parts=True)),
-        "dbeta": None if beta is None else output((nv, bh, tp, 1), F32, specs.tokens(1, parts=True)),
+        "dbeta": None if beta is None else output((nv, bh, nt, 1, chunk), F32, specs.rows(parts=True)),
         "dh0": output(h0.shape, F32, specs.state),
     }
     outs = tpu_kernel_call(
@@ -151,10 +150,8 @@ def backward_from_states(q, k, v, g, beta, h0, states, do, dfinal, meta, *, head
         name="linear_attention_channel_backward" if per_channel else "linear_attention_scalar_backward",
     )
     total = lambda x: x[0] if nv == 1 else jnp.sum(x, axis=0)
-    dg = total(outs.dg)
-    if not per_channel:
-        dg = dg[..., 0] + total(outs.dg_row).reshape(bh, tp)
-    dbeta = None if beta is None else total(outs.dbeta)[..., 0]
+    dg = total(outs.dg) if per_channel else total(outs.dg_row).reshape(bh, tp)
+    dbeta = None if beta is None else total(outs.dbeta).reshape(bh, tp)
     return total(outs.dq), total(outs.dk), outs.dv, dg, dbeta, outs.dh0
 
 

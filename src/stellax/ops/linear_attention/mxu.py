@@ -44,14 +44,38 @@ from ...core import pallas
 from ...core.precision import DEFAULT, HIGH, Precision, mxu_dot_general
 
 _DIMS = {"nn": (((1,), (0,)), ((), ())), "nt": (((1,), (1,)), ((), ())), "tn": (((0,), (0,)), ((), ()))}
+#: The same layouts on tiles with a leading batch axis (the heads of a grid step).
+_BATCHED_DIMS = {"nn": (((2,), (1,)), ((0,), (0,))), "nt": (((2,), (2,)), ((0,), (0,))),
+                 "tn": (((1,), (1,)), ((0,), (0,)))}
 _BF16 = jnp.bfloat16
 
 #: The "precision" of a sum over a 0/1 mask that is exact (`exact_matmul`).
 EXACT = "exact"
 
 
+def _batched(a, b):
+    """``(a, b, dims)``: two 2-D tiles as they are; with a leading batch axis on either
+    (``[hb, m, n]``), the other broadcast to it (a 2-D tile shared by the batch, e.g.
+    a constant mask) and the batched layouts (one product per batch entry, which the
+    Mosaic compiler issues back to back: independent chains overlap on the MXUs)."""
+    if a.ndim == b.ndim == 2:
+        return a, b, _DIMS
+    if max(a.ndim, b.ndim) != 3 or min(a.ndim, b.ndim) < 2:
+        raise ValueError(f"a, b: expected 2-D tiles or [batch, m, n] tiles, got shapes {a.shape} and {b.shape}")
+    batch = a.shape[0] if a.ndim == 3 else b.shape[0]
+    a = a if a.ndim == 3 else jnp.broadcast_to(a, (batch,) + a.shape)
+    b = b if b.ndim == 3 else jnp.broadcast_to(b, (batch,) + b.shape)
+    return a, b, _BATCHED_DIMS
+
+
 def _product(a, b, layout, precision):
-    return mxu_dot_general(a, b, _DIMS[layout], precision)
+    a, b, dims = _batched(a, b)
+    return mxu_dot_general(a, b, dims[layout], precision)
+
+
+def _unbroadcast(grad, like):
+    """The cotangent of an operand that `_batched` broadcast: summed over the batch."""
+    return grad.sum(axis=0) if grad.ndim > like.ndim else grad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -73,7 +97,7 @@ def _matmul_bwd(layout, precision, residuals, dc):
         da, db = _product(dc, b, "nn", precision), _product(dc, a, "tn", precision)
     else:                 # c = aᵀ b
         da, db = _product(b, dc, "nt", precision), _product(a, dc, "nn", precision)
-    return da.astype(a.dtype), db.astype(b.dtype)
+    return _unbroadcast(da, a).astype(a.dtype), _unbroadcast(db, b).astype(b.dtype)
 
 
 mxu_matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -94,10 +118,10 @@ def _exact(a, b, layout, mask):
     """The three passes of `exact_matmul` (``mask``: which operand is the 0/1 mask)."""
     if mask == "a":
         m, pieces = a.astype(_BF16), bf16_pieces(b)
-        parts = [mxu_dot_general(m, p, _DIMS[layout], DEFAULT) for p in pieces]
+        parts = [_product(m, p, layout, DEFAULT) for p in pieces]
     else:
         m, pieces = b.astype(_BF16), bf16_pieces(a)
-        parts = [mxu_dot_general(p, m, _DIMS[layout], DEFAULT) for p in pieces]
+        parts = [_product(p, m, layout, DEFAULT) for p in pieces]
     return parts[2] + parts[1] + parts[0]  # smallest first
 
 
@@ -122,10 +146,10 @@ def _exact_bwd(layout, mask, residuals, dc):
     if mask == "a":  # the cotangent of b only
         db = {"nn": lambda: _exact(a, dc, "tn", "a"), "nt": lambda: _exact(dc, a, "tn", "b"),
               "tn": lambda: _exact(a, dc, "nn", "a")}[layout]()
-        return jnp.zeros_like(a), db.astype(b.dtype)
+        return jnp.zeros_like(a), _unbroadcast(db, b).astype(b.dtype)
     da = {"nn": lambda: _exact(dc, b, "nt", "b"), "nt": lambda: _exact(dc, b, "nn", "b"),
           "tn": lambda: _exact(b, dc, "nt", "a")}[layout]()
-    return da.astype(a.dtype), jnp.zeros_like(b)
+    return _unbroadcast(da, a).astype(a.dtype), jnp.zeros_like(b)
 
 
 exact_matmul.defvjp(_exact_fwd, _exact_bwd)

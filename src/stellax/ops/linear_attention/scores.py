@@ -145,8 +145,8 @@ def channel_scores(q, k, g, chunk: int, unrolled: bool = False, *, precision=HIG
         span = span_sum((cols > col) & (cols <= rows), g, precision=sums, mxu=mxu)
         e = jnp.exp(jnp.where(valid, span, -jnp.inf))
         ke = kd * e
-        sq = jnp.sum(q * ke, axis=1, keepdims=True)
-        sk = jnp.sum(k * ke, axis=1, keepdims=True)
+        sq = jnp.sum(q * ke, axis=-1, keepdims=True)
+        sk = jnp.sum(k * ke, axis=-1, keepdims=True)
         hit = pick & valid
         return pq + jnp.where(hit, sq, 0.0), pk + jnp.where(hit, sk, 0.0)
 

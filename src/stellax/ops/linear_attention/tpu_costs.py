@@ -33,7 +33,8 @@ heads of one block of value columns and one chunk each):
   before it (``LATENCY_SECONDS``: a small ``[C, ·] × [·, 128]`` product fills and drains the
   systolic array before its result can feed the next). One head alone leaves the MXU idle
   most of that time; the independent chains of several heads in one step (`mosaic_tpu`
-  unrolls them in one basic block) overlap, until the step is bound by its pass-FLOPs.
+  batches them: each product issued for every head back to back) overlap, until the step is
+  bound by its pass-FLOPs.
 
 Calibration (v5e, 2026-12-06, bfloat16 inputs, the whole op, `benchmarks/linear_attention_tpu.py`,
 one head per step): GDN T = 16384, HV = 32, chunk 128 / block_v 128 took 17.9 ms (4096 steps,
@@ -42,9 +43,33 @@ one head per step): GDN T = 16384, HV = 32, chunk 128 / block_v 128 took 17.9 ms
 (GDN's chain of 16 against SSD's of 2: 0.197 µs) and the per-token term (0.87 µs per head at
 chunk 128). The model then says 17.9 and 6.58 ms on those; on KDA T = 4096, HV = 16, chunk 64
 (measured 5.04 ms, 1024 steps, chain 17) it says 4.0 ms, 20 % low. More heads per step are
-modelled only (overlap of the chains, not measured yet): GDN at 16384 × 32 with 4 heads per
-step 8.0 ms. ``benchmarks/linear_attention_stages_tpu.py`` prints this model beside each
-measured kernel.
+modelled only (overlap of the chains): GDN at 16384 × 32 with 4 heads per step 8.0 ms.
+``benchmarks/linear_attention_stages_tpu.py`` prints this model beside each measured kernel.
+
+What the chip then said, and why (v5e, the same GDN case): 13.9 ms at 4 heads per step against
+15.1 at one — no overlap. The static schedule of the compiled kernels (`stellax.testing.llo_schedule`,
+libtpu 0.0.42's LLO dumps, no TPU needed; `tpu_cases.kernel_case` builds the kernels) shows why, in
+cycles per grid step of the forward at chunk 128 (bundles issued / critical path of dependences):
+
+* one head: 2456 / 4624. The critical path is the chain itself: each link a weight push (32
+  cycles), the row issues (8 × 16) and ~125 cycles until the first result pops: ~290 cycles
+  (``LATENCY_SECONDS`` = 0.197 µs is that at ~1.5 GHz, the clock that 197 TFLOP/s over four
+  128 × 128 MXUs implies), 16 links. The measured 3.7 µs per step is
+  1.19 × the critical path at 1.5 GHz;
+* four heads, written head after head: 9224 / 17285 — the compiler kept each MXU's products in
+  program order, so the heads' chains ran one after the other (3.7 × one head's; 13.6 µs per step
+  measured, 1.18 × the critical path);
+* four heads, one batched chunk function (`mosaic_tpu`, this change): 8253 / 8468, all four MXUs in
+  use. Its critical path is now the inverse's three-pass products (`mxu.BF16_SOLVE`: ~550 cycles a
+  link, the four heads' passes filling the four MXUs) and its bundles are bound by stores (4493
+  bundles of stores, 4009 of them register spills: four heads' ``[128, 128]`` float32 tiles do not
+  fit 64 vector registers).
+
+So the model's overlap term holds only for the batched form; at chunk 128 and 4 heads it says 8.0
+ms where the static bound (1.19 × the larger of bundles and critical path at 1.5 GHz) says 6.9 ms;
+at chunk 64 and 4 heads 9.9 and 7.8; KDA at chunk 64, 4 heads 2.0 and 2.3. SSD is the exception:
+its 1.61 µs per step measured at one head is 3.4 × its static bound (702 cycles): the step's DMAs,
+not its code, set SSD's time (the per-token term).
 """
 
 from __future__ import annotations
@@ -117,6 +142,19 @@ def chunk_pass_flops(c: int, kp: int, bv: int, *, per_channel: bool, delta: bool
         total += passes * _pass_flops(m, k, n, mxu) * (2 if backward else 1)
         if backward:  # c = a b: da = dc bᵀ ([m, n] × [n, k]), db = aᵀ dc ([k, m] × [m, n])
             total += passes * (("a" in grads) * _pass_flops(m, n, k, mxu) + ("b" in grads) * _pass_flops(k, m, n, mxu))
+    return total
+
+
+def chunk_matmul_issues(c: int, kp: int, bv: int, *, per_channel: bool, delta: bool, products: Products,
+                        rows_per_issue: int = 16, mxu: int = 128) -> int:
+    """MXU row issues (``vmatmul`` instructions) of one chunk step's forward: per product
+    ``[m, k] × [k, n]`` and pass, ``⌈m / rows_per_issue⌉·⌈k / mxu⌉·⌈n / mxu⌉`` (a v5e issues 16
+    bfloat16 rows, one packed vector register, per instruction). What the static schedule of the
+    compiled kernel counts (`stellax.testing.llo_schedule`; tests/testing/test_llo_schedule.py)."""
+    total = 0
+    for kind, m, k, n, _ in chunk_inventory(c, kp, bv, per_channel=per_channel, delta=delta):
+        passes = PASSES[getattr(products, kind)]
+        total += passes * -(-m // rows_per_issue) * -(-k // mxu) * -(-n // mxu)
     return total
 
 
