@@ -43,9 +43,12 @@ variants agree on (greedy, bf16: a near tie can flip one, so the chip rows repor
 with its kernels interpreted, float32 activations, and a check that greedy decoding of both
 variants gives the same first 64 tokens (float32 there: random tiny weights give bf16 near ties).
 
-Chip time (v5e, estimated, not measured): one process, per case and variant a prefill compile and
-a decode-loop compile (~5-15 s each for a 16-layer scan), the cache filled (batch 128: 64 prefill
-calls of 2 x 2016 tokens, ~5 s), 3 timed prefills and 3 timed loops: ~150-200 s for the main set.
+Chip time (v5e; not measured on a chip). Compiled for a v5e with libtpu on a compile-only device
+(the dev box's loaded 2-core CPU): stellax prefill 25-33 s and decode loop 5-7 s, plain prefill
+12 s and decode 4 s per case; ``memory_analysis`` 9.1 GiB (stellax) / 9.8 GiB (jax) at batch 128,
+context 2048, the caches aliased (updated in place). On the chip's host expect about half those
+compiles: ~40 s of compiles per case for both variants, plus the cache fills (batch 128: 64
+prefill calls of 2 x 2016 tokens) and timed loops, ~10 s: the main set ~150 s.
 """
 
 from __future__ import annotations

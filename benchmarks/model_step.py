@@ -69,11 +69,19 @@ op ``model_train``, case ``"<family> seq=S batch=B"``, pass ``fwd+bwd``, contend
 ``tokens_per_s``, ``mfu``, ``family``, ``batch``, ``seq``, ``params``, ``active_params``,
 ``flops_per_step``, ``loss_first``, ``loss_last``, ``loss_final``, ``losses``, ``compile_s``,
 ``compiled_bytes``, ``remat``, ``stellax_ops``. It is rewritten after every row; ``--budget``
-seconds (default 230) stops starting new runs.
+seconds (default 400) stops starting new runs, and a run still going 150 s past it is killed (an
+error row), so the whole command ends within ``budget + 150`` s (550 s by default: under the
+chip machine's 600 s per command).
 
-Chip time (v5e, estimated, not measured): each run is its own process, ~10 s of start, ~30-50 s
-compile (dense) / ~40-60 s (hybrid: GDN, grouped-matmul and attention kernels, forward and
-backward), 7 steps (~0.4 s each dense, ~0.2 s hybrid): the main set's four runs ~200-240 s.
+Chip time (v5e; not measured on a chip). The four programs of the main set compiled for a v5e
+(libtpu's compiler on a compile-only topology device, on the shared 2-core CPU of the dev box,
+loaded): compile 85 s (dense stellax), 78 s (dense jax), 226 s (hybrid stellax), 390 s (hybrid
+jax; the XLA chunked GDN and ragged dots are slow to compile); ``memory_analysis`` totals 10.9 /
+13.9 / 12.9 / 13.9 GiB (arguments 5.9 GiB: parameters and AdamW state; the rest temporaries) -- all
+under a v5e's 15.75 GiB. On the chip's host (13 cores, not shared) expect about half those compile
+times, plus ~15 s of process start and initialization per run and ~5 s of steps: dense case
+~110 s for both variants, hybrid case ~200-300 s; the main set ~5-7 minutes, not 4. With less
+time, run one case (``--cases dense:4096:2``, or ``--cases hybrid:4096:2 --variants stellax``).
 
 Checks (exit status 1 on a failure): per case the variants' first-step losses (same initial
 weights, same batch: the forward before any update) within 2 %, and their final losses within 1 %.
@@ -118,6 +126,8 @@ TINY = {"dense": DenseConfig(vocab=256, d_model=64, layers=2, heads=4, kv_heads=
         "hybrid": HybridConfig(vocab=256, d_model=64, groups=1, heads=4, kv_heads=2, head_dim=16, gdn_heads=2,
                                gdn_head_dim=32, experts=8, top_k=2, expert_hidden=32, shared_hidden=64,
                                rope_theta=10000.0)}
+#: Seconds past --budget that a started run may take before it is killed.
+GRACE_S = 150.0
 MAIN_CASES = "dense:4096:2,hybrid:4096:2"
 ALL_CASES = "dense:4096:2,hybrid:4096:2,dense:16384:1,hybrid:32768:1"
 DRY_CASES = "dense:32:2,hybrid:64:2"
@@ -138,7 +148,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
     p.add_argument("--remat", choices=("full", "none"), default=None,
                    help="jax.checkpoint per block (default full; none in the dry run)")
-    p.add_argument("--budget", type=float, default=230.0, help="seconds; no new run starts past it")
+    p.add_argument("--budget", type=float, default=400.0,
+                   help="seconds; no new run starts past it, a run still going 150 s past it is killed")
     p.add_argument("--in-process", action="store_true", help="no subprocess per run (peak HBM then cumulative)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)   # "family:seq:batch:variant", internal
     args = p.parse_args(argv)
@@ -330,7 +341,7 @@ class Run:
                     "--child", f"{family}:{seq}:{batch}:{variant}", "--reps", str(self.args.reps),
                     "--warmup", str(self.args.warmup), "--steps", str(self.args.steps), "--remat", self.args.remat,
                     "--lr", str(self.args.lr)]
-            left = max(30.0, self.args.budget + 90 - elapsed())
+            left = max(30.0, self.args.budget + GRACE_S - elapsed())
             try:
                 proc = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=left)
                 tail = (proc.stdout + proc.stderr)[-600:].replace("\n", " ")
