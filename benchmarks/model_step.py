@@ -59,8 +59,12 @@ three ``2·K·V`` state products (output, delta, update) and the intra-chunk ``q
 counted. MFU = model FLOPs / step time / peak bf16 FLOP/s (197e12 on a v5e); ``pct_peak`` = MFU %.
 
 Peak HBM (``peak_hbm_bytes``): ``memory_stats()['peak_bytes_in_use']`` where the backend reports it
-(a TPU), else the compiled step's ``memory_analysis()``. The peak is per process, so on a TPU each
-(case, variant) runs in its own subprocess (``--in-process`` turns that off).
+(a TPU), else the compiled step's ``memory_analysis()`` (``compiled_bytes`` always). The peak is per
+process, so on a TPU each (case, variant) runs in its own subprocess by default. ``--in-process``
+(and the dry run) runs them in one process instead and compiles them all at once first, a thread
+each (compiles overlap: the command takes about the longest compile, not their sum), then runs them
+one after another; there a row's device peak is the process's so far (``peak_hbm_source`` says so)
+and ``compiled_bytes`` is the per-variant figure.
 
 The JSON (``--out``) holds ``{"format": "stellax-model-step", "version": 2, "environment", "models",
 "rows", "loss_agreement", "convergence"}``; rows in the suite's results schema (benchmarks/README.md:
@@ -80,8 +84,13 @@ jax; the XLA chunked GDN and ragged dots are slow to compile); ``memory_analysis
 13.9 / 12.9 / 13.9 GiB (arguments 5.9 GiB: parameters and AdamW state; the rest temporaries) -- all
 under a v5e's 15.75 GiB. On the chip's host (13 cores, not shared) expect about half those compile
 times, plus ~15 s of process start and initialization per run and ~5 s of steps: dense case
-~110 s for both variants, hybrid case ~200-300 s; the main set ~5-7 minutes, not 4. With less
-time, run one case (``--cases dense:4096:2``, or ``--cases hybrid:4096:2 --variants stellax``).
+~110 s for both variants, hybrid case ~200-300 s; the main set ~5-7 minutes, not 4. With
+``--in-process`` the four compiles overlap on the host's cores: the main set ~4 minutes (bounded by
+the plain hybrid's compile, ~200 s), at the price of clean per-variant device peaks.
+
+``--tpu-compile v5e`` (no chip; libtpu installed, ``JAX_PLATFORMS=cpu``): the cases' train steps
+compiled for a compile-only v5e device, with compile seconds and ``memory_analysis`` (the numbers
+above); with ``--dry-run``, the tiny models.
 
 Checks (exit status 1 on a failure): per case the variants' first-step losses (same initial
 weights, same batch: the forward before any update) within 2 %, and their final losses within 1 %.
@@ -151,8 +160,12 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=400.0,
                    help="seconds; no new run starts past it, a run still going 150 s past it is killed")
     p.add_argument("--in-process", action="store_true", help="no subprocess per run (peak HBM then cumulative)")
+    p.add_argument("--tpu-compile", default=None, metavar="GEN",
+                   help="compile the cases' train steps for a GEN chip (v5e, v6e, ...) with libtpu, run nothing")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)   # "family:seq:batch:variant", internal
     args = p.parse_args(argv)
+    if args.remat is None and args.tpu_compile:
+        args.remat = "full"       # compiled for the chip: the chip's program
     if args.remat is None:
         # Interpreted Mosaic kernels run through io_callback, whose effects jax.checkpoint cannot partial-eval.
         args.remat = "none" if args.dry_run else "full"
@@ -221,31 +234,43 @@ class OpObserver:
         self.seen.setdefault(getattr(op, "name", str(op)), getattr(implementation, "name", str(implementation)))
 
 
-def run_variant(cfg, variant: str, seq: int, batch: int, *, steps: int, warmup: int, remat: str,
-                lr: float = 3e-4, seed: int = 0) -> dict:
-    """Build, compile and train one variant ``steps`` steps on the learnable stream; returns the
-    measured fields of its row (``ms``: median of the steps after the first ``1 + warmup``)."""
+def compile_variant(cfg, variant: str, seq: int, batch: int, *, remat: str, lr: float = 3e-4):
+    """The train step of ``variant`` lowered from abstract inputs (no device memory) and compiled:
+    ``(compiled, seconds, {op: implementation})``. Safe to run in a thread: `Run` compiles every run
+    at once that way in one process (``--in-process``; each thread in a copy of the caller's context,
+    so `stellax.lowering_target` and interpret mode hold there too)."""
     from stellax.core.selection import observe_calls
 
+    tx = make_optimizer(lr)
+    params = jax.eval_shape(lambda: init_params(cfg, 0))
+    opt_state = jax.eval_shape(tx.init, params)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jax.numpy.int32)
+    step = make_step(functools.partial(LOSSES[variant], cfg, remat), tx)
+    seen = OpObserver()
+    t0 = time.perf_counter()
+    with observe_calls(seen):
+        compiled = step.lower(params, opt_state, tokens, tokens).compile()
+    return compiled, time.perf_counter() - t0, dict(sorted(seen.seen.items()))
+
+
+def run_variant(cfg, variant: str, seq: int, batch: int, *, steps: int, warmup: int, remat: str,
+                lr: float = 3e-4, seed: int = 0, compiled=None) -> dict:
+    """Train one variant ``steps`` steps on the learnable stream (compiling it first unless
+    ``compiled``, a `compile_variant` result, is given); returns the measured fields of its row
+    (``ms``: median of the steps after the first ``1 + warmup``; ``compile_s``: compile + first step)."""
+    step, compile_s, ops = compiled or compile_variant(cfg, variant, seq, batch, remat=remat, lr=lr)
     tx = make_optimizer(lr)
     params = init_params(cfg, seed)
     opt_state = jax.jit(tx.init)(params)
     tokens, labels = jax.jit(learnable_batch, static_argnums=(0, 1, 2, 3, 4))(cfg, seed, 0, steps * batch, seq)
     tokens, labels = tokens.reshape(steps, batch, seq), labels.reshape(steps, batch, seq)
-    step = make_step(functools.partial(LOSSES[variant], cfg, remat), tx)
-    seen = OpObserver()
-    t0 = time.perf_counter()
-    with observe_calls(seen):
-        compiled = step.lower(params, opt_state, tokens[0], labels[0]).compile()
-    est = compiled_bytes(compiled)
+    est = compiled_bytes(step)
     losses, times = [], []
     for i in range(steps):
         t = time.perf_counter()
-        params, opt_state, loss = compiled(params, opt_state, tokens[i], labels[i])
+        params, opt_state, loss = step(params, opt_state, tokens[i], labels[i])
         losses.append(jax.block_until_ready(loss))
         times.append((time.perf_counter() - t) * 1e3)
-        if i == 0:
-            compile_s = time.perf_counter() - t0
     losses = [float(x) for x in losses]
     timed = times[1 + warmup:]
     peak = device_peak_bytes()
@@ -253,10 +278,10 @@ def run_variant(cfg, variant: str, seq: int, batch: int, *, steps: int, warmup: 
     tail = max(1, steps // 10)
     return {"ms": float(np.median(timed)), "loss_first": losses[0], "loss_last": losses[-1],
             "loss_final": float(np.mean(losses[-tail:])), "losses": [round(x, 5) for x in losses],
-            "steps": steps, "compile_s": round(compile_s, 2), "compiled_bytes": est,
+            "steps": steps, "compile_s": round(compile_s + times[0] * 1e-3, 2), "compiled_bytes": est,
             "peak_hbm_bytes": peak if peak is not None else est,
             "peak_hbm_source": "memory_stats" if peak is not None else "memory_analysis",
-            "stellax_ops": dict(sorted(seen.seen.items())), "step_ms_all": [round(x, 3) for x in timed]}
+            "stellax_ops": ops, "step_ms_all": [round(x, 3) for x in timed]}
 
 
 def case_name(family: str, seq: int, batch: int) -> str:
@@ -282,6 +307,7 @@ class Run:
         self.convergence: list[dict] = []
         self.out = Path(args.out)
         self.isolate = not (args.in_process or self.dry or self.env["platform"] == "cpu")
+        self.compiling: dict = {}
 
     def save(self):
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -322,12 +348,28 @@ class Run:
                   f"{r['compile_s']:.1f} s)  ops {r['stellax_ops']}", flush=True)
         return r
 
+    def compile_all(self):
+        """In process: every (case, variant) compiled at once, a thread each (XLA and Mosaic compile
+        off the GIL), each in a copy of this context; ``{(family, seq, batch, variant): future}``."""
+        import concurrent.futures
+        import contextvars
+
+        runs = [(f, s, b, v) for f, s, b in self.cases for v in self.variants]
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(runs))
+        self.compiling = {r: pool.submit(contextvars.copy_context().run, compile_variant, self.models[r[0]], r[3],
+                                         r[1], r[2], remat=self.args.remat, lr=self.args.lr) for r in runs}
+        pool.shutdown(wait=False)
+
     def measure(self, family, seq, batch, variant):
         if self.isolate:
             return self.measure_child(family, seq, batch, variant)
         try:
+            future = self.compiling.get((family, seq, batch, variant))
             m = run_variant(self.models[family], variant, seq, batch, steps=self.args.steps,
-                            warmup=self.args.warmup, remat=self.args.remat, lr=self.args.lr)
+                            warmup=self.args.warmup, remat=self.args.remat, lr=self.args.lr,
+                            compiled=None if future is None else future.result())
+            if self.rows and m["peak_hbm_source"] == "memory_stats":
+                m["peak_hbm_source"] = "memory_stats: the process's peak so far (in process, earlier runs included)"
             return self.row(family, seq, batch, variant, m)
         except Exception as e:  # noqa: BLE001 - a variant that does not fit or compile is a row
             return self.row(family, seq, batch, variant, None,
@@ -361,6 +403,8 @@ class Run:
         for f, c in self.models.items():
             print(f"  {f}: {c.total_params() / 1e6:.1f}M params, {c.matmul_params() / 1e6:.1f}M active in matmuls",
                   flush=True)
+        if not self.isolate:
+            self.compile_all()
         for family, seq, batch in self.cases:
             flops = self.models[family].flops_per_step(batch, seq)
             print(f"== {case_name(family, seq, batch)} ({flops / 1e12:.2f} TFLOP per step)", flush=True)
@@ -427,10 +471,69 @@ def summary(rows):
         print(f"  {case}: " + ", ".join(cells), flush=True)
 
 
+def compile_for_tpu(cfg, variant: str, seq: int, batch: int, *, remat: str, generation: str) -> dict:
+    """The train step of ``variant`` compiled by libtpu for a compile-only ``generation`` device (no
+    chip needed): ``{"compile_s", "compiled_bytes", "argument_bytes", "temp_bytes", "stellax_ops",
+    "error"}``; the compiler's verdict (an out-of-memory or lowering error) is reported, not raised."""
+    import stellax
+    from stellax.core.selection import observe_calls
+    from stellax.testing.tpu_compile import topology_device
+
+    sharding = jax.sharding.SingleDeviceSharding(topology_device(generation))
+    on_device = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    tx = make_optimizer()
+    params = on_device(jax.eval_shape(lambda: init_params(cfg, 0)))
+    opt_state = on_device(jax.eval_shape(tx.init, params))
+    tokens = jax.ShapeDtypeStruct((batch, seq), jax.numpy.int32, sharding=sharding)
+    step = make_step(functools.partial(LOSSES[variant], cfg, remat), tx)
+    seen, out = OpObserver(), {"error": None}
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)   # a compile-only device's entry cannot be loaded back
+    t0 = time.perf_counter()
+    try:
+        with stellax.lowering_target(generation), observe_calls(seen):
+            compiled = step.lower(params, opt_state, tokens, tokens).compile()
+        m = compiled.memory_analysis()
+        out.update(compiled_bytes=compiled_bytes(compiled), argument_bytes=int(m.argument_size_in_bytes),
+                   temp_bytes=int(m.temp_size_in_bytes))
+    except Exception as e:  # noqa: BLE001 - the compiler's verdict is the result
+        out["error"] = f"{type(e).__name__}: {e}".replace("\n", " ")[:600]
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    out.update(compile_s=round(time.perf_counter() - t0, 1), stellax_ops=dict(sorted(seen.seen.items())))
+    return out
+
+
+def tpu_compile_main(args) -> int:
+    """``--tpu-compile GEN``: every (case, variant) train step compiled for a ``GEN`` chip on this
+    machine (libtpu, ``JAX_PLATFORMS=cpu``), written as ``{"format": "stellax-model-compile",
+    "generation", "compiled": [...]}``; exit status 1 if one failed."""
+    models = TINY if args.dry_run else CHIP
+    cases = parse_cases(args.cases or (DRY_CASES if args.dry_run else MAIN_CASES), models)
+    results = []
+    for family, seq, batch in cases:
+        for variant in (v for v in args.variants.split(",") if v):
+            r = {"case": case_name(family, seq, batch), "family": family, "contender": variant,
+                 **compile_for_tpu(models[family], variant, seq, batch, remat=args.remat, generation=args.tpu_compile)}
+            results.append(r)
+            print(f"  {r['case']} {variant:8s} " + (f"ERROR {r['error'][:300]}" if r["error"] else
+                  f"compiled in {r['compile_s']:.1f} s, {r['compiled_bytes'] / 2**30:.2f} GiB (arguments "
+                  f"{r['argument_bytes'] / 2**30:.2f}, temporaries {r['temp_bytes'] / 2**30:.2f})  ops {r['stellax_ops']}"),
+                  flush=True)
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"format": "stellax-model-compile", "version": 1, "generation": args.tpu_compile,
+                                       "remat": args.remat, "environment": environment(args.dry_run),
+                                       "compiled": results}, indent=1))
+    return 1 if any(r["error"] for r in results) else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args)
+    if args.tpu_compile:
+        return tpu_compile_main(args)
     if args.dry_run:
         import stellax
 

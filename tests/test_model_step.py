@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"op", "case", "pass", "contender", "default", "peer", "ms", "tflops", "pct_peak", "bound", "device",
           "date", "skipped", "error"}
@@ -58,3 +60,24 @@ def test_dry_run_trains_the_hybrid_moe_model_and_the_variants_agree(tmp_path):
                "linear_cross_entropy"):
         assert op in ops, ops
     assert ops["chunk_gated_delta_rule"] == ops["ragged_dot"] == "mosaic_tpu", ops
+
+
+def test_tpu_compile_of_the_tiny_models_for_a_v5e(tmp_path):
+    """``--tpu-compile v5e``: the tiny dense and hybrid train steps (remat full, as on the chip)
+    compile with libtpu for a compile-only v5e, the stellax ones through the Mosaic kernels."""
+    pytest.importorskip("libtpu", reason='pip install "libtpu==0.0.42" (the tpu-check extra)')
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    out = tmp_path / "compile.json"
+    proc = subprocess.run([sys.executable, "benchmarks/model_step.py", "--dry-run", "--tpu-compile", "v5e",
+                           "--out", str(out)], cwd=ROOT, env=env, check=False, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "stellax-model-compile" and doc["generation"] == "v5e" and doc["remat"] == "full"
+    got = {(r["family"], r["contender"]): r for r in doc["compiled"]}
+    assert set(got) == {(f, v) for f in ("dense", "hybrid") for v in ("stellax", "jax")}
+    for r in got.values():
+        assert r["error"] is None and r["compiled_bytes"] > r["argument_bytes"] > 0, r
+    ops = got["hybrid", "stellax"]["stellax_ops"]
+    assert ops["chunk_gated_delta_rule"] == ops["ragged_dot"] == ops["attention"] == "mosaic_tpu", ops
+    assert got["hybrid", "jax"]["stellax_ops"] == {"chunk_gated_delta_rule": "xla"}
