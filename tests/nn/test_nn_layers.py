@@ -103,6 +103,20 @@ def test_attention_gqa_mask_softcap_sinks_match_jnp():
     assert _rel(out, ref) < 1e-5
 
 
+def test_attention_output_gate_matches_jnp():
+    """``output_gate``: ``o · sigmoid(x W_gate)`` per head before ``W_o`` (Qwen3-Next's gated attention)."""
+    layer = snn.Attention(32, 4, 2, 8, output_gate=True, rngs=nnx.Rngs(0))
+    x = _x((2, 7, 32))
+    p = _pure(layer)
+    gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, p["gate"], precision=HI))
+    ungated = {k: v for k, v in p.items() if k != "gate"}
+    # ref_attention ends with o W_o; gating o first is the same as W_o applied to the gated heads.
+    heads = jax.jit(lambda p, x: ref_attention({**p, "o": jnp.eye(32).reshape(4, 8, 32)}, x))(ungated, x)
+    ref = jnp.einsum("btnh,nhd->btd", heads.reshape(2, 7, 4, 8) * gate, p["o"], precision=HI)
+    assert _rel(nnx.jit(lambda m, x: m(x))(layer, x), ref) < 1e-5
+    assert _rel(ref, jax.jit(lambda p, x: ref_attention(p, x))(ungated, x)) > 1e-2   # the gate changes the output
+
+
 def test_attention_paged_kv_cache_decode_equals_full_attention():
     layer = snn.Attention(32, 4, 2, 8, rngs=nnx.Rngs(0))
     x = _x((2, 9, 32))

@@ -61,11 +61,13 @@ class Attention(nnx.Module):
       rope_theta: RoPE base (``None``: no position embedding).
       logits_soft_cap: ``cap · tanh(s / cap)`` on the logits.
       use_sinks: a learned per-head sink logit ``sinks [N]`` (gpt-oss).
+      output_gate: a learned output gate ``gate [D, N, H]`` (Qwen3-Next's gated
+        attention): ``o ← o · sigmoid(x W_gate)`` per head before ``W_o``.
       local_window_size: sliding window (as `stellax.dot_product_attention`).
       precision: float32 contraction precision of the attention (as
         `stellax.dot_product_attention`, docs/precision.md; the projections stay ``'highest'``).
-      kernel_init: of ``q [D, N, H]``, ``k``/``v [D, K, H]``, ``o [N, H, D]``.
-      sharding: logical axes for ``"q"``, ``"k"``, ``"v"``, ``"o"`` (3 each), ``"sinks"`` (1).
+      kernel_init: of ``q [D, N, H]``, ``k``/``v [D, K, H]``, ``o [N, H, D]`` (and ``gate [D, N, H]``).
+      sharding: logical axes for ``"q"``, ``"k"``, ``"v"``, ``"o"``, ``"gate"`` (3 each), ``"sinks"`` (1).
 
     Call ``layer(x, positions=None, mask=None, segment_ids=None, is_causal=True)``.
     After ``init_cache(batch, max_length, page_size)``, calls append their tokens
@@ -74,7 +76,7 @@ class Attention(nnx.Module):
 
     def __init__(self, features: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  *, rope_theta: float | None = 10000.0, logits_soft_cap: float | None = None,
-                 use_sinks: bool = False, local_window_size=None, precision=None, dtype=None, param_dtype=jnp.float32,
+                 use_sinks: bool = False, output_gate: bool = False, local_window_size=None, precision=None, dtype=None, param_dtype=jnp.float32,
                  kernel_init=_default_kernel, sharding: Mapping[str, Sequence[str | None]] | None = None,
                  rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -90,7 +92,7 @@ class Attention(nnx.Module):
         positive("Attention", head_dim=head_dim)
         if rope_theta is not None and head_dim % 2:
             raise ValueError(f"Attention: rotary embeddings need an even head_dim, got {head_dim}")
-        shard = check_sharding("Attention", sharding, ["q", "k", "v", "o", "sinks"])
+        shard = check_sharding("Attention", sharding, ["q", "k", "v", "o", "gate", "sinks"])
         self.features, self.num_heads, self.num_kv_heads, self.head_dim = features, num_heads, num_kv_heads, head_dim
         self.rope_theta, self.logits_soft_cap = rope_theta, logits_soft_cap
         self.local_window_size, self.dtype = local_window_size, dtype
@@ -101,6 +103,7 @@ class Attention(nnx.Module):
         self.v = p("v", (features, num_kv_heads, head_dim))
         self.o = p("o", (num_heads, head_dim, features))
         self.sinks = p("sinks", (num_heads,), zeros) if use_sinks else None
+        self.gate = p("gate", (features, num_heads, head_dim)) if output_gate else None
         self.cache = nnx.data(None)  # a PagedKVCache after init_cache
 
     # -- decode cache -------------------------------------------------------------------
@@ -160,5 +163,7 @@ class Attention(nnx.Module):
                 q, k, v, mask=mask, is_causal=is_causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                 logits_soft_cap=self.logits_soft_cap, sinks=None if self.sinks is None else self.sinks[...],
                 local_window_size=self.local_window_size, precision=self.precision)
+        if self.gate is not None:
+            o = o * jax.nn.sigmoid(dense(x, self.gate[...])).astype(o.dtype)
         y = jnp.einsum("btnh,nhd->btd", o, self.o[...].astype(o.dtype), precision="highest")
         return y if self.dtype is None else y.astype(self.dtype)
