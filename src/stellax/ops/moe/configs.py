@@ -251,8 +251,9 @@ STEP_SECONDS = 0.35e-6
 #: Rows-equivalent cost of a step's float32 accumulator read-modify-write (``[rows, bn]`` per
 #: ``contraction`` of a step): `mxu_seconds` charges ``ACCUMULATOR_ROWS / contraction``
 #: extra. Fitted on the v5e's balanced DeepSeek-like tgmm (M=16384, K=7168, N=2048, G=64):
-#: (128, 1024, 2048) 5.96 ms against (256, 1024, 1024) 5.25 ms (2026-12-06).
-ACCUMULATOR_ROWS = 40
+#: (128, 1024, 2048) 5.92 ms against (256, 1024, 2048) 4.74 ms (2026-12-06); the skewed
+#: case's tgmm then comes out within 10 % of the chip at 128, 256 and 512 rows.
+ACCUMULATOR_ROWS = 96
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +367,7 @@ def _heuristic_pool(space: list[TpuGroupedMatmulConfig]) -> list[TpuGroupedMatmu
 def visits_estimate(m: int, groups: int, block_m: int) -> int:
     """Visits of the ``block_m``-row tiles of ``m`` rows by ``groups`` groups of unknown sizes
     (`mosaic_tpu.tile_visits`): every tile once, plus one for every group boundary, each
-    assumed inside a tile (the usual case for unbalanced sizes; balanced sizes that are
+    assumed inside a tile (the usual case for routed sizes; balanced sizes that are
     multiples of the tile do better)."""
     return -(-m // block_m) + max(groups - 1, 0)
 
@@ -499,13 +500,24 @@ def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     return _seconds(mxu_seconds(flops, c.block_k, c.block_m), nbytes, blocks * visits)
 
 
+#: The tgmm heuristic's least row tile (where the call has that many rows). On the v5e, 128- and
+#: 256-row tiles ran the skewed (Dirichlet 0.3, routed-like) tgmm at the same speed (2.54 / 2.56 ms
+#: at (·, 1024, 1408)) while the cost model, which puts every group boundary inside a tile, rated
+#: 128 rows up to 4 % faster; on balanced sizes (boundaries on tile edges) 256 rows ran 1.25x
+#: faster (DeepSeek-like, (·, 1024, 2048): 4.74 / 5.92 ms).
+TGMM_MIN_ROWS = 256
+
+
 def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
     """The `ragged_dot_tgmm` config of its space that `tgmm_tpu_cost` rates fastest within
-    `tpu_heuristic_budget` (`_cheapest`): a large ``[bk, bn]`` output block (each row of
-    ``lhs``/``rhs`` is read once per output block), the row tile following the mean group
-    size (a tile straddling two groups is visited, and multiplied, twice)."""
+    `tpu_heuristic_budget` (`_cheapest`), with row tiles of at least `TGMM_MIN_ROWS`: a large
+    ``[bk, bn]`` output block (each row of ``lhs``/``rhs`` is read once per output block),
+    the row tile following the mean group size (a tile straddling two groups is visited, and
+    multiplied, twice)."""
     _, k, n, _ = tgmm_dims(call)
-    return _cheapest(tgmm_tpu_space(call), lambda c: tgmm_tpu_cost(call, c), lambda c: tgmm_tpu_vmem(call, c),
+    space = tgmm_tpu_space(call)
+    space = [c for c in space if c.block_m >= TGMM_MIN_ROWS] or space
+    return _cheapest(space, lambda c: tgmm_tpu_cost(call, c), lambda c: tgmm_tpu_vmem(call, c),
                      lambda c: (-(-k // c.block_k) * -(-n // c.block_n), max(k, n)))
 
 
