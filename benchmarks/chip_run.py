@@ -192,9 +192,10 @@ def mark_best(rows: list[dict]) -> None:
         min(ok, key=lambda r: r["ms"])["best"] = True
 
 
-def run(run_cls, args, *, tpu_interpret: bool = False) -> int:
+def run(run_cls, args, *, tpu_interpret: bool = False, target: str | None = None) -> int:
     """``run_cls(args).main()``; a dry run with stellax's kernels interpreted (and, with
-    ``tpu_interpret``, jax's own Mosaic TPU kernels too, for the peers)."""
+    ``tpu_interpret``, jax's own Mosaic TPU kernels too, for the peers; with ``target``, e.g.
+    ``"v5e"``, dispatching as on that TPU generation: ``implementation=None`` picks its kernels)."""
     if not args.dry_run:
         return run_cls(args).main()
     import contextlib
@@ -202,6 +203,8 @@ def run(run_cls, args, *, tpu_interpret: bool = False) -> int:
     import stellax
 
     with contextlib.ExitStack() as stack:
+        if target is not None:
+            stack.enter_context(stellax.lowering_target(target))
         stack.enter_context(stellax.interpret_mode())
         if tpu_interpret:
             from jax.experimental.pallas import tpu as pltpu

@@ -64,6 +64,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import chip_run
 from chip_run import elapsed, environment
 from model_step import BF16_PEAK, CHIP, TINY, V5E_PEAK, OpObserver
 from model_zoo import glu, init_params, rms, rope
@@ -399,13 +400,8 @@ class Run:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.dry_run:
-        import stellax
-
-        with stellax.lowering_target("v5e"), stellax.interpret_mode():
-            return Run(args).main()
-    return Run(args).main()
+    # A dry run dispatches as on a v5e (implementation=None picks the TPU kernels), interpreted on the CPU.
+    return chip_run.run(Run, parse_args(argv), target="v5e")
 
 
 if __name__ == "__main__":

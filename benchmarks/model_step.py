@@ -115,6 +115,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import chip_run
 from chip_run import elapsed, environment
 from model_zoo import LOSSES, DenseConfig, HybridConfig, init_params, learnable_batch
 
@@ -534,13 +535,8 @@ def main(argv=None) -> int:
         return child(args)
     if args.tpu_compile:
         return tpu_compile_main(args)
-    if args.dry_run:
-        import stellax
-
-        # Dispatch as on a v5e (implementation=None picks the TPU kernels), run them interpreted on the CPU.
-        with stellax.lowering_target("v5e"), stellax.interpret_mode():
-            return Run(args).main()
-    return Run(args).main()
+    # A dry run dispatches as on a v5e (implementation=None picks the TPU kernels), interpreted on the CPU.
+    return chip_run.run(Run, args, target="v5e")
 
 
 if __name__ == "__main__":

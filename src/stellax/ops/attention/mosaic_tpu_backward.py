@@ -203,14 +203,22 @@ def _dq(c, d_out, lse, delta, block_q: int, block_kv: int):
     return layout.rows_result(outs.dq)
 
 
-def _dkdv(c, d_out, lse, delta, block_q: int, block_kv: int):
+def _kv_major(c, block_q: int, block_kv: int):
+    """What the kv-block-major kernels (dk/dv and fused) share: ``(tiling, table, step, width,
+    row_block, layout, stats)`` — the transposed block table, the visited query block of step
+    ``(b, j, i)``, the operands' layout and the ``[rows, 1]`` lse/delta block spec."""
     tiling = Tiling.of(c, block_q, block_kv)
-    t_ = tiling
     table, step, width = schedule(c, tiling, kv_major=True)
     row_block = lambda b, j, i, tab: step.block(tab, b, j, i)
     layout = Layout(tiling, row_block, lambda b, j, i, tab: j)
-    stats = pl.BlockSpec((None, None, None, t_.rows, 1),
+    stats = pl.BlockSpec((None, None, None, tiling.rows, 1),
                          lambda b, kk, j, i, tab: (b, kk, row_block(b, j, i, tab), 0, 0))
+    return tiling, table, step, width, row_block, layout, stats
+
+
+def _dkdv(c, d_out, lse, delta, block_q: int, block_kv: int):
+    tiling, table, step, width, row_block, layout, stats = _kv_major(c, block_q, block_kv)
+    t_ = tiling
     outs = tpu_kernel_call(
         functools.partial(_dkdv_kernel, math_=TileMath.of(c, tiling), step=step),
         grid=(t_.b, t_.kh, t_.nk, width),
@@ -239,13 +247,8 @@ def _resident_dq_output(tiling: Tiling, layout: Layout, dtype):
 
 def _fused(c, d_out, lse, delta, block_q: int, block_kv: int):
     """``(dq, dk, dv)`` from the fused kernel (module docstring, 3.)."""
-    tiling = Tiling.of(c, block_q, block_kv)
+    tiling, table, step, width, row_block, layout, stats = _kv_major(c, block_q, block_kv)
     t_ = tiling
-    table, step, width = schedule(c, tiling, kv_major=True)
-    row_block = lambda b, j, i, tab: step.block(tab, b, j, i)
-    layout = Layout(tiling, row_block, lambda b, j, i, tab: j)
-    stats = pl.BlockSpec((None, None, None, t_.rows, 1),
-                         lambda b, kk, j, i, tab: (b, kk, row_block(b, j, i, tab), 0, 0))
     itemsize = jnp.dtype(c.q.dtype).itemsize
     outs = tpu_kernel_call(
         functools.partial(_fused_kernel, math_=TileMath.of(c, tiling), step=step, rows=t_.rows,
