@@ -124,7 +124,7 @@ class MemoryWatch:
     sample of each label is kept too (`summary`'s ``sampled_phases``).
 
     `stellax check` starts one before jax starts its backend and names its phases
-    (``importing``, ``starting the backend``, ...), so the whole process is watched."""
+    (``registering the ops``, ``planning the checks``, ...), so the whole process is watched."""
 
     #: Labels whose own peaks `summary` lists (the largest ones).
     PHASES_SHOWN = 6
@@ -141,7 +141,6 @@ class MemoryWatch:
         self._thread = threading.Thread(target=self._sample, name="stellax-memory", daemon=True)
 
     def _sample(self) -> None:
-        start = self.created
         while True:
             rss = _rss_now()
             if rss is not None:
@@ -152,7 +151,7 @@ class MemoryWatch:
                 if rss > self.phase_peaks.get(label, 0):
                     self.phase_peaks[label] = rss
                 if rss > self.peak:
-                    self.peak, self.at, self.during = rss, time.perf_counter() - start, label
+                    self.peak, self.at, self.during = rss, time.perf_counter() - self.created, label
             if self._stop.wait(self.interval):
                 return
 
@@ -174,7 +173,7 @@ class MemoryWatch:
         return self
 
     def stop(self) -> None:
-        """Take one last sample and stop."""
+        """Stop sampling (waits for the sampling thread to end)."""
         self._stop.set()
         self._thread.join()
 
