@@ -163,16 +163,11 @@ def write_kv(cache: Cache, kv, layer, k, v, rows, positions):
     return kc.at[layer, b_idx, positions].set(k), vc.at[layer, b_idx, positions].set(v)
 
 
-def prefill(cfg, cache: Cache, params, kv, tokens, first_row):
-    """``tokens [b, P]`` (sequences ``first_row .. first_row + b``) through the model, their keys
-    and values written into ``kv``; returns ``(last-position logits [b, V] float32, kv)``."""
-    import stellax
-
+def _decoder(cfg, cache: Cache, params, kv, x, positions, rows, attend):
+    """The blocks over ``x [b, t, D]`` at ``positions [b, t]`` (cache rows ``rows [b]``): each
+    block's keys and values are written into ``kv``, then ``attend(q, k, v, kv, layer) ->
+    [b, t, N, H]`` reads them; returns ``(x, kv)``."""
     variant = cache.variant
-    b, p = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    rows = first_row + jnp.arange(b, dtype=jnp.int32)
-    x = params["embed"][tokens]
 
     def layer(carry, xs):
         x, kv = carry
@@ -180,35 +175,40 @@ def prefill(cfg, cache: Cache, params, kv, tokens, first_row):
         h = _norm(variant, x, lp["attn_norm"]["scale"], cfg.epsilon)
         q, k, v = _qkv(cfg, lp["attn"], h, positions)
         kv = write_kv(cache, kv, i, k, v, rows, positions)
-        if variant == "stellax":
-            o = stellax.dot_product_attention(q, k, v, is_causal=True)
-        else:
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = x + jnp.einsum("btnh,nhd->btd", o, lp["attn"]["o"])
+        o = attend(q, k, v, kv, i)
+        x = x + jnp.einsum("btnh,nhd->btd", o.astype(x.dtype), lp["attn"]["o"])
         return (x + _mlp(variant, _norm(variant, x, lp["mlp_norm"]["scale"], cfg.epsilon), lp["mlp"]), kv), None
 
     (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.layers)))
-    return _logits(cfg, variant, params, x[:, -1]), kv
+    return x, kv
+
+
+def prefill(cfg, cache: Cache, params, kv, tokens, first_row):
+    """``tokens [b, P]`` (sequences ``first_row .. first_row + b``) through the model, their keys
+    and values written into ``kv``; returns ``(last-position logits [b, V] float32, kv)``."""
+    import stellax
+
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    rows = first_row + jnp.arange(b, dtype=jnp.int32)
+    attention = stellax.dot_product_attention if cache.variant == "stellax" else jax.nn.dot_product_attention
+
+    def attend(q, k, v, kv, i):
+        return attention(q, k, v, is_causal=True)
+
+    x, kv = _decoder(cfg, cache, params, kv, params["embed"][tokens], positions, rows, attend)
+    return _logits(cfg, cache.variant, params, x[:, -1]), kv
 
 
 def decode_step(cfg, cache: Cache, params, kv, tokens, lengths):
     """One token per sequence: ``tokens [B]`` at positions ``lengths [B]``; returns ``(logits [B, V], kv)``."""
     import stellax
 
-    variant = cache.variant
     b = tokens.shape[0]
-    positions = lengths[:, None]
-    rows = jnp.arange(b, dtype=jnp.int32)
-    x = params["embed"][tokens][:, None]
     n, kvh = cfg.heads, cfg.kv_heads
 
-    def layer(carry, xs):
-        x, kv = carry
-        lp, i = xs
-        h = _norm(variant, x, lp["attn_norm"]["scale"], cfg.epsilon)
-        q, k, v = _qkv(cfg, lp["attn"], h, positions)
-        kv = write_kv(cache, kv, i, k, v, rows, positions)
-        if variant == "stellax":
+    def attend(q, k, v, kv, i):
+        if cache.variant == "stellax":
             o = stellax.paged_attention(q[:, 0], kv[0], kv[1], cache.tables + i * cache.per_layer, lengths + 1)
         else:
             kc, vc = kv[0][i], kv[1][i]                                      # [B, C, K, H]
@@ -218,11 +218,11 @@ def decode_step(cfg, cache: Cache, params, kv, tokens, lengths):
             s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
             w = jax.nn.softmax(s, axis=-1).astype(vc.dtype)
             o = jnp.einsum("bkgc,bckh->bkgh", w, vc).reshape(b, n, -1)
-        x = x + jnp.einsum("bnh,nhd->bd", o.astype(x.dtype), lp["attn"]["o"])[:, None]
-        return (x + _mlp(variant, _norm(variant, x, lp["mlp_norm"]["scale"], cfg.epsilon), lp["mlp"]), kv), None
+        return o[:, None]
 
-    (x, kv), _ = jax.lax.scan(layer, (x, kv), (params["layers"], jnp.arange(cfg.layers)))
-    return _logits(cfg, variant, params, x[:, 0]), kv
+    x, kv = _decoder(cfg, cache, params, kv, params["embed"][tokens][:, None], lengths[:, None],
+                     jnp.arange(b, dtype=jnp.int32), attend)
+    return _logits(cfg, cache.variant, params, x[:, 0]), kv
 
 
 def generate(cfg, cache: Cache, gen: int, params, kv, first, lengths):
