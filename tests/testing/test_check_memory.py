@@ -86,20 +86,31 @@ def test_release_host_memory_drops_compiled_programs():
     assert f._cache_size() == 0
 
 
-def test_memory_watch_names_what_ran_at_the_peak():
+def _until_sampled(watch, label: str, at_least: int = 0, timeout: float = 30.0) -> None:
+    """Wait until ``watch`` has taken a sample labelled ``label`` (of at least ``at_least`` bytes: one
+    taken after an allocation was touched, not during it); a loaded machine may starve the sampling
+    thread for longer than any fixed sleep. No wait where RSS cannot be read."""
     import time
 
+    if report._rss_now() is None:
+        return
+    deadline = time.monotonic() + timeout
+    while watch.phase_peaks.get(label, -1) < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_memory_watch_names_what_ran_at_the_peak():
     state = {"now": "idle"}
     with report.MemoryWatch(lambda: state["now"], interval=0.01) as watch:
-        time.sleep(0.05)
+        _until_sampled(watch, "idle")
         state["now"] = "the big one"
         block = bytearray(200 << 20)  # 200 MiB, touched
         for i in range(0, len(block), 4096):
             block[i] = 1
-        time.sleep(0.1)
+        _until_sampled(watch, "the big one", at_least=report._rss_now() or 0)
         del block
         state["now"] = "after"
-        time.sleep(0.05)
+        _until_sampled(watch, "after")
     summary = watch.summary()
     if summary:  # Linux
         assert summary["sampled_peak_during"] == "the big one"
@@ -112,7 +123,6 @@ def test_memory_watch_names_what_ran_at_the_peak():
 def test_a_started_watch_names_its_phases_then_the_checks(monkeypatch):
     """`stellax check`'s watch runs from start-up (phases it names) through `_run`, which labels
     the samples by the checks in flight and stops it at the end."""
-    import time
     import types
 
     monkeypatch.setattr(report, "_sequential", lambda jobs: iter([("start", jobs[0], None), ("cpu", None, 0.0)]))
@@ -121,7 +131,7 @@ def test_a_started_watch_names_its_phases_then_the_checks(monkeypatch):
     block = bytearray(100 << 20)
     for i in range(0, len(block), 4096):
         block[i] = 1
-    time.sleep(0.05)
+    _until_sampled(watch, "starting the backend", at_least=report._rss_now() or 0)
     del block
     job = types.SimpleNamespace(op=types.SimpleNamespace(name="op"), implementation="xla", dtype="float32")
     out = report._run([job], report.CheckReport("cpu", "quick"), watch=watch)
