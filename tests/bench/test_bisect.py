@@ -99,11 +99,12 @@ def test_cli_bisect_and_its_bad_input(scratch, capsys):
     repo, commits = scratch
     before = _state(repo)
     command = f"{sys.executable} bench.py"
-    # A range without the slowdown: a clear message, exit 1.
+    # A range without the slowdown: a clear message, exit 1. The 50 % threshold, as in the test above:
+    # under a loaded CI machine a commit that changes nothing once measured 1.26x slower (noise ±2.3 ms).
     assert bench_cli.main(["bisect", commits[0], commits[2], "--repo", str(repo), "--command", command,
-                           "--rounds", "2"]) == 1
+                           "--rounds", "2", "--threshold", "0.5"]) == 1
     out = capsys.readouterr().out
-    assert f"no commit in {commits[0]}..{commits[2]} regressed {command} beyond 10%" in out.replace("\n", "")
+    assert f"no commit in {commits[0]}..{commits[2]} regressed {command} beyond 50%" in out.replace("\n", "")
     # GOOD after BAD, an unknown commit, no --case: exit 2, nothing measured.
     assert bench_cli.main(["bisect", commits[-1], commits[0], "--repo", str(repo), "--command", command]) == 2
     assert "is not an ancestor of BAD" in capsys.readouterr().err
