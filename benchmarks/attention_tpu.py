@@ -54,10 +54,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import chip_run
+from stellax.bench import chip_run
 import jax
 import jax.numpy as jnp
-from chip_run import ChipRun, elapsed, time_fn
+from stellax.bench.chip_run import ChipRun, elapsed, time_fn
 
 #: v5e bf16 peak (TFLOP/s); the dry run reports against it too.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0}

@@ -35,9 +35,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-import chip_run
+from stellax.bench import chip_run
 import jax
-from chip_run import ChipRun, time_fn
+from stellax.bench.chip_run import ChipRun, time_fn
 from linear_attention_stages_tpu import DIM, PEAK_TFLOPS, V5E_TFLOPS, kernel_inputs
 
 REPS, WARMUP = (1, 5), (0, 1)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chip_run import environment
+from stellax.bench.chip_run import environment
 from stellax.core.precision import DEFAULT, HIGHEST
 from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op, ssd_op
 from stellax.ops.linear_attention.emulate import emulated_call

@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import sys
 
-import chip_run
+from stellax.bench import chip_run
 import jax
 import jax.numpy as jnp
-from chip_run import ChipRun, time_fn
+from stellax.bench.chip_run import ChipRun, time_fn
 from linear_attention_tpu import case_inputs
 
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}

@@ -41,10 +41,10 @@ from __future__ import annotations
 import contextlib
 import sys
 
-import chip_run
+from stellax.bench import chip_run
 import jax
 import jax.numpy as jnp
-from chip_run import ChipRun, elapsed, errors, mark_best, time_fn
+from stellax.bench.chip_run import ChipRun, elapsed, errors, mark_best, time_fn
 
 #: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}

@@ -83,11 +83,11 @@ import math
 import sys
 import time
 
-import chip_run
+from stellax.bench import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-from chip_run import ChipRun, elapsed, time_fn
+from stellax.bench.chip_run import ChipRun, elapsed, time_fn
 
 #: bfloat16 MXU peak (TFLOP/s) by device kind; the dry run reports against a v5e's.
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}
@@ -162,8 +162,9 @@ def stellax_recompute_loss(x, w, labels):
 
 def tokamax_loss(x, w_dv, labels):
     """tokamax's Mosaic TPU loss (weights ``[D, V]``, no ``ignore_index``: ignored labels read as 0)."""
-    import tokamax
+    from stellax.integrations import tokamax as tokamax_peer
 
+    tokamax = tokamax_peer.load()     # absl flags marked parsed: this script's --out would fail tokamax's parse
     labels = jnp.where(labels == -100, 0, labels)
     return tokamax.linear_softmax_cross_entropy_loss(x, labels, w_dv, reduction="mean", implementation="mosaic_tpu")
 
@@ -348,7 +349,9 @@ class Run(ChipRun):
             why = "dry run: tokamax's kernel is Mosaic TPU only (no interpret mode here)"
         else:
             try:
-                import tokamax  # noqa: F401
+                from stellax.integrations import tokamax as tokamax_peer
+
+                tokamax_peer.load()
             except ImportError as e:  # tokamax itself, or one of its dependencies
                 why = f"tokamax does not import (optional peer: pip install tokamax): {e}"
         if why is not None:

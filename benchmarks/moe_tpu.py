@@ -37,11 +37,11 @@ import functools
 import math
 import sys
 
-import chip_run
+from stellax.bench import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-from chip_run import ChipRun, elapsed, time_fn
+from stellax.bench.chip_run import ChipRun, elapsed, time_fn
 
 V5E_TFLOPS = 197.0
 PEAK_TFLOPS = {"TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5": 459.0, "TPU v6 lite": 918.0, "TPU7x": 2307.0}

@@ -61,11 +61,11 @@ import functools
 import math
 import sys
 
-import chip_run
+from stellax.bench import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-from chip_run import ChipRun, elapsed, errors, mark_best, time_fn
+from stellax.bench.chip_run import ChipRun, elapsed, errors, mark_best, time_fn
 
 #: HBM bandwidth (GB/s) by device kind; the dry run reports against a v5e's.
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5": 2765.0, "TPU v6 lite": 1640.0, "TPU7x": 7370.0}

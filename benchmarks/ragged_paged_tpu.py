@@ -40,11 +40,11 @@ import dataclasses
 import functools
 import sys
 
-import chip_run
+from stellax.bench import chip_run
 import jax
 import jax.numpy as jnp
 import numpy as np
-from chip_run import elapsed, mark_best
+from stellax.bench.chip_run import elapsed, mark_best
 from paged_decode_tpu import (
     REPS,
     WARMUP,

@@ -1,4 +1,4 @@
-"""The one-chip serving benchmark (benchmarks/model_serve.py) runs on the CPU (--dry-run: the tiny
+"""The one-chip serving benchmark (`stellax bench model serve`, also benchmarks/model_serve.py) runs on the CPU (--dry-run: the tiny
 dense model, stellax dispatching as on a v5e with its kernels interpreted, float32): both variants
 prefill and greedily decode 64 tokens with the same tokens (stellax's paged KV cache against plain
 JAX's dense one), the stellax variant runs the paged-attention kernel and the plain one no stellax op,
@@ -18,7 +18,8 @@ SCHEMA = {"op", "case", "pass", "contender", "default", "peer", "ms", "tflops", 
 def test_dry_run_serves_both_variants_with_the_same_greedy_tokens(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     out = tmp_path / "model_serve.json"
-    proc = subprocess.run([sys.executable, "benchmarks/model_serve.py", "--dry-run", "--out", str(out)],
+    # Through the installed command's path (the train test runs the benchmarks/ script).
+    proc = subprocess.run([sys.executable, "-m", "stellax.cli", "bench", "model", "serve", "--dry-run", "--out", str(out)],
                           cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(out.read_text())

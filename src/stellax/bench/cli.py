@@ -33,8 +33,9 @@ from .timing import TIMER_NAMES
 _DESCRIPTIONS = {
     "": "Benchmark stellax ops per family against XLA and peers, with roofline numbers. With no suite named, "
         "every suite runs on the default shapes of this device. Subcommands: `stellax bench history DIR "
-        "[--plot OUT]` (the runs recorded with --record) and `stellax bench bisect GOOD BAD --case PATTERN` "
-        "(the commit that made a case slower).",
+        "[--plot OUT]` (the runs recorded with --record), `stellax bench bisect GOOD BAD --case PATTERN` "
+        "(the commit that made a case slower) and `stellax bench model {train,serve} --out FILE` (a whole "
+        "model's training step or serving with stellax's kernels against plain JAX).",
     "history": "Show the runs recorded with `stellax bench --record DIR`: a table of each case's median over time, "
                "or plots (--plot).",
     "bisect": "Find the first commit of GOOD..BAD that made the benchmark cases matching --case slower than GOOD "
@@ -322,8 +323,44 @@ def bisect_cli(argv: list[str]) -> int:
     return 0 if result.found else 1
 
 
+#: `stellax bench model KIND`: the module whose ``main(argv, prog)`` runs each kind.
+MODEL_BENCHMARKS = {"train": "stellax.bench.model_train", "serve": "stellax.bench.model_serve"}
+
+
+def model_cli(argv: list[str]) -> int:
+    """``stellax bench model {train,serve} ARGS``: the model benchmarks (`stellax.bench.model_train`,
+    `stellax.bench.model_serve`; ``--help`` after the kind lists their options). They build their
+    models from `stellax.nn` and train with optax: the ``nn`` extra."""
+    kinds = ", ".join(MODEL_BENCHMARKS)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: stellax bench model {{{kinds}}} [--help] --out FILE [options]\n\n"
+              "A whole model on this device with stellax's kernels against the same model in plain JAX:\n"
+              "  train  training steps of a ~500M dense and a hybrid-MoE decoder (tokens/s, MFU, peak HBM,\n"
+              "         loss agreement; --dry-run: tiny models on the CPU)\n"
+              "  serve  prefill and greedy decode of the dense model, stellax's paged KV cache against a\n"
+              "         dense-cache plain-JAX decode")
+        return 0 if argv else 2
+    kind = argv[0]
+    if kind not in MODEL_BENCHMARKS:
+        print(f"stellax bench model: expected one of {kinds}, got {kind!r}", file=sys.stderr)
+        return 2
+    import importlib
+
+    try:
+        for needed in ("flax", "optax"):
+            importlib.import_module(needed)
+    except ImportError as e:
+        print(f"stellax bench model {kind}: needs {e.name}, which is not installed: pip install 'stellax[nn]'",
+              file=sys.stderr)
+        return 2
+    module = importlib.import_module(MODEL_BENCHMARKS[kind])
+    return module.main(argv[1:], prog=f"stellax bench model {kind}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "model":
+        return model_cli(argv[1:])
     if argv and argv[0] == "history":
         return history_cli(argv[1:])
     if argv and argv[0] == "bisect":

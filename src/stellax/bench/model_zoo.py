@@ -1,6 +1,9 @@
-"""The models of the one-chip model benchmarks (`model_step.py`, `model_serve.py`), each twice over
-one parameter pytree: built from `stellax.nn` layers (every op what stellax picks on the device) and
-as the same math in plain JAX.
+"""The models of the one-chip model benchmarks (`stellax.bench.model_train`,
+`stellax.bench.model_serve`), each built over one parameter pytree three ways: from `stellax.nn`
+layers (``stellax``: every op what stellax picks on the device), as the same math in plain JAX
+(``jax``, `JAX_OPS`), and as that plain model with tokamax's ops where tokamax has them
+(``tokamax``, `tokamax_ops`: attention, RMSNorm, GLU, ragged dot, the fused loss; the GDN stays
+stellax's XLA path), an optional peer. The two peers share their code: the blocks take a `PeerOps`.
 
 * `DenseConfig`: a Llama-3-style decoder (RMSNorm, GQA attention with RoPE, SwiGLU), the
   ``stellax`` blocks ``RMSNorm`` / ``Attention`` / ``GatedMLP``.
@@ -16,8 +19,9 @@ as the same math in plain JAX.
   gate on the shared expert, the zero-centred norm weights and the partial RoPE (the layers of
   `stellax.nn` have none of them; the FLOPs they would add are < 1 %).
 
-Both losses are mean next-token cross-entropy: stellax's fused `stellax.linear_cross_entropy` (no
-``[T, V]`` logits) against float32 logits and `optax.softmax_cross_entropy_with_integer_labels`.
+The losses are mean next-token cross-entropy: stellax's fused `stellax.linear_cross_entropy` (no
+``[T, V]`` logits), float32 logits and `optax.softmax_cross_entropy_with_integer_labels` (plain), and
+tokamax's fused ``linear_softmax_cross_entropy_loss``.
 
 Parameter pytree (float32): ``embed [V, D]``, the blocks' pure state dicts stacked on leading axes
 (dense: ``layers [L, ...]``; hybrid: ``gdn [G, 3, ...]`` and ``attn [G, ...]``), ``final_norm [D]``,
@@ -258,7 +262,28 @@ def stellax_loss(cfg, remat: str, params, tokens, labels):
     return stellax.linear_cross_entropy(x.reshape(b * t, -1), params["unembed"].astype(x.dtype), labels.reshape(-1))
 
 
-# -- plain JAX ---------------------------------------------------------------------------------------------
+# -- plain JAX (and tokamax) ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PeerOps:
+    """The ops a peer model's blocks call, over bfloat16 activations; the rest of the block (the
+    projections, RoPE, routing, the GDN's gates) is the same ``jnp`` code for every peer.
+
+    * ``attention(q [B, T, N, H], k, v [B, T, K, H]) -> [B, T, N, H]``: causal GQA attention;
+    * ``rms(x [..., D], scale [D], eps) -> x.dtype``: RMSNorm;
+    * ``glu(x [..., D], gate_up [D, 2, F]) -> [..., F] x.dtype``: ``silu(x W_g) · x W_u``;
+    * ``ragged_dot(rows [M, D], w [E, D, N], sizes [E] int32) -> [M, N] float32``;
+    * ``loss(x [B, S, D], unembed [D, V] x.dtype, labels [B, S]) -> float32 scalar``: mean
+      next-token cross-entropy of ``x @ unembed``.
+    """
+
+    name: str
+    attention: object
+    rms: object
+    glu: object
+    ragged_dot: object
+    loss: object
+
+
 def rms(x, scale, eps):
     """``x / sqrt(mean(x², -1) + eps) · scale`` in float32, back in ``x.dtype``."""
     x32 = x.astype(jnp.float32)
@@ -281,25 +306,74 @@ def proj(x, w):
     return jnp.tensordot(x, w.astype(x.dtype), axes=1)
 
 
-def glu(x, gate_up, down):
-    """SwiGLU ``(silu(x W_g) · x W_u) W_d`` with ``gate_up [D, 2, F]``, ``down [F, D]``."""
+def gate(x, gate_up):
+    """``silu(x W_g) · x W_u`` with ``gate_up [D, 2, F]``: float32 products, ``x.dtype`` result."""
     u = jnp.einsum("...d,dgf->...gf", x, gate_up.astype(x.dtype), preferred_element_type=jnp.float32)
-    g = (jax.nn.silu(u[..., 0, :]) * u[..., 1, :]).astype(x.dtype)
-    return proj(g, down)
+    return (jax.nn.silu(u[..., 0, :]) * u[..., 1, :]).astype(x.dtype)
 
 
-def plain_attention(cfg, a, x, positions, gated: bool):
+def glu(x, gate_up, down, ops=None):
+    """SwiGLU ``(silu(x W_g) · x W_u) W_d`` with ``gate_up [D, 2, F]``, ``down [F, D]`` (the gating by
+    ``ops.glu``, plain JAX's `gate` by default)."""
+    return proj((ops.glu if ops else gate)(x, gate_up), down)
+
+
+def _optax_loss(x, unembed, labels):
+    import optax
+
+    logits = jnp.einsum("btd,dv->btv", x, unembed, preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+#: Plain JAX/XLA: `jax.nn.dot_product_attention`, ``jnp`` norms and GLU, `jax.lax.ragged_dot`,
+#: float32 ``[B, S, V]`` logits and optax's cross-entropy.
+JAX_OPS = PeerOps(
+    name="jax",
+    attention=lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+    rms=rms, glu=gate,
+    ragged_dot=lambda rows, w, sizes: jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32),
+    loss=_optax_loss)
+
+
+def tokamax_ops() -> PeerOps:
+    """tokamax's ops, each with the implementation tokamax picks on the device (its Mosaic TPU
+    kernels on a TPU where it has them, XLA elsewhere): ``dot_product_attention``, ``layer_norm``
+    (``subtract_mean=False``: RMSNorm), ``gated_linear_unit``, ``ragged_dot`` and
+    ``linear_softmax_cross_entropy_loss`` (no ``[T, V]`` logits). Raises ImportError without tokamax."""
+    from stellax.integrations import tokamax as tokamax_peer
+
+    tokamax = tokamax_peer.load()
+
+    def loss(x, unembed, labels):
+        # tokamax 0.0.12's XLA loss returns a float32 cotangent for bfloat16 ``x``, which the next
+        # layer's VJP rejects; the lossless round trip through float32 casts it back (its transpose
+        # converts the cotangent to each operand's dtype) and costs nothing in the forward.
+        x = x.astype(jnp.float32).astype(x.dtype)
+        return tokamax.linear_softmax_cross_entropy_loss(x.reshape(-1, x.shape[-1]), labels.reshape(-1), unembed,
+                                                         reduction="mean")
+
+    return PeerOps(
+        name="tokamax",
+        attention=lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=True),
+        rms=lambda x, scale, eps: tokamax.layer_norm(x, scale.astype(x.dtype), None, epsilon=eps,
+                                                     subtract_mean=False),
+        glu=lambda x, gate_up: tokamax.gated_linear_unit(x, gate_up.astype(x.dtype), activation=jax.nn.silu),
+        ragged_dot=lambda rows, w, sizes: tokamax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32),
+        loss=loss)
+
+
+def plain_attention(cfg, a, x, positions, gated: bool, ops: PeerOps = JAX_OPS):
     """GQA attention with RoPE (and the hybrid's sigmoid output gate) over ``x [B, T, D]``."""
     q, k, v = proj(x, a["q"]), proj(x, a["k"]), proj(x, a["v"])
     q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    o = ops.attention(q, k, v)
     if gated:
         o = o * jax.nn.sigmoid(proj(x, a["gate"])).astype(o.dtype)
     return jnp.einsum("btnh,nhd->btd", o, a["o"].astype(x.dtype))
 
 
-def plain_gdn(cfg, p, x):
-    """Gated DeltaNet as `stellax.nn.GatedDeltaNet` with stellax's XLA chunked kernel."""
+def plain_gdn(cfg, p, x, ops: PeerOps = JAX_OPS):
+    """Gated DeltaNet as `stellax.nn.GatedDeltaNet` with stellax's XLA chunked kernel (no peer has one)."""
     import stellax
 
     q, k, v = proj(x, p["q"]), proj(x, p["k"]), proj(x, p["v"])
@@ -307,13 +381,13 @@ def plain_gdn(cfg, p, x):
     g = (-jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)).astype(x.dtype)
     beta = jax.nn.sigmoid(proj(x, p["b"])).astype(x.dtype)
     o, _ = stellax.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True, implementation="xla")
-    o = rms(o, p["norm"], cfg.epsilon) * jax.nn.silu(proj(x, p["gate"]))
+    o = ops.rms(o, p["norm"], cfg.epsilon) * jax.nn.silu(proj(x, p["gate"]))
     return jnp.einsum("bthv,hvd->btd", o, p["o"].astype(o.dtype))
 
 
-def plain_moe(cfg, p, x):
-    """Top-k MoE in plain JAX: softmax routing, normalized top-k weights, the copies sorted by
-    expert, two `jax.lax.ragged_dot` (fused gate/up, then down), weighted combine. ``x [B, T, D]``."""
+def plain_moe(cfg, p, x, ops: PeerOps = JAX_OPS):
+    """Top-k MoE: softmax routing, normalized top-k weights, the copies sorted by expert, two
+    ``ops.ragged_dot`` (fused gate/up, then down), weighted combine. ``x [B, T, D]``."""
     shape, dt = x.shape, x.dtype
     x = x.reshape(-1, shape[-1])
     k, e, f = cfg.top_k, cfg.experts, cfg.expert_hidden
@@ -325,54 +399,57 @@ def plain_moe(cfg, p, x):
     order = jnp.argsort(flat, stable=True)
     rows = x[order // k]
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    gu = jax.lax.ragged_dot(rows, p["w_gate_up"].astype(dt).reshape(e, shape[-1], 2 * f), sizes,
-                            preferred_element_type=jnp.float32)
+    gu = ops.ragged_dot(rows, p["w_gate_up"].astype(dt).reshape(e, shape[-1], 2 * f), sizes)
     h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(dt)
-    y = jax.lax.ragged_dot(h, p["w_down"].astype(dt), sizes, preferred_element_type=jnp.float32)
+    y = ops.ragged_dot(h, p["w_down"].astype(dt), sizes)
     copies = jnp.zeros_like(y).at[order].set(y).reshape(-1, k, shape[-1])
     return jnp.einsum("tk,tkd->td", w, copies).astype(dt).reshape(shape)
 
 
-def plain_block_fns(cfg):
-    """The plain-JAX blocks, ``(params, x [B, S, D], positions [B, S]) -> [B, S, D]``, named as `block_classes`."""
+def plain_block_fns(cfg, ops: PeerOps = JAX_OPS):
+    """The peer's blocks, ``(params, x [B, S, D], positions [B, S]) -> [B, S, D]``, named as `block_classes`."""
     eps = cfg.epsilon
     if cfg.family == "dense":
         def dense_block(p, x, positions):
-            h = x + plain_attention(cfg, p["attn"], rms(x, p["attn_norm"]["scale"], eps), positions, False)
+            h = x + plain_attention(cfg, p["attn"], ops.rms(x, p["attn_norm"]["scale"], eps), positions, False, ops)
             m = p["mlp"]
-            return h + glu(rms(h, p["mlp_norm"]["scale"], eps), m["gate_up"], m["down"])
+            return h + glu(ops.rms(h, p["mlp_norm"]["scale"], eps), m["gate_up"], m["down"], ops)
         return {"layers": dense_block}
 
     def mlp(p, h):
-        m = rms(h, p["mlp_norm"]["scale"], eps)
-        return h + plain_moe(cfg, p["moe"], m) + glu(m, p["shared"]["gate_up"], p["shared"]["down"])
+        m = ops.rms(h, p["mlp_norm"]["scale"], eps)
+        return h + plain_moe(cfg, p["moe"], m, ops) + glu(m, p["shared"]["gate_up"], p["shared"]["down"], ops)
 
     def gdn_block(p, x, positions):
-        return mlp(p, x + plain_gdn(cfg, p["gdn"], rms(x, p["mix_norm"]["scale"], eps)))
+        return mlp(p, x + plain_gdn(cfg, p["gdn"], ops.rms(x, p["mix_norm"]["scale"], eps), ops))
 
     def attn_block(p, x, positions):
-        return mlp(p, x + plain_attention(cfg, p["attn"], rms(x, p["mix_norm"]["scale"], eps), positions, True))
+        return mlp(p, x + plain_attention(cfg, p["attn"], ops.rms(x, p["mix_norm"]["scale"], eps), positions, True,
+                                          ops))
 
     return {"gdn": gdn_block, "attn": attn_block}
 
 
-def plain_hidden(cfg, remat: str, params, tokens):
-    """The final-normed hidden states ``[B, S, D]`` bfloat16 of the plain model."""
+def plain_hidden(cfg, remat: str, params, tokens, ops: PeerOps = JAX_OPS):
+    """The final-normed hidden states ``[B, S, D]`` bfloat16 of the peer model."""
     x = params["embed"].astype(jnp.bfloat16)[tokens]
-    x = _stack(plain_block_fns(cfg), params, x, _positions(tokens), remat, cfg.family)
-    return rms(x, params["final_norm"], cfg.epsilon)
+    x = _stack(plain_block_fns(cfg, ops), params, x, _positions(tokens), remat, cfg.family)
+    return ops.rms(x, params["final_norm"], cfg.epsilon)
 
 
-def plain_loss(cfg, remat: str, params, tokens, labels):
-    """The same model and loss in plain JAX/XLA: float32 ``[B, S, V]`` logits and optax's loss."""
-    import optax
-
-    x = plain_hidden(cfg, remat, params, tokens)
-    logits = jnp.einsum("btd,dv->btv", x, params["unembed"].astype(x.dtype), preferred_element_type=jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+def plain_loss(cfg, remat: str, params, tokens, labels, ops: PeerOps = JAX_OPS):
+    """The same model and loss built from ``ops``: plain JAX/XLA by default (float32 ``[B, S, V]``
+    logits and optax's loss)."""
+    x = plain_hidden(cfg, remat, params, tokens, ops)
+    return ops.loss(x, params["unembed"].astype(x.dtype), labels)
 
 
-LOSSES = {"stellax": stellax_loss, "jax": plain_loss}
+def tokamax_loss(cfg, remat: str, params, tokens, labels):
+    """The model with tokamax's ops (`tokamax_ops`) where tokamax has them."""
+    return plain_loss(cfg, remat, params, tokens, labels, tokamax_ops())
+
+
+LOSSES = {"stellax": stellax_loss, "jax": plain_loss, "tokamax": tokamax_loss}
 
 
 # -- data ------------------------------------------------------------------------------------------------------

@@ -1,9 +1,7 @@
-"""What the one-process chip benchmarks share (`gmm_tpu.py`, `loss_tpu.py`, `norm_tpu.py`,
-`paged_decode_tpu.py`, `model_step.py`, `glu_tpu.py`, `linear_attention_tpu.py`): the environment
-record, the timer, and `ChipRun`, a run's rows written to its JSON after every row so that a command
-cut short keeps what it measured (`ChipRun.compute_row`: the row of a compute-bound contender).
-
-The scripts run as ``python3 benchmarks/<script>.py``, so this module is importable beside them.
+"""What the one-process chip benchmarks share (the ``benchmarks/*_tpu.py`` scripts and the model
+benchmarks `stellax.bench.model_train` / `stellax.bench.model_serve`): the environment record, the
+timer, and `ChipRun`, a run's rows written to its JSON after every row so that a command cut short
+keeps what it measured (`ChipRun.compute_row`: the row of a compute-bound contender).
 """
 
 from __future__ import annotations
