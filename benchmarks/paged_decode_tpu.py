@@ -32,7 +32,7 @@ cache's). For each case, on the same data:
 
 Timing: each contender is compiled and run once, then timed ``--reps`` times
 (``block_until_ready`` after each call; median reported) after ``--warmup``
-runs; then ``ms_back_to_back`` (and ``pct_peak_back_to_back``): `BACK_TO_BACK` calls
+runs; then ``ms_back_to_back`` (and ``pct_peak_back_to_back``): up to `BACK_TO_BACK` calls
 dispatched without waiting, one ``block_until_ready`` at the end, per call: the device's time
 once the host's dispatch and the per-call synchronization overlap it (on the 2026-12-06 v5e runs
 every contender's ``ms`` fitted about 0.5 ms + bytes / 700-770 GB/s across batches and contexts:
@@ -270,8 +270,10 @@ def interleaved(k, v):
 
 
 # -- the run ---------------------------------------------------------------------------------------
-#: Calls dispatched back to back for ``ms_back_to_back`` (dry run, chip).
+#: Calls dispatched back to back for ``ms_back_to_back`` (dry run, chip): at most this many, and
+#: about `BACK_TO_BACK_MS` of device time per run (at least 3 calls).
 BACK_TO_BACK = (2, 50)
+BACK_TO_BACK_MS = 100.0
 
 
 def back_to_back_ms(fn, args, calls: int) -> float:
@@ -326,7 +328,8 @@ class Timed(ChipRun):
         pick = pick or (lambda out: out[:ref.shape[0]])
         try:
             first, ms, out = time_fn(fn, args, self.reps, self.warmup)
-            b2b = back_to_back_ms(fn, args, BACK_TO_BACK[0 if self.dry else 1])
+            most = BACK_TO_BACK[0 if self.dry else 1]
+            b2b = back_to_back_ms(fn, args, most if self.dry else max(3, min(most, int(BACK_TO_BACK_MS / ms))))
             return self.row(case, contender, config, default=default, peer=peer, ms=ms, nbytes=nbytes,
                             flops=flops, errs=errors(pick(out), ref), compile_s=first, op=op, ms_b2b=b2b)
         except Exception as e:  # noqa: BLE001 - a contender that does not compile or run is a row
