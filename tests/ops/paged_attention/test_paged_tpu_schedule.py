@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from stellax.ops.paged_attention.tpu_cases import Segment, block_compute, block_dma_cycles, decode_case, dump_kernel, segments
+from stellax.ops.paged_attention.tpu_cases import (
+    Segment,
+    block_compute,
+    block_dma_cycles,
+    decode_case,
+    dump_kernel,
+    segments,
+)
 from stellax.testing.tpu_compile import libtpu_available
 
 LIBTPU, WHY_NOT = libtpu_available()
 needs_libtpu = pytest.mark.skipif(not LIBTPU, reason=WHY_NOT)
 
 #: The benchmark's first case: B=64 ctx 4k, pages of 64, 32q/8kv, H=128, bf16, 8 pages a block.
-CASE = dict(batch=64, context=4096, page_size=64, pages_per_block=8)
+CASE = {"batch": 64, "context": 4096, "page_size": 64, "pages_per_block": 8}
 
 
 @needs_libtpu
@@ -58,8 +65,8 @@ def test_quantized_block_update_is_under_the_blocks_dma_time(tmp_path, cache):
     scales, ~1984 cycles): the unmasked block update under 80 % of that (static bundles on
     libtpu 0.0.42: int8 1293, fp8 1275; fp8 was 2408 before its codes were read as
     e4m3b11fnuz)."""
-    path = dump_kernel(dict(batch=8, context=16384, page_size=64, pages_per_block=8, cache=cache), str(tmp_path),
-                       "stellax_paged_attention_tpu")
+    case = {"batch": 8, "context": 16384, "page_size": 64, "pages_per_block": 8, "cache": cache}
+    path = dump_kernel(case, str(tmp_path), "stellax_paged_attention_tpu")
     dma = block_dma_cycles(512, 8, 128, 1) + block_dma_cycles(512, 8, 1, 4)   # codes + scales
     unmasked, masked = block_compute(path)
     assert unmasked < 0.80 * dma, (cache, unmasked, dma)
