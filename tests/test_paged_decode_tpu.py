@@ -34,6 +34,7 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
             assert r["error"] is None, r
             assert r["ms"] > 0 and r["gbps"] > 0 and r["pct_peak"] > 0, r
             assert r["max_rel_err"] < 3e-2 and r["rel_l2"] < 1e-2, r
+            assert r["ms_back_to_back"] > 0 and r["pct_peak_back_to_back"] > 0, r
     # The default config rows (and they alone) are stellax's own pick, one per case and cache
     # format; explicit configs are rows too.
     defaults = [r for r in rows if r["default"]]

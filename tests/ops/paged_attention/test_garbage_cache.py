@@ -190,8 +190,8 @@ def test_paged_mosaic_tpu_garbage_is_excluded(spec):
     check_paged("mosaic_tpu", TpuPagedConfig(pages_per_block=2), spec=spec, q_tokens=2, **EXTRAS)
 
 
-@pytest.mark.parametrize("spec", [KVQuant("int8"), pytest.param(KVQuant("int4", group_size=32), marks=SLOW)],
-                         ids=_qid)
+@pytest.mark.parametrize("spec", [KVQuant("int8"), KVQuant("fp8"), pytest.param(KVQuant("int4", group_size=32),
+                                                                                  marks=SLOW)], ids=_qid)
 def test_paged_mosaic_tpu_folded_scales_garbage_is_excluded(spec):
     """8 kv heads of pages of 16: one scale per token and head, 128 per page, so the
     Mosaic kernel applies them to the logits and probabilities (`configs.folds_scales`;

@@ -184,6 +184,32 @@ def test_paged_folded_scales(quant, kv_heads, page_size):
     assert_close(out, _golden(paged_attention_op, q, k, v, t, l))
 
 
+def test_paged_folded_fp8_reads_every_code():
+    """Folded e4m3 pools are read as e4m3b11fnuz codes (the v5e's native unpack; their value / 16,
+    the 16 folded into the scales) with -0, whose b11 reading is NaN, taken as 0: every one of
+    the 256 codes (NaN 0x7F/0xFF aside) placed in the keys and values, -0 among them, gives the
+    golden's output."""
+    import dataclasses
+
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import source_meta
+
+    q, k, v, t, l = paged_inputs(17, lengths=[96, 40], page_size=32, kv_heads=4, q_heads=8, head_dim=64,
+                                 dtype=jnp.float32, quant=KVQuant("fp8"))
+    assert source_meta(as_source(k)).b11
+    bits = np.arange(256, dtype=np.uint8)
+    bits = bits[(bits & 0x7F) != 0x7F]                                   # e4m3fn's NaN codes
+    n = int(np.prod(k.data.shape))
+    codes = np.resize(np.random.default_rng(0).permutation(bits), n).reshape(k.data.shape)
+    assert np.any(codes == 0x80)
+    data = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e4m3fn)
+    k = dataclasses.replace(k, data=data)
+    v = dataclasses.replace(v, data=data[::-1])
+    out = _interpreted(paged_attention, q, k, v, t, l, config=TpuPagedConfig(pages_per_block=2))
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert_close(out, _golden(paged_attention_op, q, k, v, t, l))
+
+
 def test_megacore_split_runs_every_program():
     """Grid ``(cores, per_core)`` with two cores (v5p's megacore): an odd number of
     programs (one padded), each core's first program starting its own pipeline."""
@@ -332,6 +358,25 @@ def test_quantized_formats_compile(generation, name):
     args = ragged_inputs(8, q_lens=[1, 9, 24], kv_lens=[17, 9, 60], page_size=16, kv_heads=2, q_heads=8,
                          head_dim=128, dtype=jnp.bfloat16, quant=FORMATS[name])
     result = compile_config(ragged_paged_attention_op, "mosaic_tpu", args, generation=generation)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+def test_folded_fp8_decode_compiles(generation):
+    """Issue 41's decode shape (8 kv heads, pages of 64) with an fp8 cache, whose scales fold and
+    whose codes are read as e4m3b11fnuz (`mosaic_tpu_pages.B11_SCALE`), compiles with the real
+    compiler for every generation."""
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import source_meta
+    from stellax.testing.tpu_compile import compile_config, libtpu_available
+
+    ok, reason = libtpu_available()
+    if not ok:
+        pytest.skip(reason)
+    args = _decode_call(64, batch=4, context=2048, quant=KVQuant("fp8"))
+    assert source_meta(as_source(args[1])).b11
+    result = compile_config(paged_attention_op, "mosaic_tpu", args, generation=generation)
     assert result.ok, result.describe()
 
 

@@ -33,7 +33,10 @@ accumulate per part and the wrapper interleaves the output. Group scales
 ``E_t @ [T·hg/g, H] @ S_i``, with the groups past ``hi`` zeroed first in a
 masked block: the expansion mixes rows). Mosaic loads neither uint8 nor float16 vectors
 here, so packed bytes travel as int8 and float16 scales as their int16 bits
-(same-width bitcasts), decoded in VMEM.
+(same-width bitcasts), decoded in VMEM. Folded e4m3 pools go in as
+``float8_e4m3b11fnuz`` (a bitcast: the v5e converts those natively, e4m3fn
+through five more VPU ops per vreg), their value / 16 (`B11_SCALE`, folded
+into the scale row) and NaN for the code of -0 (selected to 0).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ from .configs import TOKEN_MAJOR_HEADS, folds_scales
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
+B11 = jnp.float8_e4m3b11fnuz
+#: An e4m3 (bias 7) code read as e4m3b11fnuz (bias 11) is its value / 2^4, but for the code of -0
+#: (0x80), NaN there (and the e4m3 NaN 0x7F reads 30, which no quantized value uses).
+B11_SCALE = 16.0
 
 
 # -- a paged source as the kernel sees it ------------------------------------------------
@@ -65,6 +72,11 @@ class SourceMeta:
     head_dim: int
     page_size: int
     fold: bool = False      # scales applied to the logits / probabilities (`folded_scales`)
+
+    @property
+    def b11(self) -> bool:
+        """e4m3 codes read as e4m3b11fnuz (`B11_SCALE`): folded fp8 (e4m3) pools."""
+        return self.fold and self.spec.format == "fp8"
 
     @property
     def per_byte(self) -> int:
@@ -113,6 +125,8 @@ def source_arrays(src: Source) -> dict:
     data = src.data
     if jnp.dtype(data.dtype) == jnp.uint8:
         data = jax.lax.bitcast_convert_type(data, jnp.int8)
+    if source_meta(src).b11:
+        data = jax.lax.bitcast_convert_type(data, B11)
     if token_major(src):
         data = data.reshape(data.shape[0], data.shape[1] * data.shape[2], data.shape[3])
     arrays = {"data": data}
@@ -375,6 +389,8 @@ def dequantize(bufs: dict, src: str, meta: SourceMeta, slot, group: int, hg: int
         mask = (1 << spec.bits) - 1
         codes = [((ints >> (spec.bits * p)) & mask).astype(F32) for p in range(meta.per_byte)]
     if meta.fold:                                  # the scales go to the logits / probabilities
+        if meta.b11:                               # -0 reads NaN (`B11_SCALE`): 0 there
+            codes = [jnp.where(c == c, c, 0.0) for c in codes]
         return [c.astype(dtype) for c in codes]
     scale = _to_f32(group_rows(bufs[(src, "scale")], slot, group, hg))
     zero = None if spec.symmetric else _to_f32(group_rows(bufs[(src, "zero")], slot, group, hg))
@@ -402,6 +418,8 @@ def folded_scales(bufs: dict, src: str, meta: SourceMeta, slot, hg: int, ppb: in
     ``key_hi`` are zeroed (free slots and uncopied pages may hold NaN, and
     ``p = 0`` would not cancel it)."""
     rows = [_to_f32(bufs[(src, name)][slot]) if (src, name) in bufs else None for name in ("scale", "zero")]
+    if meta.b11:                                   # the codes were read as e4m3b11fnuz: value / 16
+        rows[0] = rows[0] * F32(B11_SCALE)
     if keys is not None:
         block, key_hi = keys
         c = jax.lax.broadcasted_iota(jnp.int32, rows[0].shape, 1)
