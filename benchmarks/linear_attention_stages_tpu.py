@@ -27,7 +27,8 @@ backward model less the forward's; the ops: the kernels' sum), so that model and
 compared stage by stage. ``--variants`` runs ``kernel:fwd`` again per explicit config
 (``chunk/block_v/heads_per_step``; default: one head per step at the heuristic's chunk, the
 config measured before issue 39's heads per step, and for GDN chunk 64). ``--bwd-heads`` (default
-2) times ``kernel:bwd`` once more at that many heads per step (the backward ops' default is one). ``tflops`` / ``pct_peak``
+1) times ``kernel:bwd`` once more at that many heads per step (the backward ops' default batches the
+most heads per step that fit since 2026-12-06; one was the default before). ``tflops`` / ``pct_peak``
 count the chunked algorithm's matmul FLOPs at chunk 64 (the op's ``flops``; ``fwd+bwd`` 3.5 times
 the forward) for the op rows and the forward kernel.
 
@@ -64,8 +65,9 @@ def parse_args(argv=None):
                    help="kernel:fwd configs after the default, chunk/block_v/heads_per_step, comma-separated "
                         "(default: one head per step at the default chunk, and chunk 64 at the default heads; "
                         "'none' for no variant)")
-    p.add_argument("--bwd-heads", type=int, default=2,
-                   help="after the default stages, kernel:bwd again with this many heads per step (1: not)")
+    p.add_argument("--bwd-heads", type=int, default=1,
+                   help="after the default stages, kernel:bwd again with this many heads per step (default 1, the "
+                        "backward's default before 2026-12-06; 0: not)")
     return p.parse_args(argv)
 
 
@@ -159,10 +161,8 @@ class Run(ChipRun):
             mosaic_tpu_backward,
             ssd_op,
         )
-        from stellax.ops.linear_attention.configs import (
-            TpuLinearAttentionConfig,
-            tpu_products,
-        )
+        from stellax.core import Call
+        from stellax.ops.linear_attention.configs import linear_attention_tpu_backward_heuristic, tpu_products
         from stellax.ops.linear_attention.tpu_costs import kernel_seconds
 
         op = {"chunk_gated_delta_rule": chunk_gated_delta_rule_op, "chunk_kda": chunk_kda_op, "ssd": ssd_op}[op_name]
@@ -171,8 +171,14 @@ class Run(ChipRun):
         args, kwargs = case_inputs(op_name, t, hv, DIM)  # the op benchmark's inputs
         call = op.check(*args, **kwargs)
         config = op.implementations["mosaic_tpu"].default_config(call)
-        # The backward op's own heuristic on a dense batch of whole chunks of 128 (`configs`).
-        bwd_config = TpuLinearAttentionConfig(chunk=128 if t % 128 == 0 else 64, block_v=DIM)
+        # The backward op's own heuristic on a dense batch of these heads (`configs`: whole chunks of 128,
+        # the most heads per step that fit).
+        heads_major = jax.ShapeDtypeStruct((1, hv, t, DIM), jnp.bfloat16)
+        rows = jax.ShapeDtypeStruct((1, hv, t) + ((DIM,) if per_channel else ()), jnp.float32)
+        bwd_call = Call({"q": heads_major, "k": heads_major, "v": heads_major, "g": rows, "do": heads_major,
+                         "beta": None if op_name == "ssd" else jax.ShapeDtypeStruct((1, hv, t), jnp.float32),
+                         "first": None}, {"precision": HIGHEST})
+        bwd_config = linear_attention_tpu_backward_heuristic(bwd_call)
         products = tpu_products(call)
         flops = op.flops(call) or None
         print(f"case {index}: {op_name} {case}, forward {config}, backward {bwd_config}"
@@ -232,9 +238,9 @@ class Run(ChipRun):
         self.measure(key("op:fwd+bwd"), name(config), jax.jit(fwd_bwd), args,
                      model_ms=model(config) + model(bwd_config) + model(bwd_config, backward=True),
                      flops=None if flops is None else 3.5 * flops)
-        if self.args.bwd_heads > 1:  # the backward kernel with several heads per step (explicit)
+        if self.args.bwd_heads > 0:  # the backward kernel at another number of heads per step (explicit)
             c = bwd_config.replace(heads_per_step=self.args.bwd_heads)
-            if out is not None:
+            if out is not None and c != bwd_config:
                 backward = jax.jit(lambda *a: mosaic_tpu_backward.backward_from_states(*a, None, config=c, **common))
                 self.measure(key("kernel:bwd"), name(c, False), backward, layout + (out[0], do, dfinal),
                              model_ms=model(c, backward=True))

@@ -1,7 +1,7 @@
 """The stage-by-stage chip benchmark of the Mosaic TPU linear-attention pipeline
 (benchmarks/linear_attention_stages_tpu.py) runs on the CPU (--dry-run: tiny cases, the kernels
-interpreted): every stage of GDN (forward kernel, states pass, backward kernel with one and two heads
-per step, the op forward and forward+backward) and SSD's forward kernel, a variant config, each with the
+interpreted): every stage of GDN (forward kernel, states pass, backward kernel at its default of two
+heads per step and at one, the op forward and forward+backward) and SSD's forward kernel, a variant config, each with the
 cost model's prediction, rows in the results schema."""
 
 import json
@@ -27,7 +27,9 @@ def test_stages_dry_run(tmp_path):
     stages = [s for s, _ in gdn]
     assert stages == ["kernel:fwd", "kernel:fwd", "op:fwd", "kernel:states", "kernel:bwd", "op:fwd+bwd",
                       "kernel:bwd"], gdn
-    assert gdn[1][1] == "explicit(128/128/2)" and gdn[-1][1].endswith("/2)")
+    assert gdn[1][1] == "explicit(128/128/2)"
+    # The backward's default batches both heads (the backward heuristic); --bwd-heads 1 the old default.
+    assert gdn[4][1] == "default(128/128/2)" and gdn[-1][1] == "explicit(128/128/1)"
     assert [r["stage"] for r in rows if r["op"] == "ssd"] == ["kernel:fwd", "kernel:fwd"]
     assert rows[3]["op"] == "ssd" and rows[5]["stage"] == "kernel:states"  # every forward first
     for r in rows:

@@ -5,7 +5,10 @@ issue 39): the forward and backward kernels take ``hb`` heads per step, unrolled
   packed sequences with an empty one, float32 and bfloat16 inputs), KDA and SSD (packed),
   forward, final state and every gradient; the backward op directly with ``hb`` heads;
 * Mosaic ``tpu`` lowering and libtpu compile for v5e of ``hb = 4`` (forward and gradient);
-* the config checks (``hb`` must divide the heads) and the cost model's choice.
+* the config checks (``hb`` must divide the heads) and the cost model's choice; the backward
+  ops' default (the most heads per step that fit, at the largest chunk);
+* grouped ``q, k`` (fewer key heads than value heads) read by the forward kernel as they are,
+  and its ``o`` in the op's dtype.
 """
 
 import jax
@@ -17,10 +20,11 @@ from stellax.core import Call, lowering_target
 from stellax.core.precision import HIGHEST
 from stellax.ops.linear_attention import (chunk_gated_delta_rule_op, chunk_kda_op, gated_recurrence_backward_op,
                                           ssd_op)
-from stellax.ops.linear_attention.configs import (TpuLinearAttentionConfig, linear_attention_tpu_heuristic,
+from stellax.ops.linear_attention.configs import (TpuLinearAttentionConfig, linear_attention_tpu_backward_heuristic,
+                                                 linear_attention_tpu_backward_space, linear_attention_tpu_heuristic,
                                                  linear_attention_tpu_space, tpu_forward_seconds)
 from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
-from stellax.ops.linear_attention.mosaic_tpu import Specs
+from stellax.ops.linear_attention.mosaic_tpu import Specs, recurrence_forward
 from stellax.ops.linear_attention.mxu import BF16_PRODUCTS
 from stellax.ops.linear_attention.tpu_costs import kernel_seconds
 from stellax.testing import assert_close
@@ -191,3 +195,63 @@ def test_model_calibration_and_choice():
         seconds = {c: tpu_forward_seconds(call, c) for c in linear_attention_tpu_space(call)}
     assert seconds[TpuLinearAttentionConfig(128, 128, 1)] < seconds[TpuLinearAttentionConfig(64, 128, 1)]
     assert seconds[best] < 0.6 * seconds[TpuLinearAttentionConfig(128, 128, 1)]
+
+
+def _backward_call(hv, tp=256, per_channel=False, packed=False):
+    hm = jax.ShapeDtypeStruct((1, hv, tp, 128), BF16)
+    f = jax.ShapeDtypeStruct((1, hv, tp), F32)
+    first = jax.ShapeDtypeStruct((tp // 64,), jnp.int32) if packed else None
+    return Call({"q": hm, "k": hm, "v": hm, "g": hm if per_channel else f, "beta": f, "do": hm, "first": first},
+                {"precision": HIGHEST})
+
+
+def test_backward_default_batches_heads():
+    """The backward ops' default takes the largest chunk, then the most heads per step that divide
+    ``HV`` and fit the VMEM budget (static schedule: fewer cycles per head at 2 and 4 heads for
+    GDN, KDA and SSD): GDN 4 heads; KDA at chunk 128 two on v5e (51.6 MiB of 64), one on v5p (32)."""
+    with lowering_target("v5e"):
+        gdn = linear_attention_tpu_backward_heuristic(_backward_call(32))
+        assert (gdn.chunk, gdn.block_v, gdn.heads_per_step) == (128, 128, 4)
+        assert linear_attention_tpu_backward_heuristic(_backward_call(6)).heads_per_step == 2
+        assert linear_attention_tpu_backward_heuristic(_backward_call(3)).heads_per_step == 1
+        packed = linear_attention_tpu_backward_heuristic(_backward_call(32, packed=True))
+        assert (packed.chunk, packed.heads_per_step) == (64, 4)
+        kda = linear_attention_tpu_backward_heuristic(_backward_call(32, per_channel=True))
+        assert (kda.chunk, kda.heads_per_step) == (128, 2)
+        space = linear_attention_tpu_backward_space(_backward_call(32, per_channel=True))
+        assert TpuLinearAttentionConfig(128, 128, 4) not in space  # 103 MiB estimated
+    with lowering_target("v5p"):
+        kda = linear_attention_tpu_backward_heuristic(_backward_call(32, per_channel=True))
+        assert (kda.chunk, kda.heads_per_step) == (128, 1)
+
+
+@pytest.mark.parametrize("group,hb", [(2, 4), (4, 2)])
+def test_grouped_keys_read_as_they_are(group, hb):
+    """The forward kernel reads grouped ``q, k`` (one key head per ``group`` value heads, as
+    GDN's H < HV and SSD's groups) without an expanded copy: the same output and final state as
+    on expanded ``q, k``; a bfloat16 ``o`` (``out_dtype``) is the float32 one rounded once."""
+    hv, tp = 8, 128
+    keys = jax.random.split(jax.random.PRNGKey(3), 6)
+    q = (0.1 * jax.random.normal(keys[0], (hv // group, tp, 128))).astype(BF16)
+    k = (jax.random.normal(keys[1], (hv // group, tp, 128)) / 12).astype(BF16)
+    v = jax.random.normal(keys[2], (hv, tp, 128)).astype(BF16)
+    g = -0.1 * jax.nn.sigmoid(jax.random.normal(keys[3], (hv, tp)))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (hv, tp)))
+    h0 = jax.random.normal(keys[5], (hv, 128, 128))
+    config = TpuLinearAttentionConfig(64, 128, hb)
+    run = lambda q_, k_, dtype=F32: recurrence_forward(q_, k_, v, g, beta, h0, None, heads=hv, per_channel=False,
+                                                       config=config, out_dtype=dtype)
+    with stellax.interpret_mode():
+        got_o, got_final = run(q, k)
+        want_o, want_final = run(jnp.repeat(q, group, axis=0), jnp.repeat(k, group, axis=0))
+        typed_o, _ = run(q, k, BF16)
+    assert jnp.array_equal(got_o, want_o) and jnp.array_equal(got_final, want_final)
+    assert typed_o.dtype == BF16 and jnp.array_equal(typed_o, want_o.astype(BF16))
+
+
+def test_grouped_keys_must_fit_the_step():
+    q = jnp.zeros((2, 64, 128), BF16)
+    v = jnp.zeros((6, 64, 128), BF16)
+    with pytest.raises(ValueError, match="heads_per_step: expected a divisor or a multiple of the 3"):
+        recurrence_forward(q, q, v, jnp.zeros((6, 64)), jnp.zeros((6, 64)), jnp.zeros((6, 128, 128)), None, heads=6,
+                           per_channel=False, config=TpuLinearAttentionConfig(64, 128, 2))

@@ -125,14 +125,14 @@ def _check_kda(q, k, v, g, beta, **kwargs) -> Call:
 def delta_rule_preparer(call: Call):
     """Per-token preparation (`recurrence.recurrence`): float32, l2-norm, gate, beta
     sigmoid (`reference.prepare_delta_inputs`), q/k heads expanded to the value
-    heads, q scaled."""
+    heads (``expand=False``: left as the key heads), q scaled."""
     group = call.v.shape[2] // call.q.shape[2]
 
-    def prepare(tokens):
+    def prepare(tokens, expand=True):
         q, k, g, beta = prepare_delta_inputs(call.replace_arrays(**tokens))
-        q = jnp.repeat(q, group, axis=-2) * call.scale
-        k = jnp.repeat(k, group, axis=-2)
-        return q, k, tokens["v"].astype(F32), g, beta
+        if expand:
+            q, k = jnp.repeat(q, group, axis=-2), jnp.repeat(k, group, axis=-2)
+        return q * call.scale, k, tokens["v"].astype(F32), g, beta
     return prepare
 
 
@@ -176,7 +176,7 @@ def _run_chunked(row: Backend, call: Call, config, *, per_channel: bool):
     chunk = base.xla_chunk(call.chunk_size, per_channel)
     o, final = recurrence(row, tokens, delta_rule_preparer(call), delta_rule_initial_state(call), call.cu_seqlens, per_channel=per_channel,
                           chunk_size=chunk, config=config, precision=call.precision,
-                          inputs=jnp.result_type(call.q, call.k, call.v))
+                          inputs=jnp.result_type(call.q, call.k, call.v), out_dtype=call.v.dtype)
     return o.astype(call.v.dtype), (final if call.output_final_state else None)
 
 

@@ -54,6 +54,10 @@ class Kernels:
       chunk: ``chunk(config)``, tokens per chunk of the kernels' layout (with ``forward``).
       operand_dtype: ``operand_dtype(dtype)``, the dtype the kernels take ``q, k, v`` in for
         inputs of ``dtype`` (with ``forward``; ``None``: float32).
+      typed_output: ``forward`` takes ``out_dtype=`` and writes ``o`` in it (else ``o`` is float32).
+      grouped: ``grouped(config, r)``, whether ``forward`` takes ``q, k`` with their own heads
+        ``[Bs, HV / r, Tp, Kp]`` (``r`` value heads per key head) for ``config`` (``None``: never;
+        they are expanded to ``HV`` heads first).
     """
 
     forward: Callable[..., tuple] | None
@@ -61,6 +65,8 @@ class Kernels:
     head_size: Callable[[int], int] | None = None
     chunk: Callable[[Any], int] | None = None
     operand_dtype: Callable[[Any], Any] | None = None
+    typed_output: bool = False
+    grouped: Callable[[Any, int], bool] | None = None
 
 
 _TPU_CHUNKED = Tuning(TpuLinearAttentionConfig, linear_attention_tpu_heuristic, linear_attention_tpu_space,
@@ -72,7 +78,7 @@ _TPU_CHUNKED_BACKWARD = Tuning(TpuLinearAttentionConfig, linear_attention_tpu_ba
 #: implementations are generated from it.
 BACKENDS = BackendTable("linear_attention", [
     Backend("mosaic_tpu", Kernels(mosaic_tpu.forward, mosaic_tpu_backward.backward, lanes, mosaic_tpu.layout_chunk,
-                                  operand_dtype),
+                                  operand_dtype, typed_output=True, grouped=mosaic_tpu.config_groups_fit),
             "mosaic_tpu", _TPU_CHUNKED, _TPU_CHUNKED_BACKWARD),
     Backend("triton", Kernels(pipeline.forward, pipeline.backward, padded_dim, pipeline.layout_chunk), "triton",
             Tuning(LinearAttentionConfig, linear_attention_heuristic, linear_attention_space, triton_requirements)),

@@ -237,24 +237,37 @@ def _backward_chunks(call: Call) -> tuple[int, ...]:
 
 
 def linear_attention_tpu_backward_space(call: Call) -> list[TpuLinearAttentionConfig]:
-    """The backward ops' space: the chunks the call can take (`_backward_chunks`)
-    and ``block_v`` 128 or 256 whose backward VMEM estimate fits half the physical VMEM."""
+    """The backward ops' space: the chunks the call can take (`_backward_chunks`), ``block_v``
+    128 or 256 and 1, 2 or 4 heads per step (divisors of ``HV``) whose backward VMEM estimate
+    (`tpu_vmem_bytes`, ``backward``) fits half the physical VMEM."""
     kdim, vdim, per_channel = _tpu_dims(call)
     kp, vp = lanes(kdim), lanes(vdim)
+    heads = tpu_heads(call)
     budget = target_generation().vmem_bytes // 2
-    configs = product_space(TpuLinearAttentionConfig, chunk=_backward_chunks(call), block_v=TPU_BLOCK_V)
-    return [c for c in configs if c.block_v <= vp and vp % c.block_v == 0
-            and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel, backward=True) <= budget]
+    configs = product_space(TpuLinearAttentionConfig, chunk=_backward_chunks(call), block_v=TPU_BLOCK_V,
+                            heads_per_step=TPU_HEADS_PER_STEP)
+    return [c for c in configs if c.block_v <= vp and vp % c.block_v == 0 and heads % c.heads_per_step == 0
+            and tpu_vmem_bytes(kp, c.block_v, c.chunk, per_channel, backward=True, heads=c.heads_per_step) <= budget]
 
 
 def linear_attention_tpu_backward_heuristic(call: Call) -> TpuLinearAttentionConfig:
-    """The backward ops' default: the whole padded V per program (≤ 256) and the
-    largest chunk of the space (chunks of 128 halve the stored chunk states,
-    ``NT·K·V`` per head in HBM)."""
+    """The backward ops' default: the whole padded V per program (≤ 256), the largest chunk of
+    the space (chunks of 128 halve the stored chunk states, ``NT·K·V`` per head in HBM), and at
+    that chunk the most heads per step of the space (the backward kernel and its states pass
+    batch the step's heads as the forward does). The static schedule of the backward kernel
+    (v5e, libtpu 0.0.42, bfloat16, K = V = 128; `tpu_cases`, docs/linear_attention.md) says
+    more heads per step win for every family: cycles per head and chunk step (the larger of
+    bundles and critical path) at 1 / 2 / 4 heads, GDN at chunk 128 9199 / 6394 / 5089, SSD at
+    128 1170 / 920 / 780, KDA at 64 10103 / 7210 / 5842 and at 128 18928 / 14714 / — (four heads
+    at 128 are over the VMEM budget; two fit v5e's and v6e's, not v5p's or TPU7x's). The chunk
+    comes first (HBM): KDA at 64 × 4 heads would take 1.26× fewer cycles per token than at
+    128 × 2, for twice the stored states."""
     _, vdim, _ = _tpu_dims(call)
     space = linear_attention_tpu_backward_space(call)
     whole = [c for c in space if c.block_v == min(lanes(vdim), 256)] or space
-    return max(whole, key=lambda c: c.chunk) if whole else TpuLinearAttentionConfig(64, min(lanes(vdim), 256))
+    if not whole:
+        return TpuLinearAttentionConfig(64, min(lanes(vdim), 256))
+    return max(whole, key=lambda c: (c.chunk, c.heads_per_step))
 
 
 def tpu_products(call: Call) -> Products:

@@ -73,6 +73,7 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -239,13 +240,15 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     # overlap on the MXUs (written head after head, each head's chain ran to its end first).
     # β and the scalar decays arrive as rows [hb, 1, C]; the chunk functions take them as columns too.
     initial = state[...]
+    hb = initial.shape[0]
     b = None if beta is None else row_to_column(load_tile(beta), chunk)
+    qt, kt = (expand_heads(load_tile(x), hb) for x in (q, k))
     if per_channel:
-        out, new = channel_chunk(load_tile(q), load_tile(k), load_tile(v), load_tile(g), b, initial,
+        out, new = channel_chunk(qt, kt, load_tile(v), load_tile(g), b, initial,
                                  chunk=chunk, products=products, skip=skip)
     else:
         rows = load_tile(g_row)
-        out, new = scalar_chunk(load_tile(q), load_tile(k), load_tile(v), row_to_column(rows, chunk), rows, b,
+        out, new = scalar_chunk(qt, kt, load_tile(v), row_to_column(rows, chunk), rows, b,
                                 initial, chunk=chunk, products=products, skip=skip)
     if states is not None:
         states[...] = initial
@@ -256,6 +259,26 @@ def _forward_kernel(*, first, seq, last, q, k, v, g, g_row, beta, h0, o, final, 
     @pl.when(last[c] != 0)
     def _():
         final[...] = new
+
+
+def expand_heads(x, hb: int):
+    """A grouped ``q`` / ``k`` tile ``[hb / r, C, K]`` (``r`` value heads per key head, `Specs.grouped`)
+    as the step's ``[hb, C, K]``: each key head repeated for its ``r`` value heads (leading axis only)."""
+    n = x.shape[0]
+    if n == hb:
+        return x
+    return jnp.concatenate([jnp.broadcast_to(x[i:i + 1], (hb // n,) + x.shape[1:]) for i in range(n)], axis=0)
+
+
+def groups_fit(group: int, hb: int) -> bool:
+    """Whether the kernels read ``q, k`` with ``group`` value heads per key head at ``hb`` heads per
+    step without expanding them first (`Specs.grouped`): one divides the other."""
+    return hb % group == 0 or group % hb == 0
+
+
+def config_groups_fit(config: TpuLinearAttentionConfig, group: int) -> bool:
+    """`groups_fit` at ``config``'s heads per step (the backend row's ``kernels.grouped``)."""
+    return groups_fit(group, config.heads_per_step)
 
 
 class Specs:
@@ -292,6 +315,16 @@ class Specs:
     def per_chunk(self):
         return pl.BlockSpec((self.hb, None, self.kp, self.bv), lambda i, j, c, *_: (i, self.at(c), 0, j))
 
+    def grouped(self, width: int, group: int):
+        """``q, k [BH / group, Tp, width]`` with ``group`` value heads per key head (`groups_fit`):
+        the step's ``hb`` value heads read ``max(hb / group, 1)`` key heads (`expand_heads`)."""
+        if group == 1:
+            return self.tokens(width)
+        if self.hb % group == 0:
+            return pl.BlockSpec((self.hb // group, self.chunk, width), lambda i, j, c, *_: (i, self.at(c), 0))
+        per = group // self.hb  # steps per key head
+        return pl.BlockSpec((1, self.chunk, width), lambda i, j, c, *_: (lax.div(i, per), self.at(c), 0))
+
     def rows(self, parts: bool = False):
         if parts:
             return pl.BlockSpec((None, self.hb, None, 1, self.chunk), lambda i, j, c, *_: (j, i, self.at(c), 0, 0))
@@ -307,6 +340,18 @@ def check_layout(k, v, chunk: int, bv: int) -> None:
         raise ValueError(f"k: expected a padded length that is a multiple of {chunk}, got {k.shape[1]}")
     if v.shape[-1] % bv:
         raise ValueError(f"config.block_v: expected a divisor of the padded value size {v.shape[-1]}, got {bv}")
+
+
+def check_groups(q, k, v, hb: int) -> int:
+    """The value heads per key head of grouped ``q, k [BH / r, Tp, Kp]`` against ``v [BH, Tp, Vp]``
+    (``r``; 1 when ``q, k`` are expanded), one that the forward kernel reads as it is (`groups_fit`)."""
+    if q.shape != k.shape or v.shape[0] % k.shape[0]:
+        raise ValueError(f"q, k: expected equal shapes whose rows divide v's {v.shape[0]}, got {q.shape}, {k.shape}")
+    group = v.shape[0] // k.shape[0]
+    if not groups_fit(group, hb):
+        raise ValueError(f"config.heads_per_step: expected a divisor or a multiple of the {group} value heads per "
+                         f"key head, got {hb}")
+    return group
 
 
 def kernel_products(q, k, v, precision) -> Products:
@@ -337,11 +382,13 @@ def row_to_column(row, chunk: int):
 
 def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: bool,
                        config: TpuLinearAttentionConfig, with_states: bool = False, precision=HIGHEST,
-                       _skip=()):
+                       out_dtype=F32, _skip=()):
     """The chunked recurrence on the kernels' layout (module docstring), float32.
 
     Args:
-      q, k: ``[BH, Tp, Kp]`` (q scaled); v: ``[BH, Tp, Vp]``; ``Kp, Vp``
+      q, k: ``[BH, Tp, Kp]`` (q scaled), or grouped ``[BH / r, Tp, Kp]``, each key head serving
+        ``r`` consecutive value heads (`check_groups`: read as they are, no expanded copy in HBM);
+        v: ``[BH, Tp, Vp]``; ``Kp, Vp``
         multiples of 128, ``Tp`` a multiple of ``config.chunk``; all float32, or
         all bfloat16 (the products of `mxu.BF16_PRODUCTS`: `kernel_products`).
       g: ``[BH, Tp]`` scalar or ``[BH, Tp, Kp]`` per-channel (``per_channel``) log decays.
@@ -354,15 +401,17 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
         ``HIGHEST`` float32); bfloat16 ones do not use it.
       with_states: return each chunk's initial state ``[BH, NT, Kp, Vp]`` instead
         of ``o`` (what the backward needs; ``o`` would take HBM for nothing).
+      out_dtype: the dtype of ``o``, each element rounded once from the kernel's float32 (a
+        bfloat16 ``o`` halves the bytes the kernel writes and XLA's layout pass after it reads).
       _skip: stages the chunks leave out (`STAGES`: wrong results; the ablation benchmark's seam).
     Returns ``(o [BH, Tp, Vp], final [N·HV, Kp, Vp])`` (``(states, final)``); the
     final state of a packed sequence with no chunk is left unwritten (the
     caller passes ``h0``).
     """
-    bh, tp, kp = k.shape
-    vp = v.shape[-1]
+    (bh, tp, vp), kp = v.shape, k.shape[-1]
     chunk, bv = config.chunk, min(config.block_v, vp)
     check_layout(k, v, chunk, bv)
+    group = check_groups(q, k, v, config.heads_per_step)
     if per_channel and beta is None:
         raise ValueError("beta: the per-channel recurrence is a delta rule (beta required), got None")
     products = kernel_products(q, k, v, precision)
@@ -373,15 +422,15 @@ def recurrence_forward(q, k, v, g, beta, h0, meta, *, heads: int, per_channel: b
     # Scalar decays and β as lane-dense rows only (`row_to_column` in the kernel): a [BH, Tp, 1] column
     # operand would move 128 times its bytes (its lane padded to 128) and cost XLA a padded copy.
     beta_rows = None if beta is None else beta.reshape(bh, nt, 1, chunk)
-    inputs = {"q": operand(q, specs.tokens(kp)), "k": operand(k, specs.tokens(kp)), "v": operand(v, specs.cols),
-              "beta": operand(beta_rows, specs.rows()),
+    inputs = {"q": operand(q, specs.grouped(kp, group)), "k": operand(k, specs.grouped(kp, group)),
+              "v": operand(v, specs.cols), "beta": operand(beta_rows, specs.rows()),
               "h0": operand(h0, specs.state), **decay_operands(g, specs, per_channel)}
     outs = tpu_kernel_call(
         functools.partial(_forward_kernel, chunk=chunk, per_channel=per_channel, products=products,
                           skip=check_skip(_skip)),
         grid=(bh // hb, vp // bv, nt),
         inputs=inputs,
-        outputs={"o": None if with_states else output((bh, tp, vp), F32, specs.cols),
+        outputs={"o": None if with_states else output((bh, tp, vp), out_dtype, specs.cols),
                  "final": output(h0.shape, F32, specs.state),
                  "states": output((bh, nt, kp, vp), F32, specs.per_chunk) if with_states else None},
         scratch={"state": pltpu.VMEM((hb, kp, bv), F32)},
@@ -398,11 +447,12 @@ def layout_chunk(config: TpuLinearAttentionConfig) -> int:
     return config.chunk
 
 
-def forward(q, k, v, g, beta, h0, meta, config: TpuLinearAttentionConfig, *, per_channel: bool, precision=HIGHEST):
+def forward(q, k, v, g, beta, h0, meta, config: TpuLinearAttentionConfig, *, per_channel: bool, precision=HIGHEST,
+            out_dtype=F32):
     """`recurrence_forward` on the heads-major layout ``[Bs, HV, Tp, ...]`` (head
     sizes padded to 128 lanes) with ``meta`` per chunk of `TRITON_CHUNK` (the
-    backward ops' layout; regrouped for chunks of 128): float32
-    ``(o [Bs, HV, Tp, Vp], final [N, HV, Kp, Vp])``."""
+    backward ops' layout; regrouped for chunks of 128): ``(o [Bs, HV, Tp, Vp]`` in
+    ``out_dtype``, ``final [N, HV, Kp, Vp]`` float32``)``."""
     heads = v.shape[1]
     if meta is not None and config.chunk != TRITON_CHUNK:
         step = config.chunk // TRITON_CHUNK
@@ -410,5 +460,5 @@ def forward(q, k, v, g, beta, h0, meta, config: TpuLinearAttentionConfig, *, per
         meta = (first[::step], seq[::step], last[step - 1::step])
     flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])
     o, final = recurrence_forward(flat(q), flat(k), flat(v), flat(g), flat(beta), flat(h0), meta, heads=heads,
-                                  per_channel=per_channel, config=config, precision=precision)
+                                  per_channel=per_channel, config=config, precision=precision, out_dtype=out_dtype)
     return o.reshape(v.shape), final.reshape(h0.shape)

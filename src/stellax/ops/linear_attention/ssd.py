@@ -181,13 +181,15 @@ _ssd_reference.__wrapped__ = ssd_reference  # what the lab shows as the golden (
 
 def ssd_preparer(call: Call):
     """SSD as gated linear attention, token by token (`recurrence.recurrence`):
-    ``q = C``, ``k = B`` (groups expanded to heads), ``v = dt·x``, ``g = dt·A``, no ``β``."""
+    ``q = C``, ``k = B`` (groups expanded to heads; ``expand=False``: left as groups), ``v = dt·x``,
+    ``g = dt·A``, no ``β``."""
     group = call.x.shape[2] // call.B.shape[2]
 
-    def prepare(tokens):
+    def prepare(tokens, expand=True):
         dt = ssd_dt(tokens["dt"], call.dt_bias, call.dt_softplus, call.dt_limit)
-        q = jnp.repeat(tokens["C"].astype(F32), group, axis=-2)
-        k = jnp.repeat(tokens["B"].astype(F32), group, axis=-2)
+        times = group if expand else 1
+        q = jnp.repeat(tokens["C"].astype(F32), times, axis=-2)
+        k = jnp.repeat(tokens["B"].astype(F32), times, axis=-2)
         return q, k, tokens["x"].astype(F32) * dt[..., None], dt * call.A.astype(F32), None
     return prepare
 

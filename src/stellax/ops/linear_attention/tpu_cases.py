@@ -28,12 +28,14 @@ KINDS = ("gdn", "kda", "ssd")
 
 def kernel_case(kind: str = "gdn", chunk: int = 64, heads_per_step: int = 1, block_v: int = 128,
                 heads: int = 4, tokens: int = 512, head_size: int = 128, backward: bool = False,
-                dtype: str = "bfloat16", skip: tuple = ()):
+                dtype: str = "bfloat16", skip: tuple = (), group: int = 1, out_dtype: str = "float32"):
     """``(fn, args)``: one kernel of ``kind`` (`KINDS`) with ``config = (chunk, block_v,
     heads_per_step)`` on ``heads`` rows of ``tokens`` tokens, ``K = V = head_size``;
     ``args`` are shape structs (``q, k, v [heads, tokens, head_size]`` of ``dtype``, the
     decays and ``β`` float32, ``h0 [heads, K, V]``; the backward also ``states``, ``do``,
-    ``dfinal``); ``skip``: stages the forward kernel leaves out (`mosaic_tpu.STAGES`)."""
+    ``dfinal``); ``skip``: stages the forward kernel leaves out (`mosaic_tpu.STAGES`); ``group``: the
+    forward's ``q, k`` grouped, ``heads / group`` rows each serving ``group`` value heads (as the ops
+    pass grouped heads); ``out_dtype``: the forward's ``o`` (the ops write their output dtype)."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if skip and backward:
@@ -43,14 +45,18 @@ def kernel_case(kind: str = "gdn", chunk: int = 64, heads_per_step: int = 1, blo
     per_channel, delta = kind == "kda", kind != "ssd"
     config = TpuLinearAttentionConfig(chunk=chunk, block_v=block_v, heads_per_step=heads_per_step)
     shape = lambda *s, dt=F32: jax.ShapeDtypeStruct(s, dt)
-    qkv = [shape(heads, tokens, head_size, dt=jnp.dtype(dtype)) for _ in range(3)]
+    if group > 1 and backward:
+        raise ValueError(f"group: only the forward kernel reads grouped q, k, got {group} with backward")
+    rows = (heads // group, heads // group, heads)
+    qkv = [shape(n, tokens, head_size, dt=jnp.dtype(dtype)) for n in rows]
     g = shape(heads, tokens, head_size) if per_channel else shape(heads, tokens)
     beta = shape(heads, tokens) if delta else None
     h0 = shape(heads, head_size, head_size)
     common = dict(heads=heads, per_channel=per_channel, config=config)
     if not backward:
         def forward(q, k, v, g, beta, h0):
-            return recurrence_forward(q, k, v, g, beta, h0, None, **common, _skip=tuple(skip))
+            return recurrence_forward(q, k, v, g, beta, h0, None, **common, out_dtype=jnp.dtype(out_dtype),
+                                      _skip=tuple(skip))
         return forward, (*qkv, g, beta, h0)
     states = shape(heads, tokens // chunk, head_size, head_size)
     do = shape(heads, tokens, head_size)
