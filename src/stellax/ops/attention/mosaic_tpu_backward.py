@@ -14,6 +14,7 @@ sequential "arbitrary" axis in VMEM):
    (`mosaic_tpu.block_table`, the same schedule as the forward):
 
        s  = scale·q·kᵀ (soft cap);  p = exp(s - lse), 0 where masked
+            (in base 2: p = 2^(log2(e)·s - log2(e)·lse), the scale and log2 e one multiply)
        dp = dO·vᵀ;  ds = p·(dp - delta);  ds *= 1 - tanh² [soft cap]
        dq += ds·k;   last step: dq *= scale
 
@@ -52,14 +53,15 @@ from jax.experimental.pallas import tpu as pltpu
 from ...core.pallas import operand, output, tpu_kernel_call
 from .configs import fused_dq_bytes
 from .mosaic_tpu import (
-    F32, Layout, Step, TileMath, Tiling, Tokens, group_stats, schedule, token_inputs, ungroup_rows, vmem_limit,
+    F32, LOG2E, Layout, Step, TileMath, Tiling, Tokens, group_stats, schedule, token_inputs, ungroup_rows, vmem_limit,
 )
 
 
-def _probabilities(math_: TileMath, q, k, lse, masked: bool, col, toks):
-    """``(p, tanh)``: ``exp(s - lse)`` ``[R, bk]`` (0 where masked) and the soft cap's tanh."""
-    s, tanh = math_.logits(q, k)
-    p = jnp.exp(s - lse)
+def _probabilities(math_: TileMath, q, k, lse2, masked: bool, col, toks):
+    """``(p, tanh)``: ``exp(s - lse) = 2^(t - lse2)`` ``[R, bk]`` (0 where masked; ``t`` the
+    base-2 logits of `TileMath.logits2`, ``lse2 = log2(e)·lse``) and the soft cap's tanh."""
+    t, tanh = math_.logits2(q, k)
+    p = jnp.exp2(t - lse2)
     if masked:
         q_pos, kv_pos, q_seg, kv_seg = (None if r is None else r[...] for r in toks)
         ok = math_.visible(col, q_pos, kv_pos, q_seg, kv_seg)
@@ -174,7 +176,7 @@ def _inputs(c, d_out, lse, delta, tiling: Tiling, layout: Layout, stats_spec, q_
     (+inf for fully masked and padded rows) and delta in the grouped row
     layout of ``tiling`` (``stats_spec``), and the token arrays of query block
     ``q_block`` / key block ``kv_block`` (index maps of the grid step)."""
-    lse_k = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    lse_k = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)  # base 2 (`_probabilities`)
     return dict(q=layout.rows_in(c.q), d_out=layout.rows_in(d_out),
                 lse=operand(group_stats(lse_k, tiling, jnp.inf), stats_spec),
                 delta=operand(group_stats(delta, tiling), stats_spec),
