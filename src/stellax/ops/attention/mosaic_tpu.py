@@ -505,17 +505,25 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
     per_head = n_rows // lane_heads
 
     def pieces():
-        """``(q rows, q lanes, scratch rows)`` of each piece of the step (`row_chunk`): head
-        ``g`` of a direct head group is lanes ``g·H ..`` of the block, rows ``g·bq ..`` of
-        the scratch (the grouped row order)."""
+        """``(q rows, [q lanes, ...], scratch rows)`` of each piece of the step (`row_chunk`):
+        head ``g`` of a direct head group is lanes ``g·H ..`` of the block, rows ``g·bq ..``
+        of the scratch (the grouped row order); heads shorter than a piece join it whole,
+        their rows stacked (``k`` heads per piece, consecutive scratch rows)."""
         chunk = row_chunk(per_head)
-        for g in range(lane_heads):
+        together = 1
+        if chunk == per_head and lane_heads > 1:
+            together = max(1, min(lane_heads, ROW_CHUNK // per_head))
+            while lane_heads % together:
+                together -= 1
+        for g0 in range(0, lane_heads, together):
             for r0 in range(0, per_head, chunk):
-                yield (slice(r0, r0 + chunk), slice(g * h, (g + 1) * h),
-                       slice(g * per_head + r0, g * per_head + r0 + chunk))
+                lanes = [slice(g * h, (g + 1) * h) for g in range(g0, g0 + together)]
+                start = g0 * per_head + r0
+                yield slice(r0, r0 + chunk), lanes, slice(start, start + together * chunk)
 
-    def update_rows(masked: bool, rows: slice, lanes: slice, scr: slice):
-        t, _ = math_.logits2(q[rows, lanes], k[...])
+    def update_rows(masked: bool, rows: slice, lanes: list, scr: slice):
+        q_piece = q[rows, lanes[0]] if len(lanes) == 1 else jnp.concatenate([q[rows, x] for x in lanes], axis=0)
+        t, _ = math_.logits2(q_piece, k[...])
         if masked:
             qs = None if q_seg is None else q_seg[scr, :]
             ks = None if kv_seg is None else kv_seg[...]

@@ -49,9 +49,8 @@ def _stellax(t, n, k, d, block, causal, backward, fused, block_bwd):
              ("attention_backward", "mosaic_tpu"): SplashBackwardConfig(rows(bb), bb, rows(bb), bb, fused=fused)}
 
     def attend(q, kk, v):
-        with stellax.use_configs(table):
-            return stellax.dot_product_attention(q, kk, v, is_causal=causal, implementation="mosaic_tpu")
-    return attend
+        return stellax.dot_product_attention(q, kk, v, is_causal=causal, implementation="mosaic_tpu")
+    return attend, table
 
 
 def _splash(t, n, k, d, block, causal, backward, fused, block_bwd):
@@ -71,7 +70,7 @@ def _splash(t, n, k, d, block, causal, backward, fused, block_bwd):
         q = jnp.swapaxes(q[0], 0, 1) * jnp.asarray(scale, q.dtype)
         out = kernel(q, jnp.swapaxes(kk[0], 0, 1), jnp.swapaxes(v[0], 0, 1))
         return jnp.swapaxes(out, 0, 1)[None]
-    return attend
+    return attend, None
 
 
 def kernel_case(impl: str = "stellax", t: int = 8192, n: int = 16, k: int = 16, d: int = 128, block: int = 1024,
@@ -86,15 +85,28 @@ def kernel_case(impl: str = "stellax", t: int = 8192, n: int = 16, k: int = 16, 
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if n % k:
         raise ValueError(f"n: expected a multiple of k={k}, got {n}")
-    attend = (_stellax if impl == "stellax" else _splash)(t, n, k, d, block, causal, backward, fused, block_bwd)
+    attend, table = (_stellax if impl == "stellax" else _splash)(t, n, k, d, block, causal, backward, fused,
+                                                                 block_bwd)
     q, kv = _shapes(t, n, k, d, dtype)
+
+    def configured(fn):
+        """``fn`` traced with stellax's configs (the backward's are looked up when the VJP runs)."""
+        if table is None:
+            return fn
+
+        def run(*args):
+            import stellax
+            with stellax.use_configs(table):
+                return fn(*args)
+        return run
+
     if not backward:
-        return attend, (q, kv, kv)
+        return configured(attend), (q, kv, kv)
 
     def grads(q_, k_, v_, dout):
         _, vjp = jax.vjp(attend, q_, k_, v_)
         return vjp(dout)
-    return grads, (q, kv, kv, q)
+    return configured(grads), (q, kv, kv, q)
 
 
 def grid_tiles(impl: str, t: int, n: int, k: int, block: int, causal: bool) -> int:
@@ -239,6 +251,7 @@ COMPARISONS = {
     "MHA causal T=8192 D=128, 1024 blocks, fwd": dict(t=8192, n=16, k=16, block=1024),
     "MHA causal T=8192 D=128, 512 blocks, fwd": dict(t=8192, n=16, k=16, block=512),
     "GQA N=32 K=8 causal T=8192 D=128, 1024 blocks, fwd": dict(t=8192, n=32, k=8, block=1024),
+    "GQA N=32 K=8 causal T=8192 D=128, 512 blocks, fwd": dict(t=8192, n=32, k=8, block=512),
     "MHA causal T=8192 D=128, 1024 blocks, fused bwd": dict(t=8192, n=16, k=16, block=1024, backward=True),
     "MHA causal T=8192 D=128, 512 blocks, fused bwd": dict(t=8192, n=16, k=16, block=512, backward=True),
     "GQA N=32 K=8 causal T=8192 D=128, 1024 blocks, fused bwd": dict(t=8192, n=32, k=8, block=1024,
