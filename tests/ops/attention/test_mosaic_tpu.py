@@ -249,7 +249,7 @@ def test_forward_reads_a_head_group_in_place(dtype, chunk):
     segments + soft cap + sinks, forward and gradients against the golden, interpreted."""
     args, kwargs = make_inputs(11, 1, 256, 256, 8, 2, 128, 128, dtype, sinks=True, segments=True)
     kwargs.update(is_causal=True, logits_soft_cap=15.0)
-    c = base.canonicalize(attention_op.check(*args[:3], **{"is_causal": True}))
+    c = base.canonicalize(attention_op.check(*args[:3], is_causal=True))
     layout = mosaic_tpu.Layout(mosaic_tpu.Tiling.of(c, 128, 128), None, None, heads_in_lanes=True)
     assert layout.direct and layout.lane_heads == 4
     assert not mosaic_tpu.Layout(mosaic_tpu.Tiling.of(c, 128, 128), None, None).direct  # the backward's

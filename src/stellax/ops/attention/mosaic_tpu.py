@@ -226,29 +226,6 @@ class TileMath:
         """Natural log of per-row float32 ``x``: `float32_log` when accurate, else the hardware's."""
         return float32_log(x) if self.accurate else jnp.log(x)
 
-    def logits2(self, q, k):
-        """``(t, tanh)``: the base-2 logits ``t = log2(e)·s`` ``[R, bk]`` float32 of
-        ``q [R, H]``, ``k [bk, H]`` (the scale, the soft cap's ``cap`` and ``log2 e`` folded
-        into one multiply) and the soft cap's ``tanh`` (None without a cap)."""
-        raw = mxu_dot_nt(q, k, self.precision)
-        if self.cap is None:
-            return raw * F32(self.scale * LOG2E), None
-        tanh = self.tanh(raw * F32(self.scale / self.cap))
-        return F32(self.cap * LOG2E) * tanh, tanh
-
-    def log(self, x):
-        """Natural log of per-row float32 ``x``: `float32_log` when accurate, else the hardware's."""
-        return float32_log(x) if self.accurate else jnp.log(x)
-
-    def logits(self, q, k):
-        """``(s, tanh)``: the float32 logits ``[R, bk]`` of ``q [R, H]``,
-        ``k [bk, H]`` and the soft cap's ``tanh`` (None without a cap)."""
-        s = mxu_dot_nt(q, k, self.precision) * F32(self.scale)
-        if self.cap is None:
-            return s, None
-        tanh = self.tanh(s * F32(1.0 / self.cap))
-        return F32(self.cap) * tanh, tanh
-
     def visible(self, col, q_pos, kv_pos, q_seg, kv_seg):
         """``[R, bk]`` bool of a PARTIAL block ``col``: the mask of the
         positions ``q_pos [R, 1]`` / ``kv_pos [1, bk]`` (and segments), padded
