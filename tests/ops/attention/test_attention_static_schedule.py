@@ -30,11 +30,13 @@ def test_forward_step_is_a_tenth_shorter_than_splash():
 
 @needs_libtpu
 def test_fused_backward_step_is_no_longer_than_splash():
-    """The fused backward's step (5 matmuls, MXU-bound in both kernels) within 4 % of splash's
-    fused step (which writes a dq partial per kv block to HBM; ours keeps dq resident)."""
+    """The fused backward's step (5 matmuls, MXU-bound in both kernels; keys first, one
+    transpose, as splash's) no longer than splash's fused step, masked or not, and its
+    unmasked step at least 3 % shorter (rows first, with two transposes, it was 2.8 % longer)."""
     r = compare({**CASE, "backward": True})
     ours, theirs = r["stellax"], r["splash"]
-    assert max(ours.full, ours.partial) <= 1.04 * theirs.full, (ours, theirs)
+    assert max(ours.full, ours.partial) <= theirs.full, (ours, theirs)
+    assert ours.full <= 0.97 * theirs.full, (ours, theirs)
 
 
 def test_kernel_case_checks_its_arguments():

@@ -226,13 +226,15 @@ class TileMath:
         """Natural log of per-row float32 ``x``: `float32_log` when accurate, else the hardware's."""
         return float32_log(x) if self.accurate else jnp.log(x)
 
-    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg):
+    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg, *, keys_first: bool = False):
         """``[R, bk]`` bool of a PARTIAL block ``col``: the mask of the
         positions ``q_pos [R, 1]`` / ``kv_pos [1, bk]`` (and segments), padded
-        keys hidden. None when nothing is hidden."""
+        keys hidden. None when nothing is hidden. With ``keys_first`` the
+        transposed tile ``[bk, R]`` from ``q_pos [1, R]`` / ``kv_pos [bk, 1]``."""
         ok = mask_fn(self.spec, q_pos, kv_pos, q_seg, kv_seg)
         if self.padded_keys:
-            key = col * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, self.block_kv), 1)
+            shape, axis = ((self.block_kv, 1), 0) if keys_first else ((1, self.block_kv), 1)
+            key = col * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
             in_range = key < self.s_len
             ok = in_range if ok is None else jnp.logical_and(ok, in_range)
         return ok
