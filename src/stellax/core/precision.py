@@ -263,7 +263,9 @@ def accurate_functions(dtype, precision: Any) -> bool:
     """Whether elementwise ``tanh`` (a soft cap) over operands of ``dtype`` contracted at
     ``precision`` uses `float32_tanh`: float32 operands at ``HIGHEST`` (resolved as
     `resolve_precision` does); lower precisions keep the hardware's faster function.
-    Per-row logs (a log-sum-exp) always use `float32_log`: they cost nothing."""
+    The same rule picks `float32_log` for per-row logs (a log-sum-exp) in the Mosaic TPU
+    attention kernels; elsewhere (the XLA paths, `float32_logsumexp`) per-row logs always use it,
+    as they cost little there."""
     return np.dtype(dtype) == _F32 and resolve_precision(precision) == HIGHEST
 
 

@@ -240,6 +240,28 @@ def test_direct_layout_matches_golden(opt, t, s, h, hv, kh):
     check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=BLOCKS)
 
 
+@pytest.mark.parametrize("dtype, chunk", [(jnp.float32, 64), (jnp.bfloat16, 256)])
+def test_forward_reads_a_head_group_in_place(dtype, chunk):
+    """GQA 4 with lane-aligned heads and block-multiple lengths: the forward's blocks are
+    ``[block_q, G·D]`` windows of ``[B, T, N·D]`` (`Layout.lane_heads` = G, no group copy),
+    each head computed from its lanes in pieces of `mosaic_tpu.ROW_CHUNK` rows (patched: 64,
+    a head's 128 rows in two pieces; 256, two heads' rows stacked in one piece); causal +
+    segments + soft cap + sinks, forward and gradients against the golden, interpreted."""
+    args, kwargs = make_inputs(11, 1, 256, 256, 8, 2, 128, 128, dtype, sinks=True, segments=True)
+    kwargs.update(is_causal=True, logits_soft_cap=15.0)
+    c = base.canonicalize(attention_op.check(*args[:3], is_causal=True))
+    layout = mosaic_tpu.Layout(mosaic_tpu.Tiling.of(c, 128, 128), None, None, heads_in_lanes=True)
+    assert layout.direct and layout.lane_heads == 4
+    assert not mosaic_tpu.Layout(mosaic_tpu.Tiling.of(c, 128, 128), None, None).direct  # the backward's
+    saved = mosaic_tpu.ROW_CHUNK
+    mosaic_tpu.ROW_CHUNK = chunk
+    try:
+        assert mosaic_tpu.row_chunk(128) == min(chunk, 128)
+        check_against_golden("mosaic_tpu", args, kwargs, configs=BLOCKS)
+    finally:
+        mosaic_tpu.ROW_CHUNK = saved
+
+
 def test_kernel_visits_what_the_table_lists():
     """The forward kernel's own step counter (debug output) equals the table:
     causal (bottom-right, T = 256, S = 384) within packed documents; the last

@@ -19,18 +19,23 @@ FULL blocks skip mask evaluation and PARTIAL blocks evaluate the mask. (A
 query block that sees no key at all still has block 0 fetched once, and
 computes nothing.)
 
-Online softmax over the sequential ("arbitrary") kv axis, float32 ``m``,
-``l`` (``[R, 128]``, lanes equal) and ``acc`` (``[R, Hv]``) in VMEM scratch;
-per visited block with logits tile ``s`` (float32):
+Online softmax over the sequential ("arbitrary") kv axis, in base 2: the
+kernel's logits are ``t = log2(e)·s`` (the scale and ``log2 e`` are one
+constant, so ``exp`` is the hardware's ``pow2`` with no multiply of its own);
+float32 ``m``, ``l`` (``[R, 128]``, lanes equal) and ``acc`` (``[R, Hv]``) in
+VMEM scratch; per visited block with logits tile ``t`` (float32):
 
-    s    = scale · q·kᵀ;  s = cap·tanh(s/cap);  s = -inf where masked
-    m'   = max(m, rowmax(s));  α = exp(m - m');  p = exp(s - m')
+    t    = (scale·log2 e)·q·kᵀ   (soft cap: t = (cap·log2 e)·tanh((scale/cap)·q·kᵀ));
+    t    = -inf where masked
+    m'   = max(m, rowmax(t));  α = 2^(m - m');  p = 2^(t - m')
     l    = α·l + rowsum(p);  acc = α·acc + p·v;  m = m'
-    last step: sinks join l (m'' = max(m, σ), rescale), out = acc / l,
-               lse = m + log l   (l = 0: out = 0, lse = -inf)
+    last step: sinks join l (m'' = max(m, σ·log2 e), rescale), out = acc · (1/l),
+               lse = ln2·m + ln l   (l = 0: out = 0, lse = -inf)
 
-(``m'`` is taken as 0 while it is ``-inf``, so a row with no visible key so
-far never computes ``-inf - -inf``.)
+``m`` starts at `NEG_START` (finite), so a row with no visible key so far
+computes ``p = 2^(-inf) = 0`` and ``α = 1`` with no special case. ``m'`` and
+``α`` stay lanes-equal ``[R, 128]`` and are tiled along the lanes to the
+tile's width (no lane broadcast of a column).
 """
 
 from __future__ import annotations
@@ -45,15 +50,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import (
-    cdiv, mxu_dot, mxu_dot_nt, mxu_dot_tn, online_softmax_step, operand, output, pad_axis, tpu_kernel_call,
+    cdiv, mxu_dot, mxu_dot_nt, mxu_dot_tn, operand, output, pad_axis, tpu_kernel_call,
 )
 from ...core.platform import target_generation
-from ...core.precision import float32_log, soft_cap_tanh
+from ...core.precision import accurate_functions, float32_log, soft_cap_tanh
 from .configs import splash_vmem_bytes
 from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn, static_block_counts
 
 F32 = jnp.float32
 LANES = 128
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+#: The running max's start: finite, far below any logit (splash's mask value), so that
+#: ``2^(-inf - m) = 0`` and ``2^(m - m) = 1`` on a row that has seen no visible key.
+NEG_START = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 # -- sizes -------------------------------------------------------------------------------
@@ -194,29 +204,37 @@ class TileMath:
     block_kv: int
     precision: Any
     tanh: Callable        # the soft cap's tanh (`core.precision.soft_cap_tanh`)
+    accurate: bool = False  # float32 at HIGHEST: per-row logs by `core.precision.float32_log`
 
     @classmethod
     def of(cls, c, tiling: Tiling) -> "TileMath":
         # the call's resolved precision (`core.precision`); non-float32 operands stay native
         return cls(c.spec, c.scale, c.logits_soft_cap, tiling.s, tiling.sp != tiling.s, tiling.bk, c.precision,
-                   soft_cap_tanh(c.q.dtype, c.precision))
+                   soft_cap_tanh(c.q.dtype, c.precision), accurate_functions(c.q.dtype, c.precision))
 
-    def logits(self, q, k):
-        """``(s, tanh)``: the float32 logits ``[R, bk]`` of ``q [R, H]``,
-        ``k [bk, H]`` and the soft cap's ``tanh`` (None without a cap)."""
-        s = mxu_dot_nt(q, k, self.precision) * F32(self.scale)
+    def logits2(self, q, k):
+        """``(t, tanh)``: the base-2 logits ``t = log2(e)·s`` ``[R, bk]`` float32 of
+        ``q [R, H]``, ``k [bk, H]`` (the scale, the soft cap's ``cap`` and ``log2 e`` folded
+        into one multiply) and the soft cap's ``tanh`` (None without a cap)."""
+        raw = mxu_dot_nt(q, k, self.precision)
         if self.cap is None:
-            return s, None
-        tanh = self.tanh(s * F32(1.0 / self.cap))
-        return F32(self.cap) * tanh, tanh
+            return raw * F32(self.scale * LOG2E), None
+        tanh = self.tanh(raw * F32(self.scale / self.cap))
+        return F32(self.cap * LOG2E) * tanh, tanh
 
-    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg):
+    def log(self, x):
+        """Natural log of per-row float32 ``x``: `float32_log` when accurate, else the hardware's."""
+        return float32_log(x) if self.accurate else jnp.log(x)
+
+    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg, *, keys_first: bool = False):
         """``[R, bk]`` bool of a PARTIAL block ``col``: the mask of the
         positions ``q_pos [R, 1]`` / ``kv_pos [1, bk]`` (and segments), padded
-        keys hidden. None when nothing is hidden."""
+        keys hidden. None when nothing is hidden. With ``keys_first`` the
+        transposed tile ``[bk, R]`` from ``q_pos [1, R]`` / ``kv_pos [bk, 1]``."""
         ok = mask_fn(self.spec, q_pos, kv_pos, q_seg, kv_seg)
         if self.padded_keys:
-            key = col * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, self.block_kv), 1)
+            shape, axis = ((self.block_kv, 1), 0) if keys_first else ((1, self.block_kv), 1)
+            key = col * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
             in_range = key < self.s_len
             ok = in_range if ok is None else jnp.logical_and(ok, in_range)
         return ok
@@ -290,23 +308,28 @@ class Layout:
     """Where a launch over ``(b, kk, r, j)`` grids reads and writes its token-major operands
     (q, dO, out, dq: ``[B, T, N, D]``; k, v, dk, dv: ``[B, S, K, D]``).
 
-    Direct (MHA, ``G = 1``, head dims multiples of 128, lengths multiples of the blocks): a
-    block is a ``[block, D]`` window of the operand viewed as ``[B, T, N·D]`` (a free reshape),
-    lane block = head, so no transpose or pad copies before or after the kernel. Otherwise
-    the grouped layouts (`group_rows`, `head_major`): one XLA copy each way.
+    Direct (MHA, ``G = 1``, or any ``G`` with ``heads_in_lanes``; head dims multiples of 128,
+    lengths multiples of the blocks): a block is a ``[block, G·D]`` window of the operand
+    viewed as ``[B, T, N·D]`` (a free reshape), lane block = kv head, so no transpose or pad
+    copies before or after the kernel; the kernel reads head ``g`` of a query block from lanes
+    ``g·D ..`` (`lane_heads`). Otherwise the grouped layouts (`group_rows`, `head_major`): one
+    XLA copy each way.
     ``q_block(b, r, j, tab)`` / ``kv_block(b, r, j, tab)`` give the block a step reads.
     """
 
-    def __init__(self, tiling: Tiling, q_block, kv_block):
+    def __init__(self, tiling: Tiling, q_block, kv_block, *, heads_in_lanes: bool = False):
         t_ = tiling
         self.t_, self.q_block, self.kv_block = tiling, q_block, kv_block
-        self.direct = (t_.g == 1 and t_.h % LANES == 0 and t_.hv % LANES == 0 and t_.tp == t_.t
-                       and t_.sp == t_.s)
+        aligned = t_.h % LANES == 0 and t_.hv % LANES == 0 and t_.tp == t_.t and t_.sp == t_.s
+        self.direct = aligned and (t_.g == 1 or heads_in_lanes)
+        #: Query heads of a block side by side in its lanes (``[block_q, G·D]``, head ``g`` in
+        #: lanes ``g·D ..``): the direct layout of a head group (``heads_in_lanes``, the forward).
+        self.lane_heads = t_.g if self.direct else 1
 
     def _rows_spec(self, d: int):
         t_, qb = self.t_, self.q_block
         if self.direct:
-            return pl.BlockSpec((None, t_.bq, d), lambda b, kk, r, j, tab: (b, qb(b, r, j, tab), kk))
+            return pl.BlockSpec((None, t_.bq, t_.g * d), lambda b, kk, r, j, tab: (b, qb(b, r, j, tab), kk))
         return pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, r, j, tab: (b, kk, qb(b, r, j, tab), 0, 0))
 
     def _keys_spec(self, d: int):
@@ -408,32 +431,91 @@ def vmem_limit(tiling: Tiling, itemsize: int, *, backward: bool = False, residen
 
 
 # -- the forward kernel ----------------------------------------------------------------------
+def lane_tile(x, width: int):
+    """A lanes-equal ``[R, 128]`` float32 column as ``[R, width]``: whole-vreg copies along the
+    lanes when ``width`` is a multiple of 128, else a broadcast of its first lane."""
+    if width % LANES == 0:
+        return x if width == LANES else jnp.tile(x, (1, width // LANES))
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+#: Rows of a forward step computed as one piece: a step's rows are independent softmaxes, and
+#: written as pieces the compiler overlaps one piece's exp pass with the next piece's matmuls.
+ROW_CHUNK = 256
+
+
+def row_chunk(rows: int) -> int:
+    """The piece of a step's ``rows`` the forward kernel computes at once (`ROW_CHUNK`)."""
+    return ROW_CHUNK if rows > ROW_CHUNK and rows % ROW_CHUNK == 0 else rows
+
+
+def softmax_step2(t, m_scr, l_scr):
+    """One base-2 online-softmax step over ``t [R, C]`` (float32, ``-inf`` where masked) with the
+    running max ``m_scr`` and sum ``l_scr`` (``[R, 128]`` refs, lanes equal; ``m`` finite, from
+    `NEG_START`): updates both and returns ``(p [R, C], alpha [R, 128])`` with ``p = 2^(t - m')``
+    and ``alpha = 2^(m - m')`` (module docstring)."""
+    m_prev = m_scr[...]
+    m_new = jnp.maximum(m_prev, jnp.max(t, axis=1, keepdims=True))
+    alpha = jnp.exp2(m_prev - m_new)
+    p = jnp.exp2(t - lane_tile(m_new, t.shape[1]))
+    l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_scr[...] = m_new
+    return p, alpha
+
+
 def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out, lse, visits, m_scr, l_scr,
-                    acc_scr, count_scr, math_: TileMath, step: Step):
+                    acc_scr, count_scr, math_: TileMath, step: Step, lane_heads: int = 1):
     """One grid step ``(b, kk, i, j)``: block ``j`` of query block ``i``'s
     table row (module docstring). ``q [R, H]``, ``k [bk, H]``, ``v [bk, Hv]``,
-    ``out [R, Hv]``, ``lse [R, 1]``."""
+    ``out [R, Hv]``, ``lse [R, 1]``; with ``lane_heads = G`` (`Layout.lane_heads`)
+    ``q [bq, G·H]`` and ``out [bq, G·Hv]``, the ``G`` heads side by side in the lanes."""
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
-        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, F32)
+        m_scr[...] = jnp.full(m_scr.shape, NEG_START, F32)
         l_scr[...] = jnp.zeros(l_scr.shape, F32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
         if count_scr is not None:
             count_scr[0] = 0
             count_scr[1] = 0
 
-    def update(masked: bool):
-        s, _ = math_.logits(q[...], k[...])
+    h, n_rows = q.shape[1] // lane_heads, acc_scr.shape[0]
+    per_head = n_rows // lane_heads
+
+    def pieces():
+        """``(q rows, [q lanes, ...], scratch rows)`` of each piece of the step (`row_chunk`):
+        head ``g`` of a direct head group is lanes ``g·H ..`` of the block, rows ``g·bq ..``
+        of the scratch (the grouped row order); heads shorter than a piece join it whole,
+        their rows stacked (``k`` heads per piece, consecutive scratch rows)."""
+        chunk = row_chunk(per_head)
+        together = 1
+        if chunk == per_head and lane_heads > 1:
+            together = max(1, min(lane_heads, ROW_CHUNK // per_head))
+            while lane_heads % together:
+                together -= 1
+        for g0 in range(0, lane_heads, together):
+            for r0 in range(0, per_head, chunk):
+                lanes = [slice(g * h, (g + 1) * h) for g in range(g0, g0 + together)]
+                start = g0 * per_head + r0
+                yield slice(r0, r0 + chunk), lanes, slice(start, start + together * chunk)
+
+    def update_rows(masked: bool, rows: slice, lanes: list, scr: slice):
+        q_piece = q[rows, lanes[0]] if len(lanes) == 1 else jnp.concatenate([q[rows, x] for x in lanes], axis=0)
+        t, _ = math_.logits2(q_piece, k[...])
         if masked:
-            qs = None if q_seg is None else q_seg[...]
+            qs = None if q_seg is None else q_seg[scr, :]
             ks = None if kv_seg is None else kv_seg[...]
-            ok = math_.visible(step.block(table, b, i, j), q_pos[...], kv_pos[...], qs, ks)
+            ok = math_.visible(step.block(table, b, i, j), q_pos[scr, :], kv_pos[...], qs, ks)
             if ok is not None:
-                s = jnp.where(ok, s, -jnp.inf)
-        p, alpha = online_softmax_step(s, m_scr, l_scr)
-        acc_scr[...] = acc_scr[...] * alpha[:, :1] + math_.dot(p.astype(v.dtype), v[...])
+                t = jnp.where(ok, t, -jnp.inf)
+        p, alpha = softmax_step2(t, m_scr.at[scr, :], l_scr.at[scr, :])
+        acc_scr[scr, :] = (acc_scr[scr, :] * lane_tile(alpha, acc_scr.shape[1])
+                           + math_.dot(p.astype(v.dtype), v[...]))
+
+    def update(masked: bool):
+        for piece in pieces():
+            update_rows(masked, *piece)
         if count_scr is not None:
             count_scr[0] += 1
             count_scr[1] += 0 if masked else 1
@@ -442,16 +524,26 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
-        m, l, acc = m_scr[...][:, :1], l_scr[...][:, :1], acc_scr[...]
+        m, l, acc = m_scr[...], l_scr[...], acc_scr[...]
         if sinks is not None:
-            sink = sinks[...]
+            sink = sinks[...] * F32(LOG2E)
             m_new = jnp.maximum(m, sink)
-            alpha = jnp.exp(m - m_new)
-            m, l, acc = m_new, l * alpha + jnp.exp(sink - m_new), acc * alpha
+            alpha = jnp.exp2(m - m_new)
+            l = l * alpha + jnp.exp2(sink - m_new)
+            acc = acc * lane_tile(alpha, acc.shape[1])
+            m = m_new
         positive = l > 0
         l_safe = jnp.where(positive, l, 1.0)
-        out[...] = (acc / l_safe).astype(out.dtype)
-        lse[...] = jnp.where(positive, jnp.where(m == -jnp.inf, 0.0, m) + float32_log(l_safe), -jnp.inf)
+        inv = jnp.where(positive, 1.0 / l_safe, 0.0)
+        normalized = (acc * lane_tile(inv, acc.shape[1])).astype(out.dtype)
+        if lane_heads == 1:
+            out[...] = normalized
+        else:
+            hv = acc.shape[1]
+            for g in range(lane_heads):
+                out[:, g * hv:(g + 1) * hv] = normalized[g * per_head:(g + 1) * per_head]
+        m1, l1, positive1 = m[:, :1], l_safe[:, :1], positive[:, :1]
+        lse[...] = jnp.where(positive1, m1 * F32(LN2) + math_.log(l1), -jnp.inf)
         if visits is not None:
             visits[...] = jnp.full(visits.shape, count_scr[0] * 65536 + count_scr[1], jnp.int32)
 
@@ -468,7 +560,7 @@ def forward(c, config, *, debug: bool = False):
     toks = Tokens.of(c, tiling)
     col = lambda b, i, j, tab: step.block(tab, b, i, j)
     rows = lambda d: pl.BlockSpec((None, None, None, t_.rows, d), lambda b, kk, i, j, tab: (b, kk, i, 0, 0))
-    layout = Layout(tiling, lambda b, i, j, tab: i, col)
+    layout = Layout(tiling, lambda b, i, j, tab: i, col, heads_in_lanes=True)
     stat = lambda dtype: output((t_.b, t_.kh, t_.nq, t_.rows, 1), dtype, rows(1))
     sinks = None
     if c.sinks is not None:
@@ -476,7 +568,7 @@ def forward(c, config, *, debug: bool = False):
                         pl.BlockSpec((None, t_.rows, 1), lambda b, kk, i, j, tab: (kk, 0, 0)))
     itemsize = jnp.dtype(c.q.dtype).itemsize
     outs = tpu_kernel_call(
-        functools.partial(_forward_kernel, math_=math_, step=step),
+        functools.partial(_forward_kernel, math_=math_, step=step, lane_heads=layout.lane_heads),
         grid=(t_.b, t_.kh, t_.nq, width),
         scalar_prefetch=dict(table=table),
         inputs=dict(q=layout.rows_in(c.q), k=layout.keys_in(c.k), v=layout.keys_in(c.v),

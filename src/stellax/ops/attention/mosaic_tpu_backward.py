@@ -14,6 +14,7 @@ sequential "arbitrary" axis in VMEM):
    (`mosaic_tpu.block_table`, the same schedule as the forward):
 
        s  = scale·q·kᵀ (soft cap);  p = exp(s - lse), 0 where masked
+            (in base 2: p = 2^(log2(e)·s - log2(e)·lse), the scale and log2 e one multiply)
        dp = dO·vᵀ;  ds = p·(dp - delta);  ds *= 1 - tanh² [soft cap]
        dq += ds·k;   last step: dq *= scale
 
@@ -28,6 +29,13 @@ sequential "arbitrary" axis in VMEM):
    sequence of the head group resident in VMEM (float32 ``[nq·R, H]``):
 
        dq[rows of block i] += ds·k;   after the last pair: dq *= scale
+
+   computed keys first (as splash's): ``sᵀ = k·qᵀ`` ``[bk, R]``, so ``dv += pᵀ·dO`` and
+   ``dk += dsᵀ·q`` are plain products of the tiles it holds and only ``dq`` transposes
+   one (``dsᵀ``), with lse, delta and the query positions as rows ``[1, R]`` and the key
+   positions as columns (`_keys_first_inputs`); rows first, the kernel transposed both
+   ``p`` and ``ds`` and broadcast lse/delta across the lanes (static v5e schedule at
+   1024×1024: 9511 bundles a step against 8836, docs/attention.md).
 
    and written to HBM once, as one output block per ``(b, kk)``. Against
    splash's fused kernel (a dq partial per kv block in HBM, summed in XLA:
@@ -52,14 +60,16 @@ from jax.experimental.pallas import tpu as pltpu
 from ...core.pallas import operand, output, tpu_kernel_call
 from .configs import fused_dq_bytes
 from .mosaic_tpu import (
-    F32, Layout, Step, TileMath, Tiling, Tokens, group_stats, schedule, token_inputs, ungroup_rows, vmem_limit,
+    F32, LOG2E, Layout, Step, TileMath, Tiling, Tokens, batch_index, group_stats, schedule, token_inputs,
+    ungroup_rows, vmem_limit,
 )
 
 
-def _probabilities(math_: TileMath, q, k, lse, masked: bool, col, toks):
-    """``(p, tanh)``: ``exp(s - lse)`` ``[R, bk]`` (0 where masked) and the soft cap's tanh."""
-    s, tanh = math_.logits(q, k)
-    p = jnp.exp(s - lse)
+def _probabilities(math_: TileMath, q, k, lse2, masked: bool, col, toks):
+    """``(p, tanh)``: ``exp(s - lse) = 2^(t - lse2)`` ``[R, bk]`` (0 where masked; ``t`` the
+    base-2 logits of `TileMath.logits2`, ``lse2 = log2(e)·lse``) and the soft cap's tanh."""
+    t, tanh = math_.logits2(q, k)
+    p = jnp.exp2(t - lse2)
     if masked:
         q_pos, kv_pos, q_seg, kv_seg = (None if r is None else r[...] for r in toks)
         ok = math_.visible(col, q_pos, kv_pos, q_seg, kv_seg)
@@ -143,13 +153,25 @@ def _fused_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv
         dv_scr[...] = jnp.zeros(dv_scr.shape, F32)
 
     def update(masked: bool):
+        # keys first: sᵀ = k·qᵀ [bk, R], so dv = pᵀᵀ·dO and dk = dsᵀᵀ·q are plain products and
+        # only dq = (dsᵀ)ᵀ·k transposes; lse/delta are rows [1, R] (broadcast down the sublanes)
         q_tile, k_tile, do = q[...], k[...], d_out[...]
-        p, tanh = _probabilities(math_, q_tile, k_tile, lse[...], masked, j, (q_pos, kv_pos, q_seg, kv_seg))
-        dv_scr[...] += math_.dot_tn(p.astype(do.dtype), do)
-        ds = _logit_grad(math_, p, tanh, do, v[...], delta[...]).astype(q_tile.dtype)
-        dk_scr[...] += math_.dot_tn(ds, q_tile)
+        t, tanh = math_.logits2(k_tile, q_tile)
+        p = jnp.exp2(t - lse[...])
+        if masked:
+            q_pos_, kv_pos_, q_seg_, kv_seg_ = (None if r is None else r[...]
+                                                for r in (q_pos, kv_pos, q_seg, kv_seg))
+            ok = math_.visible(j, q_pos_, kv_pos_, q_seg_, kv_seg_, keys_first=True)
+            if ok is not None:
+                p = jnp.where(ok, p, 0.0)
+        dv_scr[...] += math_.dot(p.astype(do.dtype), do)
+        ds = p * (math_.dot_nt(v[...], do) - delta[...])
+        if tanh is not None:
+            ds = ds * (1.0 - tanh * tanh)
+        ds = ds.astype(q_tile.dtype)
+        dk_scr[...] += math_.dot(ds, q_tile)
         at = pl.ds(pl.multiple_of(step.block(table, b, j, i) * rows, rows), rows)
-        dq_scr[at, :] += math_.dot(ds, k_tile)
+        dq_scr[at, :] += math_.dot_tn(ds, k_tile)
 
     step.visit(table, b, j, i, update)
 
@@ -174,7 +196,7 @@ def _inputs(c, d_out, lse, delta, tiling: Tiling, layout: Layout, stats_spec, q_
     (+inf for fully masked and padded rows) and delta in the grouped row
     layout of ``tiling`` (``stats_spec``), and the token arrays of query block
     ``q_block`` / key block ``kv_block`` (index maps of the grid step)."""
-    lse_k = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    lse_k = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)  # base 2 (`_probabilities`)
     return dict(q=layout.rows_in(c.q), d_out=layout.rows_in(d_out),
                 lse=operand(group_stats(lse_k, tiling, jnp.inf), stats_spec),
                 delta=operand(group_stats(delta, tiling), stats_spec),
@@ -245,9 +267,41 @@ def _resident_dq_output(tiling: Tiling, layout: Layout, dtype):
     return output((t_.b, t_.kh, t_.nq * t_.rows, t_.h), dtype, spec)
 
 
+def _keys_first_inputs(c, d_out, lse, delta, tiling: Tiling, layout: Layout, row_block) -> dict:
+    """The fused kernel's operands (`_inputs`) with the per-query ones as rows: lse, delta and
+    the query positions/segments ``[.., 1, R]``, the key positions/segments columns
+    ``[Bx, Sp, 1]`` (its tiles are ``[bk, R]``, keys first)."""
+    t_ = tiling
+    lse_k = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)  # base 2 (`_probabilities`)
+    as_row = lambda x: x.reshape(*x.shape[:-2], 1, t_.rows)   # [.., R, 1] -> [.., 1, R]: same order
+    stats = pl.BlockSpec((None, None, None, 1, t_.rows),
+                         lambda b, kk, j, i, tab: (b, kk, row_block(b, j, i, tab), 0, 0))
+    toks = Tokens.of(c, tiling)
+
+    def rows(x):
+        if x is None:
+            return None
+        fb = batch_index(x.shape[0])
+        return operand(as_row(x), pl.BlockSpec((None, None, 1, t_.rows),
+                                               lambda b, kk, j, i, tab: (fb(b), row_block(b, j, i, tab), 0, 0)))
+
+    def cols(x):
+        if x is None:
+            return None
+        fb = batch_index(x.shape[0])
+        return operand(x.reshape(x.shape[0], t_.sp, 1),
+                       pl.BlockSpec((None, t_.bk, 1), lambda b, kk, j, i, tab: (fb(b), j, 0)))
+
+    return dict(q=layout.rows_in(c.q), d_out=layout.rows_in(d_out),
+                lse=operand(as_row(group_stats(lse_k, tiling, jnp.inf)), stats),
+                delta=operand(as_row(group_stats(delta, tiling)), stats),
+                k=layout.keys_in(c.k), v=layout.keys_in(c.v),
+                q_pos=rows(toks.q_pos), q_seg=rows(toks.q_seg), kv_pos=cols(toks.kv_pos), kv_seg=cols(toks.kv_seg))
+
+
 def _fused(c, d_out, lse, delta, block_q: int, block_kv: int):
     """``(dq, dk, dv)`` from the fused kernel (module docstring, 3.)."""
-    tiling, table, step, width, row_block, layout, stats = _kv_major(c, block_q, block_kv)
+    tiling, table, step, width, row_block, layout, _ = _kv_major(c, block_q, block_kv)
     t_ = tiling
     itemsize = jnp.dtype(c.q.dtype).itemsize
     outs = tpu_kernel_call(
@@ -255,7 +309,7 @@ def _fused(c, d_out, lse, delta, block_q: int, block_kv: int):
                           n_row_blocks=t_.nq),
         grid=(t_.b, t_.kh, t_.nk, width),
         scalar_prefetch=dict(table=table),
-        inputs=_inputs(c, d_out, lse, delta, tiling, layout, stats, row_block, lambda b, j, i, tab: j),
+        inputs=_keys_first_inputs(c, d_out, lse, delta, tiling, layout, row_block),
         outputs=dict(dq=_resident_dq_output(tiling, layout, c.q.dtype),
                      dk=layout.keys_out(t_.h, c.k.dtype), dv=layout.keys_out(t_.hv, c.v.dtype)),
         scratch=dict(dq_scr=pltpu.VMEM((t_.nq * t_.rows, t_.h), F32),
