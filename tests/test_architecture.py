@@ -50,6 +50,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("lab", ("stellax.lab",)),
     # front ends over the public functions
     ("front ends", ("stellax.parallel", "stellax.nn", "stellax.torch", "stellax.integrations")),
+    # whole-model benchmarks built from the nn front end (`stellax bench model` loads them on first use)
+    ("model benchmarks", ("stellax.bench.model_zoo", "stellax.bench.model_train", "stellax.bench.model_serve")),
     # the command line
     ("cli", ("stellax.cli",)),
 ]

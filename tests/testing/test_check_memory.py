@@ -4,6 +4,7 @@ small transfer buffer unless the user chose one."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 from stellax import cli
@@ -100,6 +101,18 @@ def _until_sampled(watch, label: str, at_least: int = 0, timeout: float = 30.0) 
 
 
 def test_memory_watch_names_what_ran_at_the_peak():
+    # Earlier tests' garbage is freed first and the collector held off, so the process's RSS moves
+    # only with this test's block (a CI run saw an xdist worker's RSS fall by ~100 MiB, a collection
+    # set off by the block's allocation, while the block went in).
+    gc.collect()
+    gc.disable()
+    try:
+        _watch_a_big_block()
+    finally:
+        gc.enable()
+
+
+def _watch_a_big_block():
     state = {"now": "idle"}
     with report.MemoryWatch(lambda: state["now"], interval=0.01) as watch:
         _until_sampled(watch, "idle")

@@ -1,5 +1,5 @@
 """stellax's Mosaic TPU attention kernels against jax's splash attention in the static schedule of
-the real TPU compiler (libtpu for a v5e, no TPU; `stellax.ops.attention.tpu_cases`): bundles of a
+the real TPU compiler (libtpu for a v5e, no TPU; `stellax.testing.attention_schedule`): bundles of a
 grid step that visits one ``1024 × 1024`` logits tile, MHA causal, bf16, D=128. Static cycles
 (libtpu's schedule), not measured times: docs/attention.md has the numbers."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from stellax.ops.attention.tpu_cases import compare, kernel_case, step_cycles
+from stellax.testing.attention_schedule import compare, kernel_case, step_cycles
 from stellax.testing.tpu_compile import libtpu_available
 
 LIBTPU, WHY_NOT = libtpu_available()

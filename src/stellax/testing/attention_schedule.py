@@ -9,7 +9,7 @@ without a TPU (issue 37).
 ``make_splash_mha``, queries pre-scaled outside the kernel, as splash expects)
 — on ``q [B=1, T, N, D]``, ``k, v [1, T, K, D]`` bfloat16, a causal or full mask:
 
-    python -m stellax.testing.llo_schedule stellax.ops.attention.tpu_cases:kernel_case \\
+    python -m stellax.testing.llo_schedule stellax.testing.attention_schedule:kernel_case \\
         impl='"splash"' t=8192 block=1024
 
 With ``backward`` the function is the VJP (forward with residuals, then the
@@ -237,7 +237,7 @@ def compile_steps(impl: str, generation: str = "v5e", timeout: float = 900, **ca
     pass_ = "bwd" if case.get("backward") else "fwd"
     kernel = KERNELS[pass_][IMPLS.index(impl)]
     with tempfile.TemporaryDirectory() as directory:
-        command = [sys.executable, "-m", "stellax.testing.llo_schedule", "stellax.ops.attention.tpu_cases:kernel_case",
+        command = [sys.executable, "-m", "stellax.testing.llo_schedule", "stellax.testing.attention_schedule:kernel_case",
                    f"--generation={generation}", f"--dump={directory}", f"impl={json.dumps(impl)}"]
         command += [f"{key}={json.dumps(value)}" for key, value in case.items()]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -273,7 +273,7 @@ def compare(case: dict, generation: str = "v5e") -> dict:
 
 def main(argv=None) -> int:
     """Print `COMPARISONS` (all, or the indices given; static, libtpu's schedule for v5e, no TPU
-    needed): ``python -m stellax.ops.attention.tpu_cases [0 1 ...]``."""
+    needed): ``python -m stellax.testing.attention_schedule [0 1 ...]``."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
