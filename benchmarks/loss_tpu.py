@@ -162,7 +162,7 @@ def stellax_recompute_loss(x, w, labels):
 
 def tokamax_loss(x, w_dv, labels):
     """tokamax's Mosaic TPU loss (weights ``[D, V]``, no ``ignore_index``: ignored labels read as 0)."""
-    from stellax.integrations import tokamax as tokamax_peer
+    from stellax.core import tokamax_peer
 
     tokamax = tokamax_peer.load()     # absl flags marked parsed: this script's --out would fail tokamax's parse
     labels = jnp.where(labels == -100, 0, labels)
@@ -349,7 +349,7 @@ class Run(ChipRun):
             why = "dry run: tokamax's kernel is Mosaic TPU only (no interpret mode here)"
         else:
             try:
-                from stellax.integrations import tokamax as tokamax_peer
+                from stellax.core import tokamax_peer
 
                 tokamax_peer.load()
             except ImportError as e:  # tokamax itself, or one of its dependencies

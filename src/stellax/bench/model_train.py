@@ -157,7 +157,7 @@ def unavailable(variant: str) -> str | None:
     if variant != "tokamax":
         return None
     try:
-        from stellax.integrations import tokamax as tokamax_peer
+        from stellax.core import tokamax_peer
 
         tokamax_peer.load()
     except Exception as e:  # noqa: BLE001 - tokamax itself or one of its dependencies
@@ -548,8 +548,9 @@ def tpu_compile_main(args) -> int:
     results = []
     for family, seq, batch in cases:
         for variant in (v for v in args.variants.split(",") if v):
-            if unavailable(variant):
-                print(f"  {variant}: skipped, {unavailable(variant)}", flush=True)
+            why = unavailable(variant)
+            if why:
+                print(f"  {variant}: skipped, {why}", flush=True)
                 continue
             r = {"case": case_name(family, seq, batch), "family": family, "contender": variant,
                  **compile_for_tpu(models[family], variant, seq, batch, remat=args.remat, generation=args.tpu_compile)}

@@ -340,7 +340,7 @@ def tokamax_ops() -> PeerOps:
     kernels on a TPU where it has them, XLA elsewhere): ``dot_product_attention``, ``layer_norm``
     (``subtract_mean=False``: RMSNorm), ``gated_linear_unit``, ``ragged_dot`` and
     ``linear_softmax_cross_entropy_loss`` (no ``[T, V]`` logits). Raises ImportError without tokamax."""
-    from stellax.integrations import tokamax as tokamax_peer
+    from stellax.core import tokamax_peer
 
     tokamax = tokamax_peer.load()
 

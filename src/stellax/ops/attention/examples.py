@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ...core import Example, UnsupportedError
+from ...core import Example, UnsupportedError, tokamax_peer
 from .masks import MaskSpec, default_positions
 from .reference import attention_forward_reference
 
@@ -107,14 +107,14 @@ def _jax_nn_peer(implementation):
 
 def _tokamax_peer():
     try:
-        import tokamax  # noqa: F401
-    except Exception:
+        tokamax_peer.load()
+    except Exception:  # noqa: BLE001 - tokamax or one of its dependencies: no peer
         return None
 
     def peer(query, key, value, bias=None, mask=None, is_causal=False, scale=None, **kwargs):
         if any(v is not None and v is not False for v in kwargs.values()):
             raise UnsupportedError("tokamax peer: only bias/mask/is_causal/scale are forwarded")
-        import tokamax
+        tokamax = tokamax_peer.load()
         return tokamax.dot_product_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
                                              scale=scale)
     return peer

@@ -1,4 +1,4 @@
-"""`stellax.integrations.tokamax.load`: tokamax called from a program with its own command line."""
+"""`stellax.core.tokamax_peer.load`: tokamax called from a program with its own command line."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ PROGRAM = textwrap.dedent("""
     import jax.numpy as jnp
     sys.argv = ["bench.py", "--out", "x.json"]       # a benchmark's own options
     if {load}:
-        from stellax.integrations import tokamax as tokamax_peer
+        from stellax.core import tokamax_peer
         tokamax = tokamax_peer.load()
     else:
         import tokamax
