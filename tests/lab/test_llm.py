@@ -16,7 +16,7 @@ from stellax.lab.fake_llm import FakeLLMServer, demo_replies
 from stellax.lab.llm import LLMProposer, extract_code
 from stellax.lab.search import Context, search
 
-FAST = {"dtypes": ["float32"], "max_examples": 1, "benchmark_min_time": 0.05, "benchmark_rounds": 2}
+FAST = {"dtypes": ["float32"], "max_examples": 1, "benchmark_min_time": 0.05, "benchmark_rounds": 5}
 
 
 def test_extract_code():
