@@ -15,9 +15,9 @@ gradients of x and the weights), on the same data:
   ``implementation="mosaic_tpu"`` and the config stellax picks by itself
   (``config`` ``default(...)``; the row's ``default`` is true when
   ``implementation=None`` would run the kernel too), then explicit
-  `GluTpuConfig` tiles ``(block_m, block_n, block_k)`` (``--tiles``), larger
-  than the autotuning space's on a v5e: the grouped matmul's measurements
-  (issue 38) found 1024-2048-wide K/N tiles 1.4x faster than 256-512 ones.
+  `GluTpuConfig` tiles ``(block_m, block_n, block_k)`` (``--tiles``): the
+  MXU-width tiles measured on 2026-12-05 and wide ones (the forward's static
+  schedule is within 1-2 % of its MXU time at a 2048 K step, docs/norm_glu.md).
 
 Timing: each contender is compiled and run once, then timed ``--reps`` times
 (``block_until_ready`` after each call; median reported) after ``--warmup``
@@ -55,7 +55,7 @@ V5E_TFLOPS = 197.0
 CASES = [(8192, 4096, 14336), (32768, 4096, 14336), (8192, 7168, 18432)]
 DRY_CASES = [(200, 256, 384)]
 #: Explicit (block_m, block_n, block_k) tried after the default config.
-TILES = "512x512x512,512x1024x1024,1024x1024x1024,512x2048x1024"
+TILES = "512x256x256,1024x256x2048,512x1024x2048,1024x1024x1024"
 DRY_TILES = "128x128x128"
 
 #: Timed and untimed runs per contender: (dry run, chip).

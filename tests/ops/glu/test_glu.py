@@ -97,6 +97,10 @@ def test_deterministic():
     (lambda: stellax.gated_linear_unit(jnp.ones((2, 8), jnp.int8), jnp.ones((8, 2, 4))), TypeError, "x: expected a floating"),
     (lambda: stellax.gated_linear_unit(jnp.ones((2, 8)), jnp.ones((8, 2, 4)), activation="tanhh"), ValueError, "activation"),
     (lambda: stellax.gated_linear_unit(jnp.float32(1), jnp.ones((8, 2, 4))), ValueError, "x: expected rank"),
+    (lambda: gated_linear_unit_backward_op(jnp.ones((2, 4)), jnp.ones((2, 8)), jnp.ones((8, 2, 4)), None,
+                                           jnp.ones((2, 4))), ValueError, "gate, up: pass both"),
+    (lambda: gated_linear_unit_backward_op(jnp.ones((2, 4)), jnp.ones((2, 8)), jnp.ones((8, 2, 4)), None,
+                                           jnp.ones((2, 5)), jnp.ones((2, 4))), ValueError, r"gate: expected shape \(2, 4\)"),
 ])
 def test_bad_input_names_the_argument(call, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -130,7 +134,7 @@ def test_ptx_compile_and_shared_memory():
                 return jnp.sum(stellax.gated_linear_unit(x, w).astype(jnp.float32))
 
         kernels = compile_triton_to_ptx(lower_for_gpu(jax.value_and_grad(loss, argnums=(0, 1)), x, w), "9.0")
-        assert len(kernels) == 4
+        assert len(kernels) == 3  # forward (keeping gate/up), dx, dW: no recompute kernel
         assert_fits_smem(kernels, "9.0")
 
 
@@ -143,3 +147,20 @@ def test_vmap_and_grad_of_kernel():
         g = jax.vmap(jax.grad(lambda a: jnp.sum(run("triton")(a) ** 2)))(x)
     assert_close(y, jax.vmap(run("xla"))(x), name="vmap y")
     assert_close(g, jax.vmap(jax.grad(lambda a: jnp.sum(run("xla")(a) ** 2)))(x), gradient=True, name="vmap dx")
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_gradient_starts_from_the_saved_preactivations(stacked):
+    """Differentiated, the forward keeps gate/up and the backward multiplies only for dx and dW:
+    the XLA path's gradient has the forward's product(s) and the gradients', no recompute."""
+    x, w = _inputs(16, 32, 24, jnp.float32, seed=3)
+    weights = w if stacked else (w[:, 0], w[:, 1])
+    loss = lambda x, weights: jnp.sum(stellax.gated_linear_unit(x, weights, implementation="xla") ** 2)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, weights))
+    forward_products = 1 if stacked else 2
+    gradient_products = 2 if stacked else 4  # dx and dW against the [K, 2N] panel, or per weight
+    assert jaxpr.count("dot_general") == forward_products + gradient_products
+    want = jax.grad(lambda x, w: jnp.sum(stellax.gated_linear_unit(x, w, implementation="xla") ** 2),
+                    argnums=(0, 1))(x, w)
+    got = jax.grad(loss, argnums=(0, 1))(x, weights)
+    assert_close(got[0], want[0], gradient=True, name="dx")

@@ -117,17 +117,18 @@ def _call(m, k, n, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("generation", KERNEL_GENERATIONS)
-def test_heuristic_uses_the_mxu_and_fits_scoped_vmem(generation):
+def test_heuristic_takes_wide_k_steps_and_fits_its_vmem_budget(generation):
     impl = gated_linear_unit_op.implementations[IMPL]
     tpu = TPU_GENERATIONS[generation]
     with stellax.lowering_target(generation):
         for m, k, n, dtype in ((4096, 4096, 14336, jnp.bfloat16), (8, 8192, 28672, jnp.float32), (3, 17, 33, jnp.float32)):
             call = _call(m, k, n, dtype)
             config, space = impl.default_config(call), impl.config_space(call)
-            assert glu_tpu_vmem_bytes(m, k, n, np.dtype(dtype).itemsize, config) <= tpu.scoped_vmem_bytes
+            budget = max(tpu.scoped_vmem_bytes, min(2 * tpu.scoped_vmem_bytes, tpu.vmem_bytes // 4))
+            assert glu_tpu_vmem_bytes(m, k, n, np.dtype(dtype).itemsize, config) <= budget
             assert all(getattr(c, f) % tpu.mxu == 0 for c in space for f in ("block_n", "block_k"))
             if (m, k, n) == (4096, 4096, 14336):
-                assert config in space and config.block_n == 2 * tpu.mxu, (generation, config)
+                assert config in space and config.block_n >= 2 * tpu.mxu and config.block_k >= 1024, (generation, config)
             if (m, k, n) == (3, 17, 33):
                 assert len(space) == 1  # every tiling collapses to whole dimensions
 
@@ -153,20 +154,23 @@ def _vmem_limits(module) -> list[int]:
 
 def test_lowers_for_tpu_every_config():
     """Every config of the v5e space lowers to a tpu_custom_call; the heuristic's gradient lowers
-    to the four kernels (forward, dgate/dup, dx, dW); a tiling above the scoped VMEM asks for more."""
+    to the forward (keeping gate/up), dx and dW kernels, with no recompute of gate/up; a tiling
+    above the scoped VMEM asks for more."""
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
     w = jax.ShapeDtypeStruct((1024, 2, 2048), jnp.float32)
     impl = gated_linear_unit_op.implementations[IMPL]
     with stellax.lowering_target("v5e"):
         space = impl.config_space(gated_linear_unit_op.check(x, w))
-    assert len(space) == 12  # no block_m = 1024 candidates with v5e's 128-wide MXU
+    assert len(space) == 27  # 4 row tiles x 9 (N, K) tiles, minus the ones K = 1024 collapses or VMEM rejects
+    scoped = TPU_GENERATIONS["v5e"].scoped_vmem_bytes
     for config in space:
         (module,) = lower_config(gated_linear_unit_op, IMPL, (x, w), config=config, target="v5e")
-        assert _vmem_limits(module) == [] or config.block_m * config.block_n >= 512 * 128
+        assert bool(_vmem_limits(module)) == (glu_tpu_vmem_bytes(1024, 1024, 2048, 4, config) > scoped * 3 // 4)
     forward, gradient = lower_config(gated_linear_unit_op, IMPL, (x, w), grad=True, target="v5e")
     assert "stellax_glu_forward_tpu" in forward.as_text()
-    for kernel in ("stellax_glu_act_grad_tpu", "stellax_glu_dx_tpu", "stellax_glu_dw_tpu"):
+    for kernel in ("stellax_glu_forward_tpu", "stellax_glu_dx_tpu", "stellax_glu_dw_tpu"):
         assert kernel in gradient.as_text()
+    assert "stellax_glu_act_grad_tpu" not in gradient.as_text()
     big = GluTpuConfig(block_m=1024, block_n=1024, block_k=512)
     (module,) = lower_config(gated_linear_unit_op, IMPL, (x, w), config=big, target="v5e")
     assert _vmem_limits(module) and _vmem_limits(module)[0] > TPU_GENERATIONS["v5e"].scoped_vmem_bytes
@@ -177,4 +181,4 @@ def test_backward_op_lowers_for_tpu_with_a_weight_pair():
     x = jax.ShapeDtypeStruct((300, 700), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((700, 500), jnp.bfloat16)
     (module,) = lower_config(gated_linear_unit_backward_op, IMPL, (dy, x, w, w), {"activation": "gelu"})
-    assert module.as_text().count("tpu_custom_call") >= 3
+    assert module.as_text().count("tpu_custom_call") >= 3 and "stellax_glu_act_grad_tpu" in module.as_text()

@@ -85,3 +85,12 @@ def activation_and_grad(activation, x, *, in_kernel: bool = False):
     value, vjp = jax.vjp(activation_fn(activation), x)
     (grad,) = vjp(jnp.ones_like(x))
     return value, grad
+
+
+def gate_up_grads(dy, gate, up, activation, dtype):
+    """The GLU's elementwise backward from saved pre-activations: ``dgate = dy·up·act'(gate)`` and
+    ``dup = dy·act(gate)`` (``[M, N]`` each, computed in float32, returned in ``dtype``)."""
+    f32 = lambda a: a.astype(jnp.float32)
+    act, act_grad = activation_and_grad(activation, f32(gate))
+    dy32 = f32(dy)
+    return (dy32 * f32(up) * act_grad).astype(dtype), (dy32 * act).astype(dtype)

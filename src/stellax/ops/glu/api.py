@@ -17,8 +17,9 @@ from .reference import glu_backward_reference, glu_reference
 
 
 def _run_backward(backend: Backend, call: Call, config):
+    preactivations = None if call.gate is None else (call.gate, call.up)
     return backend.kernels.glu_backward(call.dy, call.x, call.w_gate, call.w_up, activation=call.activation,
-                                        precision=call.precision, config=config)
+                                        precision=call.precision, config=config, preactivations=preactivations)
 
 
 gated_linear_unit_backward_op = BACKENDS.op(
@@ -29,22 +30,30 @@ gated_linear_unit_backward_op = BACKENDS.op(
 @dataclasses.dataclass(frozen=True)
 class _Glu:
     """The fused GLU of rows ``x [M, K]`` by one backend (a `core.vjp` rule): operands
-    ``(x, w_gate, w_up | None)``, output ``[M, N]``."""
+    ``(x, w_gate, w_up | None)``, output ``[M, N]``. Differentiated, the forward also keeps
+    ``gate = x @ Wg`` and ``up = x @ Wu`` (``[M, N]`` each, in x's dtype, as the plain ``jnp``
+    version keeps its matmul outputs), so the backward does the two gradient matmuls only;
+    under `jax.checkpoint` they are recomputed with the forward like any residual."""
 
     backend: Backend
     config: Any
     activation: Any
     precision: Any
 
+    def _forward(self, x, w_gate, w_up, save: bool):
+        return self.backend.kernels.glu_forward(x, w_gate, w_up, config=self.config, activation=self.activation,
+                                                precision=self.precision, save_preactivations=save)
+
+    def primal(self, x, w_gate, w_up):
+        return self._forward(x, w_gate, w_up, False)
+
     def forward(self, x, w_gate, w_up):
-        y = self.backend.kernels.glu_forward(x, w_gate, w_up, config=self.config, activation=self.activation,
-                                             precision=self.precision)
-        return y, (x, w_gate, w_up)
+        y, (gate, up) = self._forward(x, w_gate, w_up, True)
+        return y, (x, w_gate, w_up, gate, up)
 
     def backward(self, residuals, dy):
-        x, w_gate, w_up = residuals
         return gated_linear_unit_backward_op(
-            dy, x, w_gate, w_up, activation=self.activation, precision=self.precision,
+            dy, *residuals, activation=self.activation, precision=self.precision,
             implementation=backward_implementation(gated_linear_unit_backward_op, self.backend.name))
 
 

@@ -57,14 +57,23 @@ def check_glu(x, weights, *, activation="silu", precision=None) -> Call:
                 {"activation": _check_activation(activation), "precision": resolve_precision(precision)})
 
 
-def check_backward(dy, x, w_gate, w_up=None, *, activation="silu", precision=None) -> Call:
+def check_backward(dy, x, w_gate, w_up=None, gate=None, up=None, *, activation="silu", precision=None) -> Call:
+    """``gate``/``up``: the forward's ``x @ Wg`` and ``x @ Wu`` (``[M, N]``, both or neither); given,
+    the backward starts from them instead of recomputing them."""
     x = checks.require_float("x", x)
     checks.require_ndim("x", x, 2)
     weights = (w_gate, w_up) if w_up is not None else w_gate
     w_gate, w_up = _check_weights(weights, x.shape[1], x)
     n = w_gate.shape[-1]
     checks.require_shape("dy", dy, (x.shape[0], n), "x.shape[0], N")
-    return Call({"dy": dy, "x": x, "w_gate": w_gate, "w_up": w_up},
+    if (gate is None) != (up is None):
+        raise ValueError(f"gate, up: pass both pre-activations or neither, got gate={'None' if gate is None else 'an array'}"
+                         f" and up={'None' if up is None else 'an array'}")
+    if gate is not None:
+        gate, up = checks.require_float("gate", gate), checks.require_float("up", up)
+        checks.require_shape("gate", gate, (x.shape[0], n), "x.shape[0], N")
+        checks.require_shape("up", up, (x.shape[0], n), "x.shape[0], N")
+    return Call({"dy": dy, "x": x, "w_gate": w_gate, "w_up": w_up, "gate": gate, "up": up},
                 {"activation": _check_activation(activation), "precision": resolve_precision(precision)})
 
 
@@ -87,13 +96,15 @@ def forward_bytes(call: Call) -> float:
 
 def backward_flops(call: Call) -> float:
     m, k, n = _dims(call)
-    return 3 * 2.0 * m * k * (2 * n)  # recompute + dx + dW
+    passes = 2 if call.gate is not None else 3  # (recompute +) dx + dW
+    return passes * 2.0 * m * k * (2 * n)
 
 
 def backward_bytes(call: Call) -> float:
     m, k, n = _dims(call)
     xs, ws = np.dtype(call.x.dtype).itemsize, np.dtype(call.w_gate.dtype).itemsize
-    return float(2 * m * k * xs + 4 * k * n * ws + 5 * m * n * xs)
+    saved = 0 if call.gate is None else 2 * m * n * np.dtype(call.gate.dtype).itemsize
+    return float(2 * m * k * xs + 4 * k * n * ws + 5 * m * n * xs + saved)
 
 
 BACKENDS = BackendTable("glu", [

@@ -103,49 +103,74 @@ def _tpu_dims(call: Call) -> tuple[int, int, int, int]:
     return m, call.x.shape[-1], call.w_gate.shape[-1], np.dtype(call.x.dtype).itemsize
 
 
+#: Wide (block_n, block_k) tiles beside the MXU-width ones: the K step is where a tile pays for its
+#: float32 accumulator's read-modify-write. Static schedules of the forward kernel on v5e (libtpu's
+#: bundles, SwiGLU bf16 M=8192 K=4096 N=14336; cycles per step over the step's MXU time) at
+#: (block_m, block_n, block_k): (512, 256, 256) 2.10, (512, 512, 512) 1.42, (512, 1024, 1024) 1.22,
+#: (512, 512, 2048) 1.01, (512, 1024, 2048) 1.06, (256, 1024, 2048) 1.01.
+WIDE_TILES = ((512, 1024), (512, 2048), (1024, 1024), (1024, 2048), (256, 2048))
+
+
 def _tpu_candidates(mxu: int) -> list[GluTpuConfig]:
-    """``block_m`` 128/256/512 (and 1024 with a 256-wide MXU) × (``block_n``, ``block_k``) one
-    or two MXU widths each."""
-    rows = (128, 256, 512) + ((1024,) if mxu >= 256 else ())
-    return [GluTpuConfig(block_m=bm, block_n=bn, block_k=bk) for bm in rows
-            for bn, bk in ((mxu, mxu), (2 * mxu, mxu), (mxu, 2 * mxu), (2 * mxu, 2 * mxu))]
+    """``block_m`` 128/256/512/1024 × (``block_n``, ``block_k``) one or two MXU widths each, or
+    one of `WIDE_TILES`."""
+    pairs = [(mxu, mxu), (2 * mxu, mxu), (mxu, 2 * mxu), (2 * mxu, 2 * mxu)]
+    pairs += [p for p in WIDE_TILES if p not in pairs]
+    return [GluTpuConfig(block_m=bm, block_n=bn, block_k=bk) for bm in (128, 256, 512, 1024) for bn, bk in pairs]
+
+
+def _space_budget() -> int:
+    """VMEM a config of the space may need: half the physical VMEM (its `glu_tpu_vmem_limit` fits)."""
+    return target_generation().vmem_bytes // 2
+
+
+def _heuristic_budget() -> int:
+    """VMEM a heuristic config may need: twice the scoped default, at most a quarter of the
+    physical VMEM, never less than the scoped default (32 MiB on v5e)."""
+    generation = target_generation()
+    scoped = generation.scoped_vmem_bytes
+    return max(scoped, min(2 * scoped, generation.vmem_bytes // 4))
 
 
 def glu_tpu_space(call: Call) -> list[GluTpuConfig]:
-    """`_tpu_candidates` for the target generation's MXU that fit three quarters of its VMEM,
-    one per distinct effective tiling (tiles larger than the dimensions collapse)."""
+    """`_tpu_candidates` for the target generation's MXU that fit half its VMEM, one per
+    distinct effective tiling (tiles larger than the dimensions collapse)."""
     m, k, n, itemsize = _tpu_dims(call)
     generation = target_generation()
     seen, out = set(), []
     for config in _tpu_candidates(generation.mxu):
         tiles = (tpu_tile(m, config.block_m), tpu_tile(n, config.block_n), tpu_tile(k, config.block_k))
-        if tiles in seen or glu_tpu_vmem_bytes(m, k, n, itemsize, config) > generation.vmem_bytes * 3 // 4:
+        if tiles in seen or glu_tpu_vmem_bytes(m, k, n, itemsize, config) > _space_budget():
             continue
         seen.add(tiles)
         out.append(config)
     return out
 
 
+#: The flops per byte a K step should move: 1.4x v5e's bf16 peak over its HBM bandwidth (197 TFLOP/s
+#: / 819 GB/s = 240; the margin because streaming kernels reach 70-85 % of that bandwidth). v5e's
+#: rates on every generation (the only one measured), as the grouped matmul's cost model does.
+TARGET_FLOP_PER_BYTE = 1.4 * 197e12 / 819e9
+
+
+def _tile_rank(m: int, k: int, n: int, itemsize: int, config: GluTpuConfig):
+    """How good a tiling looks (larger is better): the contraction step (up to 2048: a longer K
+    step amortises the float32 accumulator's read-modify-write, `WIDE_TILES`), then the flops per
+    byte a K step moves, counted up to `TARGET_FLOP_PER_BYTE`, then the smaller VMEM need."""
+    bm, bn, bk = tpu_tile(m, config.block_m), tpu_tile(n, config.block_n), tpu_tile(k, config.block_k)
+    intensity = 4 * bm * bn * bk / ((bm * bk + 2 * bk * bn) * itemsize)
+    return min(bk, 2048), min(intensity, TARGET_FLOP_PER_BYTE), -glu_tpu_vmem_bytes(m, k, n, itemsize, config)
+
+
 def glu_tpu_heuristic(call: Call) -> GluTpuConfig:
-    """Tiles of two MXU widths (256 on v5e/v5p, 512 on v6e/TPU7x), ``block_m`` 512 for at least
-    512 rows (else 256), shrunk (``block_k``, then ``block_n``, then ``block_m``) until the
-    kernels fit three quarters of the generation's scoped VMEM. Per K step a tile does
-    ``4·bm·bn·bk`` flops on ``2·(bm + 2·bn)·bk`` bytes (bf16): 512 × 512 tiles give 341
-    flop/byte (a v5e needs ~240 to keep its MXUs fed from HBM, a v6e ~560: the 1024-row
-    tiles of the space are there for autotuning, but need more than the scoped VMEM by
-    `glu_tpu_vmem_bytes`)."""
+    """The best-ranked config of `glu_tpu_space` within `_heuristic_budget` (`_tile_rank`: the
+    longest K step, then enough flops per byte, then the least VMEM). On a v5e at SwiGLU bf16
+    shapes that is (512, 512, 2048): 341 flop/byte, and statically a forward step within 1 % of
+    its MXU time, where the MXU-width tiles (512, 256, 256) take 2.1x it (`WIDE_TILES`)."""
     m, k, n, itemsize = _tpu_dims(call)
-    generation = target_generation()
-    mxu = generation.mxu
-    block_m = 512 if m >= 512 else 256
-    config = GluTpuConfig(block_m=block_m, block_n=2 * mxu, block_k=2 * mxu)
-    budget = generation.scoped_vmem_bytes * 3 // 4
-    for field in ("block_k", "block_n", "block_m") * 3:
-        if glu_tpu_vmem_bytes(m, k, n, itemsize, config) <= budget:
-            break
-        if getattr(config, field) > 128:
-            config = config.replace(**{field: getattr(config, field) // 2})
-    return config
+    space = glu_tpu_space(call)
+    fits = [c for c in space if glu_tpu_vmem_bytes(m, k, n, itemsize, c) <= _heuristic_budget()] or space
+    return max(fits, key=lambda c: _tile_rank(m, k, n, itemsize, c))
 
 
 def glu_tpu_requirements(call: Call) -> str | None:

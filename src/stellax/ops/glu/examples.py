@@ -34,13 +34,28 @@ def forward_examples(dtype):
     return out
 
 
+def _preactivations(x, weights, dtype):
+    """The forward's ``(x @ Wg, x @ Wu)`` in float32 at HIGHEST, rounded to ``dtype``."""
+    w = weights if not isinstance(weights, tuple) else jnp.stack(weights, axis=1)
+    both = jnp.einsum("mk,kgn->gmn", x.astype(jnp.float32), w.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    return both[0].astype(dtype), both[1].astype(dtype)
+
+
 def backward_examples(dtype):
-    """`gated_linear_unit_backward` calls (the first three forward cases)."""
+    """`gated_linear_unit_backward` calls: the first three forward cases recomputing ``gate``/``up``,
+    then the first two again starting from saved ones (as differentiating the forward does)."""
     out = []
     for i, (m, k, n, act, stacked) in enumerate(_CASES[:3]):
         x, weights, dy = _random_case(100 + i, m, k, n, dtype, stacked)
         w_gate, w_up = (weights, None) if stacked else weights
         out.append(Example(f"M={m} K={k} N={n} {act}", (dy, x, w_gate, w_up), {"activation": act}))
+    for i, (m, k, n, act, stacked) in enumerate(_CASES[:2]):
+        x, weights, dy = _random_case(100 + i, m, k, n, dtype, stacked)
+        w_gate, w_up = (weights, None) if stacked else weights
+        gate, up = _preactivations(x, weights, dtype)
+        out.append(Example(f"M={m} K={k} N={n} {act} saved gate/up", (dy, x, w_gate, w_up, gate, up),
+                           {"activation": act}))
     return out
 
 

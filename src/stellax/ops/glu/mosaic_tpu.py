@@ -16,8 +16,11 @@ column 0, up at column N) and passed twice with two index maps (the up tile
 
 Forward (tile ``[bm, bn]``, steps over K):
     gate += x[i, k] @ Wg[k, j];  up += x[i, k] @ Wu[k, j];  y = act(gate)·up
+    (under differentiation the epilogue also writes gate and up in x's dtype)
 Backward:
-    1. gate/up recomputed as above; dgate = dy·up·act'(gate), dup = dy·act(gate)
+    1. dgate = dy·up·act'(gate), dup = dy·act(gate): from the forward's saved
+       gate/up (one XLA elementwise fusion), or, without them, a kernel that
+       recomputes gate/up as above
     2. dx[i, k]  = Σ_n dgate[i, n] @ Wg[k, n]ᵀ + dup[i, n] @ Wu[k, n]ᵀ
     3. dWg[k, n] = Σ_m x[m, k]ᵀ @ dgate[m, n],  dWu likewise with dup
 Every sum runs in a fixed order: deterministic. Every product is an
@@ -36,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import mxu_dot, mxu_dot_nt, mxu_dot_tn, operand, output, tpu_kernel_call
-from .activations import activation_and_grad, activation_fn
+from .activations import activation_and_grad, activation_fn, gate_up_grads
 from .configs import GluTpuConfig, glu_tpu_vmem_bytes, glu_tpu_vmem_limit, tpu_tile
 
 _SEMANTICS = ("parallel", "parallel", "arbitrary")
@@ -80,14 +83,17 @@ def _gate_up_step(x, w_gate, w_up, acc_gate, acc_up, *, block_k, k, dtype, preci
     _accumulate((acc_gate, acc_up), (mxu_dot(xa, wg, precision), mxu_dot(xa, wu, precision)))
 
 
-def _forward_kernel(*, x, w_gate, w_up, y, acc_gate, acc_up, activation, **step):
-    """Tile ``(i, j)``: ``y = act(Σ_k x @ Wg)·(Σ_k x @ Wu)``."""
+def _forward_kernel(*, x, w_gate, w_up, y, gate, up, acc_gate, acc_up, activation, **step):
+    """Tile ``(i, j)``: ``y = act(Σ_k x @ Wg)·(Σ_k x @ Wu)`` (and ``gate``, ``up`` when asked for)."""
     _gate_up_step(x, w_gate, w_up, acc_gate, acc_up, **step)
 
     @pl.when(_last_step())
     def _epilogue():
         act = activation_fn(activation, in_kernel=True)
         y[...] = (act(acc_gate[...]) * acc_up[...]).astype(y.dtype)
+        if gate is not None:
+            gate[...] = acc_gate[...].astype(gate.dtype)
+            up[...] = acc_up[...].astype(up.dtype)
 
 
 def _act_grad_kernel(*, x, w_gate, w_up, dy, dgate, dup, acc_gate, acc_up, activation, **step):
@@ -170,29 +176,27 @@ def _gate_up_launch(t: _Tiles, x, precision):
     return grid, inputs, scratch, step
 
 
-def glu_forward(x, w_gate, w_up, *, activation, precision, config: GluTpuConfig):
+def glu_forward(x, w_gate, w_up, *, activation, precision, config: GluTpuConfig, save_preactivations=False):
     """``x [M, K]``, weights ``[K, 2, N]`` or two ``[K, N]`` → ``y = act(x @ Wg)·(x @ Wu)``
-    ``[M, N]`` in ``x.dtype`` (float32 accumulation)."""
+    ``[M, N]`` in ``x.dtype`` (float32 accumulation); with ``save_preactivations`` the pair
+    ``(y, (gate, up))``, ``gate = x @ Wg`` and ``up = x @ Wu`` in ``x.dtype``."""
     m, k = x.shape
     n = w_gate.shape[-1]
     t = _Tiles(m, k, n, w_gate, w_up, config)
     grid, inputs, scratch, step = _gate_up_launch(t, x, precision)
+    mn = lambda: output((m, n), x.dtype, pl.BlockSpec((t.bm, t.bn), lambda i, j, kk: (i, j)))
     outs = tpu_kernel_call(
         functools.partial(_forward_kernel, activation=activation, **step), grid=grid,
         dimension_semantics=_SEMANTICS, name="stellax_glu_forward_tpu", inputs=inputs, scratch=scratch,
-        outputs=dict(y=output((m, n), x.dtype, pl.BlockSpec((t.bm, t.bn), lambda i, j, kk: (i, j)))),
+        outputs=dict(y=mn(), gate=mn() if save_preactivations else None, up=mn() if save_preactivations else None),
         vmem_limit_bytes=t.vmem_limit(x.dtype.itemsize),
     )
-    return outs.y
+    return (outs.y, (outs.gate, outs.up)) if save_preactivations else outs.y
 
 
-def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluTpuConfig):
-    """``dy [M, N]``, ``x [M, K]`` → ``(dx [M, K], dw_gate, dw_up)`` in the weights' form
-    (stacked ``[K, 2, N]`` gives ``dw_gate [K, 2, N]`` and ``dw_up=None``)."""
-    m, k = x.shape
-    n = w_gate.shape[-1]
-    t = _Tiles(m, k, n, w_gate, w_up, config)
-    limit = t.vmem_limit(x.dtype.itemsize)
+def _recomputed_gate_up_grads(t: _Tiles, dy, x, *, activation, precision):
+    """``(dgate, dup)`` by the kernel that recomputes ``gate``/``up`` tile by tile."""
+    m, n = dy.shape
     grid, inputs, scratch, step = _gate_up_launch(t, x, precision)
     mn_spec = pl.BlockSpec((t.bm, t.bn), lambda i, j, kk: (i, j))
     grads = tpu_kernel_call(
@@ -200,9 +204,24 @@ def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluTpuCo
         dimension_semantics=_SEMANTICS, name="stellax_glu_act_grad_tpu", scratch=scratch,
         inputs=dict(**inputs, dy=operand(dy, mn_spec)),
         outputs=dict(dgate=output((m, n), x.dtype, mn_spec), dup=output((m, n), x.dtype, mn_spec)),
-        vmem_limit_bytes=limit,
+        vmem_limit_bytes=t.vmem_limit(x.dtype.itemsize),
     )
-    dtype = _compute_dtype(grads.dgate, t.wg)
+    return grads.dgate, grads.dup
+
+
+def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluTpuConfig, preactivations=None):
+    """``dy [M, N]``, ``x [M, K]`` → ``(dx [M, K], dw_gate, dw_up)`` in the weights' form
+    (stacked ``[K, 2, N]`` gives ``dw_gate [K, 2, N]`` and ``dw_up=None``); ``preactivations``:
+    the forward's ``(gate, up)``, or None to recompute them."""
+    m, k = x.shape
+    n = w_gate.shape[-1]
+    t = _Tiles(m, k, n, w_gate, w_up, config)
+    limit = t.vmem_limit(x.dtype.itemsize)
+    if preactivations is not None:
+        dgate, dup = gate_up_grads(dy, *preactivations, activation, x.dtype)
+    else:
+        dgate, dup = _recomputed_gate_up_grads(t, dy, x, activation=activation, precision=precision)
+    dtype = _compute_dtype(dgate, t.wg)
 
     # dx: grid (M tiles, K tiles, N steps).
     gate_spec, up_spec = t.weight_specs(k_axis=1, n_axis=2)
@@ -211,14 +230,14 @@ def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluTpuCo
         functools.partial(_dx_kernel, block_n=t.bn, n=n, dtype=dtype, precision=precision),
         grid=(pl.cdiv(m, t.bm), pl.cdiv(k, t.bk), pl.cdiv(n, t.bn)), dimension_semantics=_SEMANTICS,
         name="stellax_glu_dx_tpu",
-        inputs=dict(dgate=operand(grads.dgate, row_spec), dup=operand(grads.dup, row_spec),
+        inputs=dict(dgate=operand(dgate, row_spec), dup=operand(dup, row_spec),
                     w_gate=operand(t.wg, gate_spec), w_up=operand(t.wu, up_spec)),
         outputs=dict(dx=output((m, k), x.dtype, pl.BlockSpec((t.bm, t.bk), lambda i, kk, j: (i, kk)))),
         scratch=dict(acc=pltpu.VMEM((t.bm, t.bk), jnp.float32)), vmem_limit_bytes=limit,
     ).dx
 
     # dW: grid (K tiles, N tiles, M steps).
-    dtype_w = _compute_dtype(x, grads.dgate)
+    dtype_w = _compute_dtype(x, dgate)
     grad_spec = pl.BlockSpec((t.bm, t.bn), lambda kk, j, i: (i, j))
     dw_spec = pl.BlockSpec((t.bk, t.bn), lambda kk, j, i: (kk, j))
     dw = tpu_kernel_call(
@@ -226,7 +245,7 @@ def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluTpuCo
         grid=(pl.cdiv(k, t.bk), pl.cdiv(n, t.bn), pl.cdiv(m, t.bm)), dimension_semantics=_SEMANTICS,
         name="stellax_glu_dw_tpu",
         inputs=dict(x=operand(x, pl.BlockSpec((t.bm, t.bk), lambda kk, j, i: (i, kk))),
-                    dgate=operand(grads.dgate, grad_spec), dup=operand(grads.dup, grad_spec)),
+                    dgate=operand(dgate, grad_spec), dup=operand(dup, grad_spec)),
         outputs=dict(dw_gate=output((k, n), w_gate.dtype, dw_spec), dw_up=output((k, n), w_gate.dtype, dw_spec)),
         scratch=dict(acc_gate=pltpu.VMEM((t.bk, t.bn), jnp.float32), acc_up=pltpu.VMEM((t.bk, t.bn), jnp.float32)),
         vmem_limit_bytes=limit,

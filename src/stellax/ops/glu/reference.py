@@ -39,7 +39,8 @@ def glu_backward_reference(call: Call):
 
     Returns ``(dx [M, K], dw_gate, dw_up)`` with the weights' form: for
     stacked ``[K, 2, N]`` weights ``dw_gate`` is ``[K, 2, N]`` and ``dw_up``
-    is ``None``."""
+    is ``None``. Saved ``gate``/``up`` in the call are the forward's values of
+    the same products: the golden ignores them and recomputes in float32."""
     act = activation_fn(call.activation)
     hi = jax.lax.Precision.HIGHEST
     w_gate, w_up = split_weights(call)

@@ -8,8 +8,10 @@ dimension needs to be a multiple of a tile.
 
 Forward (tile [bm, bn], loop over K):
     gate += x[i, k] @ Wg[k, j];  up += x[i, k] @ Wu[k, j];  y = act(gate)·up
+    (under differentiation also writes gate and up in x's dtype)
 Backward:
-    1. recompute gate/up as above; dgate = dy·up·act'(gate), dup = dy·act(gate)
+    1. dgate = dy·up·act'(gate), dup = dy·act(gate): from the forward's saved
+       gate/up (XLA elementwise), or a kernel that recomputes them as above
     2. dx[i, k]  = Σ_n dgate[i, n] @ Wg[k, n]ᵀ + dup[i, n] @ Wu[k, n]ᵀ
     3. dWg[k, n] = Σ_m x[m, k]ᵀ @ dgate[m, n],  dWu likewise with dup
 Every sum runs in a fixed order inside one program: deterministic.
@@ -25,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ...core.pallas import dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call, triton_precision
-from .activations import activation_and_grad, activation_fn
+from .activations import activation_and_grad, activation_fn, gate_up_grads
 from .configs import GluConfig
 
 #: Operands the kernels index themselves (masked loads of any tile).
@@ -57,10 +59,13 @@ def _gate_up(x, w_gate, w_up, i, j, *, m, k, n, gate_col, up_col, cfg, precision
     return jax.lax.fori_loop(0, pl.cdiv(k, bk), body, (zeros, zeros))
 
 
-def _forward_kernel(*, x, w_gate, w_up, y, activation, **dims):
-    """Tile ``(i, j)``: ``y = act(gate)·up``."""
+def _forward_kernel(*, x, w_gate, w_up, y, gate_out, up_out, activation, **dims):
+    """Tile ``(i, j)``: ``y = act(gate)·up`` (and ``gate``, ``up`` when asked for)."""
     gate, up = _gate_up(x, w_gate, w_up, pl.program_id(0), pl.program_id(1), **dims)
     y[...] = (activation_fn(activation, in_kernel=True)(gate) * up).astype(y.dtype)
+    if gate_out is not None:
+        gate_out[...] = gate.astype(gate_out.dtype)
+        up_out[...] = up.astype(up_out.dtype)
 
 
 def _act_grad_kernel(*, x, w_gate, w_up, dy, dgate, dup, activation, **dims):
@@ -130,9 +135,9 @@ def _tiles(cfg: GluConfig, rows: str, cols: str):
     return pl.BlockSpec(shape, lambda i, j: (i, j))
 
 
-def glu_forward(x, w_gate, w_up, *, activation, precision, config: GluConfig):
+def glu_forward(x, w_gate, w_up, *, activation, precision, config: GluConfig, save_preactivations=False):
     """``x [M, K]``, weights ``[K, 2, N]`` or two ``[K, N]`` → ``y = act(x @ Wg)·(x @ Wu)``
-    ``[M, N]`` in ``x.dtype``."""
+    ``[M, N]`` in ``x.dtype``; with ``save_preactivations`` the pair ``(y, (gate, up))`` (``x.dtype``)."""
     m, k = x.shape
     wg, wu, gate_col, up_col, n = weight_panels(w_gate, w_up)
     cfg = config
@@ -142,15 +147,18 @@ def glu_forward(x, w_gate, w_up, *, activation, precision, config: GluConfig):
         functools.partial(_forward_kernel, activation=activation, **dims),
         grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
         inputs=dict(x=operand(x, _FULL), w_gate=operand(wg, _FULL), w_up=operand(wu, _FULL)),
-        outputs=dict(y=output((m, n), x.dtype, _tiles(cfg, "m", "n"))),
+        outputs=dict(y=output((m, n), x.dtype, _tiles(cfg, "m", "n")),
+                     gate_out=output((m, n), x.dtype, _tiles(cfg, "m", "n")) if save_preactivations else None,
+                     up_out=output((m, n), x.dtype, _tiles(cfg, "m", "n")) if save_preactivations else None),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, name="stellax_glu_forward",
     )
-    return outs.y
+    return (outs.y, (outs.gate_out, outs.up_out)) if save_preactivations else outs.y
 
 
-def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluConfig):
+def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluConfig, preactivations=None):
     """``dy [M, N]``, ``x [M, K]`` → ``(dx [M, K], dw_gate, dw_up)`` in the weights' form
-    (stacked ``[K, 2, N]`` gives ``dw_gate [K, 2, N]`` and ``dw_up=None``)."""
+    (stacked ``[K, 2, N]`` gives ``dw_gate [K, 2, N]`` and ``dw_up=None``); ``preactivations``:
+    the forward's ``(gate, up)``, or None to recompute them."""
     m, k = x.shape
     wg, wu, gate_col, up_col, n = weight_panels(w_gate, w_up)
     cfg = config
@@ -159,14 +167,18 @@ def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config: GluConfi
     common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     mn_spec, kn_spec = _tiles(cfg, "m", "n"), _tiles(cfg, "k", "n")
     weights = dict(w_gate=operand(wg, _FULL), w_up=operand(wu, _FULL))
-    grads = triton_kernel_call(
-        functools.partial(_act_grad_kernel, activation=activation, **dims),
-        grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
-        inputs=dict(x=operand(x, _FULL), **weights, dy=operand(dy, mn_spec)),
-        outputs=dict(dgate=output((m, n), x.dtype, mn_spec), dup=output((m, n), x.dtype, mn_spec)),
-        name="stellax_glu_act_grad", **common,
-    )
-    dgate, dup = operand(grads.dgate, _FULL), operand(grads.dup, _FULL)
+    if preactivations is not None:
+        dgate, dup = gate_up_grads(dy, *preactivations, activation, x.dtype)
+    else:
+        grads = triton_kernel_call(
+            functools.partial(_act_grad_kernel, activation=activation, **dims),
+            grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n)),
+            inputs=dict(x=operand(x, _FULL), **weights, dy=operand(dy, mn_spec)),
+            outputs=dict(dgate=output((m, n), x.dtype, mn_spec), dup=output((m, n), x.dtype, mn_spec)),
+            name="stellax_glu_act_grad", **common,
+        )
+        dgate, dup = grads.dgate, grads.dup
+    dgate, dup = operand(dgate, _FULL), operand(dup, _FULL)
     dx = triton_kernel_call(
         functools.partial(_dx_kernel, **dims),
         grid=(pl.cdiv(m, cfg.block_m), pl.cdiv(k, cfg.block_k)),

@@ -1,15 +1,16 @@
 """XLA implementation of the gated linear unit (the CPU default).
 
 One matmul against the ``[K, 2N]`` weight panel (or two for a weight pair),
-the activation fused by XLA; the backward recomputes ``gate``/``up`` and
-issues the three gradient matmuls.
+the activation fused by XLA; under differentiation the forward also returns
+``gate``/``up`` (in ``x.dtype``) and the backward starts from them (else it
+recomputes them), then issues the gradient matmuls.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .activations import activation_and_grad, activation_fn
+from .activations import activation_fn, gate_up_grads
 from .triton import weight_panels
 
 
@@ -23,22 +24,22 @@ def _gate_up(x, w_gate, w_up, precision):
     return gate, up
 
 
-def glu_forward(x, w_gate, w_up, *, activation, precision, config=None):
-    """``x [M, K]`` → ``act(x @ Wg)·(x @ Wu)`` ``[M, N]`` in ``x.dtype`` (float32 accumulation)."""
+def glu_forward(x, w_gate, w_up, *, activation, precision, config=None, save_preactivations=False):
+    """``x [M, K]`` → ``act(x @ Wg)·(x @ Wu)`` ``[M, N]`` in ``x.dtype`` (float32 accumulation);
+    with ``save_preactivations`` the pair ``(y, (gate, up))``, ``gate``/``up`` in ``x.dtype``."""
     del config
     gate, up = _gate_up(x, w_gate, w_up, precision)
-    return (activation_fn(activation)(gate) * up).astype(x.dtype)
+    y = (activation_fn(activation)(gate) * up).astype(x.dtype)
+    return (y, (gate.astype(x.dtype), up.astype(x.dtype))) if save_preactivations else y
 
 
-def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config=None):
+def glu_backward(dy, x, w_gate, w_up, *, activation, precision, config=None, preactivations=None):
     """``dy [M, N]`` → ``(dx [M, K], dw_gate, dw_up)`` in the weights' form: ``dgate = dy·up·act'(gate)``,
-    ``dup = dy·act(gate)``, ``dx = dgate @ Wgᵀ + dup @ Wuᵀ``, ``dW = xᵀ @ d(gate|up)``."""
+    ``dup = dy·act(gate)``, ``dx = dgate @ Wgᵀ + dup @ Wuᵀ``, ``dW = xᵀ @ d(gate|up)``; ``gate``/``up``
+    from ``preactivations`` (the forward's) or recomputed."""
     del config
-    gate, up = _gate_up(x, w_gate, w_up, precision)
-    act, act_grad = activation_and_grad(activation, gate)
-    dy32 = dy.astype(jnp.float32)
-    dgate = (dy32 * up * act_grad).astype(x.dtype)
-    dup = (dy32 * act).astype(x.dtype)
+    gate, up = preactivations if preactivations is not None else _gate_up(x, w_gate, w_up, precision)
+    dgate, dup = gate_up_grads(dy, gate, up, activation, x.dtype)
     mm = lambda a, b: jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32)
     if w_up is None:
         k, _, n = w_gate.shape
