@@ -324,13 +324,17 @@ def bisect_cli(argv: list[str]) -> int:
 
 
 #: `stellax bench model KIND`: the module whose ``main(argv, prog)`` runs each kind.
-MODEL_BENCHMARKS = {"train": "stellax.bench.model_train", "serve": "stellax.bench.model_serve"}
+MODEL_BENCHMARKS = {"train": "stellax.bench.model_train", "serve": "stellax.bench.model_serve",
+                    "plot": "stellax.bench.model_plot"}
+#: The kinds that build models (flax, optax: the ``nn`` extra); ``plot`` only reads their JSON.
+_MODEL_KINDS_NEEDING_NN = ("train", "serve")
 
 
 def model_cli(argv: list[str]) -> int:
-    """``stellax bench model {train,serve} ARGS``: the model benchmarks (`stellax.bench.model_train`,
-    `stellax.bench.model_serve`; ``--help`` after the kind lists their options). They build their
-    models from `stellax.nn` and train with optax: the ``nn`` extra."""
+    """``stellax bench model {train,serve,plot} ARGS``: the model benchmarks (`stellax.bench.model_train`,
+    `stellax.bench.model_serve`; ``--help`` after the kind lists their options), which build their
+    models from `stellax.nn` and train with optax (the ``nn`` extra), and the plot of training
+    tokens/s by sequence length from their JSON (`stellax.bench.model_plot`)."""
     kinds = ", ".join(MODEL_BENCHMARKS)
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: stellax bench model {{{kinds}}} [--help] --out FILE [options]\n\n"
@@ -338,7 +342,8 @@ def model_cli(argv: list[str]) -> int:
               "  train  training steps of a ~500M dense and a hybrid-MoE decoder (tokens/s, MFU, peak HBM,\n"
               "         loss agreement; --dry-run: tiny models on the CPU)\n"
               "  serve  prefill and greedy decode of the dense model, stellax's paged KV cache against a\n"
-              "         dense-cache plain-JAX decode")
+              "         dense-cache plain-JAX decode\n"
+              "  plot   training tokens/s by sequence length from train's JSON files (PNG; needs matplotlib)")
         return 0 if argv else 2
     kind = argv[0]
     if kind not in MODEL_BENCHMARKS:
@@ -347,7 +352,7 @@ def model_cli(argv: list[str]) -> int:
     import importlib
 
     try:
-        for needed in ("flax", "optax"):
+        for needed in ("flax", "optax") if kind in _MODEL_KINDS_NEEDING_NN else ():
             importlib.import_module(needed)
     except ImportError as e:
         print(f"stellax bench model {kind}: needs {e.name}, which is not installed: pip install 'stellax[nn]'",
