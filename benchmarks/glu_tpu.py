@@ -64,7 +64,7 @@ REPS, WARMUP = (1, 10), (0, 2)
 
 def parse_args(argv=None):
     p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0, stops="contender",
-                        dry="a tiny ragged case", passes=True)
+                        dry="a tiny GLU case", passes=True)
     p.add_argument("--tiles", default=None,
                    help=f"explicit mosaic_tpu tiles MxNxK, comma-separated (default {TILES}; '' for none)")
     return p.parse_args(argv)
