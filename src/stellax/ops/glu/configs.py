@@ -194,6 +194,7 @@ def glu_tpu_defers_to_xla(platform) -> str | None:
     tpu = platform.tpu
     if tpu is not None and tpu.name == "v5e":
         return ("measured slower than XLA on a v5e (0.63x forward, 0.55x forward+backward at "
-                "M=8192 K=4096 N=14336 bf16)")
+                "M=8192 K=4096 N=14336 bf16, with the earlier 512x256x256 tiles; the wide-tile "
+                "heuristic is not measured yet)")
     return None
 
