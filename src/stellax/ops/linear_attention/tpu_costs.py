@@ -13,8 +13,9 @@ twice (the states pass, then ``jax.vjp``'s recomputation) and each needed
 transpose at its product's passes.
 
 At chunk 64, K = V = 128, per chunk step (forward): GDN's float32 operands at
-``HIGHEST`` take 2.5e8 pass-FLOPs, bfloat16 operands (`mxu.BF16_PRODUCTS`) 8.8e7,
-2.9× fewer — 6.3e7 of them the inverse's three passes; KDA 7.9e8 and 2.8e8 (half
+``HIGHEST`` take 2.5e8 pass-FLOPs, bfloat16 operands with the inverse at three passes
+(`mxu.BF16_POLICIES` ``three_pass``) 8.8e7, 2.9× fewer — 6.3e7 of them the inverse — and at the
+default ``refined`` policy (the inverse at one pass, one refinement step) 5.2e7; KDA 7.9e8 and 2.8e8 (half
 of it the exact decay sums of its sub-block scores); SSD (no inverse) 7.6e7 and
 1.7e7, 4.5× fewer (`tests/ops/linear_attention/test_la_bf16_products.py` pins GDN's).
 
