@@ -15,7 +15,9 @@ tests) of the output, the final state and the gradient of every input, for
 * the Mosaic TPU kernels' math, emulated by XLA (`stellax.ops.linear_attention.emulate`:
   the kernels' own chunk functions scanned over the chunks, bit-identical to the interpreted
   kernels), under each ``--variants`` product policy (`mxu.Products`): ``kernel`` (what the
-  kernels run for bfloat16 inputs, `mxu.BF16_PRODUCTS`), ``solve_default`` / ``solve_highest``
+  kernels run for bfloat16 inputs, `mxu.BF16_PRODUCTS`), ``three_pass`` / ``refined`` (the policies
+  of `mxu.BF16_POLICIES`: the inverse at three passes; at one pass with a refined ``Δ``),
+  ``solve_default`` / ``solve_highest``
   (the inverse at one bfloat16 pass / float32), ``sums_default`` (the log-decay span sums at
   one bfloat16 pass), ``all_default`` (every product one pass) and ``f32_highest`` (float32
   ``q, k, v`` and every product at ``highest``, as float32 inputs run).
@@ -42,13 +44,15 @@ from stellax.core.precision import DEFAULT, HIGHEST
 from stellax.ops.linear_attention import chunk_gated_delta_rule_op, chunk_kda_op, ssd_op
 from stellax.ops.linear_attention.emulate import emulated_call
 from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
-from stellax.ops.linear_attention.mxu import BF16_PRODUCTS, EXACT, Products
+from stellax.ops.linear_attention.mxu import BF16_POLICIES, BF16_PRODUCTS, EXACT, Products
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 OPS = {"gdn": chunk_gated_delta_rule_op, "kda": chunk_kda_op, "ssd": ssd_op}
 #: Product policies of the emulated kernels: ``(products, q/k/v dtype in the kernels)``.
 VARIANTS = {
     "kernel": (BF16_PRODUCTS, BF16),
+    "three_pass": (BF16_POLICIES["three_pass"], BF16),
+    "refined": (BF16_POLICIES["refined"], BF16),
     "solve_default": (Products(DEFAULT, DEFAULT, EXACT), BF16),
     "solve_highest": (Products(DEFAULT, HIGHEST, EXACT), BF16),
     "sums_default": (Products(DEFAULT, BF16_PRODUCTS.solve, DEFAULT), BF16),
@@ -111,20 +115,22 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0))
 
 
-def contenders(op, static, variants):
-    """``name → f(diff)`` of the XLA path and the emulated kernel variants (bfloat16 inputs)."""
-    out = {"xla": lambda d: op(**d, **static, implementation="xla")}
+def contenders(op, static, variants, xla: bool = True, chunk: int = 64):
+    """``name → f(diff)`` of the XLA path (``xla``) and the emulated kernel variants at ``chunk``
+    (bfloat16 inputs)."""
+    out = {"xla": lambda d: op(**d, **static, implementation="xla")} if xla else {}
     for name in variants:
         products, dtype = VARIANTS[name]
-        out[name] = (lambda d, p=products, t=dtype: emulated_call(op, **d, **static, products=p, operand_dtype=t))
+        out[name] = (lambda d, p=products, t=dtype: emulated_call(op, **d, **static, products=p, operand_dtype=t,
+                                                                       chunk=chunk))
     return out
 
 
-def run_case(label, op, diff, static, variants) -> list[dict]:
-    """The golden, then every contender's errors against it."""
+def run_case(label, op, diff, static, variants, xla: bool = True, chunk: int = 64) -> list[dict]:
+    """The golden, then every contender's errors against it (the emulated kernels at ``chunk``)."""
     names = ["out", "final"]
-    fns = contenders(op, static, variants)
-    shapes = jax.eval_shape(fns["xla"], diff)
+    fns = contenders(op, static, variants, xla, chunk)
+    shapes = jax.eval_shape(lambda d: op(**d, **static, implementation="xla"), diff)
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
     cots = [jax.random.normal(key, s.shape, F32) for key, s in zip(keys, jax.tree_util.tree_leaves(shapes))]
     t0 = time.perf_counter()
@@ -138,7 +144,8 @@ def run_case(label, op, diff, static, variants) -> list[dict]:
         errors = {n: rel_l2(o, r) for n, o, r in zip(names, out, ref)}
         errors.update({"d" + n: rel_l2(grads[n], ref_grads[n]) for n in diff})
         seconds = round(time.perf_counter() - t0, 1)
-        rows.append({"case": label, "op": op.name, "contender": name, "seconds": seconds, "errors": errors})
+        rows.append({"case": label, "op": op.name, "contender": name, "seconds": seconds, "errors": errors,
+                     "chunk": None if name == "xla" else chunk})
         print(f"  {name:14s} {seconds:6.1f} s  " + " ".join(f"{n}={e:.1e}" for n, e in errors.items()), flush=True)
     return rows
 
@@ -156,6 +163,8 @@ def parse_args(argv=None):
     p.add_argument("--layouts", default="dense,packed", help="dense and/or packed (cu_seqlens)")
     p.add_argument("--shared", default="0", help="GDN/KDA: common key components (default 0; 1.0: cosines ~0.5)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"emulated product policies ({', '.join(VARIANTS)})")
+    p.add_argument("--no-xla", action="store_true", help="leave out the XLA path's row (the golden still runs)")
+    p.add_argument("--chunk", type=int, default=64, help="the emulated kernels' chunk (default 64)")
     return p.parse_args(argv)
 
 
@@ -180,7 +189,7 @@ def main(argv=None) -> int:
         args.ops, args.decays, args.layouts, args.shared, variants = "gdn", "1.0", "dense", "0", ["kernel"]
     rows = []
     for label, op, diff, static in cases(args, T, heads, dim):
-        rows += run_case(label, op, diff, static, variants)
+        rows += run_case(label, op, diff, static, variants, xla=not args.no_xla, chunk=args.chunk)
         doc = {"format": "stellax-linear-attention-bf16-error", "version": 1,
                "environment": environment(args.dry_run), "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

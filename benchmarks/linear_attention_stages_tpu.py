@@ -28,7 +28,10 @@ compared stage by stage. ``--variants`` runs ``kernel:fwd`` again per explicit c
 (``chunk/block_v/heads_per_step``; default: one head per step at the heuristic's chunk, the
 config measured before issue 39's heads per step, and for GDN chunk 64). ``--bwd-heads`` (default
 1) times ``kernel:bwd`` once more at that many heads per step (the backward ops' default batches the
-most heads per step that fit since 2026-12-06; one was the default before). ``tflops`` / ``pct_peak``
+most heads per step that fit since 2026-12-06; one was the default before). ``--policy`` (default
+``three_pass``) times ``kernel:fwd`` and ``kernel:bwd`` once more at the default configs with that
+bfloat16 policy of `mxu.BF16_POLICIES` (``policy=NAME(...)`` rows; the default is ``refined`` since
+2026-12-07, the inverse at three passes before). ``tflops`` / ``pct_peak``
 count the chunked algorithm's matmul FLOPs at chunk 64 (the op's ``flops``; ``fwd+bwd`` 3.5 times
 the forward) for the op rows and the forward kernel.
 
@@ -41,6 +44,7 @@ tiny cases with the kernels interpreted (the tests run it).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from stellax.bench import chip_run
@@ -65,6 +69,10 @@ def parse_args(argv=None):
                    help="kernel:fwd configs after the default, chunk/block_v/heads_per_step, comma-separated "
                         "(default: one head per step at the default chunk, and chunk 64 at the default heads; "
                         "'none' for no variant)")
+    p.add_argument("--policy", default="three_pass",
+                   help="after the default stages, kernel:fwd and kernel:bwd again at the default configs with this "
+                        "bfloat16 policy of mxu.BF16_POLICIES (default three_pass, the default before the refined "
+                        "solve; 'none': not)")
     p.add_argument("--bwd-heads", type=int, default=1,
                    help="after the default stages, kernel:bwd again with this many heads per step (default 1, the "
                         "backward's default before 2026-12-06; 0: not)")
@@ -159,6 +167,7 @@ class Run(ChipRun):
             chunk_kda_op,
             mosaic_tpu,
             mosaic_tpu_backward,
+            mxu,
             ssd_op,
         )
         from stellax.core import Call
@@ -184,11 +193,13 @@ class Run(ChipRun):
         print(f"case {index}: {op_name} {case}, forward {config}, backward {bwd_config}"
               f"{'' if phase == 0 else ' (backward stages)'}", flush=True)
 
-        def model(c, backward=False):
+        policy = None if self.args.policy == "none" else self.args.policy
+
+        def model(c, backward=False, policy_products=None):
             """Modelled ms of the forward kernel, or (``backward``) of the backward kernel alone."""
             seconds = lambda bwd: kernel_seconds(hv, t, DIM, DIM, c.chunk, c.block_v, per_channel=per_channel,
-                                                 delta=delta, products=products, heads_per_step=c.heads_per_step,
-                                                 backward=bwd)
+                                                 delta=delta, products=policy_products or products,
+                                                 heads_per_step=c.heads_per_step, backward=bwd)
             return 1e3 * (seconds(True) - seconds(False) if backward else seconds(False))
 
         name = lambda c, default=True: ("default" if default else "explicit") + \
@@ -197,9 +208,16 @@ class Run(ChipRun):
         common = dict(heads=hv, per_channel=per_channel, precision=HIGHEST)
         layout = (q, k, v, g, beta, h0)
 
-        def forward(c, with_states=False):
-            return jax.jit(lambda *a: mosaic_tpu.recurrence_forward(*a, None, config=c, with_states=with_states,
-                                                                    **common))
+        def traced(fn, at_policy=None):
+            """``jax.jit(fn)``, traced under the bfloat16 policy ``at_policy`` (`mxu.bf16_policy`)."""
+            def run(*a):
+                with mxu.bf16_policy(at_policy) if at_policy else contextlib.nullcontext():
+                    return fn(*a)
+            return jax.jit(run)
+
+        def forward(c, with_states=False, at_policy=None):
+            return traced(lambda *a: mosaic_tpu.recurrence_forward(*a, None, config=c, with_states=with_states,
+                                                                   **common), at_policy)
 
         key = lambda stage: (op_name, case, stage)
         if phase == 0:
@@ -207,6 +225,10 @@ class Run(ChipRun):
                          flops=flops)
             for c in self.variants(config, every_stage):
                 self.measure(key("kernel:fwd"), name(c, False), forward(c), layout, model_ms=model(c), flops=flops)
+            if policy and delta:
+                self.measure(key("kernel:fwd"), f"policy={policy}" + name(config)[len("default"):],
+                             forward(config, at_policy=policy), layout,
+                             model_ms=model(config, policy_products=mxu.BF16_POLICIES[policy]), flops=flops)
             if every_stage:
                 self.measure(key("op:fwd"), name(config),
                              jax.jit(lambda *a: op(*a, **kwargs, implementation="mosaic_tpu")), args,
@@ -219,6 +241,12 @@ class Run(ChipRun):
                                                                                    **common))
             self.measure(key("kernel:bwd"), name(bwd_config), backward, layout + (out[0], do, dfinal),
                          model_ms=model(bwd_config, backward=True))
+            if policy and delta:
+                backward = traced(lambda *a: mosaic_tpu_backward.backward_from_states(*a, None, config=bwd_config,
+                                                                                      **common), policy)
+                self.measure(key("kernel:bwd"), f"policy={policy}" + name(bwd_config)[len("default"):], backward,
+                             layout + (out[0], do, dfinal),
+                             model_ms=model(bwd_config, backward=True, policy_products=mxu.BF16_POLICIES[policy]))
         cot_key = jax.random.PRNGKey(3)
 
         def fwd_bwd(*a):

@@ -13,14 +13,15 @@ input through ``jax.vjp`` of a random cotangent), on the same data:
 * ``stellax:mosaic_tpu``: the Mosaic TPU kernels with the config stellax picks by itself
   (``default(chunk/block_v)``: shipped cache, then the heuristic of `tpu_costs`), then each
   config of the autotuning space (``--configs``); bfloat16 inputs run the bfloat16-operand
-  products (`mxu.BF16_PRODUCTS`: one MXU pass for the input-like products, exact decay sums,
-  the inverse at three passes);
+  products (`mxu.BF16_PRODUCTS`: one MXU pass for the input-like products and the inverse, exact
+  decay sums, the delta rule's residuals by one refinement step at three passes);
 * ``stellax:mosaic_tpu[f32]``: the same kernels on the inputs upcast to float32 (every
   product at ``highest``, as bfloat16 inputs ran before issue 39; the inverse is merged by
   blocks since, with as many matmuls);
-* ``stellax:mosaic_tpu[solve=default]`` (an experiment, ``--no-experiments`` to leave it
-  out): the bfloat16 policy with the inverse at one pass instead of three (its error on a
-  CPU: docs/linear_attention.md).
+* ``stellax:mosaic_tpu[policy=three_pass]`` (``--no-experiments`` to leave it out): the
+  bfloat16 policy before the refined solve, the inverse at three passes (`mxu.BF16_POLICIES`;
+  what the refined default gains on the chip; the static schedules and CPU errors of both:
+  docs/linear_attention.md).
 
 ``tflops`` counts the chunked algorithm's matmul FLOPs (the op's ``flops``, chunk 64;
 ``fwd+bwd`` 3.5 times the forward), the same for every contender; ``pct_peak`` against the
@@ -39,6 +40,7 @@ interpreted (the tests run it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 from stellax.bench import chip_run
@@ -64,7 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None, help="explicit configs after the default: 'all' (the space; the "
                                                     "default), 'none' (the dry run's default), or chunk/block_v "
                                                     "pairs such as 64/128,128/128")
-    p.add_argument("--no-experiments", action="store_true", help="leave out the solve=default experiment")
+    p.add_argument("--no-experiments", action="store_true",
+                   help="leave out the policy=three_pass row (the bfloat16 policy before the refined solve)")
     return p.parse_args(argv)
 
 
@@ -89,19 +92,11 @@ def case_inputs(op_name: str, t: int, hv: int, dim: int):
 
 
 # -- the contenders --------------------------------------------------------------------------------
-@contextlib.contextmanager
-def solve_at_one_pass():
-    """The bfloat16 policy with the inverse at one pass (the experiment): `mxu.chunk_products`
-    reads `mxu.BF16_PRODUCTS` when a kernel is traced."""
-    from stellax.core.precision import DEFAULT
+def at_policy(name: str):
+    """A context in which kernels traced run `mxu.BF16_POLICIES` [``name``] for bfloat16 inputs."""
     from stellax.ops.linear_attention import mxu
 
-    saved = mxu.BF16_PRODUCTS
-    mxu.BF16_PRODUCTS = mxu.Products(DEFAULT, DEFAULT, mxu.EXACT)
-    try:
-        yield
-    finally:
-        mxu.BF16_PRODUCTS = saved
+    return functools.partial(mxu.bf16_policy, name)
 
 
 def contender_fn(op, kwargs, *, implementation, config=None, upcast=False, context=contextlib.nullcontext):
@@ -205,8 +200,8 @@ class Run(ChipRun):
         out.append(("stellax:mosaic_tpu[f32]", f"default({chosen.chunk}/{chosen.block_v})",
                     contender_fn(op, kwargs, implementation="mosaic_tpu", upcast=True)))
         if not self.args.no_experiments:
-            out.append(("stellax:mosaic_tpu[solve=default]", f"default({chosen.chunk}/{chosen.block_v})",
-                        contender_fn(op, kwargs, implementation="mosaic_tpu", context=solve_at_one_pass)))
+            out.append(("stellax:mosaic_tpu[policy=three_pass]", f"default({chosen.chunk}/{chosen.block_v})",
+                        contender_fn(op, kwargs, implementation="mosaic_tpu", context=at_policy("three_pass"))))
         return out
 
     def run_case(self, op, t, hv):

@@ -25,13 +25,15 @@ def test_stages_dry_run(tmp_path):
     rows = doc["rows"]
     gdn = [(r["stage"], r["config"]) for r in rows if r["op"] == "chunk_gated_delta_rule"]
     stages = [s for s, _ in gdn]
-    assert stages == ["kernel:fwd", "kernel:fwd", "op:fwd", "kernel:states", "kernel:bwd", "op:fwd+bwd",
-                      "kernel:bwd"], gdn
+    assert stages == ["kernel:fwd", "kernel:fwd", "kernel:fwd", "op:fwd", "kernel:states", "kernel:bwd",
+                      "kernel:bwd", "op:fwd+bwd", "kernel:bwd"], gdn
     assert gdn[1][1] == "explicit(128/128/2)"
+    # --policy three_pass (the default): the forward and backward kernels again at the old bfloat16 policy.
+    assert gdn[2][1].startswith("policy=three_pass(") and gdn[6][1] == "policy=three_pass(128/128/2)"
     # The backward's default batches both heads (the backward heuristic); --bwd-heads 1 the old default.
-    assert gdn[4][1] == "default(128/128/2)" and gdn[-1][1] == "explicit(128/128/1)"
-    assert [r["stage"] for r in rows if r["op"] == "ssd"] == ["kernel:fwd", "kernel:fwd"]
-    assert rows[3]["op"] == "ssd" and rows[5]["stage"] == "kernel:states"  # every forward first
+    assert gdn[5][1] == "default(128/128/2)" and gdn[-1][1] == "explicit(128/128/1)"
+    assert [r["stage"] for r in rows if r["op"] == "ssd"] == ["kernel:fwd", "kernel:fwd"]  # no policy row: no solve
+    assert rows[4]["op"] == "ssd" and rows[6]["stage"] == "kernel:states"  # every forward first
     for r in rows:
         assert r["error"] is None and r["skipped"] is None and r["ms"] > 0 and r["model_ms"] > 0, r
         assert r["contender"] == "stellax:mosaic_tpu" and not r["peer"]

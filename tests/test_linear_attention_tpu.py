@@ -26,7 +26,7 @@ def test_chip_benchmark_dry_run(tmp_path):
     for pass_ in ("fwd", "fwd+bwd"):
         group = [r for r in doc["rows"] if r["pass"] == pass_]
         assert [r["contender"] for r in group] == ["xla:chunked", "stellax:mosaic_tpu", "stellax:mosaic_tpu[f32]",
-                                                   "stellax:mosaic_tpu[solve=default]"]
+                                                   "stellax:mosaic_tpu[policy=three_pass]"]
         assert [r["peer"] for r in group] == [True, False, False, False]
         assert group[1]["config"].startswith("default(") and group[1]["best"]
         for r in group:

@@ -29,7 +29,7 @@ from stellax.ops.linear_attention.configs import TpuLinearAttentionConfig, linea
 from stellax.ops.linear_attention.emulate import emulated_call
 from stellax.ops.linear_attention.examples import make_inputs, make_ssd_inputs
 from stellax.ops.linear_attention.mosaic_tpu import scalar_spans
-from stellax.ops.linear_attention.mxu import (BF16_PRODUCTS, BF16_SOLVE, EXACT, Products, chunk_products,
+from stellax.ops.linear_attention.mxu import (BF16_POLICIES, BF16_PRODUCTS, BF16_SOLVE, EXACT, Products, chunk_products,
                                               exact_matmul, mxu_matmul)
 from stellax.ops.linear_attention.solve import merge_inverse
 from stellax.ops.linear_attention.tpu_costs import chunk_pass_flops
@@ -118,7 +118,7 @@ def test_merge_inverse_is_stable(chunk):
 
 
 def test_products_per_dtype():
-    assert chunk_products(BF16, HIGHEST) == BF16_PRODUCTS == Products(DEFAULT, HIGH, EXACT)
+    assert chunk_products(BF16, HIGHEST) == BF16_PRODUCTS == Products(DEFAULT, DEFAULT, EXACT, refine=HIGH)
     for precision in (DEFAULT, HIGH, HIGHEST):
         assert chunk_products(F32, precision) == Products(precision, precision, precision)
 
@@ -195,13 +195,18 @@ def test_float32_kernel_with_correlated_keys():
 def test_pass_counts():
     """bfloat16-pass FLOPs of one GDN chunk step at chunk 64, K = V = 128 (`tpu_costs`): float32
     at ``HIGHEST`` six passes everywhere; bfloat16 inputs one pass for the input-like products,
-    three for the inverse and the decay sums."""
+    three for the decay sums; the inverse at three passes (``three_pass``, the default before) or
+    at one with a refined ``Δ`` (the default: ten [64, 64] × [64, 128] doubling products at one pass
+    instead of three, the refinement's residual product ``A X₀`` at three: 2·2²¹ × (−20 + 3))."""
     count = lambda products, backward=False: chunk_pass_flops(64, 128, 128, per_channel=False, delta=True,
                                                               products=products, backward=backward)
     highest = Products.uniform(HIGHEST)
     assert count(highest) == 6 * count(Products.uniform(DEFAULT)) == 251_658_240
-    assert count(BF16_PRODUCTS) == 88_080_384
-    assert count(highest, backward=True) == 1_031_798_784 and count(BF16_PRODUCTS, backward=True) == 352_321_536
+    three = BF16_POLICIES["three_pass"]
+    assert count(three) == 88_080_384
+    assert count(highest, backward=True) == 1_031_798_784 and count(three, backward=True) == 352_321_536
+    assert count(BF16_PRODUCTS) == 88_080_384 - 17 * 2 ** 21 == 52_428_800
+    assert count(BF16_PRODUCTS, backward=True) == 163_577_856  # the inverse is not differentiated
 
 
 def test_heuristic_follows_the_pass_count():

@@ -27,12 +27,16 @@ kernels (`mosaic_tpu.scalar_chunk`, `mosaic_tpu.channel_chunk`) and
   the float32 factors are rounded to bfloat16 as the MXU takes them); the
   sums of log decays over spans stay exact (`EXACT`: the decays' digits set
   every ``exp``, and a bfloat16 log decay of −20 is off by 0.06); the
-  unit-lower inverse at `BF16_SOLVE`. The exponentials and the state stay
-  float32. docs/linear_attention.md gives the errors measured per choice.
+  unit-lower inverse at one pass too, and the delta rule's residuals ``Δ``
+  by one step of iterative refinement on it whose residual product ``A X₀``
+  takes three passes (``HIGH``; `Products.refine`, `mosaic_tpu.refined_solve`).
+  The exponentials and the state stay float32. docs/linear_attention.md gives
+  the errors measured per choice (`BF16_POLICIES`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -185,11 +189,17 @@ class Products:
       operands: the scores, the state products, ``T (β V)``, ``T (β Γ K)`` and ``P Δ``.
       solve: the doubling products of the unit-lower inverse (`solve.merge_inverse`).
       sums: the 0/1-mask matmuls that sum log decays over spans (`EXACT` or a precision).
+      refine: ``None``: the delta rule's ``U = T (β V)``, ``W = T (β Γ K)``, ``Δ = U − W S``
+        (the inverse ``T`` as accurate as ``solve`` makes it). A precision: ``Δ`` solved at once
+        from ``R = β V − (β Γ K) S`` with one step of iterative refinement on the approximate
+        ``T̃`` (`mosaic_tpu.refined_solve`): ``X₀ = T̃ R``, ``r = R − X₀ − A X₀`` (``A X₀`` at
+        ``refine``), ``Δ = X₀ + T̃ r``, so that ``solve`` may be one pass.
     """
 
     operands: Precision
     solve: Precision
     sums: Precision | str
+    refine: Precision | None = None
 
     @classmethod
     def uniform(cls, precision: Precision) -> Products:
@@ -199,8 +209,34 @@ class Products:
 
 #: The inverse's precision for bfloat16 operands (measured: docs/linear_attention.md).
 BF16_SOLVE = HIGH
-#: The products of bfloat16 operands (module docstring).
-BF16_PRODUCTS = Products(operands=DEFAULT, solve=BF16_SOLVE, sums=EXACT)
+#: The policies for bfloat16 operands compared in docs/linear_attention.md (issue 39):
+#: ``three_pass`` the inverse at three passes and ``U``/``W`` from it (the default before);
+#: ``one_pass`` the same at one pass (less accurate); ``refined`` the inverse at one pass and
+#: ``Δ`` by one refinement step at three passes (`Products.refine`).
+BF16_POLICIES = {
+    "three_pass": Products(operands=DEFAULT, solve=BF16_SOLVE, sums=EXACT),
+    "one_pass": Products(operands=DEFAULT, solve=DEFAULT, sums=EXACT),
+    "refined": Products(operands=DEFAULT, solve=DEFAULT, sums=EXACT, refine=HIGH),
+}
+#: The products of bfloat16 operands (module docstring): ``refined`` (issue 39: against ``three_pass``
+#: 1.4x fewer cycles per GDN forward step and 2.2x per backward step, statically, and smaller errors at
+#: T = 65536; docs/linear_attention.md).
+BF16_PRODUCTS = BF16_POLICIES["refined"]
+
+
+@contextlib.contextmanager
+def bf16_policy(name: str):
+    """Kernels traced inside run `BF16_POLICIES` [``name``] for bfloat16 operands
+    (`chunk_products` reads `BF16_PRODUCTS` at trace time; the benchmarks' and the
+    static-schedule cases' seam)."""
+    global BF16_PRODUCTS
+    if name not in BF16_POLICIES:
+        raise ValueError(f"name: expected one of {sorted(BF16_POLICIES)}, got {name!r}")
+    saved, BF16_PRODUCTS = BF16_PRODUCTS, BF16_POLICIES[name]
+    try:
+        yield
+    finally:
+        BF16_PRODUCTS = saved
 
 
 def operand_dtype(dtype) -> np.dtype:

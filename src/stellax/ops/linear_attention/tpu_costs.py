@@ -13,8 +13,9 @@ twice (the states pass, then ``jax.vjp``'s recomputation) and each needed
 transpose at its product's passes.
 
 At chunk 64, K = V = 128, per chunk step (forward): GDN's float32 operands at
-``HIGHEST`` take 2.5e8 pass-FLOPs, bfloat16 operands (`mxu.BF16_PRODUCTS`) 8.8e7,
-2.9× fewer — 6.3e7 of them the inverse's three passes; KDA 7.9e8 and 2.8e8 (half
+``HIGHEST`` take 2.5e8 pass-FLOPs, bfloat16 operands with the inverse at three passes
+(`mxu.BF16_POLICIES` ``three_pass``) 8.8e7, 2.9× fewer — 6.3e7 of them the inverse — and at the
+default ``refined`` policy (the inverse at one pass, one refinement step) 5.2e7; KDA 7.9e8 and 2.8e8 (half
 of it the exact decay sums of its sub-block scores); SSD (no inverse) 7.6e7 and
 1.7e7, 4.5× fewer (`tests/ops/linear_attention/test_la_bf16_products.py` pins GDN's).
 
@@ -79,8 +80,8 @@ import math
 from ...core.precision import DEFAULT, HIGH, HIGHEST
 from .mxu import EXACT, Products
 
-#: bfloat16 MXU passes of one product at each precision.
-PASSES = {DEFAULT: 1, HIGH: 3, HIGHEST: 6, EXACT: 3}
+#: bfloat16 MXU passes of one product at each precision (``None``: a product that does not run).
+PASSES = {DEFAULT: 1, HIGH: 3, HIGHEST: 6, EXACT: 3, None: 0}
 #: A v5e's bfloat16 MXU peak (FLOP/s) and the fixed cost of one grid step (seconds).
 PEAK_FLOPS = 197e12
 STEP_SECONDS = 0.35e-6
@@ -95,9 +96,15 @@ def _mm(kind: str, m: int, k: int, n: int, grads: str = "ab"):
     return (kind, m, k, n, grads)
 
 
-def _delta_products(c: int, kp: int, bv: int) -> list:
-    """The delta rule's products after the scores: the inverse, ``U``, ``T (βΓK)``, ``W S``."""
-    solve = [_mm("solve", c, c, c)] * (2 * (int(math.log2(c)) - 1))
+def _delta_products(c: int, kp: int, bv: int, refined: bool = False) -> list:
+    """The delta rule's products after the scores: the inverse, then ``U``, ``T (βΓK)``, ``W S``;
+    ``refined`` (`mxu.Products.refine`): the inverse (no cotangents: `mosaic_tpu.refined_solve`'s
+    gradient does not differentiate it), ``(βΓK) S``, ``X₀ = T̃ R``, ``A X₀`` and ``T̃ r`` (whose
+    custom gradient takes one product of each kind more: ``A X₀``'s two cotangent products)."""
+    solve = [_mm("solve", c, c, c, "" if refined else "ab")] * (2 * (int(math.log2(c)) - 1))
+    if refined:
+        return solve + [_mm("operands", c, kp, bv), _mm("operands", c, c, bv, "b"), _mm("refine", c, c, bv),
+                        _mm("operands", c, c, bv, "b")]
     return solve + [_mm("operands", c, c, bv), _mm("operands", c, c, kp), _mm("operands", c, kp, bv)]
 
 
@@ -112,15 +119,16 @@ def _channel_score_products(c: int, kp: int, sub: int = 16) -> list:
     return out
 
 
-def chunk_inventory(c: int, kp: int, bv: int, *, per_channel: bool, delta: bool) -> list:
-    """The products of one chunk step: ``(kind, m, k, n, grads)`` each (module docstring)."""
+def chunk_inventory(c: int, kp: int, bv: int, *, per_channel: bool, delta: bool, refined: bool = False) -> list:
+    """The products of one chunk step: ``(kind, m, k, n, grads)`` each (module docstring);
+    ``refined``: the delta rule solved by `mosaic_tpu.refined_solve` (`_delta_products`)."""
     state = [_mm("operands", c, kp, bv), _mm("operands", c, c, bv), _mm("operands", kp, c, bv)]  # QS, PΔ, K̃ᵀΔ
     if per_channel:
         sums = [_mm("sums", c, c, kp, "b"), _mm("sums", c, c, kp, "b"), _mm("sums", kp, c, 128, "a")]
-        return sums + _channel_score_products(c, kp) + _delta_products(c, kp, bv) + state
+        return sums + _channel_score_products(c, kp) + _delta_products(c, kp, bv, refined) + state
     out = [_mm("sums", c, c, c, "b"), _mm("operands", c, kp, c)]  # the spans D, Q Kᵀ
     if delta:
-        out += [_mm("operands", c, kp, c)] + _delta_products(c, kp, bv)  # K Kᵀ, ...
+        out += [_mm("operands", c, kp, c)] + _delta_products(c, kp, bv, refined)  # K Kᵀ, ...
     return out + state
 
 
@@ -137,7 +145,8 @@ def chunk_pass_flops(c: int, kp: int, bv: int, *, per_channel: bool, delta: bool
     """bfloat16-pass FLOPs of one chunk step (forward, or ``backward``: two forward
     evaluations and the transposes), each product at ``products``' precision of its kind."""
     total = 0
-    for kind, m, k, n, grads in chunk_inventory(c, kp, bv, per_channel=per_channel, delta=delta):
+    refined = products.refine is not None
+    for kind, m, k, n, grads in chunk_inventory(c, kp, bv, per_channel=per_channel, delta=delta, refined=refined):
         passes = PASSES[getattr(products, kind)]
         total += passes * _pass_flops(m, k, n, mxu) * (2 if backward else 1)
         if backward:  # c = a b: da = dc bᵀ ([m, n] × [n, k]), db = aᵀ dc ([k, m] × [m, n])
@@ -152,20 +161,22 @@ def chunk_matmul_issues(c: int, kp: int, bv: int, *, per_channel: bool, delta: b
     bfloat16 rows, one packed vector register, per instruction). What the static schedule of the
     compiled kernel counts (`stellax.testing.llo_schedule`; tests/testing/test_llo_schedule.py)."""
     total = 0
-    for kind, m, k, n, _ in chunk_inventory(c, kp, bv, per_channel=per_channel, delta=delta):
+    refined = products.refine is not None
+    for kind, m, k, n, _ in chunk_inventory(c, kp, bv, per_channel=per_channel, delta=delta, refined=refined):
         passes = PASSES[getattr(products, kind)]
         total += passes * -(-m // rows_per_issue) * -(-k // mxu) * -(-n // mxu)
     return total
 
 
-def chain_length(c: int, *, per_channel: bool, delta: bool) -> int:
+def chain_length(c: int, *, per_channel: bool, delta: bool, refined: bool = False) -> int:
     """Dependent products on the longest path of one head's chunk step: the decay spans
     (per channel also the scores' sub-block sums), then for the delta rule the inverse's
     ``2·log2(C/2)`` doubling products, ``U``/``W``, ``W S``, and last ``P Δ`` (``K̃ᵀ Δ``
-    and ``(Γ⊙Q) S`` beside it)."""
+    and ``(Γ⊙Q) S`` beside it); ``refined``: ``X₀``, ``A X₀``, ``T̃ r`` after the inverse
+    (``(βΓK) S`` beside it)."""
     if not delta:
         return 2
-    return (3 if per_channel else 1) + 2 * (int(math.log2(c)) - 1) + 3
+    return (3 if per_channel else 1) + 2 * (int(math.log2(c)) - 1) + (4 if refined else 3)
 
 
 def kernel_seconds(rows: int, tokens: int, kp: int, vp: int, chunk: int, block_v: int, *, per_channel: bool,
@@ -180,6 +191,7 @@ def kernel_seconds(rows: int, tokens: int, kp: int, vp: int, chunk: int, block_v
     flops = chunk_pass_flops(chunk, kp, bv, per_channel=per_channel, delta=delta, products=products,
                              backward=backward, mxu=mxu)
     twice = 2 if backward else 1
-    chain = twice * chain_length(chunk, per_channel=per_channel, delta=delta) * LATENCY_SECONDS
+    refined = products.refine is not None
+    chain = twice * chain_length(chunk, per_channel=per_channel, delta=delta, refined=refined) * LATENCY_SECONDS
     vpu = twice * hb * VPU_SECONDS_PER_TOKEN * chunk
     return steps * (STEP_SECONDS * twice + vpu + max(chain, hb * flops / PEAK_FLOPS))
