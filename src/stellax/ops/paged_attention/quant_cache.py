@@ -476,7 +476,10 @@ def store_codes(codes, spec: KVQuant):
 
 
 def load_codes(data, spec: KVQuant):
-    """Stored data → float32 codes ``[..., H]``."""
+    """Stored data → float32 codes ``[..., H]``. int4 codes given as packed uint8 bytes
+    ``[..., H/2]`` (`packed_bytes`' view, as a torch ``uint8`` tensor carries them) are unpacked."""
+    if spec.format == "int4" and np.dtype(data.dtype) == np.dtype(jnp.uint8):
+        return unpack_codes(data, 4).astype(jnp.float32)
     if spec.per_element == 1:
         return data.astype(jnp.float32)
     return unpack_codes(data, spec.bits).astype(jnp.float32)
