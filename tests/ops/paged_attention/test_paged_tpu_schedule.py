@@ -13,6 +13,7 @@ from stellax.ops.paged_attention.tpu_cases import (
     block_compute,
     block_dma_cycles,
     decode_case,
+    dma_sizes,
     dump_kernel,
     mla_case,
     segments,
@@ -76,37 +77,21 @@ def test_quantized_block_update_is_under_the_blocks_dma_time(tmp_path, cache):
     assert masked < 1.5 * dma, (cache, masked, dma)
 
 
-def _argument_bytes(fn, args, generation: str = "v5e") -> int:
-    """HBM bytes of ``fn``'s arguments compiled by libtpu for ``generation`` (the compiled
-    executable's memory analysis: the arguments in the layouts XLA:TPU gives them)."""
-    import jax
-
-    from stellax.core import LOWERING_TARGETS, lowering_target
-    from stellax.testing.lowering import on_device
-    from stellax.testing.tpu_compile import topology_device
-
-    device = topology_device(generation)
-    with lowering_target(LOWERING_TARGETS[generation]):
-        compiled = jax.jit(fn).trace(*on_device(args, device)).lower().compile()
-    return compiled.memory_analysis().argument_size_in_bytes
-
-
 @needs_libtpu
-def test_int4_pool_takes_half_of_int8s_hbm_bytes():
-    """int4 codes are uint4 (two per byte, lane-dense in XLA:TPU's layout): an int4 pool's codes
-    take exactly half of an int8 pool's HBM, alone and as the decode step's arguments (whose
-    scales weigh the same: int8's float32 scale against int4's float16 scale and zero point).
-    The packed uint8 ``[.., H/2]`` rows before were padded to 128 lanes: int8's bytes."""
-    case = dict(batch=4, context=2048, page_size=64, pages_per_block=8)   # 128 pages of 64 tokens × 8 heads
-    values = 128 * 64 * 8 * 128
-    codes, step = {}, {}
+def test_int4_page_copies_move_half_of_int8s_bytes(tmp_path):
+    """int4 codes are uint4 (two per byte, lane-dense in XLA:TPU's ``T(8,128)(8,1)`` layout): the
+    decode kernel's page copies (the largest DMAs of its v5e dump) move 32 KiB per page of 64
+    tokens × 8 heads × 128 channels, half of int8's 64 KiB. The packed uint8 ``[.., H/2]`` rows
+    before were padded to 128 lanes: int8's 64 KiB (2048 granules). (Pools of a few MiB are
+    placed in VMEM by XLA before the kernel, which then copies no page: B=8 ctx 16k keeps them
+    in HBM.)"""
+    case = dict(batch=8, context=16384, page_size=64, pages_per_block=8)
+    page = {}
     for cache in ("int8", "int4"):
-        fn, args = decode_case(cache=cache, **case)
-        codes[cache] = _argument_bytes(lambda data: data[0, 0], (args[1].data,))
-        step[cache] = _argument_bytes(fn, args)
-    assert codes["int8"] == values, codes
-    assert codes["int4"] == values // 2, codes
-    assert step["int8"] - step["int4"] == values, step          # both pools' codes halved, scales alike
+        path = dump_kernel({**case, "cache": cache}, str(tmp_path / cache), "stellax_paged_attention_tpu")
+        page[cache] = max(dma_sizes(path))
+    assert page["int8"] == 64 * 8 * 128, page
+    assert page["int4"] == 64 * 8 * 128 // 2, page
 
 
 @needs_libtpu

@@ -172,6 +172,23 @@ def segments(path: str) -> list[Segment]:
     return out
 
 
+_GRANULES = re.compile(r"size_in_granules=\*/(\d+)")
+#: Bytes of a DMA granule in the dumps' ``size_in_granules`` (an int8 page of 64 tokens × 8 heads × 128
+#: channels, 64 KiB, is 2048 of them on v5e).
+DMA_GRANULE_BYTES = 32
+
+
+def dma_sizes(path: str) -> dict[int, int]:
+    """``{bytes: count}`` of the DMAs in a ``*-final_bundles.txt`` dump (`DMA_GRANULE_BYTES` per granule of
+    their ``size_in_granules``): the page copies of a paged kernel are the largest."""
+    sizes: dict[int, int] = {}
+    with open(path) as f:
+        for found in _GRANULES.finditer(f.read()):
+            size = int(found.group(1)) * DMA_GRANULE_BYTES
+            sizes[size] = sizes.get(size, 0) + 1
+    return sizes
+
+
 def block_compute(path: str) -> tuple[int, int]:
     """``(unmasked, masked)`` bundles of the block update of a paged kernel's dump: the
     segments holding the block's matmuls (a block every row sees whole, and a masked one; the
