@@ -50,7 +50,8 @@ The JSON (``--out``) holds ``{"format": "stellax-paged-decode-tpu", "version": 1
 "environment": {...}, "rows": [ROW, ...]}`` with rows in the suite's results
 schema (benchmarks/README.md: op, case, pass, contender, default, peer, ms,
 gbps, pct_peak, bound, device, date, skipped, error) plus ``config``,
-``max_rel_err``, ``rel_l2``, ``compile_s``, ``ms_back_to_back`` and ``pct_peak_back_to_back``. It is rewritten after every
+``max_rel_err``, ``rel_l2``, ``compile_s``, ``ms_back_to_back`` and ``pct_peak_back_to_back``; a quantized
+cache's default row also has ``vs_bf16`` / ``vs_bf16_back_to_back`` (`speedup_vs_bf16`). It is rewritten after every
 case, so a run cut short keeps what it measured; ``--budget`` seconds stops
 starting new cases.
 
@@ -290,6 +291,17 @@ def back_to_back_ms(fn, args, calls: int) -> float:
     return float(np.median(runs))
 
 
+def speedup_vs_bf16(row: dict, bf16: dict) -> None:
+    """Set ``vs_bf16`` (and ``vs_bf16_back_to_back``) of a quantized cache's default row: the bf16
+    cache's time over this one's on the same keys and values (issue 41's goal at 16k context:
+    int8 / fp8 >= 1.7, int4 >= 3); None when either row has no time."""
+    for key, out in (("ms", "vs_bf16"), ("ms_back_to_back", "vs_bf16_back_to_back")):
+        mine, base = row.get(key), bf16.get(key)
+        row[out] = base / mine if mine and base else None
+    if row["vs_bf16"] is not None:
+        print(f"  {row['config']:>20s}: {row['vs_bf16']:.2f}x the bf16 cache's throughput", flush=True)
+
+
 class Timed(ChipRun):
     """What the paged TPU benchmarks share: rows in the suite's schema and the timed, checked call."""
 
@@ -357,6 +369,7 @@ class Run(Timed):
         args = make_inputs(seed, case, kv_heads, head_dim, jnp.bfloat16)
         width = args[3].shape[1]
         rows = min(CHECK_ROWS, case.batch)
+        bf16 = None                                   # the bf16 cache's default mosaic row
         for fmt in ("",) + case.quant:
             fargs = quantized(args, fmt) if fmt else args
             call = paged_attention_op.check(*fargs)
@@ -366,8 +379,12 @@ class Run(Timed):
             for contender, config, fn, is_default in stellax_contenders(case, width, case.page_size,
                                                                         xla=self.args.xla, fmt=fmt):
                 impl = contender.split(":", 1)[1]
-                self.measure(label, contender, config, fn, fargs, ref, nbytes,
-                             default=bool(is_default and picked == impl), peer=False)
+                r = self.measure(label, contender, config, fn, fargs, ref, nbytes,
+                                 default=bool(is_default and picked == impl), peer=False)
+                if impl == "mosaic_tpu" and config.endswith("default"):
+                    bf16 = r if not fmt else bf16
+                    if fmt and bf16 is not None:
+                        speedup_vs_bf16(r, bf16)
             if fmt:
                 del fargs
                 continue

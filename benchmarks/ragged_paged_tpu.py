@@ -115,6 +115,7 @@ CASES = [
     Ragged(((512, 8192), (1024, 8192)), 62, 8192, q_heads=32),           # 3 decode-heavy, long caches, 32q/8kv
     Mla(8, 32768),                                                       # 4
     Ragged(((512, 512), (1024, 2048), (2048, 4096)), 60, 4096),          # 5 the same, smaller caches (heuristic)
+    Mla(64, 32768, tokens=(1024,)),                                      # 6 MLA at batch 64, 32k (2.4 GB latent)
 ]
 MAIN = (0, 1, 2)                      # in this order; ``--budget`` stops starting cases past 90 s
 DRY_CASES = [Ragged(((40, 64), (8, 24)), 3, 40, q_heads=16, configs=((32, 8, True),), jax_blocks=((32, 8),)),

@@ -42,6 +42,8 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
     assert len(cases) == 3 and any("mixed" in c for c in cases)
     assert {r["contender"] for r in defaults} == {"stellax:mosaic_tpu"}
     assert sorted(r["config"] for r in defaults) == ["default"] * 3 + ["int4 default", "int8 default"]
+    quant = [r for r in defaults if r["config"] != "default"]
+    assert all(r["vs_bf16"] > 0 and r["vs_bf16_back_to_back"] > 0 for r in quant), quant
     assert len(by["stellax:mosaic_tpu"]) >= 6
     assert sum(r.get("best", False) for r in by["jax:paged_attention"]) == 1
     assert all(r["peer"] for r in by["jax:ragged_paged_attention"])

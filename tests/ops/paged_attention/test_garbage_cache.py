@@ -62,9 +62,9 @@ def live_slots(tables, lengths, num_pages: int, page_size: int, rows=None) -> np
 def _garbage(shape, dtype, rng) -> np.ndarray:
     """NaN, +-inf and huge finite values (floats) or random bytes (codes)."""
     dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.integer):
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, size=shape, endpoint=True).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):                 # uint4 codes too (int4 pools)
+        info = jnp.iinfo(dtype)
+        return rng.integers(int(info.min), int(info.max), size=shape, endpoint=True).astype(dtype)
     finfo = jnp.finfo(dtype)
     choices = np.array([np.nan, np.inf, -np.inf, float(finfo.max), -float(finfo.max), 1e30], np.float64)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize == 1:  # fp8 codes: no inf

@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 
 from stellax.ops.paged_attention.tpu_cases import (
+    V5E_CLOCK_HZ,
+    V5E_HBM_BYTES_PER_S,
     Segment,
     block_compute,
     block_dma_cycles,
     decode_case,
+    dma_sizes,
     dump_kernel,
+    mla_case,
     segments,
 )
 from stellax.testing.tpu_compile import libtpu_available
@@ -71,3 +75,54 @@ def test_quantized_block_update_is_under_the_blocks_dma_time(tmp_path, cache):
     unmasked, masked = block_compute(path)
     assert unmasked < 0.80 * dma, (cache, unmasked, dma)
     assert masked < 1.5 * dma, (cache, masked, dma)
+
+
+@needs_libtpu
+def test_int4_page_copies_move_half_of_int8s_bytes(tmp_path):
+    """int4 codes are uint4 (two per byte, lane-dense in XLA:TPU's ``T(8,128)(8,1)`` layout): the
+    decode kernel's page copies (the largest DMAs of its v5e dump) move 32 KiB per page of 64
+    tokens × 8 heads × 128 channels, half of int8's 64 KiB. The packed uint8 ``[.., H/2]`` rows
+    before were padded to 128 lanes: int8's 64 KiB (2048 granules). (Pools of a few MiB are
+    placed in VMEM by XLA before the kernel, which then copies no page: B=8 ctx 16k keeps them
+    in HBM.)"""
+    case = dict(batch=8, context=16384, page_size=64, pages_per_block=8)
+    page = {}
+    for cache in ("int8", "int4"):
+        path = dump_kernel({**case, "cache": cache}, str(tmp_path / cache), "stellax_paged_attention_tpu")
+        page[cache] = max(dma_sizes(path))
+    assert page["int8"] == 64 * 8 * 128, page
+    assert page["int4"] == 64 * 8 * 128 // 2, page
+
+
+@needs_libtpu
+def test_int4_block_update_against_its_dma_time(tmp_path):
+    """B=8 ctx 16k, 512 keys × 8 kv heads a block of uint4 codes (512 KiB, with the float16
+    scales and zero points ~1020 cycles at 819 GB/s): the unmasked block update (static bundles
+    on libtpu 0.0.42: 2195; 3316 with the packed uint8 codes, whose padded rows also moved twice
+    the bytes) under 2.4x that. Still compute-bound: Mosaic unpacks a uint4 vreg through s4 → s8
+    → s32 unpacks, a mask, a sublane permute and the float conversion (docs/paged_attention.md)."""
+    case = {"batch": 8, "context": 16384, "page_size": 64, "pages_per_block": 8, "cache": "int4"}
+    path = dump_kernel(case, str(tmp_path), "stellax_paged_attention_tpu")
+    dma = block_dma_cycles(512, 8, 128, 0.5) + block_dma_cycles(512, 8, 2, 2)   # codes + scale and zero
+    unmasked, masked = block_compute(path)
+    assert unmasked < 2.4 * dma, (unmasked, dma)
+    assert masked < 3.6 * dma, (masked, dma)
+
+
+@needs_libtpu
+def test_mla_block_update_is_near_its_dma_time(tmp_path):
+    """DeepSeek-V3 MLA decode (128 heads, latent 512 + rope 64, bf16), B=64 ctx 4k, 16 pages of 64
+    a block (1.1 MiB, 2160 cycles at 819 GB/s): the FLOPs of a block (2·128·(576 + 512) per key)
+    take the same 2160 cycles at the MXU's 197 TFLOP/s (the shape sits on the v5e's ridge), so the
+    update cannot drop under its DMA time; it stays within 1.3x of it (static bundles on libtpu
+    0.0.42: 2488, the MXU ~87 % busy)."""
+    case = {"batch": 64, "context": 4096, "page_size": 64, "pages_per_block": 16}
+    path = dump_kernel(case, str(tmp_path), "stellax_mla_decode_tpu", builder="mla_case")
+    dma = 16 * 64 * (512 + 64) * 2 / V5E_HBM_BYTES_PER_S * V5E_CLOCK_HZ
+    unmasked, _ = block_compute(path)
+    assert unmasked < 1.3 * dma, (unmasked, dma)
+
+
+def test_mla_case_checks_its_shape():
+    with pytest.raises(ValueError, match="context"):
+        mla_case(batch=2, context=1000, page_size=64, pages_per_block=4)

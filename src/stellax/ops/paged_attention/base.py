@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -273,16 +274,21 @@ def concrete_sum(x, default: float) -> float:
         return default
 
 
+def _array_bytes(a) -> float:
+    """Bytes of an array, sub-byte dtypes (int4's ``uint4`` codes) at their bits."""
+    return float(np.prod(a.shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(a.dtype) / 8
+
+
 def pool_bytes_per_token(call: Call, prefix: str) -> float:
     """Bytes read per cached token (all heads) of pool ``prefix``."""
     data = call.arrays.get(f"{prefix}_pages")
     if data is None:
         return 0.0
-    per_token = nbytes(data) / (data.shape[0] * data.shape[1])
+    per_token = _array_bytes(data) / (data.shape[0] * data.shape[1])
     for extra in ("scale", "zero"):
         a = call.arrays.get(f"{prefix}_{extra}")
         if a is not None:
-            per_token += nbytes(a) / (data.shape[0] * data.shape[1])
+            per_token += _array_bytes(a) / (data.shape[0] * data.shape[1])
     return per_token
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from ...core import (Call, KernelConfig, TritonConfig, current_platform, is_power_of_two, next_power_of_two,
@@ -395,7 +396,7 @@ def _pool_hbm_bytes(call: Call, prefix: str) -> int:
     """HBM bytes of one page (every kv head) of pool ``prefix``: codes, scales, zero points."""
     spec = call.options.get(f"{prefix}_quant")
     data = call.arrays.get(f"{prefix}_pages")
-    per_page = int(np.prod(data.shape[1:])) * np.dtype(data.dtype).itemsize
+    per_page = int(np.prod(data.shape[1:])) * jax.dtypes.itemsize_bits(data.dtype) // 8   # uint4: 1/2 byte
     if len(data.shape) == 5:
         per_page //= 2
     if spec is not None:
@@ -417,7 +418,7 @@ def _dequant_tiles(spec: KVQuant, dim: int) -> int:
     per token and head (int8/fp8), the codes, expanded scales / zero points
     and results of every part otherwise (twice that for token groups, which
     expand through a full-width tile)."""
-    pb = spec.per_byte
+    pb = spec.per_element
     if spec.group_axis == "token":
         return 6 * pb + 4
     if pb == 1 and spec.group(dim) == dim:
@@ -453,7 +454,7 @@ def paged_tpu_vmem(call: Call, kind: str, c: TpuPagedConfig) -> int:
         if spec is not None and _pool_folds(call, prefix):
             dequant.append(_tiled(keys, dim, 4))
         elif spec is not None:
-            tiles = _dequant_tiles(spec, dim) * _tiled(keys, dim // spec.per_byte, 4)
+            tiles = _dequant_tiles(spec, dim) * _tiled(keys, dim // spec.per_element, 4)
             if spec.group_axis == "token":
                 tiles += _tiled(keys, keys // spec.group(dim), 4)
             dequant.append(tiles)
@@ -580,9 +581,9 @@ def _quant_reason(spec, dim: int) -> str | None:
                 f"{spec.group_axis!r} scales (the XLA path runs them)")
     if getattr(spec, "part", None) is not None:
         return "the Mosaic TPU paged kernels do not read quantized halves of a combined kv buffer"
-    if spec.group_axis == "head_dim" and spec.group(dim) != dim and spec.group(dim) % spec.per_byte:
+    if spec.group_axis == "head_dim" and spec.group(dim) != dim and spec.group(dim) % spec.per_element:
         return (f"the Mosaic TPU paged kernels need {spec.format} head-dim groups that are a multiple of "
-                f"{spec.per_byte} (values per byte), got group_size {spec.group(dim)}")
+                f"{spec.per_element} (values per byte), got group_size {spec.group(dim)}")
     return None
 
 

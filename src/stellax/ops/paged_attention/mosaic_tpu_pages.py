@@ -80,7 +80,9 @@ class SourceMeta:
 
     @property
     def per_byte(self) -> int:
-        return 1 if self.spec is None else self.spec.per_byte
+        """Codes per loaded element: 4 for int2's packed bytes (split into parts), else 1
+        (int4 pools are ``uint4``, one code per element, loaded and converted as they are)."""
+        return 1 if self.spec is None else self.spec.per_element
 
     @property
     def part_dim(self) -> int:
@@ -119,7 +121,8 @@ def token_major(src: Source) -> bool:
 
 def source_arrays(src: Source) -> dict:
     """The HBM arrays of a source: ``data`` and, quantized, ``scale`` / ``zero``.
-    Packed int4/int2 bytes are passed as int8 (a same-width bitcast: Mosaic
+    int4 codes go in as the pool's ``uint4`` (lane-dense in HBM; Mosaic loads
+    and converts them). Packed int2 bytes are passed as int8 (a same-width bitcast: Mosaic
     cannot load the uint8 vectors; the kernel masks the bit fields, so the
     sign does not matter)."""
     data = src.data

@@ -5,9 +5,16 @@ K, H]`` (``K`` kv heads; MLA latents have no head axis: ``[num_pages,
 page_size, H]``):
 
 * ``data``: the codes. ``int8`` (int8) and ``fp8`` (float8 e4m3) store one
-  value per byte; ``int4`` and ``int2`` pack 2 and 4 values per uint8 along
-  ``H``, little end first (byte ``j`` of an int4 row holds ``x[2j]`` in its
-  low and ``x[2j+1]`` in its high nibble), so ``data.shape[-1] = H // (8 // bits)``.
+  value per byte; ``int4`` stores one code per ``uint4`` element
+  (``data [.., H]``): XLA packs two per byte, lane-dense on a TPU (a
+  ``[pages, PS, K, 128]`` uint4 pool is 64 bytes a row, where ``uint8 [..,
+  64]`` rows were padded to 128 lanes in HBM), two per byte little end first
+  on CPUs and GPUs (the bytes of `pack_codes`; `packed_bytes` is that view).
+  ``int2`` packs 4 values per uint8 along ``H``, little end first (byte ``j``
+  holds ``x[4j + i]`` in bit field ``i``), so ``data.shape[-1] = H // 4``
+  (XLA:TPU has no uint2 layout for a second-minor axis under 16, e.g. 8 kv
+  heads, so int2 rows of 128 channels stay 32 bytes padded to 128 lanes there).
+  `KVQuant.per_element` is the number of codes per stored element.
 * ``scale`` (and ``zero`` for the asymmetric int4/int2): one per group of
   ``group_size`` values along ``group_axis``:
 
@@ -200,7 +207,14 @@ class KVQuant:
         return 8 // self.bits
 
     @property
+    def per_element(self) -> int:
+        """Codes per element of ``data``: 4 for int2 (packed uint8), else 1 (int4 is ``uint4``)."""
+        return 4 if self.bits == 2 else 1
+
+    @property
     def storage_dtype(self):
+        if self.format == "int4":
+            return np.dtype(jnp.uint4)
         if self.format == "int8":
             return np.dtype(jnp.int8)
         if self.format == "fp8":
@@ -227,9 +241,9 @@ class KVQuant:
         if self.group_axis == "tensor":
             return
         g = self.group(head_dim)
-        if head_dim % self.per_byte:
-            raise ValueError(f"{what}: {self.format} packs {self.per_byte} values per byte; head_dim "
-                             f"{head_dim} is not a multiple of {self.per_byte}")
+        if head_dim % self.per_element:
+            raise ValueError(f"{what}: {self.format} packs {self.per_element} values per byte; head_dim "
+                             f"{head_dim} is not a multiple of {self.per_element}")
         if self.group_axis == "head_dim" and head_dim % g:
             raise ValueError(f"{what}: group_size {g} must divide head_dim {head_dim}")
         if self.group_axis == "token" and page_size % g:
@@ -450,20 +464,36 @@ def codes_for_range(y, lo, hi, spec: KVQuant):
 
 
 def store_codes(codes, spec: KVQuant):
-    """Float32 codes ``[..., H]`` → the stored data: int8, float8_e4m3fn, or
-    uint8 with ``8 / bits`` codes per byte (`pack_codes`)."""
+    """Float32 codes ``[..., H]`` → the stored data: int8, float8_e4m3fn, uint4
+    (int4, ``[..., H]``), or uint8 with 4 codes per byte (int2, `pack_codes`)."""
     if spec.format == "int8":
         return codes.astype(jnp.int8)
+    if spec.format == "int4":
+        return codes.astype(jnp.uint8).astype(jnp.uint4)
     if spec.format in FP8_FORMATS:
         return codes.astype(spec.storage_dtype)
     return pack_codes(codes.astype(jnp.uint8), spec.bits)
 
 
 def load_codes(data, spec: KVQuant):
-    """Stored data → float32 codes ``[..., H]``."""
-    if spec.per_byte == 1:
+    """Stored data → float32 codes ``[..., H]``. int4 codes given as packed uint8 bytes
+    ``[..., H/2]`` (`packed_bytes`' view, as a torch ``uint8`` tensor carries them) are unpacked."""
+    if spec.format == "int4" and np.dtype(data.dtype) == np.dtype(jnp.uint8):
+        return unpack_codes(data, 4).astype(jnp.float32)
+    if spec.per_element == 1:
         return data.astype(jnp.float32)
     return unpack_codes(data, spec.bits).astype(jnp.float32)
+
+
+def packed_bytes(data):
+    """The bytes of an int4 pool's ``uint4`` codes ``[..., H]`` as uint8 ``[..., H/2]``
+    (byte ``j``: ``x[2j]`` low, ``x[2j+1]`` high nibble, as `pack_codes`); other
+    data as it is. On a TPU this is a relayout copy of the whole array (the
+    uint8 rows are padded to 128 lanes): for consumers that read bytes (the
+    Triton kernels on GPUs, where it is a bitcast)."""
+    if np.dtype(data.dtype) != np.dtype(jnp.uint4):
+        return data
+    return jax.lax.bitcast_convert_type(data.reshape(*data.shape[:-1], data.shape[-1] // 2, 2), jnp.uint8)
 
 
 def dequantize_rows(data, scale, zero, spec: KVQuant):
@@ -524,7 +554,7 @@ class QuantizedPages(PagedData):
 
     @property
     def dtype(self):
-        """The stored code dtype (int8 / float8_e4m3fn / uint8)."""
+        """The stored code dtype (int8 / float8_e4m3fn / uint4 / uint8)."""
         return self.data.dtype
 
     @property
@@ -556,7 +586,8 @@ class QuantizedPages(PagedData):
         return "hadamard" if self.signs.ndim == 1 else "calibrated"
 
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        """Bytes of the codes, scales, zero points and windows (uint4 codes: half a byte each)."""
+        return sum(int(np.prod(a.shape)) * jax.dtypes.itemsize_bits(a.dtype) // 8
                    for a in (self.data, self.scale, self.zero, self.window) if a is not None)
 
     def __repr__(self) -> str:
@@ -588,7 +619,7 @@ def init_quantized_pages(num_pages: int, page_size: int, num_heads: int | None, 
                          "with combined_quantized_pages")
     spec.check_shape(page_size, head_dim)
     heads = () if num_heads is None else (num_heads,)
-    data = jnp.zeros((num_pages, page_size, *heads, head_dim // spec.per_byte), spec.storage_dtype)
+    data = jnp.zeros((num_pages, page_size, *heads, head_dim // spec.per_element), spec.storage_dtype)
     if spec.group_axis == "tensor":
         return QuantizedPages(data, jnp.ones((), jnp.float32), None, None, None, spec, head_dim)
     g = spec.group(head_dim)

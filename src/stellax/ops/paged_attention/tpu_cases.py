@@ -84,6 +84,37 @@ def decode_case(batch: int = 64, context: int = 4096, page_size: int = 64, pages
     return fn, (q, pool, pool, tables, lengths)
 
 
+def mla_case(batch: int = 64, context: int = 4096, page_size: int = 64, pages_per_block: int = 8,
+             heads: int = 128, latent: int = 512, rope: int = 64, cache: str = "bf16"):
+    """``(fn, args)``: one `mla_decode` step on the Mosaic TPU kernel (DeepSeek-V3 by
+    default: 128 heads, latent 512 + rope 64), ``fn(q_nope, q_pe, latent_pages, pe_pages,
+    tables, lengths)`` with ``q_nope [batch, heads, latent]``, ``q_pe [batch, heads, rope]``
+    bf16, ``latent_pages [pages, page_size, latent]`` (bf16 or a `quantize_pages` format),
+    ``pe_pages [pages, page_size, rope]`` bf16."""
+    if context % page_size or (context // page_size) % pages_per_block:
+        raise ValueError(f"context: expected a multiple of page_size · pages_per_block "
+                         f"{page_size * pages_per_block}, got {context}")
+    from . import mla_decode, quantize_pages
+    from .configs import TpuMlaConfig
+
+    width = context // page_size
+    num_pages = batch * width
+    q = jax.ShapeDtypeStruct((batch, heads, latent), jnp.bfloat16)
+    q_pe = jax.ShapeDtypeStruct((batch, heads, rope), jnp.bfloat16)
+    lat = jax.ShapeDtypeStruct((num_pages, page_size, latent), jnp.bfloat16)
+    if cache != "bf16":
+        lat = jax.eval_shape(lambda x: quantize_pages(x, cache), lat)
+    pe = jax.ShapeDtypeStruct((num_pages, page_size, rope), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((batch, width), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    config = TpuMlaConfig(pages_per_block=pages_per_block)
+
+    def fn(q, q_pe, lat, pe, tables, lengths):
+        return mla_decode(q, q_pe, lat, pe, tables, lengths, scale=(latent + rope) ** -0.5,
+                          implementation="mosaic_tpu", config=config)
+    return fn, (q, q_pe, lat, pe, tables, lengths)
+
+
 def block_dma_cycles(tokens: int, kv_heads: int, head_dim: int, bytes_per_value: float,
                      hbm_bytes_per_s: float = V5E_HBM_BYTES_PER_S, clock_hz: float = V5E_CLOCK_HZ) -> float:
     """Clock cycles the HBM takes to deliver one block's keys and values: ``2 · tokens ·
@@ -141,6 +172,23 @@ def segments(path: str) -> list[Segment]:
     return out
 
 
+_GRANULES = re.compile(r"size_in_granules=\*/(\d+)")
+#: Bytes of a DMA granule in the dumps' ``size_in_granules`` (an int8 page of 64 tokens × 8 heads × 128
+#: channels, 64 KiB, is 2048 of them on v5e).
+DMA_GRANULE_BYTES = 32
+
+
+def dma_sizes(path: str) -> dict[int, int]:
+    """``{bytes: count}`` of the DMAs in a ``*-final_bundles.txt`` dump (`DMA_GRANULE_BYTES` per granule of
+    their ``size_in_granules``): the page copies of a paged kernel are the largest."""
+    sizes: dict[int, int] = {}
+    with open(path) as f:
+        for found in _GRANULES.finditer(f.read()):
+            size = int(found.group(1)) * DMA_GRANULE_BYTES
+            sizes[size] = sizes.get(size, 0) + 1
+    return sizes
+
+
 def block_compute(path: str) -> tuple[int, int]:
     """``(unmasked, masked)`` bundles of the block update of a paged kernel's dump: the
     segments holding the block's matmuls (a block every row sees whole, and a masked one; the
@@ -152,16 +200,16 @@ def block_compute(path: str) -> tuple[int, int]:
 
 
 def dump_kernel(builder_kwargs: dict, directory: str, kernel: str, generation: str = "v5e",
-                timeout: float = 600) -> str:
-    """Compile `decode_case` ``(**builder_kwargs)`` for ``generation`` in a fresh process with
+                timeout: float = 600, builder: str = "decode_case") -> str:
+    """Compile ``builder`` (`decode_case` or `mla_case`) ``(**builder_kwargs)`` for ``generation`` in a fresh process with
     libtpu's dumps under ``directory`` (`stellax.testing.llo_schedule`) and return the path of
     the final bundles of the kernel whose name starts with ``kernel``."""
-    command = [sys.executable, "-m", "stellax.testing.llo_schedule", f"{__name__}:decode_case",
+    command = [sys.executable, "-m", "stellax.testing.llo_schedule", f"{__name__}:{builder}",
                f"--generation={generation}", f"--dump={directory}"]
     command += [f"{key}={json.dumps(value)}" for key, value in builder_kwargs.items()]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode:
-        raise RuntimeError(f"compiling decode_case({builder_kwargs}) failed: {done.stderr.strip()[-400:]}")
+        raise RuntimeError(f"compiling {builder}({builder_kwargs}) failed: {done.stderr.strip()[-400:]}")
     paths = sorted(glob.glob(os.path.join(directory, f"*-{kernel}*-final_bundles.txt")))
     paths = [p for p in paths if "schedule-analysis" not in p]
     if not paths:

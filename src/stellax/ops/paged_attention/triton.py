@@ -49,6 +49,7 @@ from . import plan as plan_mod
 from .cache import Source
 from .configs import MlaConfig, PagedConfig, RaggedConfig
 from .plan import Problem, window_partial
+from .quant_cache import packed_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,7 @@ def _pool_operands(name: str, src: Source | None) -> tuple[_SrcMeta | None, dict
     quantized = src.spec is not None
     scale = src.scale.reshape(1) if quantized and src.spec.group_axis == "tensor" else src.scale
     return _SrcMeta(src.spec, src.part, src.head_dim), {
-        name: operand(src.data, full),
+        name: operand(packed_bytes(src.data), full),   # int4's uint4 codes as the bytes `_unpack` reads
         f"{name}_scale": operand(scale, full) if quantized else None,
         f"{name}_zero": operand(src.zero, full) if quantized and not src.spec.symmetric else None,
     }
