@@ -103,11 +103,17 @@ def test_configs_heuristic_space_requirements():
         TpuRaggedConfig(pages_per_block=2, block_q=3)
     with pytest.raises(ValueError, match="pages_per_block"):
         TpuPagedConfig(pages_per_block=3)
-    # int4 groups of 3 channels would straddle the two nibbles of a byte: refused, dispatch falls back.
+    # int2 groups of 3 channels would straddle the four codes of a byte: refused, dispatch falls back.
     qq, kq, vq, tq, lq = paged_inputs(0, lengths=[5], page_size=8, kv_heads=1, q_heads=1, head_dim=24,
-                                      dtype=jnp.float32, quant=KVQuant("int4", group_size=3))
+                                      dtype=jnp.float32, quant=KVQuant("int2", group_size=3))
     reason = configs.paged_tpu_requirements(paged_attention_op.check(qq, kq, vq, tq, lq))
-    assert reason and "multiple of 2" in reason
+    assert reason and "multiple of 4" in reason
+    # int4 codes are one uint4 per channel: any group size is read (and right, interpreted).
+    qq, kq, vq, tq, lq = paged_inputs(0, lengths=[5, 19], page_size=8, kv_heads=1, q_heads=1, head_dim=24,
+                                      dtype=jnp.float32, quant=KVQuant("int4", group_size=3))
+    assert configs.paged_tpu_requirements(paged_attention_op.check(qq, kq, vq, tq, lq)) is None
+    out = _interpreted(paged_attention, qq, kq, vq, tq, lq, config=TpuPagedConfig(pages_per_block=2))
+    assert_close(out, _golden(paged_attention_op, qq, kq, vq, tq, lq), name="int4 groups of 3")
 
 
 def _decode_call(page_size, *, batch=8, context=8192, kv_heads=8, q_heads=32, head_dim=128, quant=None):
