@@ -119,6 +119,7 @@ FORWARD_GOALS = {
     "documents 8x2048 causal T=16384": 0.3,
     "soft cap 30 causal T=8192": 0.93,
     "MHA full T=8192 D=128": 0.93,
+    "sinks causal T=8192": 0.88,
 }
 
 
@@ -135,6 +136,7 @@ def test_whole_forward_against_splash(name):
 BACKWARD_GOALS = {
     "MHA causal T=8192 D=128": 0.97,
     "MHA causal T=8192 D=64": 0.96,
+    "MHA causal T=8192 D=256": 0.95,
 }
 
 
