@@ -137,6 +137,7 @@ BACKWARD_GOALS = {
     "MHA causal T=8192 D=128": 0.97,
     "MHA causal T=8192 D=64": 0.96,
     "MHA causal T=8192 D=256": 0.95,
+    "MQA N=16 K=1 causal T=8192": 0.97,
 }
 
 
