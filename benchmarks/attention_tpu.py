@@ -156,6 +156,8 @@ EXPLICIT = {
     "f1024-b1024-fused": ((1024, 1024), (1024, 1024, 1024, 1024, True)),
     "f1024-b512-fused": ((1024, 1024), (512, 512, 512, 512, True)),
     "f1024-b512x1024-fused": ((1024, 1024), (512, 1024, 512, 1024, True)),
+    # 2048-key forward steps computed in 1024-key sub-blocks (mosaic_tpu.KV_CHUNK): half the grid steps
+    "f1024x2048-b1024-fused": ((1024, 2048), (1024, 1024, 1024, 1024, True)),
 }
 #: The heuristic default fuses where the resident dq fits (`configs.fused_backward_default`), so the
 #: default explicit set times the unfused pair at the same blocks and a smaller fused tile.
