@@ -132,12 +132,15 @@ def test_whole_forward_against_splash(name):
     assert r["ratio"] <= FORWARD_GOALS[name], r
 
 
-#: The fused backward's static goals reached (below splash's fused dkv kernel, same tiles).
+#: The fused backward's static goals reached against splash's fused dk/dv kernel (same tiles): below it
+#: except a 1024 sliding window (every block masked).
 BACKWARD_GOALS = {
     "MHA causal T=8192 D=128": 0.97,
     "MHA causal T=8192 D=64": 0.96,
     "MHA causal T=8192 D=256": 0.95,
     "MQA N=16 K=1 causal T=8192": 0.97,
+    # not below splash yet (the two-sided mask of every block; docs/attention.md): a regression guard
+    "window 1024 causal T=16384": 1.03,
 }
 
 
