@@ -26,7 +26,8 @@ q, k, v for a random cotangent, through ``jax.vjp``), on the same data:
   grouping) on its own heads-first layout ``[N, T, D]`` (vmapped over the batch; the transposes are
   outside the timing), its block sizes searched over `SPLASH` (``--splash``); its masks: CausalMask,
   FullMask, LocalMask for windows, ChunkedCausalMask, SegmentIds for documents,
-  ``attn_logits_soft_cap`` and ``sinks``. ``vs_splash`` is the best splash time over the row's.
+  ``attn_logits_soft_cap`` and ``sinks``. ``vs_splash`` is the best splash time over the row's
+  (default search 512 and 1024 tiles; ``--splash all`` adds 2048×1024, 1024×2048 and 2048×512).
   By default splash takes the same ``[B, T, N, D]`` operands as stellax and its layout transposes are
   timed with it (the contract the issue's numbers were measured with); ``--splash-layout native``
   times it on its own layout instead.
@@ -155,6 +156,8 @@ EXPLICIT = {
     "f1024-b1024-fused": ((1024, 1024), (1024, 1024, 1024, 1024, True)),
     "f1024-b512-fused": ((1024, 1024), (512, 512, 512, 512, True)),
     "f1024-b512x1024-fused": ((1024, 1024), (512, 1024, 512, 1024, True)),
+    # 2048-key forward steps computed in 1024-key sub-blocks (mosaic_tpu.KV_CHUNK): half the grid steps
+    "f1024x2048-b1024-fused": ((1024, 2048), (1024, 1024, 1024, 1024, True)),
 }
 #: The heuristic default fuses where the resident dq fits (`configs.fused_backward_default`), so the
 #: default explicit set times the unfused pair at the same blocks and a smaller fused tile.
@@ -168,8 +171,14 @@ SPLASH = {
     "1024-kv512": (1024, 1024, 512, 1024, 1024, True, None, None),
     "1024-unfused": (1024, 1024, 1024, 1024, 1024, False, 1024, 1024),
     "512-unfused": (512, 512, 512, 512, 512, False, 512, 512),
+    # larger forward tiles; all compile for a v5e (libtpu, CPU; 2048x2048 exceeds its scoped VMEM)
+    "2048x1024": (2048, 1024, 1024, 1024, 1024, True, None, None),
+    "1024x2048": (1024, 2048, 1024, 1024, 1024, True, None, None),
+    "1024x2048-kv2048": (1024, 2048, 2048, 1024, 2048, True, None, None),
+    "2048x512": (2048, 512, 512, 1024, 512, True, None, None),
 }
-DEFAULT_SPLASH = "1024"
+#: Splash's block sizes searched by default: its two usual tiles (``--splash all``: every `SPLASH` entry).
+DEFAULT_SPLASH = "512,1024"
 
 
 def parse_args(argv=None):
@@ -179,7 +188,8 @@ def parse_args(argv=None):
                    help=f"explicit stellax configs, comma-separated names of {sorted(EXPLICIT)} or 'none' "
                         f"(default {DEFAULT_EXPLICIT})")
     p.add_argument("--splash", default=DEFAULT_SPLASH,
-                   help=f"splash block sizes, names of {sorted(SPLASH)} or 'none' (default {DEFAULT_SPLASH})")
+                   help=f"splash block sizes searched, names of {sorted(SPLASH)}, 'all' or 'none' "
+                        f"(default {DEFAULT_SPLASH})")
     p.add_argument("--xla", action="store_true", help="also time the XLA paths")
     p.add_argument("--splash-layout", choices=("btnd", "native"), default="btnd",
                    help="btnd (default): splash takes stellax's [B, T, N, D] operands and transposes them "
@@ -367,7 +377,7 @@ class Run(ChipRun):
         super().__init__(args, "stellax-attention-tpu", reps=REPS, warmup=WARMUP)
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
         self.explicit = _names(args.configs, EXPLICIT, "--configs")
-        self.splash = _names(args.splash, SPLASH, "--splash")
+        self.splash = list(SPLASH) if args.splash == "all" else _names(args.splash, SPLASH, "--splash")
 
     def picked(self) -> list[int]:
         if self.args.cases == "main":

@@ -28,6 +28,10 @@ def test_cases_flop_model_and_names():
     assert abs(docs.visible_fraction() - 1 / 16) < 1e-3  # 8 causal documents: 1/8 of the pairs, halved
     window = next(c for c in bench.CASES if c.window == 1024)
     assert abs(window.visible_fraction() - 1025 / 16384) < 2e-3
+    # splash's tiles searched: 512 and 1024 by default, every SPLASH entry with 'all'
+    assert bench.Run(bench.parse_args(["--out", "x.json"])).splash == ["512", "1024"]
+    assert bench.Run(bench.parse_args(["--out", "x.json", "--splash", "all"])).splash == list(bench.SPLASH)
+    assert {"2048x1024", "1024x2048"} <= set(bench.SPLASH)
     for value, flag in (("nope", "--configs"), ("nope", "--splash")):
         args = bench.parse_args(["--out", "x.json", flag, value])
         try:

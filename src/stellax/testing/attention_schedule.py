@@ -38,56 +38,122 @@ def _shapes(t: int, n: int, k: int, d: int, dtype):
     return q, kv
 
 
-def _stellax(t, n, k, d, block, causal, backward, fused, block_bwd):
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """The mask and logits options of a case (the issue's): ``causal``, a causal sliding window
+    of ``window`` keys to the left (0: none), causal ``chunk`` s (0: none), ``documents`` equal
+    segments per row (0: none; causal), ``soft_cap`` (0: none) and per-head ``sinks``."""
+
+    causal: bool = True
+    window: int = 0
+    chunk: int = 0
+    documents: int = 0
+    soft_cap: float = 0.0
+    sinks: bool = False
+
+    def stellax_kwargs(self) -> dict:
+        kw = {"is_causal": self.causal or bool(self.chunk)}
+        if self.window:
+            kw["local_window_size"] = (self.window, 0)
+        if self.chunk:
+            kw["chunk_size"] = self.chunk
+        if self.soft_cap:
+            kw["logits_soft_cap"] = self.soft_cap
+        return kw
+
+    def splash_mask(self, t: int):
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+        if self.chunk:
+            return masks.ChunkedCausalMask((t, t), chunk_size=self.chunk)
+        if self.window:
+            return masks.LocalMask((t, t), window_size=(self.window, 0 if self.causal else None), offset=0)
+        return masks.CausalMask((t, t)) if self.causal else masks.FullMask((t, t))
+
+    def segment_ids(self, t: int):
+        """The documents' segment ids ``[1, t]`` int32 (None without documents)."""
+        if not self.documents:
+            return None
+        return (jnp.arange(t, dtype=jnp.int32) // (t // self.documents))[None]
+
+    def spec(self):
+        """stellax's `MaskSpec` of the mask, with the default positions."""
+        from stellax.ops.attention.masks import MaskSpec
+
+        return MaskSpec(causal=self.causal or bool(self.chunk), window_left=self.window or None,
+                        chunk_size=self.chunk or None, segments=bool(self.documents), default_positions=True)
+
+
+def _stellax(t, n, k, d, block, causal, backward, fused, block_bwd, mask, block_kv):
     import stellax
     from stellax.ops.attention.configs import SplashBackwardConfig, SplashConfig
 
     g = n // k
     rows = lambda b: max(128, b // g)
     bb = block_bwd or block
-    table = {("attention", "mosaic_tpu"): SplashConfig(rows(block), block),
+    table = {("attention", "mosaic_tpu"): SplashConfig(rows(block), block_kv or block),
              ("attention_backward", "mosaic_tpu"): SplashBackwardConfig(rows(bb), bb, rows(bb), bb, fused=fused)}
+    kwargs = mask.stellax_kwargs()
 
-    def attend(q, kk, v):
-        return stellax.dot_product_attention(q, kk, v, is_causal=causal, implementation="mosaic_tpu")
+    def attend(q, kk, v, seg=None, sinks=None):
+        return stellax.dot_product_attention(q, kk, v, q_segment_ids=seg, kv_segment_ids=seg, sinks=sinks,
+                                             implementation="mosaic_tpu", **kwargs)
     return attend, table
 
 
-def _splash(t, n, k, d, block, causal, backward, fused, block_bwd):
+def _splash(t, n, k, d, block, causal, backward, fused, block_bwd, mask, block_kv):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     bb = block_bwd or block
-    mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=bb,
+    bkv = block_kv or block
+    sizes = splash.BlockSizes(block_q=block, block_kv=bkv, block_kv_compute=min(bkv, 1024), block_q_dkv=bb,
                               block_kv_dkv=bb, block_kv_dkv_compute=bb, block_q_dq=None if fused else bb,
                               block_kv_dq=None if fused else bb, use_fused_bwd_kernel=fused)
-    kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * n), block_sizes=sizes, head_shards=1,
-                                    q_seq_shards=1)
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([mask.splash_mask(t)] * n), block_sizes=sizes,
+                                    head_shards=1, q_seq_shards=1, attn_logits_soft_cap=mask.soft_cap or None)
     scale = d ** -0.5
 
-    def attend(q, kk, v):
+    def attend(q, kk, v, seg=None, sinks=None):
         q = jnp.swapaxes(q[0], 0, 1) * jnp.asarray(scale, q.dtype)
-        out = kernel(q, jnp.swapaxes(kk[0], 0, 1), jnp.swapaxes(v[0], 0, 1))
+        ids = None if seg is None else splash.SegmentIds(q=seg[0], kv=seg[0])
+        out = kernel(q, jnp.swapaxes(kk[0], 0, 1), jnp.swapaxes(v[0], 0, 1), segment_ids=ids, sinks=sinks)
         return jnp.swapaxes(out, 0, 1)[None]
     return attend, None
 
 
 def kernel_case(impl: str = "stellax", t: int = 8192, n: int = 16, k: int = 16, d: int = 128, block: int = 1024,
                 causal: bool = True, backward: bool = False, fused: bool = True, block_bwd: int = 0,
-                dtype: str = "bfloat16"):
+                dtype: str = "bfloat16", window: int = 0, chunk: int = 0, documents: int = 0,
+                soft_cap: float = 0.0, sinks: bool = False, block_kv: int = 0):
     """``(fn, args)``: ``impl``'s (`IMPLS`) attention on ``q [1, t, n, d]``, ``k, v [1, t, k, d]``
     (``dtype``) with ``block × block`` forward tiles (stellax: ``block / G`` query rows per head,
-    ``G = n / k``, so a step's logits tile is ``block × block`` too) and ``block_bwd`` backward
-    tiles (0: ``block``; ``fused``: one backward kernel); with ``backward`` ``fn(q, k, v, dout)``
-    returns the VJP's ``(dq, dk, dv)``, else ``fn(q, k, v)`` returns the output."""
+    ``G = n / k``, so a step's logits tile is ``block × block`` too; ``block_kv`` (0: ``block``) keys
+    per forward step, splash computing them 1024 at a time) and ``block_bwd`` backward
+    tiles (0: ``block``; ``fused``: one backward kernel); the mask and logits options as `Mask`
+    (``window``, ``chunk``, ``documents``: segment ids ``[1, t]`` int32 as the last argument,
+    ``soft_cap``, ``sinks``: ``[n]`` float32); with ``backward`` ``fn(q, k, v, [seg,] [sinks,] dout)``
+    returns the VJP's ``(dq, dk, dv)``, else ``fn(q, k, v, [seg,] [sinks])`` returns the output."""
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if n % k:
         raise ValueError(f"n: expected a multiple of k={k}, got {n}")
+    if documents and t % documents:
+        raise ValueError(f"documents: expected a divisor of t={t}, got {documents}")
+    mask = Mask(causal, window, chunk, documents, soft_cap, sinks)
     attend, table = (_stellax if impl == "stellax" else _splash)(t, n, k, d, block, causal, backward, fused,
-                                                                 block_bwd)
+                                                                 block_bwd, mask, block_kv)
     q, kv = _shapes(t, n, k, d, dtype)
+    extra = []
+    if documents:
+        extra.append(jax.ShapeDtypeStruct((1, t), jnp.int32))
+    if sinks:
+        extra.append(jax.ShapeDtypeStruct((n,), jnp.float32))
+
+    def split(rest):
+        seg = rest[0] if documents else None
+        sink = rest[int(bool(documents))] if sinks else None
+        return seg, sink
 
     def configured(fn):
         """``fn`` traced with stellax's configs (the backward's are looked up when the VJP runs)."""
@@ -101,12 +167,16 @@ def kernel_case(impl: str = "stellax", t: int = 8192, n: int = 16, k: int = 16, 
         return run
 
     if not backward:
-        return configured(attend), (q, kv, kv)
+        def forward(q_, k_, v_, *rest):
+            seg, sink = split(rest)
+            return attend(q_, k_, v_, seg, sink)
+        return configured(forward), (q, kv, kv, *extra)
 
-    def grads(q_, k_, v_, dout):
-        _, vjp = jax.vjp(attend, q_, k_, v_)
-        return vjp(dout)
-    return configured(grads), (q, kv, kv, q)
+    def grads(q_, k_, v_, *rest):
+        seg, sink = split(rest[:-1])
+        _, vjp = jax.vjp(lambda a, b, c: attend(a, b, c, seg, sink), q_, k_, v_)
+        return vjp(rest[-1])
+    return configured(grads), (q, kv, kv, *extra, q)
 
 
 def grid_tiles(impl: str, t: int, n: int, k: int, block: int, causal: bool) -> int:
@@ -271,12 +341,157 @@ def compare(case: dict, generation: str = "v5e") -> dict:
             "ratio": per(ours) / per(theirs)}
 
 
+# -- whole kernels: every visited grid step of a case ------------------------------------------------------
+#: The issue's cases (`kernel_case` keywords at the benchmark's shapes, bf16, B=1).
+ISSUE_CASES = {
+    "MHA causal T=8192 D=128": dict(t=8192, n=16, k=16),
+    "MHA full T=8192 D=128": dict(t=8192, n=16, k=16, causal=False),
+    "MHA causal T=8192 D=64": dict(t=8192, n=16, k=16, d=64),
+    "MHA full T=8192 D=64": dict(t=8192, n=16, k=16, d=64, causal=False),
+    "MHA causal T=8192 D=256": dict(t=8192, n=16, k=16, d=256),
+    "MHA full T=8192 D=256": dict(t=8192, n=16, k=16, d=256, causal=False),
+    "GQA N=32 K=8 causal T=8192": dict(t=8192, n=32, k=8),
+    "MQA N=16 K=1 causal T=8192": dict(t=8192, n=16, k=1),
+    "window 1024 causal T=16384": dict(t=16384, n=16, k=16, window=1024),
+    "window 4096 causal T=16384": dict(t=16384, n=16, k=16, window=4096),
+    "chunked 2048 T=16384": dict(t=16384, n=16, k=16, chunk=2048),
+    "documents 8x2048 causal T=16384": dict(t=16384, n=16, k=16, documents=8),
+    "soft cap 30 causal T=8192": dict(t=8192, n=16, k=16, soft_cap=30.0),
+    "sinks causal T=8192": dict(t=8192, n=16, k=16, sinks=True),
+}
+
+
+def compile_shape(case: dict) -> dict:
+    """The small stand-in of ``case`` whose kernels are compiled for their step code (a step's
+    code does not depend on T or the head count, only on the tile, the group ``G``, the layout
+    and the mask options): T=4096 (2 documents with documents), 2 kv heads (MQA: 1), same ``G``."""
+    g = case["n"] // case["k"]
+    kh = 1 if case["k"] == 1 else 2
+    small = {**case, "t": min(case["t"], 4096), "n": g * kh, "k": kh}
+    if case.get("documents"):
+        small["documents"] = max(1, case["documents"] * small["t"] // case["t"])
+    return small
+
+
+@dataclasses.dataclass(frozen=True)
+class Visits:
+    """The grid of one kernel over a whole case: ``steps`` (grid steps, empty ones included),
+    ``full`` / ``partial`` (visited blocks computed without / with the mask), ``finishes`` (rows
+    of blocks normalized: the forward's output writes)."""
+
+    steps: int
+    full: int
+    partial: int
+    finishes: int
+
+    def cycles(self, s: StepCycles, backward: bool) -> int:
+        """Static bundles of the visited steps (empty steps and DMA waits not counted)."""
+        return self.full * s.full + self.partial * s.partial + (0 if backward else self.finishes * s.finish)
+
+
+def stellax_visits(case: dict) -> Visits:
+    """`Visits` of stellax's kernel for ``case`` (`kernel_case` keywords): its block classes
+    (`masks.classify_blocks` on the default positions and the documents' segment ids) and its
+    grid width (`mosaic_tpu.grid_width`), the forward per query block, the fused backward per
+    key block; a step holds the ``G`` heads of a kv head."""
+    import numpy as np
+
+    from stellax.ops.attention.masks import FULL, PARTIAL, classify_blocks, default_positions, static_block_counts
+
+    t, n, k = case["t"], case["n"], case.get("k", case["n"])
+    mask = Mask(case.get("causal", True), case.get("window", 0), case.get("chunk", 0), case.get("documents", 0),
+                case.get("soft_cap", 0.0), case.get("sinks", False))
+    backward = case.get("backward", False)
+    block = (case.get("block_bwd") or case.get("block", 1024)) if backward else case.get("block", 1024)
+    bq, bk = max(128, block // (n // k)), (block if backward else case.get("block_kv") or block)
+    q_pos, kv_pos = default_positions(t, t)
+    seg = mask.segment_ids(t)
+    classes = np.asarray(classify_blocks(mask.spec(), q_pos, kv_pos, seg, seg, block_q=bq, block_k=bk))[0]
+    per_row, per_col = static_block_counts(mask.spec(), t, t, block_q=bq, block_k=bk)
+    nq, nk = classes.shape
+    steps = k * (nk * min(nq, per_col) if backward else nq * min(nk, per_row))
+    return Visits(steps, k * int((classes == FULL).sum()), k * int((classes == PARTIAL).sum()), k * nq)
+
+
+def splash_visits(case: dict) -> Visits:
+    """`Visits` of jax's splash kernel for ``case``: its mask info (`process_mask`, the backward's
+    `process_mask_dkv`: blocks 0 empty, 1 partial, 2 full, the grid shrunk to the widest row),
+    one step per head; with segment ids every visited block evaluates the mask (partial)."""
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
+
+    t, n = case["t"], case["n"]
+    mask = Mask(case.get("causal", True), case.get("window", 0), case.get("chunk", 0), case.get("documents", 0),
+                case.get("soft_cap", 0.0), case.get("sinks", False))
+    backward = case.get("backward", False)
+    block = (case.get("block_bwd") or case.get("block", 1024)) if backward else case.get("block", 1024)
+    process = info_lib.process_mask_dkv if backward else info_lib.process_mask
+    block_kv = block if backward else case.get("block_kv") or block
+    info, _ = process(masks.MultiHeadMask([mask.splash_mask(t)]), (block, block_kv))
+    nb = t // block
+    if info.block_mask is None:
+        blocks = np.full((nb, t // block_kv), 2)
+        steps = blocks.size
+    else:
+        blocks = np.asarray(info.block_mask)[0]
+        steps = blocks.size
+    full, partial = int((blocks == 2).sum()), int((blocks == 1).sum())
+    if mask.documents:
+        full, partial = 0, full + partial
+    return Visits(n * steps, n * full, n * partial, n * nb)
+
+
+def whole_kernel(case: dict, generation: str = "v5e") -> dict:
+    """stellax against splash over every visited grid step of ``case`` (`kernel_case` keywords
+    at full size, e.g. an `ISSUE_CASES` entry plus ``block`` / ``backward``): each kernel's
+    `StepCycles` (compiled at `compile_shape`) weighted by its `Visits`; ``ratio`` = stellax's
+    static cycles over splash's. Static bundles, not measured times."""
+    small = compile_shape(case)
+    backward = case.get("backward", False)
+    out = {}
+    for impl, visits in (("stellax", stellax_visits), ("splash", splash_visits)):
+        steps = compile_steps(impl, generation, **small)
+        v = visits(case)
+        out[impl] = {"steps": steps, "visits": v, "cycles": v.cycles(steps, backward)}
+    out["ratio"] = out["stellax"]["cycles"] / out["splash"]["cycles"]
+    return out
+
+
 def main(argv=None) -> int:
     """Print `COMPARISONS` (all, or the indices given; static, libtpu's schedule for v5e, no TPU
-    needed): ``python -m stellax.testing.attention_schedule [0 1 ...]``."""
+    needed): ``python -m stellax.testing.attention_schedule [0 1 ...]``; with ``--whole``, the
+    whole-kernel comparison of `ISSUE_CASES` (names containing the given words, all without),
+    forward and fused backward at ``--block`` (default 1024):
+    ``python -m stellax.testing.attention_schedule --whole [--block 512] [--bwd] [window ...]``."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if "--whole" in args:
+        args = [a for a in args if a != "--whole"]
+        block = 1024
+        if "--block" in args:
+            at = args.index("--block")
+            block = int(args[at + 1])
+            del args[at:at + 2]
+        passes = [False, True]
+        if "--bwd" in args or "--fwd" in args:
+            passes = [a == "--bwd" for a in args if a in ("--fwd", "--bwd")]
+            args = [a for a in args if a not in ("--fwd", "--bwd")]
+        print("whole kernels, static bundles of the visited grid steps (libtpu v5e schedule, not measured)")
+        for name, case in ISSUE_CASES.items():
+            if args and not any(w in name for w in args):
+                continue
+            for backward in passes:
+                r = whole_kernel({**case, "block": block, "backward": backward})
+                s, p = r["stellax"], r["splash"]
+                sv, pv, ss, ps = s["visits"], p["visits"], s["steps"], p["steps"]
+                print(f"{name}, {block} blocks, {'fused bwd' if backward else 'fwd'}: "
+                      f"stellax {s['cycles'] / 1e6:.2f} Mcycles ({sv.full} full x {ss.full} + {sv.partial} partial x "
+                      f"{ss.partial} + {sv.finishes} x {ss.finish}; {sv.steps} steps), "
+                      f"splash {p['cycles'] / 1e6:.2f} Mcycles ({pv.full} full x {ps.full} + {pv.partial} partial x "
+                      f"{ps.partial} + {pv.finishes} x {ps.finish}; {pv.steps} steps): {r['ratio']:.3f}x", flush=True)
+        return 0
     names = [list(COMPARISONS)[int(i)] for i in args] if args else list(COMPARISONS)
     print("static bundles per grid step (libtpu v5e schedule, not measured): full / partial / finish; "
           "per visited block over the causal schedule")

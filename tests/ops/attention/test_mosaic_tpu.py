@@ -223,6 +223,21 @@ def test_narrow_grid_matches_golden(opt, t, s, kh):
     check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=BLOCKS)
 
 
+@pytest.mark.parametrize("opt", [{"local_window_size": (200, 0), "is_causal": True}, {}])
+def test_forward_computes_a_wide_kv_block_in_sub_blocks(monkeypatch, opt):
+    """A forward kv block wider than `mosaic_tpu.KV_CHUNK` is computed one sub-block at a time
+    (the online softmax steps per sub-block; masks and padded keys offset by the sub-block's first
+    key): with the sub-block shrunk to 128, 256-key blocks over 600 keys (the last block part
+    padding), a window's partial blocks and sinks, interpreted, against the golden."""
+    assert (mosaic_tpu.kv_chunk(2048), mosaic_tpu.kv_chunk(1024), mosaic_tpu.kv_chunk(512)) == (1024, 1024, 512)
+    monkeypatch.setattr(mosaic_tpu, "KV_CHUNK", 128)
+    assert mosaic_tpu.kv_chunk(256) == 128
+    args, kwargs = make_inputs(7, 1, 400, 600, 2, 1, 64, 64, jnp.float32, sinks=True)
+    configs = {("attention", "mosaic_tpu"): SplashConfig(block_q=128, block_kv=256),
+               ("attention_backward", "mosaic_tpu"): SplashBackwardConfig(128, 128, 128, 128)}
+    check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=configs)
+
+
 @pytest.mark.parametrize("opt,t,s,h,hv,kh", [
     ({"is_causal": True, "local_window_size": (200, 0)}, 512, 384, 256, 128, 4),  # direct: T != S, Hv != H
     ({"is_causal": True}, 384, 384, 128, 128, 2),                                 # grouped (G = 2): the copies

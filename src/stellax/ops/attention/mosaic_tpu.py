@@ -226,15 +226,17 @@ class TileMath:
         """Natural log of per-row float32 ``x``: `float32_log` when accurate, else the hardware's."""
         return float32_log(x) if self.accurate else jnp.log(x)
 
-    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg, *, keys_first: bool = False):
+    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg, *, keys_first: bool = False, offset: int = 0):
         """``[R, bk]`` bool of a PARTIAL block ``col``: the mask of the
         positions ``q_pos [R, 1]`` / ``kv_pos [1, bk]`` (and segments), padded
         keys hidden. None when nothing is hidden. With ``keys_first`` the
-        transposed tile ``[bk, R]`` from ``q_pos [1, R]`` / ``kv_pos [bk, 1]``."""
+        transposed tile ``[bk, R]`` from ``q_pos [1, R]`` / ``kv_pos [bk, 1]``.
+        ``offset``: the tile's first key within the block (a sub-block of ``bk`` keys)."""
         ok = mask_fn(self.spec, q_pos, kv_pos, q_seg, kv_seg)
         if self.padded_keys:
-            shape, axis = ((self.block_kv, 1), 0) if keys_first else ((1, self.block_kv), 1)
-            key = col * self.block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+            width = kv_pos.shape[0] if keys_first else kv_pos.shape[1]
+            shape, axis = ((width, 1), 0) if keys_first else ((1, width), 1)
+            key = col * self.block_kv + offset + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
             in_range = key < self.s_len
             ok = in_range if ok is None else jnp.logical_and(ok, in_range)
         return ok
@@ -433,9 +435,12 @@ def vmem_limit(tiling: Tiling, itemsize: int, *, backward: bool = False, residen
 # -- the forward kernel ----------------------------------------------------------------------
 def lane_tile(x, width: int):
     """A lanes-equal ``[R, 128]`` float32 column as ``[R, width]``: whole-vreg copies along the
-    lanes when ``width`` is a multiple of 128, else a broadcast of its first lane."""
+    lanes when ``width`` is a multiple of 128, its first ``width`` lanes when narrower (no lane
+    broadcast: D=64), else a broadcast of its first lane."""
     if width % LANES == 0:
         return x if width == LANES else jnp.tile(x, (1, width // LANES))
+    if width < LANES:
+        return x[:, :width]
     return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
@@ -447,6 +452,17 @@ ROW_CHUNK = 256
 def row_chunk(rows: int) -> int:
     """The piece of a step's ``rows`` the forward kernel computes at once (`ROW_CHUNK`)."""
     return ROW_CHUNK if rows > ROW_CHUNK and rows % ROW_CHUNK == 0 else rows
+
+
+#: Keys of a forward step computed as one sub-block: a larger kv block (2048) is computed 1024
+#: keys at a time (the online softmax steps once per sub-block), so its logits pieces stay
+#: ``256 × 1024`` while the step's fixed cost is paid once per 2048 keys.
+KV_CHUNK = 1024
+
+
+def kv_chunk(block_kv: int) -> int:
+    """The sub-block of a step's ``block_kv`` keys the forward kernel computes at once (`KV_CHUNK`)."""
+    return KV_CHUNK if block_kv > KV_CHUNK and block_kv % KV_CHUNK == 0 else block_kv
 
 
 def softmax_step2(t, m_scr, l_scr):
@@ -500,22 +516,26 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
                 start = g0 * per_head + r0
                 yield slice(r0, r0 + chunk), lanes, slice(start, start + together * chunk)
 
-    def update_rows(masked: bool, rows: slice, lanes: list, scr: slice):
+    def update_rows(masked: bool, keys: slice, rows: slice, lanes: list, scr: slice):
         q_piece = q[rows, lanes[0]] if len(lanes) == 1 else jnp.concatenate([q[rows, x] for x in lanes], axis=0)
-        t, _ = math_.logits2(q_piece, k[...])
+        t, _ = math_.logits2(q_piece, k[keys, :])
         if masked:
             qs = None if q_seg is None else q_seg[scr, :]
-            ks = None if kv_seg is None else kv_seg[...]
-            ok = math_.visible(step.block(table, b, i, j), q_pos[scr, :], kv_pos[...], qs, ks)
+            ks = None if kv_seg is None else kv_seg[:, keys]
+            ok = math_.visible(step.block(table, b, i, j), q_pos[scr, :], kv_pos[:, keys], qs, ks,
+                               offset=keys.start)
             if ok is not None:
                 t = jnp.where(ok, t, -jnp.inf)
         p, alpha = softmax_step2(t, m_scr.at[scr, :], l_scr.at[scr, :])
         acc_scr[scr, :] = (acc_scr[scr, :] * lane_tile(alpha, acc_scr.shape[1])
-                           + math_.dot(p.astype(v.dtype), v[...]))
+                           + math_.dot(p.astype(v.dtype), v[keys, :]))
 
     def update(masked: bool):
-        for piece in pieces():
-            update_rows(masked, *piece)
+        bk = k.shape[0]
+        sub = kv_chunk(bk)
+        for c0 in range(0, bk, sub):
+            for piece in pieces():
+                update_rows(masked, slice(c0, c0 + sub), *piece)
         if count_scr is not None:
             count_scr[0] += 1
             count_scr[1] += 0 if masked else 1
