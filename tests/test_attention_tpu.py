@@ -89,7 +89,9 @@ def test_splash_expresses_every_case():
 
     for case in bench.CASES:
         dry = case.dry()
-        for name in bench.SPLASH:
+        for name, blocks in bench.SPLASH.items():
+            if any(bench._scaled(b, True) > dry.t for b in blocks[:5]):
+                continue  # a 2048 tile scaled for the dry run (512) is longer than a T=4096 case's 256
             kernel = bench.splash_kernel(dry, name, True, 1.0)
             assert kernel is not None, (case.name, name)
     table = bench.explicit_table("f1024-b512", False, 4)
