@@ -47,3 +47,18 @@ def check_against_golden(run, golden, diff, static=None, *, dtype, gradients=Tru
             assert_close(grads[name], ref_grads[name], dtype=dtype, gradient=True, name=f"d{name}",
                          rel_l2_tolerance=grad_rel_l2)
     return out
+
+
+def correlated_a(chunk, cosine, key_k, key_beta):
+    """``(A, rows, cols)``: ``A = β ⊙ strictly_lower(K Kᵀ)`` ``[chunk, chunk]`` of unit keys at about
+    ``cosine`` to each other (from ``key_k``), β in [0.8, 1] (from ``key_beta``), and the iotas."""
+    import numpy as np
+
+    from stellax.core.pallas import square_iota
+
+    shared = np.sqrt(cosine / (1 - cosine))
+    k = jax.random.normal(key_k, (chunk, 128), jnp.float32) / np.sqrt(128) + shared * jnp.eye(128)[0]
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    beta = 0.8 + 0.2 * jax.random.uniform(key_beta, (chunk, 1))
+    rows, cols = square_iota(chunk)
+    return jnp.where(rows > cols, k @ k.T, 0.0) * beta, rows, cols

@@ -35,7 +35,7 @@ from stellax.ops.linear_attention.solve import merge_inverse
 from stellax.ops.linear_attention.tpu_costs import chunk_pass_flops
 from stellax.testing.numerics import compare
 
-from la_helpers import check_against_golden
+from la_helpers import check_against_golden, correlated_a
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -80,13 +80,7 @@ def test_scalar_spans_exact():
 
 def _correlated_a(chunk=64, cosine=0.8, seed=0):
     """``A = β ⊙ strictly_lower(K Kᵀ)`` of unit keys at about ``cosine`` to each other, β ≈ 0.9."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
-    shared = np.sqrt(cosine / (1 - cosine))
-    k = jax.random.normal(keys[0], (chunk, 128), F32) / np.sqrt(128) + shared * jnp.eye(128)[0]
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    beta = 0.8 + 0.2 * jax.random.uniform(keys[1], (chunk, 1))
-    rows, cols = square_iota(chunk)
-    return jnp.where(rows > cols, k @ k.T, 0.0) * beta, rows, cols
+    return correlated_a(chunk, cosine, *jax.random.split(jax.random.PRNGKey(seed), 2))
 
 
 def _nilpotent_inverse(a, chunk):

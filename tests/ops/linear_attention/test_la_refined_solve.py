@@ -20,6 +20,8 @@ from stellax.ops.linear_attention.mosaic_tpu import refined_solve
 from stellax.ops.linear_attention.mxu import BF16_POLICIES, BF16_PRODUCTS, mxu_matmul
 from stellax.ops.linear_attention.solve import merge_inverse
 
+from la_helpers import correlated_a
+
 F32 = jnp.float32
 
 
@@ -27,12 +29,8 @@ def _system(chunk=64, cosine=0.8, n=128, seed=0):
     """``(A, R)``: ``A = β ⊙ strictly_lower(K Kᵀ)`` of unit keys at about ``cosine`` to each other,
     β in [0.8, 1], and a right-hand side ``R [chunk, n]``."""
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    shared = np.sqrt(cosine / (1 - cosine))
-    k = jax.random.normal(keys[0], (chunk, 128), F32) / np.sqrt(128) + shared * jnp.eye(128)[0]
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    beta = 0.8 + 0.2 * jax.random.uniform(keys[1], (chunk, 1))
-    rows, cols = square_iota(chunk)
-    return jnp.where(rows > cols, k @ k.T, 0.0) * beta, jax.random.normal(keys[2], (chunk, n), F32)
+    a, _, _ = correlated_a(chunk, cosine, keys[0], keys[1])
+    return a, jax.random.normal(keys[2], (chunk, n), F32)
 
 
 def _rel(got, want):
