@@ -48,6 +48,19 @@ class TpuGeneration:
     topology: str
     kernels: bool = True
 
+    @property
+    def tuning_vmem_bytes(self) -> int:
+        """The VMEM a config of a matmul kernel's autotuning space may need: half the physical
+        VMEM (64 MiB on v5e and v6e, 32 MiB on v5p and TPU7x), so its raised limit fits."""
+        return self.vmem_bytes // 2
+
+    @property
+    def heuristic_vmem_bytes(self) -> int:
+        """The VMEM a matmul kernel's heuristic config may need: twice the scoped default, at most
+        a quarter of the physical VMEM, never less than the scoped default (32 MiB on v5e, v6e and
+        TPU7x, 16 on v5p)."""
+        return max(self.scoped_vmem_bytes, min(2 * self.scoped_vmem_bytes, self.vmem_bytes // 4))
+
     def has_dtype(self, dtype) -> bool:
         """True when the MXU multiplies ``dtype`` operands natively."""
         import numpy as np

@@ -119,28 +119,15 @@ def _tpu_candidates(mxu: int) -> list[GluTpuConfig]:
     return [GluTpuConfig(block_m=bm, block_n=bn, block_k=bk) for bm in (128, 256, 512, 1024) for bn, bk in pairs]
 
 
-def _space_budget() -> int:
-    """VMEM a config of the space may need: half the physical VMEM (its `glu_tpu_vmem_limit` fits)."""
-    return target_generation().vmem_bytes // 2
-
-
-def _heuristic_budget() -> int:
-    """VMEM a heuristic config may need: twice the scoped default, at most a quarter of the
-    physical VMEM, never less than the scoped default (32 MiB on v5e)."""
-    generation = target_generation()
-    scoped = generation.scoped_vmem_bytes
-    return max(scoped, min(2 * scoped, generation.vmem_bytes // 4))
-
-
 def glu_tpu_space(call: Call) -> list[GluTpuConfig]:
-    """`_tpu_candidates` for the target generation's MXU that fit half its VMEM, one per
-    distinct effective tiling (tiles larger than the dimensions collapse)."""
+    """`_tpu_candidates` for the target generation's MXU that fit its `tuning_vmem_bytes` (half the
+    VMEM), one per distinct effective tiling (tiles larger than the dimensions collapse)."""
     m, k, n, itemsize = _tpu_dims(call)
     generation = target_generation()
     seen, out = set(), []
     for config in _tpu_candidates(generation.mxu):
         tiles = (tpu_tile(m, config.block_m), tpu_tile(n, config.block_n), tpu_tile(k, config.block_k))
-        if tiles in seen or glu_tpu_vmem_bytes(m, k, n, itemsize, config) > _space_budget():
+        if tiles in seen or glu_tpu_vmem_bytes(m, k, n, itemsize, config) > generation.tuning_vmem_bytes:
             continue
         seen.add(tiles)
         out.append(config)
@@ -163,13 +150,14 @@ def _tile_rank(m: int, k: int, n: int, itemsize: int, config: GluTpuConfig):
 
 
 def glu_tpu_heuristic(call: Call) -> GluTpuConfig:
-    """The best-ranked config of `glu_tpu_space` within `_heuristic_budget` (`_tile_rank`: the
-    longest K step, then enough flops per byte, then the least VMEM). On a v5e at SwiGLU bf16
+    """The best-ranked config of `glu_tpu_space` within the generation's `heuristic_vmem_bytes`
+    (`_tile_rank`: the longest K step, then enough flops per byte, then the least VMEM). On a v5e at SwiGLU bf16
     shapes that is (512, 512, 2048): 341 flop/byte, and statically a forward step within 1 % of
     its MXU time, where the MXU-width tiles (512, 256, 256) take 2.1x it (`WIDE_TILES`)."""
     m, k, n, itemsize = _tpu_dims(call)
     space = glu_tpu_space(call)
-    fits = [c for c in space if glu_tpu_vmem_bytes(m, k, n, itemsize, c) <= _heuristic_budget()] or space
+    budget = target_generation().heuristic_vmem_bytes
+    fits = [c for c in space if glu_tpu_vmem_bytes(m, k, n, itemsize, c) <= budget] or space
     return max(fits, key=lambda c: _tile_rank(m, k, n, itemsize, c))
 
 

@@ -307,17 +307,14 @@ def tpu_vmem_limit(need: int) -> int | None:
 
 
 def tpu_space_budget() -> int:
-    """The VMEM a config of the float spaces may need: half the physical VMEM (64 MiB on v5e and
-    v6e, 32 MiB on v5p and TPU7x), so that its `tpu_vmem_limit` fits."""
-    return target_generation().vmem_bytes // 2
+    """The VMEM a config of the float spaces may need (`TpuGeneration.tuning_vmem_bytes`), so that
+    its `tpu_vmem_limit` fits."""
+    return target_generation().tuning_vmem_bytes
 
 
 def tpu_heuristic_budget() -> int:
-    """The VMEM a heuristic config may need: twice the scoped default, at most a quarter of the
-    physical VMEM, never less than the scoped default (32 MiB on v5e, v6e and TPU7x, 16 on v5p)."""
-    generation = target_generation()
-    scoped = generation.scoped_vmem_bytes
-    return max(scoped, min(2 * scoped, generation.vmem_bytes // 4))
+    """The VMEM a heuristic config may need (`TpuGeneration.heuristic_vmem_bytes`)."""
+    return target_generation().heuristic_vmem_bytes
 
 
 def gmm_tpu_vmem(call: Call, c: TpuGroupedMatmulConfig) -> int:
