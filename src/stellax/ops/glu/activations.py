@@ -87,10 +87,11 @@ def activation_and_grad(activation, x, *, in_kernel: bool = False):
     return value, grad
 
 
-def gate_up_grads(dy, gate, up, activation, dtype):
-    """The GLU's elementwise backward from saved pre-activations: ``dgate = dy·up·act'(gate)`` and
-    ``dup = dy·act(gate)`` (``[M, N]`` each, computed in float32, returned in ``dtype``)."""
+def gate_up_grads(dy, gate, up, activation, dtype, *, in_kernel: bool = False):
+    """The GLU's elementwise backward: ``dgate = dy·up·act'(gate)`` and ``dup = dy·act(gate)``
+    (``[M, N]`` each or a kernel's tiles, computed in float32, returned in ``dtype``), from saved
+    pre-activations or, ``in_kernel``, from the tiles a kernel recomputed."""
     f32 = lambda a: a.astype(jnp.float32)
-    act, act_grad = activation_and_grad(activation, f32(gate))
+    act, act_grad = activation_and_grad(activation, f32(gate), in_kernel=in_kernel)
     dy32 = f32(dy)
     return (dy32 * f32(up) * act_grad).astype(dtype), (dy32 * act).astype(dtype)

@@ -45,18 +45,16 @@ def _preactivations(x, weights, dtype):
 def backward_examples(dtype):
     """`gated_linear_unit_backward` calls: the first three forward cases recomputing ``gate``/``up``,
     then the first two again starting from saved ones (as differentiating the forward does)."""
-    out = []
+    recomputed, saved = [], []
     for i, (m, k, n, act, stacked) in enumerate(_CASES[:3]):
         x, weights, dy = _random_case(100 + i, m, k, n, dtype, stacked)
         w_gate, w_up = (weights, None) if stacked else weights
-        out.append(Example(f"M={m} K={k} N={n} {act}", (dy, x, w_gate, w_up), {"activation": act}))
-    for i, (m, k, n, act, stacked) in enumerate(_CASES[:2]):
-        x, weights, dy = _random_case(100 + i, m, k, n, dtype, stacked)
-        w_gate, w_up = (weights, None) if stacked else weights
-        gate, up = _preactivations(x, weights, dtype)
-        out.append(Example(f"M={m} K={k} N={n} {act} saved gate/up", (dy, x, w_gate, w_up, gate, up),
-                           {"activation": act}))
-    return out
+        recomputed.append(Example(f"M={m} K={k} N={n} {act}", (dy, x, w_gate, w_up), {"activation": act}))
+        if i < 2:
+            gate, up = _preactivations(x, weights, dtype)
+            saved.append(Example(f"M={m} K={k} N={n} {act} saved gate/up", (dy, x, w_gate, w_up, gate, up),
+                                 {"activation": act}))
+    return recomputed + saved
 
 
 def benchmarks(platform):

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import mxu_dot, mxu_dot_nt, mxu_dot_tn, operand, output, tpu_kernel_call
-from .activations import activation_and_grad, activation_fn, gate_up_grads
+from .activations import activation_fn, gate_up_grads
 from .configs import GluTpuConfig, glu_tpu_vmem_bytes, glu_tpu_vmem_limit, tpu_tile
 
 _SEMANTICS = ("parallel", "parallel", "arbitrary")
@@ -102,10 +102,8 @@ def _act_grad_kernel(*, x, w_gate, w_up, dy, dgate, dup, acc_gate, acc_up, activ
 
     @pl.when(_last_step())
     def _epilogue():
-        act, act_grad = activation_and_grad(activation, acc_gate[...], in_kernel=True)
-        dyf = dy[...].astype(jnp.float32)
-        dgate[...] = (dyf * acc_up[...] * act_grad).astype(dgate.dtype)
-        dup[...] = (dyf * act).astype(dup.dtype)
+        dgate[...], dup[...] = gate_up_grads(dy[...], acc_gate[...], acc_up[...], activation, dgate.dtype,
+                                             in_kernel=True)
 
 
 def _dx_kernel(*, dgate, dup, w_gate, w_up, dx, acc, block_n, n, dtype, precision):

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ...core.pallas import dot, dot_nt, dot_tn, iota, operand, output, triton_kernel_call, triton_precision
-from .activations import activation_and_grad, activation_fn, gate_up_grads
+from .activations import activation_fn, gate_up_grads
 from .configs import GluConfig
 
 #: Operands the kernels index themselves (masked loads of any tile).
@@ -71,10 +71,7 @@ def _forward_kernel(*, x, w_gate, w_up, y, gate_out, up_out, activation, **dims)
 def _act_grad_kernel(*, x, w_gate, w_up, dy, dgate, dup, activation, **dims):
     """Tile ``(i, j)``: ``dgate = dy·up·act'(gate)``, ``dup = dy·act(gate)`` (gate/up recomputed)."""
     gate, up = _gate_up(x, w_gate, w_up, pl.program_id(0), pl.program_id(1), **dims)
-    act, act_grad = activation_and_grad(activation, gate, in_kernel=True)
-    dyf = dy[...].astype(jnp.float32)
-    dgate[...] = (dyf * up * act_grad).astype(dgate.dtype)
-    dup[...] = (dyf * act).astype(dup.dtype)
+    dgate[...], dup[...] = gate_up_grads(dy[...], gate, up, activation, dgate.dtype, in_kernel=True)
 
 
 def _dx_kernel(*, dgate, dup, w_gate, w_up, dx, m, k, n, gate_col, up_col, cfg, precision):
