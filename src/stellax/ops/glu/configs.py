@@ -175,14 +175,17 @@ def glu_tpu_requirements(call: Call) -> str | None:
 
 def glu_tpu_defers_to_xla(platform) -> str | None:
     """Why the default chain passes the Mosaic TPU GLU kernels over on ``platform``: on a v5e
-    they were measured slower than XLA's two matmuls, activation and product (`stellax bench`
-    side by side, M=8192 K=4096 N=14336 SwiGLU bf16, 2026-12-05: forward 17.4 ms against 10.9,
-    forward+backward 59.7 against 33.1). Other generations are not measured: the kernels stay
-    their default there."""
+    they were measured slower than XLA's two matmuls, activation and product on two of issue
+    40's three shapes (`benchmarks/glu_tpu.py`, SwiGLU bf16, XLA in the same process,
+    2026-12-07, the wide-tile heuristic 512x512x2048): M=8192 K=4096 N=14336 forward 12.65 ms
+    against 11.43 (0.90x), forward+backward 38.77 against 36.67 (0.95x); M=8192 K=7168
+    N=18432 forward 29.88 against 25.00 (0.84x); faster only at M=32768 K=4096 N=14336
+    (forward 44.84 against 46.54, 1.04x; forward+backward 141.9 against 152.8, 1.08x). Other
+    generations are not measured: the kernels stay their default there."""
     tpu = platform.tpu
     if tpu is not None and tpu.name == "v5e":
-        return ("measured slower than XLA on a v5e (0.63x forward, 0.55x forward+backward at "
-                "M=8192 K=4096 N=14336 bf16, with the earlier 512x256x256 tiles; the wide-tile "
-                "heuristic is not measured yet)")
+        return ("measured slower than XLA on a v5e at M=8192 (0.90x forward, 0.95x forward+backward "
+                "at K=4096 N=14336; 0.84x forward at K=7168 N=18432, bf16, 512x512x2048 tiles); "
+                "faster only at M=32768 (1.04x / 1.08x)")
     return None
 
