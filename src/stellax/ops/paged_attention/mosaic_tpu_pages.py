@@ -33,10 +33,13 @@ accumulate per part and the wrapper interleaves the output. Group scales
 ``E_t @ [T·hg/g, H] @ S_i``, with the groups past ``hi`` zeroed first in a
 masked block: the expansion mixes rows). Mosaic loads neither uint8 nor float16 vectors
 here, so packed bytes travel as int8 and float16 scales as their int16 bits
-(same-width bitcasts), decoded in VMEM. Folded e4m3 pools go in as
+(same-width bitcasts), decoded in VMEM. Folded e4m3 pools are read as
 ``float8_e4m3b11fnuz`` (a bitcast: the v5e converts those natively, e4m3fn
 through five more VPU ops per vreg), their value / 16 (`B11_SCALE`, folded
-into the scale row) and NaN for the code of -0 (selected to 0).
+into the scale row) and NaN for the code of -0 (selected to 0). That bitcast
+happens in VMEM, on each block after its DMA: done in XLA on the pool, it
+compiled to a ``bitcast-convert`` of the whole pool per call (a copy), and a
+v5e measured the fp8 cache at 0.56x the bf16 cache's throughput.
 """
 
 from __future__ import annotations
@@ -128,8 +131,6 @@ def source_arrays(src: Source) -> dict:
     data = src.data
     if jnp.dtype(data.dtype) == jnp.uint8:
         data = jax.lax.bitcast_convert_type(data, jnp.int8)
-    if source_meta(src).b11:
-        data = jax.lax.bitcast_convert_type(data, B11)
     if token_major(src):
         data = data.reshape(data.shape[0], data.shape[1] * data.shape[2], data.shape[3])
     arrays = {"data": data}
@@ -382,6 +383,8 @@ def dequantize(bufs: dict, src: str, meta: SourceMeta, slot, group: int, hg: int
     expansion, a matmul that mixes rows (free groups and uncopied pages may
     hold NaN, and ``0 · NaN = NaN`` would reach every row)."""
     raw = group_rows(bufs[(src, "data")], slot, group, hg)
+    if meta.b11:  # in VMEM, not in XLA: a bitcast of the pool there is a copy of the whole pool per call
+        raw = jax.lax.bitcast_convert_type(raw, B11)
     if meta.spec is None:
         return [raw if raw.dtype == dtype else raw.astype(dtype)]
     spec = meta.spec
