@@ -74,8 +74,8 @@ from ...core.precision import accurate_functions, float32_tanh_raw
 from . import plan as plan_mod
 from .configs import TpuPagedConfig, TpuRaggedConfig, can_split_heads, kernel_head_group
 from .mosaic_tpu_pages import (
-    dequantize, folded_scales, idiv, imod, merge_parts, pipeline_scratch, program_pipeline, run_pipeline, source_arrays,
-    source_meta, split_parts,
+    dequantize, folded_scales, head_codes, idiv, imod, merge_parts, pipeline_scratch, program_pipeline, run_pipeline,
+    source_arrays, source_meta, split_parts, word_block, word_codes, word_scales,
 )
 from .plan import Problem, key_range, visible, window_partial
 
@@ -149,16 +149,19 @@ class Softmax:
                               sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
         return jnp.where(ok, s, -jnp.inf)
 
-    def update(self, s, v_parts, block, key_hi, m_ref, l_ref, acc_ref, masked: bool, fold=None):
+    def update(self, s, v_parts, block, key_hi, m_ref, l_ref, acc_ref, masked: bool, fold=None,
+               finite: bool = False):
         """One online-softmax step. In a ``masked`` block, values at positions
         ``>= key_hi`` (the end of the program's key range, at most its
         ``kv_len``) are zeroed first: free slots may hold NaN, and so may the
         pages the pipeline did not copy (``0 · NaN = NaN``); unmasked blocks
         lie below ``key_hi``. ``fold``: the values are codes and ``(scale row,
-        zero row)`` their `folded_scales`."""
+        zero row)`` their `folded_scales`. ``finite``: the values are integer
+        codes (never NaN) whose fold rows are zero past ``key_hi``: no zeroing."""
         p, alpha = online_softmax_step(s, m_ref, l_ref)
         pd = (p if fold is None else p * fold[0]).astype(self.dtype)
         zsum = None if fold is None or fold[1] is None else jnp.sum(p * fold[1], axis=1, keepdims=True)
+        masked = masked and not finite
         pos = self.key_pos(block, (self.tokens * self.heads, 1), 0) if masked else None
         for i, v in enumerate(v_parts):
             if masked:
@@ -233,6 +236,18 @@ def _kernel(tables, seq, kv_lens, key_lo, key_hi, full_lo, full_hi, *, row_pos, 
     for j in range(groups):
         init_state(m_ref.at[j], l_ref.at[j], acc_ref.at[j])
 
+    def words_body(block, slot, masked):
+        keys = (block, key_hi[b]) if masked else None
+        scales = {n: word_scales(bufs, n, m, slot, ppb, keys) for n, m in (("k", k_meta), ("v", v_meta))}
+        words = {n: word_block(bufs, n, slot) for n in ("k", "v")}
+        for j in range(groups):                        # one kv head each: nibble j of the words
+            (ks, kz), (vs, vz) = scales["k"], scales["v"]
+            kj = head_codes(words["k"], j, sm.dtype)
+            s = sm.logits([([(q[j, 0], kj)], (ks[j:j + 1], kz[j:j + 1]))], block, rp, heads, kv_len, masked)
+            vj = head_codes(words["v"], j, sm.dtype)
+            sm.update(s, [vj], block, key_hi[b], m_ref.at[j], l_ref.at[j], acc_ref.at[j], masked,
+                      (vs[j:j + 1], vz[j:j + 1]), finite=True)
+
     def body(block, slot, masked):
         keys = (block, key_hi[b]) if masked else None
         fold = {n: folded_scales(bufs, n, m, slot, sm.heads, ppb, keys) if m.fold else None
@@ -244,7 +259,8 @@ def _kernel(tables, seq, kv_lens, key_lo, key_hi, full_lo, full_hi, *, row_pos, 
             v_parts = dequantize(bufs, "v", v_meta, slot, j, sm.heads, ppb, sm.dtype, keys)
             sm.update(s, v_parts, block, key_hi[b], m_ref.at[j], l_ref.at[j], acc_ref.at[j], masked, fold["v"])
 
-    run_pipeline(pipe, sched, next_slot, by_coverage(body, full_lo[b], full_hi[b], sm.tokens))
+    run_pipeline(pipe, sched, next_slot,
+                 by_coverage(words_body if k_meta.words else body, full_lo[b], full_hi[b], sm.tokens))
     write_results(groups, m_ref, l_ref, acc_ref, sinks=sinks, out=out, o_part=o_part, m_part=m_part,
                   l_part=l_part)
 
@@ -340,7 +356,7 @@ def _collect(problem: Problem, res, rt: int):
 
 
 def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dict, values: str, ppb: int,
-                name: str, cores: int | None = None, split_heads: bool = False):
+                name: str, cores: int | None = None, split_heads: bool = False, words: bool = False):
     """Launch a paged kernel over grid ``(cores, per_core)`` and return
     normalized float32 rows ``[Bp, K, Rt, Hv]``.
 
@@ -358,15 +374,16 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
     queries ``[K/hg, parts, R, H']``, ``sinks``, the outputs, the ``m_ref`` /
     ``l_ref`` / ``acc_ref`` scratch, the pools ``hbm_*``, the slots ``buf_*``,
     ``sems``, ``next_slot``, ``metas``, ``sm`` (`Softmax`), ``ppb``, ``width``
-    and ``per_core``."""
+    and ``per_core``. ``words``: the sources are read through
+    `mosaic_tpu_pages.word_codes` (one kv head a group)."""
     bp, heads, rt, _ = problem.q.shape
     cores = max(1, min(cores or target_generation().cores_per_chip, bp))
     per_core = cdiv(bp, cores)
     programs = cores * per_core
-    hg = kernel_head_group(heads, split_heads)
+    hg = 1 if words else kernel_head_group(heads, split_heads)
     groups = heads // hg
     r = padded_rows(hg * rt)
-    metas = {n: source_meta(src) for n, src in sources.items()}
+    metas = {n: source_meta(src, words) for n, src in sources.items()}
     finalize = not problem.has_windows
     sinks = None
     if finalize and problem.sinks is not None:
@@ -380,12 +397,12 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
         x = split_parts(grouped(rows, 1, hg, r), metas[src_name].per_byte)         # [Bp, K/hg, parts, R, H']
         inputs[qname] = operand(pad_axis(x, 0, programs), _rows_spec(per_core, *x.shape[1:]))
     for s, src in sources.items():
-        for n, a in source_arrays(src).items():
+        for n, a in source_arrays(src, words).items():
             inputs[f"hbm_{s}_{n}"] = operand(a, pl.BlockSpec(memory_space=pl.ANY))
     vm = metas[values]
     scratch = dict(m_ref=pltpu.VMEM((groups, r, LANES), F32), l_ref=pltpu.VMEM((groups, r, LANES), F32),
                    acc_ref=pltpu.VMEM((groups, vm.per_byte, r, vm.part_dim), F32),
-                   **pipeline_scratch(sources, ppb))
+                   **pipeline_scratch(sources, ppb, words))
     sm = Softmax(ppb * problem.page_size, hg, rt, problem.scale, problem.soft_cap, problem.window_left,
                  problem.sink_tokens, problem.recent_tokens, problem.q.dtype, problem.precision)
     res = tpu_kernel_call(
@@ -402,10 +419,14 @@ def attention_rows(problem: Problem, tables, *, pages_per_block: int, cores: int
     """Normalized float32 rows ``[Bp, K, Rt, Hv]`` of a `paged`/`ragged` problem
     (``tables``: the clamped block tables the programs' ``seq_rows`` index;
     ``cores``: the ``parallel`` grid axis, by default the target's TensorCores;
-    ``split_heads``: one kv head per matmul, `configs.kernel_head_group`)."""
-    return launch_rows(_kernel, problem, tables, sources={"k": problem.k, "v": problem.values},
+    ``split_heads``: one kv head per matmul, `configs.kernel_head_group`). Folded int4
+    keys and values of 8 kv heads go through `mosaic_tpu_pages.word_codes`: a kv head per
+    group, its codes a nibble of the slot's int32 words."""
+    sources = {"k": problem.k, "v": problem.values}
+    words = all(word_codes(src, pages_per_block) for src in sources.values())
+    return launch_rows(_kernel, problem, tables, sources=sources,
                        queries={"q": (problem.q, "k")}, values="v", ppb=pages_per_block,
-                       name="stellax_paged_attention_tpu", cores=cores, split_heads=split_heads)
+                       name="stellax_paged_attention_tpu", cores=cores, split_heads=split_heads, words=words)
 
 
 def _tables(call, problem: Problem):

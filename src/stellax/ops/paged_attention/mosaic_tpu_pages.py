@@ -72,6 +72,7 @@ class SourceMeta:
     head_dim: int
     page_size: int
     fold: bool = False      # scales applied to the logits / probabilities (`folded_scales`)
+    words: bool = False     # int4 codes read as int32 words of a token's 8 kv heads (`word_codes`)
 
     @property
     def b11(self) -> bool:
@@ -98,8 +99,28 @@ class SourceMeta:
         return self.spec.group(self.head_dim)
 
 
-def source_meta(src: Source) -> SourceMeta:
-    return SourceMeta(src.spec, src.part, src.head_dim, src.page_size, source_folds(src))
+def source_meta(src: Source, words: bool = False) -> SourceMeta:
+    """The kernel's static view of ``src``; ``words``: read through `word_codes` (the
+    caller checked `word_codes` for its block size)."""
+    return SourceMeta(src.spec, src.part, src.head_dim, src.page_size, source_folds(src), words)
+
+
+#: kv heads whose uint4 codes of one token and channel share an int32 word (XLA:TPU's and Mosaic's
+#: ``(8, 1)`` packing of 4-bit types: 8 consecutive rows, row ``8w + j`` in bits ``4j .. 4j + 3``).
+WORD_HEADS = 8
+
+
+def word_codes(src: Source, ppb: int) -> bool:
+    """Whether blocks of ``ppb`` pages of ``src`` take the per-head word path: folded int4 pools
+    (`source_folds`: one scale and zero point per token and kv head) of exactly `WORD_HEADS` kv
+    heads and ``H`` a multiple of 128, pages of 64 or a multiple of 128 tokens, ``ppb · PS`` a
+    multiple of 128. A slot's codes are then read as int32 words ``[T, H]`` (word ``(t, c)``:
+    channel ``c`` of token ``t``, kv head ``j`` in bits ``4j .. 4j + 3``), so head ``j``'s keys
+    are ``(w >> 4j) & 15`` (no unpack, no permute) and each kv head gets its own ``[Rt, T]``
+    logits; the scales and zero points travel head-major (`word_scales`)."""
+    ps = src.page_size
+    return (source_folds(src) and src.spec.format == "int4" and src.num_heads == WORD_HEADS
+            and src.head_dim % 128 == 0 and (ps == 64 or ps % 128 == 0) and (ppb * ps) % 128 == 0)
 
 
 def source_folds(src: Source) -> bool:
@@ -119,13 +140,24 @@ def token_major(src: Source) -> bool:
     return src.part is None and src.data.ndim == 4 and src.data.shape[2] in TOKEN_MAJOR_HEADS
 
 
-def source_arrays(src: Source) -> dict:
+def source_arrays(src: Source, words: bool = False) -> dict:
     """The HBM arrays of a source: ``data`` and, quantized, ``scale`` / ``zero``.
     int4 codes go in as the pool's ``uint4`` (lane-dense in HBM; Mosaic loads
     and converts them). Packed int2 bytes are passed as int8 (a same-width bitcast: Mosaic
     cannot load the uint8 vectors; the kernel masks the bit fields, so the
-    sign does not matter)."""
+    sign does not matter).
+
+    ``words`` (`word_codes`): the codes token-major ``[NP, PS·K, H]`` (a free
+    reshape of the ``(8, 1)``-packed tiles) and one float32 ``scale`` array
+    ``[NP, K, 2·PS]``, head-major: lanes ``[0, PS)`` the scales of head ``k``'s
+    tokens, ``[PS, 2·PS)`` its zero points (an XLA transpose of the pool's
+    ``[NP, PS, K, 1]`` scales and zero points in each call)."""
     data = src.data
+    if words:
+        np_, ps, k, h = data.shape
+        head_major = lambda a: jnp.swapaxes(a.reshape(np_, ps, k).astype(F32), 1, 2)
+        return {"data": data.reshape(np_, ps * k, h),
+                "scale": jnp.concatenate([head_major(src.scale), head_major(src.zero)], axis=2)}
     if jnp.dtype(data.dtype) == jnp.uint8:
         data = jax.lax.bitcast_convert_type(data, jnp.int8)
     if source_meta(src).b11:
@@ -194,7 +226,7 @@ class PagePipeline:
 
     def _copy(self, src, name, slot, i, page):
         meta, buf = self.metas[src], self.bufs[(src, name)]
-        if meta.fold and name != "data":         # page i's scales: lanes [i·W, (i+1)·W) of the slot's row
+        if meta.fold and not meta.words and name != "data":         # page i's scales: lanes [i·W, (i+1)·W) of the slot's row
             width = buf.shape[-1] // self.ppb
             dst = buf.at[slot, :, pl.ds(i * width, width)]
         else:
@@ -228,15 +260,16 @@ class PagePipeline:
         self._each(block, limit, lambda i: (0, slot), lambda c: c.wait())
 
 
-def pipeline_scratch(sources: dict, ppb: int) -> dict:
+def pipeline_scratch(sources: dict, ppb: int, words: bool = False) -> dict:
     """VMEM slots ``[2, ppb, *page]`` (a page: ``[rows, K, lanes]`` or token-major
-    ``[rows·K, lanes]``) for every pool array of ``sources`` (name → `Source`),
+    ``[rows·K, lanes]``) for every pool array of ``sources`` (name → `Source`;
+    ``words``: their `source_arrays` for `word_codes`),
     the two DMA semaphores and the SMEM word carrying the slot of the next
     program's first block from one grid step to the next."""
     scratch = {}
     for src_name, src in sources.items():
-        for name, arr in source_arrays(src).items():
-            if name != "data" and source_folds(src):              # a block's scales: one row [1, ppb·PS·K]
+        for name, arr in source_arrays(src, words).items():
+            if name != "data" and source_folds(src) and not words:              # a block's scales: one row [1, ppb·PS·K]
                 shape = (2, 1, ppb * arr.shape[-1])
             else:
                 shape = (2, ppb, *(arr.shape[1:] if arr.ndim == 3 else (arr.shape[1], arr.shape[-2], arr.shape[-1])))
@@ -429,6 +462,47 @@ def folded_scales(bufs: dict, src: str, meta: SourceMeta, slot, hg: int, ppb: in
         live = block * ppb * meta.page_size + idiv(c, hg) < key_hi
         rows = [None if r is None else jnp.where(live, r, 0.0) for r in rows]
     return rows[0], rows[1]
+
+
+def word_block(bufs: dict, src: str, slot):
+    """Slot ``slot`` of a `word_codes` source's codes ``[2, ppb, PS·K, H]`` uint4 as
+    int32 words ``[T, H]`` (`pltpu.bitcast` of the loaded ``[T·K, H]`` codes: word
+    ``(t, c)`` holds channel ``c`` of token ``t`` of all 8 kv heads, head ``j``
+    in bits ``4j .. 4j + 3``; a reinterpretation of the packed vregs)."""
+    x = bufs[(src, "data")][slot]                                         # [ppb, PS·K, H] uint4
+    return pltpu.bitcast(x.reshape(x.shape[0] * x.shape[1], x.shape[2]), jnp.int32)
+
+
+def head_codes(words, head: int, dtype):
+    """Kv head ``head``'s codes ``[T, H]`` in ``dtype``: ``(words >> 4·head) & 15``."""
+    c = words if head == 0 else jax.lax.shift_right_logical(words, jnp.int32(4 * head))
+    return (c & 15).astype(F32).astype(dtype)
+
+
+def word_scales(bufs: dict, src: str, meta: SourceMeta, slot, ppb: int, keys=None):
+    """A `word_codes` block's float32 scales and zero points, head-major ``([K,
+    T], [K, T])`` (column ``i·PS + t``: token ``t`` of the block's page ``i``),
+    from the slot's ``[ppb, K, 2·PS]`` (`source_arrays`). Pages of 64 tokens
+    share a lane tile: page ``2c + 1``'s half is rotated by 64 lanes and
+    selected in. In a masked block (``keys = (block, key_hi)``) the columns at
+    or past ``key_hi`` are zeroed (free slots and uncopied pages may hold NaN;
+    `folded_scales`)."""
+    x = bufs[(src, "scale")][slot]                                       # [ppb, K, 2·PS]
+    ps = meta.page_size
+    if ps % 128 == 0:
+        scale = jnp.concatenate([x[i, :, :ps] for i in range(ppb)], axis=1)
+        zero = jnp.concatenate([x[i, :, ps:] for i in range(ppb)], axis=1)
+    else:                                                                # ps == 64: two pages a lane tile
+        low = jax.lax.broadcasted_iota(jnp.int32, x.shape[1:], 1) < ps
+        scale = jnp.concatenate([jnp.where(low, x[2 * c], pltpu.roll(x[2 * c + 1], ps, 1))
+                                 for c in range(ppb // 2)], axis=1)
+        zero = jnp.concatenate([jnp.where(low, pltpu.roll(x[2 * c], ps, 1), x[2 * c + 1])
+                                for c in range(ppb // 2)], axis=1)
+    if keys is not None:
+        block, key_hi = keys
+        live = block * ppb * ps + jax.lax.broadcasted_iota(jnp.int32, (1, scale.shape[1]), 1) < key_hi
+        scale, zero = jnp.where(live, scale, 0.0), jnp.where(live, zero, 0.0)
+    return scale, zero
 
 
 def split_parts(x, per_byte: int):
