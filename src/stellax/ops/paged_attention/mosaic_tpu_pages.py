@@ -108,19 +108,27 @@ def source_meta(src: Source, words: bool = False) -> SourceMeta:
 #: kv heads whose uint4 codes of one token and channel share an int32 word (XLA:TPU's and Mosaic's
 #: ``(8, 1)`` packing of 4-bit types: 8 consecutive rows, row ``8w + j`` in bits ``4j .. 4j + 3``).
 WORD_HEADS = 8
+#: The kv heads of `word_codes` group ``g``: ``g`` and ``g + 4``, 16 bits apart in a word.
+WORD_PAIRS = tuple((g, g + WORD_HEADS // 2) for g in range(WORD_HEADS // 2))
+#: A bfloat16 `word_codes` key or value is ``WORD_OFFSET + code`` (bits ``0x4300 | code``).
+WORD_OFFSET = 128.0
 
 
-def word_codes(src: Source, ppb: int) -> bool:
-    """Whether blocks of ``ppb`` pages of ``src`` take the per-head word path: folded int4 pools
-    (`source_folds`: one scale and zero point per token and kv head) of exactly `WORD_HEADS` kv
-    heads and ``H`` a multiple of 128, pages of 64 or a multiple of 128 tokens, ``ppb · PS`` a
-    multiple of 128. A slot's codes are then read as int32 words ``[T, H]`` (word ``(t, c)``:
-    channel ``c`` of token ``t``, kv head ``j`` in bits ``4j .. 4j + 3``), so head ``j``'s keys
-    are ``(w >> 4j) & 15`` (no unpack, no permute) and each kv head gets its own ``[Rt, T]``
-    logits; the scales and zero points travel head-major (`word_scales`)."""
-    ps = src.page_size
+def word_codes(src: Source) -> bool:
+    """Whether ``src`` takes the word path of the Mosaic decode kernel: folded int4 pools
+    (`source_folds`: one scale and zero point per token and kv head) of exactly `WORD_HEADS`
+    kv heads, ``H`` a multiple of 128 and pages a multiple of 64 tokens.
+
+    A slot's codes are read as int32 words ``[T, H]`` (word ``(t, c)``: channel ``c`` of token
+    ``t``, kv head ``j`` in bits ``4j .. 4j + 3``) and the kv heads are taken in pairs
+    (`WORD_PAIRS`): ``((w >> 4g) & 0x000F000F) | 0x43004300`` is, read as bfloat16 ``[2T, H]``,
+    the keys (values) of heads ``g`` (row ``2t``) and ``g + 4`` (row ``2t + 1``) plus
+    `WORD_OFFSET` — three VPU ops per word vreg for two heads, no unpack, permute or
+    conversion — so a block update is a head group of 2 (`Softmax` with ``heads = 2``); the
+    offset is taken out through the zero points (`word_scales`) and, for the values, with the
+    rounded probabilities' sum (`Softmax.update`)."""
     return (source_folds(src) and src.spec.format == "int4" and src.num_heads == WORD_HEADS
-            and src.head_dim % 128 == 0 and (ps == 64 or ps % 128 == 0) and (ppb * ps) % 128 == 0)
+            and src.head_dim % 128 == 0 and src.page_size % 64 == 0)
 
 
 def source_folds(src: Source) -> bool:
@@ -149,15 +157,17 @@ def source_arrays(src: Source, words: bool = False) -> dict:
 
     ``words`` (`word_codes`): the codes token-major ``[NP, PS·K, H]`` (a free
     reshape of the ``(8, 1)``-packed tiles) and one float32 ``scale`` array
-    ``[NP, K, 2·PS]``, head-major: lanes ``[0, PS)`` the scales of head ``k``'s
-    tokens, ``[PS, 2·PS)`` its zero points (an XLA transpose of the pool's
-    ``[NP, PS, K, 1]`` scales and zero points in each call)."""
+    ``[NP, 8, 2·PS]`` by head pair (`WORD_PAIRS`): row ``g`` the scales, row
+    ``4 + g`` the zero points of pair ``g``, lane ``2t + k`` head ``g + 4k``'s
+    at token ``t`` (the columns of the pair's logits; an XLA transpose of the
+    pool's ``[NP, PS, K, 1]`` scales and zero points in each call)."""
     data = src.data
     if words:
         np_, ps, k, h = data.shape
-        head_major = lambda a: jnp.swapaxes(a.reshape(np_, ps, k).astype(F32), 1, 2)
+        by_pair = lambda a: jnp.transpose(a.astype(F32).reshape(np_, ps, 2, k // 2), (0, 3, 1, 2)).reshape(
+            np_, k // 2, 2 * ps)
         return {"data": data.reshape(np_, ps * k, h),
-                "scale": jnp.concatenate([head_major(src.scale), head_major(src.zero)], axis=2)}
+                "scale": jnp.concatenate([by_pair(src.scale), by_pair(src.zero)], axis=1)}
     if jnp.dtype(data.dtype) == jnp.uint8:
         data = jax.lax.bitcast_convert_type(data, jnp.int8)
     if source_meta(src).b11:
@@ -473,36 +483,44 @@ def word_block(bufs: dict, src: str, slot):
     return pltpu.bitcast(x.reshape(x.shape[0] * x.shape[1], x.shape[2]), jnp.int32)
 
 
-def head_codes(words, head: int, dtype):
-    """Kv head ``head``'s codes ``[T, H]`` in ``dtype``: ``(words >> 4·head) & 15``."""
-    c = words if head == 0 else jax.lax.shift_right_logical(words, jnp.int32(4 * head))
-    return (c & 15).astype(F32).astype(dtype)
+def pair_codes(words, pair: int, dtype):
+    """Head pair ``pair``'s (`WORD_PAIRS`) keys or values ``[2T, H]`` in ``dtype``:
+    row ``2t + k`` is the code of token ``t``, kv head ``pair + 4k``, plus
+    `word_offset` ``(dtype)`` (bfloat16 ``0x4300 | code`` is ``128 + code``, exact;
+    other dtypes subtract the 128 after the conversion)."""
+    w = words if pair == 0 else jax.lax.shift_right_logical(words, jnp.int32(4 * pair))
+    x = pltpu.bitcast((w & 0x000F000F) | 0x43004300, jnp.bfloat16)
+    if x.dtype == dtype:
+        return x
+    return x.astype(dtype) - jnp.asarray(WORD_OFFSET, dtype)
 
 
-def word_scales(bufs: dict, src: str, meta: SourceMeta, slot, ppb: int, keys=None):
-    """A `word_codes` block's float32 scales and zero points, head-major ``([K,
-    T], [K, T])`` (column ``i·PS + t``: token ``t`` of the block's page ``i``),
-    from the slot's ``[ppb, K, 2·PS]`` (`source_arrays`). Pages of 64 tokens
-    share a lane tile: page ``2c + 1``'s half is rotated by 64 lanes and
-    selected in. In a masked block (``keys = (block, key_hi)``) the columns at
-    or past ``key_hi`` are zeroed (free slots and uncopied pages may hold NaN;
-    `folded_scales`)."""
-    x = bufs[(src, "scale")][slot]                                       # [ppb, K, 2·PS]
-    ps = meta.page_size
-    if ps % 128 == 0:
-        scale = jnp.concatenate([x[i, :, :ps] for i in range(ppb)], axis=1)
-        zero = jnp.concatenate([x[i, :, ps:] for i in range(ppb)], axis=1)
-    else:                                                                # ps == 64: two pages a lane tile
-        low = jax.lax.broadcasted_iota(jnp.int32, x.shape[1:], 1) < ps
-        scale = jnp.concatenate([jnp.where(low, x[2 * c], pltpu.roll(x[2 * c + 1], ps, 1))
-                                 for c in range(ppb // 2)], axis=1)
-        zero = jnp.concatenate([jnp.where(low, pltpu.roll(x[2 * c], ps, 1), x[2 * c + 1])
-                                for c in range(ppb // 2)], axis=1)
+def word_offset(dtype) -> float:
+    """What `pair_codes` adds to the codes in ``dtype``: `WORD_OFFSET` in bfloat16, else 0."""
+    return WORD_OFFSET if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 0.0
+
+
+def word_scales(bufs: dict, src: str, meta: SourceMeta, slot, ppb: int, keys=None) -> list:
+    """A `word_codes` block's float32 scale and zero-point rows ``(scale [1, 2T],
+    zero [1, 2T])`` of each head pair (column ``2t + k``: the block's token ``t``,
+    head ``pair + 4k``, as the pair's logits), from the slot's ``[ppb, 8, 2·PS]``
+    (`source_arrays`). In a masked block (``keys =
+    (block, key_hi)``) the columns at or past ``key_hi`` are zeroed (free slots and
+    uncopied pages may hold NaN; `folded_scales`)."""
+    x = bufs[(src, "scale")][slot]                                       # [ppb, 8, 2·PS]
+    live = None
     if keys is not None:
         block, key_hi = keys
-        live = block * ppb * ps + jax.lax.broadcasted_iota(jnp.int32, (1, scale.shape[1]), 1) < key_hi
-        scale, zero = jnp.where(live, scale, 0.0), jnp.where(live, zero, 0.0)
-    return scale, zero
+        c = jax.lax.broadcasted_iota(jnp.int32, (1, ppb * x.shape[-1]), 1)
+        live = block * ppb * meta.page_size + idiv(c, 2) < key_hi
+    rows = []
+    for g in range(len(WORD_PAIRS)):
+        scale = jnp.concatenate([x[i, g:g + 1] for i in range(ppb)], axis=1)
+        zero = jnp.concatenate([x[i, 4 + g:5 + g] for i in range(ppb)], axis=1)
+        if live is not None:
+            scale, zero = jnp.where(live, scale, 0.0), jnp.where(live, zero, 0.0)
+        rows.append((scale, zero))
+    return rows
 
 
 def split_parts(x, per_byte: int):
