@@ -212,6 +212,22 @@ def test_paged_int4_word_path(dtype, page_size, ppb, q_tokens):
 
 
 @pytest.mark.slow
+def test_paged_int4_word_path_rotation_and_windows():
+    """The word path with a rotated int4 cache and full-precision sink / recent windows (the
+    kernel writes partials, merged in the kernel's kv-head order back to the problem's)."""
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import word_codes
+
+    spec = KVQuant("int4", rotation=True, sink_tokens=2, recent_tokens=8)
+    q, k, v, t, l = paged_inputs(7, lengths=[200, 3, 0, 129], page_size=64, kv_heads=8, q_heads=16, head_dim=128,
+                                 dtype=jnp.float32, quant=spec, q_tokens=2)
+    assert word_codes(as_source(k))
+    kw = dict(sinks=jnp.linspace(-1, 1, 16))
+    out = _interpreted(paged_attention, q, k, v, t, l, config=TpuPagedConfig(pages_per_block=2), **kw)
+    assert_close(out, _golden(paged_attention_op, q, k, v, t, l, **kw))
+
+
+@pytest.mark.slow
 def test_ragged_int4_word_path():
     """The word path in a ragged batch: decodes, a prefill and a chunked prefill, programs of
     8 tokens (16 query rows per kv head pair), a dead sequence and padding tokens."""
