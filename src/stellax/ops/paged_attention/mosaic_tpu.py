@@ -28,7 +28,9 @@ columns (``(column mod hg) == row's head``, the rest ``-inf``; ``p = 0``
 there, so ``p V`` is one matmul too). The MXU work is the same as per head
 (its cost is pushing the ``T·hg`` key and value rows, done once either way);
 the softmax runs on ``hg``-times wider logits, which is cheap next to the
-gather it replaces.
+gather it replaces. Folded int4 pools of 8 kv heads are the exception
+(`mosaic_tpu_pages.word_codes`): groups of 2 kv heads (``g`` and ``g + 4``,
+two nibbles of the slot's int32 words), the query rows reordered to match.
 
 **Scalar prefetch** (SMEM): the block tables (rows padded to whole blocks,
 flattened), each program's table row ``seq``, its sequence length, the key

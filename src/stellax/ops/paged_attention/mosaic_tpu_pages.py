@@ -36,7 +36,9 @@ here, so packed bytes travel as int8 and float16 scales as their int16 bits
 (same-width bitcasts), decoded in VMEM. Folded e4m3 pools go in as
 ``float8_e4m3b11fnuz`` (a bitcast: the v5e converts those natively, e4m3fn
 through five more VPU ops per vreg), their value / 16 (`B11_SCALE`, folded
-into the scale row) and NaN for the code of -0 (selected to 0).
+into the scale row) and NaN for the code of -0 (selected to 0). Folded int4
+pools of 8 kv heads take the word path (`word_codes`): the slot read as int32
+words, two kv heads' bfloat16 codes made from two nibbles, scales by head pair.
 """
 
 from __future__ import annotations
