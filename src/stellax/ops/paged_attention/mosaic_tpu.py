@@ -249,11 +249,13 @@ def _kernel(tables, seq, kv_lens, key_lo, key_hi, full_lo, full_hi, *, row_pos, 
         keys = (block, key_hi[b]) if masked else None
         scales = {n: word_scales(bufs, n, m, slot, ppb, keys) for n, m in (("k", k_meta), ("v", v_meta))}
         words = {n: word_block(bufs, n, slot) for n in ("k", "v")}
+        logits = []
         for g in range(groups):                        # kv heads g and g + 4: a pair of nibbles
             kg = pair_codes(words["k"], g, sm.dtype)   # offset + code: the zero points take the offset out
             ks, kz = scales["k"][g]
             kz = kz - F32(offset) * ks if offset else kz
-            s = sm.logits([([(q[g, 0], kg)], (ks, kz))], block, rp, heads, kv_len, masked)
+            logits.append(sm.logits([([(q[g, 0], kg)], (ks, kz))], block, rp, heads, kv_len, masked))
+        for g, s in enumerate(logits):
             vg = pair_codes(words["v"], g, sm.dtype)
             sm.update(s, [vg], block, key_hi[b], m_ref.at[g], l_ref.at[g], acc_ref.at[g], masked, scales["v"][g],
                       finite=True, offset=offset)
