@@ -122,9 +122,10 @@ def _assert_bitwise(clean, dirty_out):
 
 
 def check_paged(impl, config, *, spec=None, dtype=jnp.float32, q_tokens=None, combined=False, seed=0, kv_heads=2,
-                q_heads=4, **kw):
-    q, k, v, t, l = paged_inputs(seed, lengths=[0, 5, 16, 37], page_size=16, kv_heads=kv_heads, q_heads=q_heads,
-                                 head_dim=32, dtype=dtype, q_tokens=q_tokens, max_pages=3, quant=spec,
+                q_heads=4, page_size=16, head_dim=32, lengths=(0, 5, 16, 37), **kw):
+    q, k, v, t, l = paged_inputs(seed, lengths=list(lengths), page_size=page_size, kv_heads=kv_heads,
+                                 q_heads=q_heads, head_dim=head_dim, dtype=dtype, q_tokens=q_tokens, max_pages=3,
+                                 quant=spec,
                                  value_quant=None if spec is None else dataclasses.replace(spec))
     live = live_slots(t, l, k.shape[0], k.shape[1])
     rng = np.random.default_rng(seed)
@@ -197,6 +198,15 @@ def test_paged_mosaic_tpu_folded_scales_garbage_is_excluded(spec):
     Mosaic kernel applies them to the logits and probabilities (`configs.folds_scales`;
     int4 with a whole-head group adds zero points) instead of dequantizing."""
     check_paged("mosaic_tpu", TpuPagedConfig(pages_per_block=2), spec=spec, q_tokens=2, kv_heads=8, q_heads=16,
+                **{**EXTRAS, "sinks": jnp.linspace(-1.0, 1.0, 16)})
+
+
+def test_paged_mosaic_tpu_int4_word_path_garbage_is_excluded():
+    """Folded int4 pools of 8 kv heads, H = 128, pages of 64 (`mosaic_tpu_pages.word_codes`):
+    NaN / huge scales and zero points and random codes in the unused slots and pages, the last
+    block's uncopied page included, leave the output bit for bit unchanged."""
+    check_paged("mosaic_tpu", TpuPagedConfig(pages_per_block=2), spec=KVQuant("int4"), dtype=jnp.bfloat16,
+                q_tokens=2, kv_heads=8, q_heads=16, page_size=64, head_dim=128, lengths=(0, 5, 64, 130),
                 **{**EXTRAS, "sinks": jnp.linspace(-1.0, 1.0, 16)})
 
 

@@ -190,6 +190,57 @@ def test_paged_folded_scales(quant, kv_heads, page_size):
     assert_close(out, _golden(paged_attention_op, q, k, v, t, l))
 
 
+@pytest.mark.parametrize("dtype,page_size,ppb,q_tokens", [
+    (jnp.bfloat16, 64, 2, None), pytest.param(jnp.float32, 128, 1, 2, marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, 64, 4, 3, marks=pytest.mark.slow)],
+    ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else str(x))
+def test_paged_int4_word_path(dtype, page_size, ppb, q_tokens):
+    """Folded int4 pools of 8 kv heads, H = 128 (`mosaic_tpu_pages.word_codes`): the kernel reads
+    the uint4 slot as int32 words and takes kv heads g and g + 4 as one group (their query rows,
+    sinks and outputs reordered); bfloat16 codes carry an offset of 128 that the zero points and
+    the probabilities' sum take out. Mixed lengths (empty, one token, partial and whole pages),
+    multi-token queries with sinks, soft cap and a local window."""
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import word_codes
+
+    q, k, v, t, l = paged_inputs(23, lengths=[200, 1, 0, 129, 64], page_size=page_size, kv_heads=8,
+                                 q_heads=32, head_dim=128, dtype=dtype, quant=KVQuant("int4"), q_tokens=q_tokens)
+    assert word_codes(as_source(k)) and word_codes(as_source(v))
+    kw = {} if q_tokens is None else dict(sinks=jnp.linspace(-1, 1, 32), logits_soft_cap=20.0, local_window_size=40)
+    out = _interpreted(paged_attention, q, k, v, t, l, config=TpuPagedConfig(pages_per_block=ppb), **kw)
+    assert_close(out, _golden(paged_attention_op, q, k, v, t, l, **kw))
+
+
+@pytest.mark.slow
+def test_paged_int4_word_path_rotation_and_windows():
+    """The word path with a rotated int4 cache and full-precision sink / recent windows (the
+    kernel writes partials, merged in the kernel's kv-head order back to the problem's)."""
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import word_codes
+
+    spec = KVQuant("int4", rotation=True, sink_tokens=2, recent_tokens=8)
+    q, k, v, t, l = paged_inputs(7, lengths=[200, 3, 0, 129], page_size=64, kv_heads=8, q_heads=16, head_dim=128,
+                                 dtype=jnp.float32, quant=spec, q_tokens=2)
+    assert word_codes(as_source(k))
+    kw = dict(sinks=jnp.linspace(-1, 1, 16))
+    out = _interpreted(paged_attention, q, k, v, t, l, config=TpuPagedConfig(pages_per_block=2), **kw)
+    assert_close(out, _golden(paged_attention_op, q, k, v, t, l, **kw))
+
+
+@pytest.mark.slow
+def test_ragged_int4_word_path():
+    """The word path in a ragged batch: decodes, a prefill and a chunked prefill, programs of
+    8 tokens (16 query rows per kv head pair), a dead sequence and padding tokens."""
+    q, k, v, kv_lens, t, cu, n = ragged_inputs(4, q_lens=[1, 9, 1, 5], kv_lens=[150, 9, 64, 70], page_size=64,
+                                               kv_heads=8, q_heads=16, head_dim=128, dtype=jnp.bfloat16,
+                                               padding_seqs=1, padding_tokens=3, quant=KVQuant("int4"))
+    kw = dict(sinks=jnp.linspace(-1, 1, 16))
+    out = _interpreted(ragged_paged_attention, q, k, v, kv_lens, t, cu, n,
+                       config=TpuRaggedConfig(pages_per_block=2, block_q=8), **kw)
+    end = int(cu[int(n[0])])
+    assert_close(out[:end], _golden(ragged_paged_attention_op, q, k, v, kv_lens, t, cu, n, **kw)[:end])
+
+
 def test_paged_folded_fp8_reads_every_code():
     """Folded e4m3 pools are read as e4m3b11fnuz codes (the v5e's native unpack; their value / 16,
     the 16 folded into the scales) with -0, whose b11 reading is NaN, taken as 0: every one of
@@ -330,7 +381,7 @@ def test_bundled_and_ours_compile(generation):
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
-@pytest.mark.parametrize("name", ["bf16", "int8", "int4_groups", "int4_token_groups", "int2_groups"])
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4", "int4_groups", "int4_token_groups", "int2_groups"])
 def test_largest_block_of_the_space_compiles(generation, name):
     """The VMEM model's edge (`configs.paged_tpu_vmem`): on issue 41's decode shape the
     largest block of each cache format's space compiles with the real compiler (the
@@ -340,7 +391,8 @@ def test_largest_block_of_the_space_compiles(generation, name):
     ok, reason = libtpu_available()
     if not ok:
         pytest.skip(reason)
-    quant = {"bf16": None, "int8": KVQuant("int8"), "int4_groups": KVQuant("int4", group_size=32),
+    quant = {"bf16": None, "int8": KVQuant("int8"), "int4": KVQuant("int4"),
+             "int4_groups": KVQuant("int4", group_size=32),
              "int4_token_groups": KVQuant("int4", group_axis="token", group_size=16),
              "int2_groups": KVQuant("int2", group_size=32)}[name]
     args = _decode_call(16, quant=quant)
@@ -402,6 +454,26 @@ def test_folded_fp8_pool_is_not_copied_around_the_kernel():
                                                          device=topology_device("v5e"))]
     assert texts and all("custom-call" in t for t in texts)
     assert not any("bitcast-convert(" in t for t in texts)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "tpu7x"])
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_int4_word_path_decode_compiles(generation, page_size):
+    """Issue 41's decode shape with a (folded) int4 cache takes the word path
+    (`mosaic_tpu_pages.word_codes`: the uint4 slot bitcast to int32 words, bfloat16 keys and
+    values built from two nibbles) and compiles with the real compiler for every generation."""
+    from stellax.ops.paged_attention.cache import as_source
+    from stellax.ops.paged_attention.mosaic_tpu_pages import word_codes
+    from stellax.testing.tpu_compile import compile_config, libtpu_available
+
+    ok, reason = libtpu_available()
+    if not ok:
+        pytest.skip(reason)
+    args = _decode_call(page_size, batch=4, context=2048, quant=KVQuant("int4"))
+    assert word_codes(as_source(args[1]))
+    result = compile_config(paged_attention_op, "mosaic_tpu", args, generation=generation)
+    assert result.ok, result.describe()
 
 
 # -- the float32 precision contract (docs/precision.md) --------------------------------------------

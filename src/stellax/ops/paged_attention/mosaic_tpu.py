@@ -28,7 +28,9 @@ columns (``(column mod hg) == row's head``, the rest ``-inf``; ``p = 0``
 there, so ``p V`` is one matmul too). The MXU work is the same as per head
 (its cost is pushing the ``T·hg`` key and value rows, done once either way);
 the softmax runs on ``hg``-times wider logits, which is cheap next to the
-gather it replaces.
+gather it replaces. Folded int4 pools of 8 kv heads are the exception
+(`mosaic_tpu_pages.word_codes`): groups of 2 kv heads (``g`` and ``g + 4``,
+two nibbles of the slot's int32 words), the query rows reordered to match.
 
 **Scalar prefetch** (SMEM): the block tables (rows padded to whole blocks,
 flattened), each program's table row ``seq``, its sequence length, the key
@@ -74,8 +76,9 @@ from ...core.precision import accurate_functions, float32_tanh_raw
 from . import plan as plan_mod
 from .configs import TpuPagedConfig, TpuRaggedConfig, can_split_heads, kernel_head_group
 from .mosaic_tpu_pages import (
-    dequantize, folded_scales, idiv, imod, merge_parts, pipeline_scratch, program_pipeline, run_pipeline, source_arrays,
-    source_meta, split_parts,
+    WORD_PAIRS, dequantize, folded_scales, idiv, imod, merge_parts, pair_codes, pipeline_scratch,
+    program_pipeline, run_pipeline, source_arrays, source_meta, split_parts, word_block, word_codes, word_offset,
+    word_scales,
 )
 from .plan import Problem, key_range, visible, window_partial
 
@@ -149,16 +152,23 @@ class Softmax:
                               sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
         return jnp.where(ok, s, -jnp.inf)
 
-    def update(self, s, v_parts, block, key_hi, m_ref, l_ref, acc_ref, masked: bool, fold=None):
+    def update(self, s, v_parts, block, key_hi, m_ref, l_ref, acc_ref, masked: bool, fold=None,
+               finite: bool = False, offset: float = 0.0):
         """One online-softmax step. In a ``masked`` block, values at positions
         ``>= key_hi`` (the end of the program's key range, at most its
         ``kv_len``) are zeroed first: free slots may hold NaN, and so may the
         pages the pipeline did not copy (``0 · NaN = NaN``); unmasked blocks
         lie below ``key_hi``. ``fold``: the values are codes and ``(scale row,
-        zero row)`` their `folded_scales`."""
+        zero row)`` their `folded_scales`. ``finite``: the values are integer
+        codes (never NaN) whose fold rows are zero past ``key_hi``: no zeroing.
+        ``offset``: the values are ``offset + code`` (`mosaic_tpu_pages.pair_codes`), taken
+        out as ``offset · Σ pd`` with the rounded ``pd`` the matmul used (exact cancellation)."""
         p, alpha = online_softmax_step(s, m_ref, l_ref)
         pd = (p if fold is None else p * fold[0]).astype(self.dtype)
         zsum = None if fold is None or fold[1] is None else jnp.sum(p * fold[1], axis=1, keepdims=True)
+        if offset:
+            zsum = zsum - F32(offset) * jnp.sum(pd.astype(F32), axis=1, keepdims=True)
+        masked = masked and not finite
         pos = self.key_pos(block, (self.tokens * self.heads, 1), 0) if masked else None
         for i, v in enumerate(v_parts):
             if masked:
@@ -233,6 +243,23 @@ def _kernel(tables, seq, kv_lens, key_lo, key_hi, full_lo, full_hi, *, row_pos, 
     for j in range(groups):
         init_state(m_ref.at[j], l_ref.at[j], acc_ref.at[j])
 
+    offset = word_offset(sm.dtype)
+
+    def words_body(block, slot, masked):
+        keys = (block, key_hi[b]) if masked else None
+        scales = {n: word_scales(bufs, n, m, slot, ppb, keys) for n, m in (("k", k_meta), ("v", v_meta))}
+        words = {n: word_block(bufs, n, slot) for n in ("k", "v")}
+        logits = []
+        for g in range(groups):                        # kv heads g and g + 4: a pair of nibbles
+            kg = pair_codes(words["k"], g, sm.dtype)   # offset + code: the zero points take the offset out
+            ks, kz = scales["k"][g]
+            kz = kz - F32(offset) * ks if offset else kz
+            logits.append(sm.logits([([(q[g, 0], kg)], (ks, kz))], block, rp, heads, kv_len, masked))
+        for g, s in enumerate(logits):
+            vg = pair_codes(words["v"], g, sm.dtype)
+            sm.update(s, [vg], block, key_hi[b], m_ref.at[g], l_ref.at[g], acc_ref.at[g], masked, scales["v"][g],
+                      finite=True, offset=offset)
+
     def body(block, slot, masked):
         keys = (block, key_hi[b]) if masked else None
         fold = {n: folded_scales(bufs, n, m, slot, sm.heads, ppb, keys) if m.fold else None
@@ -244,7 +271,8 @@ def _kernel(tables, seq, kv_lens, key_lo, key_hi, full_lo, full_hi, *, row_pos, 
             v_parts = dequantize(bufs, "v", v_meta, slot, j, sm.heads, ppb, sm.dtype, keys)
             sm.update(s, v_parts, block, key_hi[b], m_ref.at[j], l_ref.at[j], acc_ref.at[j], masked, fold["v"])
 
-    run_pipeline(pipe, sched, next_slot, by_coverage(body, full_lo[b], full_hi[b], sm.tokens))
+    run_pipeline(pipe, sched, next_slot,
+                 by_coverage(words_body if k_meta.words else body, full_lo[b], full_hi[b], sm.tokens))
     write_results(groups, m_ref, l_ref, acc_ref, sinks=sinks, out=out, o_part=o_part, m_part=m_part,
                   l_part=l_part)
 
@@ -324,15 +352,22 @@ def _outputs(bp: int, per_core: int, groups: int, r: int, parts: int, hp: int, f
                 m_part=output((bp, groups, r, LANES), F32, stat), l_part=output((bp, groups, r, LANES), F32, stat))
 
 
-def _collect(problem: Problem, res, rt: int):
+def _collect(problem: Problem, res, rt: int, order=None):
     """Kernel results (padded programs dropped) → normalized float32 rows
     ``[Bp, K, Rt, Hv]`` (merging the full-precision windows' partial and the
-    sinks when the kernel wrote partials)."""
+    sinks when the kernel wrote partials); ``order``: the kernel's kv head ``i``
+    is the problem's ``order[i]``."""
     heads, bp = problem.num_kv_heads, problem.num_programs
+    back = None if order is None else jnp.asarray([order.index(h) for h in range(heads)])
+
+    def rows(x):
+        x = ungrouped(x, heads, rt)
+        return x if back is None else x[:, back]
+
     if res.out is not None:
-        return ungrouped(merge_parts(res.out[:bp]), heads, rt)
-    o = ungrouped(merge_parts(res.o_part[:bp]), heads, rt)
-    partials = [(o, ungrouped(res.m_part[:bp, ..., 0], heads, rt), ungrouped(res.l_part[:bp, ..., 0], heads, rt))]
+        return rows(merge_parts(res.out[:bp]))
+    o = rows(merge_parts(res.o_part[:bp]))
+    partials = [(o, rows(res.m_part[:bp, ..., 0]), rows(res.l_part[:bp, ..., 0]))]
     extra = window_partial(problem)
     if extra is not None:
         partials.append(extra)
@@ -340,7 +375,7 @@ def _collect(problem: Problem, res, rt: int):
 
 
 def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dict, values: str, ppb: int,
-                name: str, cores: int | None = None, split_heads: bool = False):
+                name: str, cores: int | None = None, split_heads: bool = False, words: bool = False):
     """Launch a paged kernel over grid ``(cores, per_core)`` and return
     normalized float32 rows ``[Bp, K, Rt, Hv]``.
 
@@ -358,34 +393,39 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
     queries ``[K/hg, parts, R, H']``, ``sinks``, the outputs, the ``m_ref`` /
     ``l_ref`` / ``acc_ref`` scratch, the pools ``hbm_*``, the slots ``buf_*``,
     ``sems``, ``next_slot``, ``metas``, ``sm`` (`Softmax`), ``ppb``, ``width``
-    and ``per_core``."""
+    and ``per_core``. ``words``: the sources are read through
+    `mosaic_tpu_pages.word_codes` (kv heads ``g`` and ``g + 4`` a group: the query rows, sinks and
+    results are taken in the order of `WORD_PAIRS`)."""
     bp, heads, rt, _ = problem.q.shape
+    order = [h for pair in WORD_PAIRS for h in pair] if words else None
     cores = max(1, min(cores or target_generation().cores_per_chip, bp))
     per_core = cdiv(bp, cores)
     programs = cores * per_core
-    hg = kernel_head_group(heads, split_heads)
+    hg = 2 if words else kernel_head_group(heads, split_heads)
     groups = heads // hg
     r = padded_rows(hg * rt)
-    metas = {n: source_meta(src) for n, src in sources.items()}
+    metas = {n: source_meta(src, words) for n, src in sources.items()}
     finalize = not problem.has_windows
     sinks = None
     if finalize and problem.sinks is not None:
-        sinks = grouped(problem.sinks, 0, hg, r)[:, :, None]                       # [K/hg, R, 1]
+        sinks = problem.sinks if order is None else problem.sinks[jnp.asarray(order)]
+        sinks = grouped(sinks, 0, hg, r)[:, :, None]                               # [K/hg, R, 1]
     row_pos = pad_axis(jnp.tile(problem.row_pos, (1, hg)), 1, r, -1)[:, :, None]   # [Bp, R, 1]
     row_pos = pad_axis(row_pos, 0, programs, -1)
     inputs = dict(row_pos=operand(row_pos, _rows_spec(per_core, r, 1)),
                   sinks=operand(sinks, pl.BlockSpec(tuple(sinks.shape), lambda c, i, *_: (0, 0, 0))
                                 if sinks is not None else None))
     for qname, (rows, src_name) in queries.items():
+        rows = rows if order is None else rows[:, jnp.asarray(order)]
         x = split_parts(grouped(rows, 1, hg, r), metas[src_name].per_byte)         # [Bp, K/hg, parts, R, H']
         inputs[qname] = operand(pad_axis(x, 0, programs), _rows_spec(per_core, *x.shape[1:]))
     for s, src in sources.items():
-        for n, a in source_arrays(src).items():
+        for n, a in source_arrays(src, words).items():
             inputs[f"hbm_{s}_{n}"] = operand(a, pl.BlockSpec(memory_space=pl.ANY))
     vm = metas[values]
     scratch = dict(m_ref=pltpu.VMEM((groups, r, LANES), F32), l_ref=pltpu.VMEM((groups, r, LANES), F32),
                    acc_ref=pltpu.VMEM((groups, vm.per_byte, r, vm.part_dim), F32),
-                   **pipeline_scratch(sources, ppb))
+                   **pipeline_scratch(sources, ppb, words))
     sm = Softmax(ppb * problem.page_size, hg, rt, problem.scale, problem.soft_cap, problem.window_left,
                  problem.sink_tokens, problem.recent_tokens, problem.q.dtype, problem.precision)
     res = tpu_kernel_call(
@@ -394,7 +434,7 @@ def launch_rows(kernel, problem: Problem, tables, *, sources: dict, queries: dic
         outputs=_outputs(programs, per_core, groups, r, vm.per_byte, vm.part_dim, finalize),
         scalar_prefetch=prefetch_operands(problem, tables, ppb, programs),
         dimension_semantics=("parallel", "arbitrary"), name=name)
-    return _collect(problem, res, rt)
+    return _collect(problem, res, rt, order)
 
 
 def attention_rows(problem: Problem, tables, *, pages_per_block: int, cores: int | None = None,
@@ -402,10 +442,14 @@ def attention_rows(problem: Problem, tables, *, pages_per_block: int, cores: int
     """Normalized float32 rows ``[Bp, K, Rt, Hv]`` of a `paged`/`ragged` problem
     (``tables``: the clamped block tables the programs' ``seq_rows`` index;
     ``cores``: the ``parallel`` grid axis, by default the target's TensorCores;
-    ``split_heads``: one kv head per matmul, `configs.kernel_head_group`)."""
-    return launch_rows(_kernel, problem, tables, sources={"k": problem.k, "v": problem.values},
+    ``split_heads``: one kv head per matmul, `configs.kernel_head_group`). Folded int4
+    keys and values of 8 kv heads go through `mosaic_tpu_pages.word_codes`: a pair of kv
+    heads per group, their codes two nibbles of the slot's int32 words."""
+    sources = {"k": problem.k, "v": problem.values}
+    words = all(word_codes(src) for src in sources.values())
+    return launch_rows(_kernel, problem, tables, sources=sources,
                        queries={"q": (problem.q, "k")}, values="v", ppb=pages_per_block,
-                       name="stellax_paged_attention_tpu", cores=cores, split_heads=split_heads)
+                       name="stellax_paged_attention_tpu", cores=cores, split_heads=split_heads, words=words)
 
 
 def _tables(call, problem: Problem):

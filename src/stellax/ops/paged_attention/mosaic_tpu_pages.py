@@ -39,7 +39,9 @@ through five more VPU ops per vreg), their value / 16 (`B11_SCALE`, folded
 into the scale row) and NaN for the code of -0 (selected to 0). That bitcast
 happens in VMEM, on each block after its DMA: done in XLA on the pool, it
 compiled to a ``bitcast-convert`` of the whole pool per call (a copy), and a
-v5e measured the fp8 cache at 0.56x the bf16 cache's throughput.
+v5e measured the fp8 cache at 0.56x the bf16 cache's throughput. Folded int4
+pools of 8 kv heads take the word path (`word_codes`): the slot read as int32
+words, two kv heads' bfloat16 codes made from two nibbles, scales by head pair.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class SourceMeta:
     head_dim: int
     page_size: int
     fold: bool = False      # scales applied to the logits / probabilities (`folded_scales`)
+    words: bool = False     # int4 codes read as int32 words of a token's 8 kv heads (`word_codes`)
 
     @property
     def b11(self) -> bool:
@@ -101,8 +104,36 @@ class SourceMeta:
         return self.spec.group(self.head_dim)
 
 
-def source_meta(src: Source) -> SourceMeta:
-    return SourceMeta(src.spec, src.part, src.head_dim, src.page_size, source_folds(src))
+def source_meta(src: Source, words: bool = False) -> SourceMeta:
+    """The kernel's static view of ``src``; ``words``: read through `word_codes` (the
+    caller checked `word_codes` for its block size)."""
+    return SourceMeta(src.spec, src.part, src.head_dim, src.page_size, source_folds(src), words)
+
+
+#: kv heads whose uint4 codes of one token and channel share an int32 word (XLA:TPU's and Mosaic's
+#: ``(8, 1)`` packing of 4-bit types: 8 consecutive rows, row ``8w + j`` in bits ``4j .. 4j + 3``).
+WORD_HEADS = 8
+#: The kv heads of `word_codes` group ``g``: ``g`` and ``g + 4``, 16 bits apart in a word.
+WORD_PAIRS = tuple((g, g + WORD_HEADS // 2) for g in range(WORD_HEADS // 2))
+#: A bfloat16 `word_codes` key or value is ``WORD_OFFSET + code`` (bits ``0x4300 | code``).
+WORD_OFFSET = 128.0
+
+
+def word_codes(src: Source) -> bool:
+    """Whether ``src`` takes the word path of the Mosaic decode kernel: folded int4 pools
+    (`source_folds`: one scale and zero point per token and kv head) of exactly `WORD_HEADS`
+    kv heads, ``H`` a multiple of 128 and pages a multiple of 64 tokens.
+
+    A slot's codes are read as int32 words ``[T, H]`` (word ``(t, c)``: channel ``c`` of token
+    ``t``, kv head ``j`` in bits ``4j .. 4j + 3``) and the kv heads are taken in pairs
+    (`WORD_PAIRS`): ``((w >> 4g) & 0x000F000F) | 0x43004300`` is, read as bfloat16 ``[2T, H]``,
+    the keys (values) of heads ``g`` (row ``2t``) and ``g + 4`` (row ``2t + 1``) plus
+    `WORD_OFFSET` — three VPU ops per word vreg for two heads, no unpack, permute or
+    conversion — so a block update is a head group of 2 (`Softmax` with ``heads = 2``); the
+    offset is taken out through the zero points (`word_scales`) and, for the values, with the
+    rounded probabilities' sum (`Softmax.update`)."""
+    return (source_folds(src) and src.spec.format == "int4" and src.num_heads == WORD_HEADS
+            and src.head_dim % 128 == 0 and src.page_size % 64 == 0)
 
 
 def source_folds(src: Source) -> bool:
@@ -122,13 +153,26 @@ def token_major(src: Source) -> bool:
     return src.part is None and src.data.ndim == 4 and src.data.shape[2] in TOKEN_MAJOR_HEADS
 
 
-def source_arrays(src: Source) -> dict:
+def source_arrays(src: Source, words: bool = False) -> dict:
     """The HBM arrays of a source: ``data`` and, quantized, ``scale`` / ``zero``.
     int4 codes go in as the pool's ``uint4`` (lane-dense in HBM; Mosaic loads
     and converts them). Packed int2 bytes are passed as int8 (a same-width bitcast: Mosaic
     cannot load the uint8 vectors; the kernel masks the bit fields, so the
-    sign does not matter)."""
+    sign does not matter).
+
+    ``words`` (`word_codes`): the codes token-major ``[NP, PS·K, H]`` (a free
+    reshape of the ``(8, 1)``-packed tiles) and one float32 ``scale`` array
+    ``[NP, 8, 2·PS]`` by head pair (`WORD_PAIRS`): row ``g`` the scales, row
+    ``4 + g`` the zero points of pair ``g``, lane ``2t + k`` head ``g + 4k``'s
+    at token ``t`` (the columns of the pair's logits; an XLA transpose of the
+    pool's ``[NP, PS, K, 1]`` scales and zero points in each call)."""
     data = src.data
+    if words:
+        np_, ps, k, h = data.shape
+        by_pair = lambda a: jnp.transpose(a.astype(F32).reshape(np_, ps, 2, k // 2), (0, 3, 1, 2)).reshape(
+            np_, k // 2, 2 * ps)
+        return {"data": data.reshape(np_, ps * k, h),
+                "scale": jnp.concatenate([by_pair(src.scale), by_pair(src.zero)], axis=1)}
     if jnp.dtype(data.dtype) == jnp.uint8:
         data = jax.lax.bitcast_convert_type(data, jnp.int8)
     if token_major(src):
@@ -195,7 +239,7 @@ class PagePipeline:
 
     def _copy(self, src, name, slot, i, page):
         meta, buf = self.metas[src], self.bufs[(src, name)]
-        if meta.fold and name != "data":         # page i's scales: lanes [i·W, (i+1)·W) of the slot's row
+        if meta.fold and not meta.words and name != "data":         # page i's scales: lanes [i·W, (i+1)·W) of the slot's row
             width = buf.shape[-1] // self.ppb
             dst = buf.at[slot, :, pl.ds(i * width, width)]
         else:
@@ -229,15 +273,16 @@ class PagePipeline:
         self._each(block, limit, lambda i: (0, slot), lambda c: c.wait())
 
 
-def pipeline_scratch(sources: dict, ppb: int) -> dict:
+def pipeline_scratch(sources: dict, ppb: int, words: bool = False) -> dict:
     """VMEM slots ``[2, ppb, *page]`` (a page: ``[rows, K, lanes]`` or token-major
-    ``[rows·K, lanes]``) for every pool array of ``sources`` (name → `Source`),
+    ``[rows·K, lanes]``) for every pool array of ``sources`` (name → `Source`;
+    ``words``: their `source_arrays` for `word_codes`),
     the two DMA semaphores and the SMEM word carrying the slot of the next
     program's first block from one grid step to the next."""
     scratch = {}
     for src_name, src in sources.items():
-        for name, arr in source_arrays(src).items():
-            if name != "data" and source_folds(src):              # a block's scales: one row [1, ppb·PS·K]
+        for name, arr in source_arrays(src, words).items():
+            if name != "data" and source_folds(src) and not words:              # a block's scales: one row [1, ppb·PS·K]
                 shape = (2, 1, ppb * arr.shape[-1])
             else:
                 shape = (2, ppb, *(arr.shape[1:] if arr.ndim == 3 else (arr.shape[1], arr.shape[-2], arr.shape[-1])))
@@ -432,6 +477,55 @@ def folded_scales(bufs: dict, src: str, meta: SourceMeta, slot, hg: int, ppb: in
         live = block * ppb * meta.page_size + idiv(c, hg) < key_hi
         rows = [None if r is None else jnp.where(live, r, 0.0) for r in rows]
     return rows[0], rows[1]
+
+
+def word_block(bufs: dict, src: str, slot):
+    """Slot ``slot`` of a `word_codes` source's codes ``[2, ppb, PS·K, H]`` uint4 as
+    int32 words ``[T, H]`` (`pltpu.bitcast` of the loaded ``[T·K, H]`` codes: word
+    ``(t, c)`` holds channel ``c`` of token ``t`` of all 8 kv heads, head ``j``
+    in bits ``4j .. 4j + 3``; a reinterpretation of the packed vregs)."""
+    x = bufs[(src, "data")][slot]                                         # [ppb, PS·K, H] uint4
+    return pltpu.bitcast(x.reshape(x.shape[0] * x.shape[1], x.shape[2]), jnp.int32)
+
+
+def pair_codes(words, pair: int, dtype):
+    """Head pair ``pair``'s (`WORD_PAIRS`) keys or values ``[2T, H]`` in ``dtype``:
+    row ``2t + k`` is the code of token ``t``, kv head ``pair + 4k``, plus
+    `word_offset` ``(dtype)`` (bfloat16 ``0x4300 | code`` is ``128 + code``, exact;
+    other dtypes subtract the 128 after the conversion)."""
+    w = words if pair == 0 else jax.lax.shift_right_logical(words, jnp.int32(4 * pair))
+    x = pltpu.bitcast((w & 0x000F000F) | 0x43004300, jnp.bfloat16)
+    if x.dtype == dtype:
+        return x
+    return x.astype(dtype) - jnp.asarray(WORD_OFFSET, dtype)
+
+
+def word_offset(dtype) -> float:
+    """What `pair_codes` adds to the codes in ``dtype``: `WORD_OFFSET` in bfloat16, else 0."""
+    return WORD_OFFSET if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 0.0
+
+
+def word_scales(bufs: dict, src: str, meta: SourceMeta, slot, ppb: int, keys=None) -> list:
+    """A `word_codes` block's float32 scale and zero-point rows ``(scale [1, 2T],
+    zero [1, 2T])`` of each head pair (column ``2t + k``: the block's token ``t``,
+    head ``pair + 4k``, as the pair's logits), from the slot's ``[ppb, 8, 2·PS]``
+    (`source_arrays`). In a masked block (``keys =
+    (block, key_hi)``) the columns at or past ``key_hi`` are zeroed (free slots and
+    uncopied pages may hold NaN; `folded_scales`)."""
+    x = bufs[(src, "scale")][slot]                                       # [ppb, 8, 2·PS]
+    live = None
+    if keys is not None:
+        block, key_hi = keys
+        c = jax.lax.broadcasted_iota(jnp.int32, (1, ppb * x.shape[-1]), 1)
+        live = block * ppb * meta.page_size + idiv(c, 2) < key_hi
+    rows = []
+    for g in range(len(WORD_PAIRS)):
+        scale = jnp.concatenate([x[i, g:g + 1] for i in range(ppb)], axis=1)
+        zero = jnp.concatenate([x[i, 4 + g:5 + g] for i in range(ppb)], axis=1)
+        if live is not None:
+            scale, zero = jnp.where(live, scale, 0.0), jnp.where(live, zero, 0.0)
+        rows.append((scale, zero))
+    return rows
 
 
 def split_parts(x, per_byte: int):
