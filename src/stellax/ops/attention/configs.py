@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -235,20 +236,43 @@ def splash_vmem_bytes(rows: int, block_kv: int, h: int, hv: int, itemsize: int, 
     return blocks + stats + scratch + 4 * 4 * rows * block_kv
 
 
-def fused_dq_bytes(t: int, g: int, h: int, itemsize: int, block_q: int) -> int:
+def fused_dq_bytes(t: int, g: int, h: int, itemsize: int, block_q: int, *, output_buffers: int = 2) -> int:
     """VMEM the fused backward keeps for one head group's whole dq (bytes): the float32
-    accumulator ``[T·G, H]`` (``T`` padded to ``block_q``) and its double-buffered output
-    block in the operands' dtype. MHA, T=8192, H=128, bf16: 8 MiB; GQA G=4: 32 MiB."""
+    accumulator ``[T·G, H]`` (``T`` padded to ``block_q``) and ``output_buffers`` buffers of its
+    output block in the operands' dtype (`fused_output_buffers`: two, one when the grid has a
+    single (batch, kv head) and the block never changes). libtpu's v5e compile agrees: MQA (16
+    heads) at T=16384, B=1, 128 × 1024, uses 204.8 MiB of VMEM: 128 + 64 of dq and 12.8 of the
+    step; MHA at T=131072 (16 heads), 1024 × 1024, 138.3 MiB: 64 + 2 × 32 and 10.3. MHA, T=8192,
+    H=128, bf16: 8 MiB; GQA G=4: 32 MiB; MQA G=16, B=1: 96 MiB."""
     rows = -(-t // block_q) * block_q * g
-    return rows * _lane_pad(h) * (4 + 2 * itemsize)
+    return rows * _lane_pad(h) * (4 + output_buffers * itemsize)
+
+
+def fused_output_buffers(batch: int, kv_heads: int) -> int:
+    """Buffers Mosaic gives the fused backward's resident dq output block: one when the grid
+    has a single (batch, kv head), so the block's index never changes; two otherwise."""
+    return 1 if batch * kv_heads == 1 else 2
+
+
+def fused_step_bytes(rows: int, block_kv: int, h: int, hv: int, itemsize: int) -> int:
+    """The fused backward step's VMEM beside its resident dq (bytes): the backward estimate
+    (`splash_vmem_bytes`) less its float32 ``rows × block_kv`` temporaries, which the fused
+    kernel (keys first, in pieces) keeps in the compiler's internal scratch, not in the
+    kernel's scoped VMEM: MQA T=16384 at 128 × 1024 (2048 rows) uses 12.8 MiB beside dq on
+    libtpu's v5e compile, this estimate 14."""
+    return splash_vmem_bytes(rows, block_kv, h, hv, itemsize, backward=True) - 4 * 4 * rows * block_kv
 
 
 def fused_backward_fits(call: Call, block_q: int, block_kv: int, generation) -> bool:
-    """Whether the fused backward's step estimate (`splash_vmem_bytes`) plus its resident
-    dq (`fused_dq_bytes`) fit three quarters of the generation's VMEM."""
+    """Whether the fused backward's step (`fused_step_bytes`) plus its resident dq
+    (`fused_dq_bytes`) fit seven eighths of the generation's VMEM, the most its launch asks
+    for (`mosaic_tpu.vmem_limit`). On a v5e (128 MiB), bf16, H=128: MHA up to T=65536, GQA 4
+    up to 16384, MQA (16 heads) of one sequence up to 8192 (110 MiB; compiled and measured
+    there), of several up to 4096."""
     t, s, g, h, hv, size = _tpu_shape(call)
-    need = splash_vmem_bytes(g * block_q, block_kv, h, hv, size, backward=True)
-    return need + fused_dq_bytes(t, g, h, size, block_q) <= _tpu_budget(generation)
+    buffers = fused_output_buffers(math.prod(call.query.shape[:-3]), call.key.shape[-2])
+    need = fused_step_bytes(g * block_q, block_kv, h, hv, size)
+    return need + fused_dq_bytes(t, g, h, size, block_q, output_buffers=buffers) <= generation.vmem_bytes * 7 // 8
 
 
 def _tpu_budget(generation) -> int:
@@ -324,8 +348,18 @@ def splash_backward_heuristic(call: Call) -> SplashBackwardConfig:
     resident dq fits."""
     from ...core.platform import target_generation
 
+    generation = target_generation()
     bq, bk = _heuristic_blocks(call, backward=True)
-    fused = fused_backward_default(call, bq, bk, target_generation())
+    if FUSED_BACKWARD_BY_DEFAULT and generation.mxu < 256:
+        # The fused kernel at the forward's large tiles wherever it fits, though the unfused
+        # pair's estimate would not: measured on a v5e (MQA N=16 K=1 causal T=8192, bf16, forward
+        # + backward) 8.10 ms fused at 128 × 1024 against 10.33 ms unfused at 128 × 512.
+        t, s, g = _tpu_shape(call)[:3]
+        for cq, ck in _large_forward_blocks(g):
+            if fused_backward_fits(call, _clamp(cq, t), _clamp(ck, s), generation):
+                bq, bk = _clamp(cq, t), _clamp(ck, s)
+                break
+    fused = fused_backward_default(call, bq, bk, generation)
     return SplashBackwardConfig(block_q_dq=bq, block_kv_dq=bk, block_q_dkv=bq, block_kv_dkv=bk, fused=fused)
 
 

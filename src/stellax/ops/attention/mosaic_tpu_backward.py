@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...core.pallas import operand, output, tpu_kernel_call
-from .configs import fused_dq_bytes
+from .configs import fused_dq_bytes, fused_output_buffers
 from .mosaic_tpu import (
     F32, LOG2E, Layout, Step, TileMath, Tiling, Tokens, batch_index, group_stats, schedule, token_inputs,
     ungroup_rows, vmem_limit,
@@ -316,7 +316,8 @@ def _fused(c, d_out, lse, delta, block_q: int, block_kv: int):
                      dk_scr=pltpu.VMEM((t_.bk, t_.h), F32), dv_scr=pltpu.VMEM((t_.bk, t_.hv), F32)),
         dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
         vmem_limit_bytes=vmem_limit(tiling, itemsize, backward=True,
-                                    resident=fused_dq_bytes(t_.t, t_.g, t_.h, itemsize, t_.bq)),
+                                    resident=fused_dq_bytes(t_.t, t_.g, t_.h, itemsize, t_.bq,
+                                                            output_buffers=fused_output_buffers(t_.b, t_.kh))),
         name="stellax_splash_attention_backward_fused",
     )
     dq = outs.dq
