@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 
+import pytest
+
 from stellax import cli
 from stellax.testing import report
 
@@ -64,13 +66,14 @@ def test_threaded_check_releases_memory_per_op_and_records_rss(monkeypatch):
     from stellax.testing.plan import plan_checks, select_ops
 
     releases = []
-    monkeypatch.setattr(workers, "release_host_memory", lambda: releases.append(1))
+    monkeypatch.setattr(workers, "release_host_memory", lambda ceiling=None: releases.append(ceiling))
     jobs = plan_checks(select_ops(stellax.registered_ops(), ["rms_norm", "moe_route"]))
     names = {job.op.name for job in jobs}
     pairs = {(job.op.name, job.dtype) for job in jobs}
     run = report.run_quietly(jobs, platform="cpu", mode="quick", threads=2)
     assert len(run.rows) == len(jobs) and not run.failures
     assert len(releases) == -(-len(pairs) // 2) + len(names)  # every 2 examples built, then per op
+    assert len(set(releases)) == 1  # one ceiling for the run, taken before its checks
     assert all(row["host_rss"] > 0 for row in run.rows)
 
 
@@ -85,6 +88,24 @@ def test_release_host_memory_drops_compiled_programs():
     assert f._cache_size() == 1
     workers.release_host_memory()
     assert f._cache_size() == 0
+
+
+def test_release_host_memory_keeps_programs_below_its_ceiling():
+    """With a ceiling above what the process holds, a release only trims the heap: the compiled
+    programs stay (no recompiles); above it, they are dropped."""
+    import jax
+    import jax.numpy as jnp
+
+    from stellax.testing import workers
+
+    now = workers.host_bytes_now()
+    if now is None:
+        pytest.skip("no /proc figures of this process's memory here (Linux only)")
+    f = jax.jit(lambda x: x * 5)
+    f(jnp.ones(3))
+    assert workers.release_host_memory(ceiling=now * 4) is False and f._cache_size() == 1
+    assert workers.release_host_memory(ceiling=0) is True and f._cache_size() == 0
+    assert workers.program_ceiling() > 0
 
 
 def _until_sampled(watch, label: str, at_least: int = 0, timeout: float = 30.0) -> None:
@@ -167,7 +188,7 @@ def test_threads_take_the_next_job_when_free(monkeypatch):
     from stellax.testing import validation, workers
 
     monkeypatch.setattr(validation, "examples_of", lambda op, dtype: [])
-    monkeypatch.setattr(workers, "release_host_memory", lambda: None)
+    monkeypatch.setattr(workers, "release_host_memory", lambda ceiling=None: None)
     monkeypatch.setattr(workers, "row_of", lambda job, result, seconds: {"thread": result})
 
     class Op:  # hashable, as registered ops are

@@ -28,25 +28,69 @@ from .validation import CheckResult
 Event = tuple[str, CheckJob | None, object]
 
 
-def release_host_memory() -> None:
-    """Drop jax's compiled programs (`jax.clear_caches`) and give the heap's free
-    pages back to the system (glibc ``malloc_trim``; nothing elsewhere).
+def release_host_memory(ceiling: int | None = None) -> bool:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``; nothing
+    elsewhere) and, when the process still holds more than ``ceiling`` bytes of host
+    memory (its RSS less the accelerator's mappings; always when ``ceiling`` is None),
+    drop jax's compiled programs (`jax.clear_caches`) too. Returns whether it dropped them.
 
     A check compiles a handful of programs that are never called again, and jax
     keeps every one: on a v5e, `stellax check --all` grew from 4.2 to 7.4 GB of
     host memory over its 648 checks (per-row ``host_rss`` in
-    benchmarks/results/check-all-v5e-2026-12-06-c1ab002.json). Calls already
-    running keep their programs; a later call of a dropped one recompiles."""
-    import ctypes
-    import ctypes.util
-
+    benchmarks/results/check-all-v5e-2026-12-06-c1ab002.json). But dropping them
+    costs time where ops share programs (the random inputs, the comparisons): the
+    quick check took 118.5 s with the drops against 88-104 s without (docs/tpu.md),
+    so `threaded_events` drops them only above a ceiling. Calls already running keep
+    their programs; a later call of a dropped one recompiles."""
+    _trim_heap()
+    if ceiling is not None:
+        now = host_bytes_now()
+        if now is not None and now <= ceiling:
+            return False
     import jax
 
     jax.clear_caches()
+    _trim_heap()
+    return True
+
+
+def _trim_heap() -> None:
+    import ctypes
+    import ctypes.util
+
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def host_bytes_now() -> int | None:
+    """This process's host memory now (bytes): its RSS less the accelerator's memory mapped
+    into it (`report.host_memory`); None where Linux's figures cannot be read."""
+    from .report import host_memory
+
+    memory = host_memory()
+    if "rss" not in memory:
+        return None
+    return memory["rss"] - memory.get("device_mapped", 0)
+
+
+#: `threaded_events` keeps compiled programs while the process holds less host memory than this
+#: fraction of its peak before the checks (on an accelerator, the runtime's start-up: a bare JAX
+#: process on a v5e host peaks at 6.0 GB, benchmarks/results/host_memory_bare_jax-v5e-2026-12-07.json),
+#: so the checks do not raise the process's peak and do not pay recompiles below it.
+KEEP_PROGRAMS_BELOW = 0.8
+
+
+def program_ceiling() -> int | None:
+    """The host memory (bytes) above which `threaded_events` drops compiled programs:
+    `KEEP_PROGRAMS_BELOW` of the process's host peak so far; None where it cannot be read
+    (then every release drops them)."""
+    from .report import host_memory
+
+    memory = host_memory()
+    peak = memory.get("peak_host", memory.get("peak_rss"))
+    return None if not peak else int(KEEP_PROGRAMS_BELOW * peak)
 
 
 def partition(jobs: list[CheckJob], workers: int) -> list[list[int]]:
@@ -90,17 +134,20 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
     is free. Host memory is released (`release_host_memory`) after every
     ``threads`` examples built (on a v5e the quick check's peak, 5.3 GB, came
     while they were built with one release at the end) and whenever an op's
-    last check finishes."""
+    last check finishes; compiled programs are dropped then only above
+    `program_ceiling` (below it, dropping them bought no lower peak and cost
+    recompiles)."""
     import concurrent.futures
 
     from .validation import examples_of
 
     pairs = list(dict.fromkeys((job.op, job.dtype) for job in jobs))
+    ceiling = program_ceiling()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(threads, len(pairs))),
                                                thread_name_prefix="stellax-examples") as pool:
         for built, _ in enumerate(pool.map(lambda pair: examples_of(*pair), pairs), start=1):
             if built % threads == 0 or built == len(pairs):
-                release_host_memory()  # the random-number programs that built them
+                release_host_memory(ceiling)  # the random-number programs that built them
     left_of_op: dict[str, int] = {}
     for job in jobs:
         left_of_op[job.op.name] = left_of_op.get(job.op.name, 0) + 1
@@ -150,7 +197,7 @@ def threaded_events(jobs: list[CheckJob], threads: int) -> Iterator[Event]:
                 finished += 1
                 left_of_op[jobs[index].op.name] -= 1
                 if not left_of_op[jobs[index].op.name]:
-                    release_host_memory()  # the op's programs: no later check calls them
+                    release_host_memory(ceiling)  # the op's programs: no later check calls them
                 yield "done", jobs[index], row
     yield "cpu", None, time.process_time() - cpu_start
 
