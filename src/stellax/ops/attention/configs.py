@@ -364,7 +364,9 @@ def _narrow_window(call: Call) -> bool:
 
 def splash_backward_heuristic(call: Call) -> SplashBackwardConfig:
     """The heuristic blocks for both kernels, fused (`fused_backward_default`) where its
-    resident dq fits."""
+    resident dq fits. On 128-wide-MXU chips (v5e, v5p) the fused kernel is tried first at
+    512-row tiles for a window of at most `NARROW_WINDOW` keys, then at the forward's large
+    tiles (`_large_forward_blocks`), and taken at the first that fits."""
     from ...core.platform import target_generation
 
     generation = target_generation()
