@@ -5,7 +5,7 @@
 Issue 35 asks the quick check to stay under 4 GB of host memory on a v5e. This
 starts the backend (``jax.devices()``) and runs one tiny computation, importing
 nothing of stellax before measuring, then records the process's memory as
-`stellax.testing.report.host_memory` counts it for the check: ``peak_rss`` (the
+`stellax.testing.process_memory.host_memory` counts it for the check: ``peak_rss`` (the
 most it held), ``device_mapped`` (the accelerator's memory mapped into the
 process, part of the RSS) and ``peak_host`` (their difference: host RAM). On a
 v5e (2026-12-07) the bare process alone peaked at 6.0 GB of host memory, more
@@ -35,7 +35,7 @@ def measure() -> dict:
     (jnp.ones(4) + 1).block_until_ready()
     backend_seconds = time.perf_counter() - start
     maxrss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before stellax is imported
-    from stellax.testing.report import host_memory
+    from stellax.testing.process_memory import host_memory
 
     return {"format": "stellax-host-memory", "version": 1, "device": device.device_kind,
             "date": datetime.date.today().isoformat(), "backend_seconds": round(backend_seconds, 2),

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from stellax import cli
-from stellax.testing import report
+from stellax.testing import process_memory, report
 
 SMAPS = """\
 7f0000000000-7f0100000000 rw-s 00000000 00:0f 1234     anon_inode:[vfio-device]
@@ -31,8 +31,8 @@ Rss:                1024 kB
 def test_device_mappings_are_counted_apart(tmp_path):
     smaps = tmp_path / "smaps"
     smaps.write_text(SMAPS)
-    assert report._device_mapped_bytes(str(smaps)) == (4194304 + 1024) * 1024
-    assert report._device_mapped_bytes(str(tmp_path / "absent")) is None
+    assert process_memory.device_mapped_bytes(str(smaps)) == (4194304 + 1024) * 1024
+    assert process_memory.device_mapped_bytes(str(tmp_path / "absent")) is None
 
 
 def test_memory_text_names_the_host_part():
@@ -43,7 +43,7 @@ def test_memory_text_names_the_host_part():
     plain = report._memory_text({"peak_rss": 2 * gb, "rss": gb, "anonymous": gb // 2, "file": gb // 2,
                                  "device_mapped": 0})
     assert "0.5 allocated" in plain and "accelerator" not in plain
-    measured = report.host_memory()
+    measured = process_memory.host_memory()
     if measured:  # Linux
         assert measured["peak_host"] <= measured["peak_rss"] and measured["device_mapped"] >= 0
 
@@ -98,7 +98,7 @@ def test_release_host_memory_keeps_programs_below_its_ceiling():
 
     from stellax.testing import workers
 
-    now = workers.host_bytes_now()
+    now = process_memory.host_bytes_now()
     if now is None:
         pytest.skip("no /proc figures of this process's memory here (Linux only)")
     f = jax.jit(lambda x: x * 5)
@@ -114,7 +114,7 @@ def _until_sampled(watch, label: str, at_least: int = 0, timeout: float = 30.0) 
     thread for longer than any fixed sleep. No wait where RSS cannot be read."""
     import time
 
-    if report._rss_now() is None:
+    if process_memory.rss_now() is None:
         return
     deadline = time.monotonic() + timeout
     while watch.phase_peaks.get(label, -1) < at_least and time.monotonic() < deadline:
@@ -141,7 +141,7 @@ def _watch_a_big_block():
         block = bytearray(200 << 20)  # 200 MiB, touched
         for i in range(0, len(block), 4096):
             block[i] = 1
-        _until_sampled(watch, "the big one", at_least=report._rss_now() or 0)
+        _until_sampled(watch, "the big one", at_least=process_memory.rss_now() or 0)
         del block
         state["now"] = "after"
         _until_sampled(watch, "after")
@@ -165,7 +165,7 @@ def test_a_started_watch_names_its_phases_then_the_checks(monkeypatch):
     block = bytearray(100 << 20)
     for i in range(0, len(block), 4096):
         block[i] = 1
-    _until_sampled(watch, "starting the backend", at_least=report._rss_now() or 0)
+    _until_sampled(watch, "starting the backend", at_least=process_memory.rss_now() or 0)
     del block
     job = types.SimpleNamespace(op=types.SimpleNamespace(name="op"), implementation="xla", dtype="float32")
     out = report._run([job], report.CheckReport("cpu", "quick"), watch=watch)

@@ -22,6 +22,7 @@ import queue as queue_lib
 import time
 from typing import Iterator
 
+from . import process_memory
 from .plan import CheckJob, row_of
 from .validation import CheckResult
 
@@ -44,7 +45,7 @@ def release_host_memory(ceiling: int | None = None) -> bool:
     their programs; a later call of a dropped one recompiles."""
     _trim_heap()
     if ceiling is not None:
-        now = host_bytes_now()
+        now = process_memory.host_bytes_now()
         if now is not None and now <= ceiling:
             return False
     import jax
@@ -64,17 +65,6 @@ def _trim_heap() -> None:
         pass
 
 
-def host_bytes_now() -> int | None:
-    """This process's host memory now (bytes): its RSS less the accelerator's memory mapped
-    into it (`report.host_memory`); None where Linux's figures cannot be read."""
-    from .report import host_memory
-
-    memory = host_memory()
-    if "rss" not in memory:
-        return None
-    return memory["rss"] - memory.get("device_mapped", 0)
-
-
 #: `threaded_events` keeps compiled programs while the process holds less host memory than this
 #: fraction of its peak before the checks (on an accelerator, the runtime's start-up: a bare JAX
 #: process on a v5e host peaks at 6.0 GB, benchmarks/results/host_memory_bare_jax-v5e-2026-12-07.json),
@@ -86,9 +76,7 @@ def program_ceiling() -> int | None:
     """The host memory (bytes) above which `threaded_events` drops compiled programs:
     `KEEP_PROGRAMS_BELOW` of the process's host peak so far; None where it cannot be read
     (then every release drops them)."""
-    from .report import host_memory
-
-    memory = host_memory()
+    memory = process_memory.host_memory()
     peak = memory.get("peak_host", memory.get("peak_rss"))
     return None if not peak else int(KEEP_PROGRAMS_BELOW * peak)
 
