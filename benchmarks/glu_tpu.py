@@ -33,6 +33,14 @@ schema (benchmarks/README.md) plus ``config``, ``vs_xla``, ``max_rel_err``,
 ``rel_l2`` and ``compile_s``. It is rewritten after every row; ``--budget``
 seconds (default 200) stops starting new contenders.
 
+``--weights pair`` passes the weights as two ``[K, N]`` arrays (made from the
+same stacked draw) to every contender: stacked ``[K, 2, N]`` bf16 weights are
+tiled ``(2, 128)`` in HBM, so every call relayouts them (forward) and
+interleaves the weight gradient back (backward), in XLA's path and stellax's
+alike (XLA's cost model in libtpu's v5e compile: 2.1M cycles forward, up to
+2.1M + 5.6M more backward at K=4096 N=14336, docs/norm_glu.md); with a pair
+neither pays it, so the rows compare the matmuls alone.
+
 ``--dry-run`` runs the same code path on the CPU on a tiny ragged case with the
 Mosaic kernels interpreted (the test suite runs it so the script cannot rot).
 """
@@ -65,6 +73,8 @@ REPS, WARMUP = (1, 10), (0, 2)
 def parse_args(argv=None):
     p = chip_run.parser(__doc__.splitlines()[0], reps=REPS, warmup=WARMUP, budget=200.0, stops="contender",
                         dry="a tiny GLU case", passes=True)
+    p.add_argument("--weights", choices=("stacked", "pair"), default="stacked",
+                   help="stacked [K, 2, N] weights (default) or a (gate, up) pair of [K, N] arrays")
     p.add_argument("--tiles", default=None,
                    help=f"explicit mosaic_tpu tiles MxNxK, comma-separated (default {TILES}; '' for none)")
     return p.parse_args(argv)
@@ -81,19 +91,24 @@ def parse_tiles(text: str):
 
 
 # -- inputs and the contenders ---------------------------------------------------------------
-def make_inputs(seed: int, m: int, k: int, n: int):
-    """``(x [M, K], w [K, 2, N], dy [M, N])`` in bfloat16, made on the device (unit-variance outputs)."""
+def make_inputs(seed: int, m: int, k: int, n: int, weights: str = "stacked"):
+    """``(x [M, K], w, dy [M, N])`` in bfloat16, made on the device (unit-variance outputs); ``w``
+    stacked ``[K, 2, N]``, or with ``weights="pair"`` the same values as two ``[K, N]`` arrays."""
     kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
     x = jax.jit(lambda key: jax.random.normal(key, (m, k), jnp.bfloat16))(kx)
     w = jax.jit(lambda key: (jax.random.normal(key, (k, 2, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16))(kw)
+    if weights == "pair":
+        w = jax.jit(lambda w: (w[:, 0], w[:, 1]))(w)
     dy = jax.jit(lambda key: jax.random.normal(key, (m, n), jnp.bfloat16))(kd)
     return x, w, dy
 
 
 def xla_glu(x, w):
-    """SwiGLU as written in ``jnp``: two bf16 matmuls accumulating in float32, ``silu(gate) * up``."""
-    gate = jnp.dot(x, w[:, 0], preferred_element_type=jnp.float32)
-    up = jnp.dot(x, w[:, 1], preferred_element_type=jnp.float32)
+    """SwiGLU as written in ``jnp``: two bf16 matmuls accumulating in float32, ``silu(gate) * up``
+    (``w``: stacked ``[K, 2, N]`` or a ``(gate, up)`` pair)."""
+    w_gate, w_up = w if isinstance(w, tuple) else (w[:, 0], w[:, 1])
+    gate = jnp.dot(x, w_gate, preferred_element_type=jnp.float32)
+    up = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
     return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
@@ -160,9 +175,10 @@ class Run(ChipRun):
     def run_case(self, seed, m, k, n):
         from stellax.ops.glu import gated_linear_unit_op
 
-        case = f"SwiGLU M={m} K={k} N={n} bf16"
+        weights = self.args.weights
+        case = f"SwiGLU M={m} K={k} N={n} bf16" + (" pair" if weights == "pair" else "")
         print(f"== {case}", flush=True)
-        x, w, dy = make_inputs(seed, m, k, n)
+        x, w, dy = make_inputs(seed, m, k, n, weights)
         operands = (x, w, dy)
         impl = gated_linear_unit_op.implementations["mosaic_tpu"]
         default_config = impl.default_config(gated_linear_unit_op.check(x, w, activation="silu"))

@@ -1,6 +1,7 @@
 """The GLU TPU benchmark (benchmarks/glu_tpu.py) runs on the CPU (--dry-run, interpreted kernels,
 a tiny ragged case), so it is ready for the chip: XLA's two matmuls and stellax's kernels at their
-own and an explicit config time both passes, match XLA, and land as rows of the results schema."""
+own and an explicit config time both passes, match XLA, and land as rows of the results schema, with
+stacked weights and with a (gate, up) pair (--weights pair)."""
 
 import json
 import os
@@ -8,18 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_dry_run_times_and_checks_every_contender(tmp_path):
+@pytest.mark.parametrize("weights", ["stacked", "pair"])
+def test_dry_run_times_and_checks_every_contender(tmp_path, weights):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     out = tmp_path / "glu.json"
-    proc = subprocess.run([sys.executable, "benchmarks/glu_tpu.py", "--dry-run", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "benchmarks/glu_tpu.py", "--dry-run", "--out", str(out), "--weights", weights]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["format"] == "stellax-glu-tpu" and doc["environment"]["dry_run"]
     rows = doc["rows"]
+    assert all(r["case"].endswith(" pair") == (weights == "pair") for r in rows)
     for pass_, flops in (("fwd", 4.0 * 200 * 256 * 384), ("fwd+bwd", 12.0 * 200 * 256 * 384)):
         group = [r for r in rows if r["pass"] == pass_]
         assert [r["contender"] for r in group] == ["xla:jnp", "stellax:mosaic_tpu", "stellax:mosaic_tpu"]

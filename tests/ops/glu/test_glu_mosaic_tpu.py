@@ -16,7 +16,7 @@ import pytest
 import stellax
 from stellax.core.tpu import KERNEL_GENERATIONS, TPU_GENERATIONS
 from stellax.ops.glu import ACTIVATIONS, GluTpuConfig, gated_linear_unit_backward_op, gated_linear_unit_op
-from stellax.ops.glu.configs import glu_tpu_vmem_bytes
+from stellax.ops.glu.configs import exact_k_tile, glu_tpu_vmem_bytes
 from stellax.testing import assert_close, lower_config, random_array
 from stellax.testing.numerics import compare, golden
 
@@ -78,6 +78,14 @@ def test_stacked_weights_tiles_not_dividing_shapes_and_determinism():
     _check_against_golden(136, 130, 256, jnp.float32, stacked=True, deterministic=True)
 
 
+def test_k_tile_not_a_power_of_two():
+    """block_k = 384 = 3 x 128 (as 1792 = 14 x 128 at K=7168): two whole K steps in the forward,
+    K tiles of 384 columns in the dx kernel and of 384 rows in the dW kernel, M and N tiles
+    that leave partial last tiles (M=136, N=384 over 256)."""
+    config = GluTpuConfig(block_m=128, block_n=256, block_k=384)
+    _check_against_golden(136, 768, 384, jnp.float32, stacked=True, config=config, seed=5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "pair"])
@@ -133,6 +141,34 @@ def test_heuristic_takes_wide_k_steps_and_fits_its_vmem_budget(generation):
                 assert len(space) == 1  # every tiling collapses to whole dimensions
 
 
+def test_exact_k_tile_is_the_longest_dividing_step():
+    assert exact_k_tile(7168, 128) == 1792 and exact_k_tile(7168, 256) == 1792  # 7168 = 4 x 1792
+    assert exact_k_tile(5120, 128) == 1280 and exact_k_tile(5120, 256) == 1280
+    assert exact_k_tile(4608, 128) == 1536  # 4608 = 3 x 1536 = 2.25 x 2048
+    assert exact_k_tile(128 * 33, 128) == 1408 and exact_k_tile(128 * 33, 256) is None  # 1408 = 5.5 x 256
+    assert exact_k_tile(4096, 128) is None and exact_k_tile(14336, 128) is None  # 2048 divides them
+    assert exact_k_tile(2048, 128) is None and exact_k_tile(1536, 128) is None  # one step holds K
+    assert exact_k_tile(7000, 128) is None  # not a multiple of the MXU width: its tail is masked
+    assert exact_k_tile(128 * 67, 128) is None  # 67 is prime: no step of 512 or more divides K
+
+
+@pytest.mark.parametrize("generation", KERNEL_GENERATIONS)
+def test_heuristic_takes_a_k_step_that_divides_k(generation):
+    """At K=7168 (issue 40's N=18432 case) a 2048 K step leaves half a tile (four steps for 3.5 of
+    work): the space holds K's exact 1792 step beside 2048 and the heuristic takes it; at K=4096 it
+    keeps 2048, and at K=5120 takes 1280 (four steps of 1280 cost less than three of 2048 with a
+    masked half)."""
+    impl = gated_linear_unit_op.implementations[IMPL]
+    with stellax.lowering_target(generation):
+        for (m, k, n), step in (((8192, 7168, 18432), 1792), ((8192, 4096, 14336), 2048), ((4096, 5120, 13824), 1280)):
+            call = _call(m, k, n)
+            config, space = impl.default_config(call), impl.config_space(call)
+            assert config in space and config.block_k == step, (generation, (m, k, n), config)
+            if step != 2048:
+                assert any(c.block_k == 2048 for c in space)  # still there for the autotuner
+                assert 512 in {c.block_n for c in space if c.block_k == step}, generation  # wide N tiles too
+
+
 def test_requirements_reject_float16_operands():
     impl = gated_linear_unit_op.implementations[IMPL]
     with stellax.lowering_target("v6e"):
@@ -182,3 +218,60 @@ def test_backward_op_lowers_for_tpu_with_a_weight_pair():
     w = jax.ShapeDtypeStruct((700, 500), jnp.bfloat16)
     (module,) = lower_config(gated_linear_unit_backward_op, IMPL, (dy, x, w, w), {"activation": "gelu"})
     assert module.as_text().count("tpu_custom_call") >= 3 and "stellax_glu_act_grad_tpu" in module.as_text()
+
+
+# -- the real compiler (libtpu, -m tpu) -----------------------------------------------------
+def _require_libtpu():
+    from stellax.testing.tpu_compile import libtpu_available
+
+    ok, reason = libtpu_available()
+    if not ok:
+        pytest.skip(reason)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("generation", KERNEL_GENERATIONS)
+def test_exact_k_step_configs_compile(generation):
+    """At K=7168 N=18432 bf16 (stacked): the heuristic's config (its 1792 K step) compiles forward
+    and backward, and every config of the space with that K step compiles forward."""
+    from stellax.testing.tpu_compile import compile_config
+
+    _require_libtpu()
+    x = jax.ShapeDtypeStruct((8192, 7168), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((7168, 2, 18432), jnp.bfloat16)
+    impl = gated_linear_unit_op.implementations[IMPL]
+    with stellax.lowering_target(generation):
+        call = gated_linear_unit_op.check(x, w)
+        heuristic, space = impl.default_config(call), impl.config_space(call)
+    assert heuristic.block_k == 1792
+    result = compile_config(gated_linear_unit_op, IMPL, (x, w), generation=generation, grad=True)
+    assert result.ok, result.describe()
+    for config in (c for c in space if c.block_k == 1792 and c != heuristic):
+        result = compile_config(gated_linear_unit_op, IMPL, (x, w), generation=generation, config=config)
+        assert result.ok, (config, result.describe())
+
+
+@pytest.mark.tpu
+def test_static_schedule_of_the_exact_k_step():
+    """libtpu's v5e schedule of the forward kernel at K=7168 N=18432 (`stellax.ops.glu.tpu_cases`):
+    at the heuristic's (512, 512, 1792) a step is within 5 % of its MXU time and the whole kernel
+    takes at most 0.9x the cycles of (512, 512, 2048), whose fourth K step is half masked
+    (statically 33.4M against 38.1M cycles, docs/norm_glu.md)."""
+    from stellax.ops.glu.tpu_cases import forward_schedule, forward_step_figures
+    from stellax.testing.llo_schedule import kernel_schedules
+
+    _require_libtpu()
+    shape = dict(m=8192, k=7168, n=18432)
+    with stellax.lowering_target("v5e"):
+        x = jax.ShapeDtypeStruct((shape["m"], shape["k"]), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((shape["k"], 2, shape["n"]), jnp.bfloat16)
+        config = gated_linear_unit_op.implementations[IMPL].default_config(gated_linear_unit_op.check(x, w))
+    figures = {}
+    for tiles in ((config.block_m, config.block_n, config.block_k), (512, 512, 2048)):
+        tile_args = dict(zip(("block_m", "block_n", "block_k"), tiles))
+        schedules = kernel_schedules("stellax.ops.glu.tpu_cases:forward_case", "v5e", **shape, **tile_args)
+        figures[tiles] = forward_step_figures(forward_schedule(schedules), **shape, **tile_args)
+    exact, padded = figures.values()
+    assert exact["tiles"][2] == 1792 and exact["step_over_mxu"] < 1.05, exact
+    assert exact["kernel_cycles"] <= 0.9 * padded["kernel_cycles"], (exact, padded)
+    assert padded["kernel_over_mxu"] > 1.1, padded  # the masked half step, counted

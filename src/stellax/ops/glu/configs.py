@@ -107,25 +107,51 @@ def _tpu_dims(call: Call) -> tuple[int, int, int, int]:
 #: float32 accumulator's read-modify-write. Static schedules of the forward kernel on v5e (libtpu's
 #: bundles, SwiGLU bf16 M=8192 K=4096 N=14336; cycles per step over the step's MXU time) at
 #: (block_m, block_n, block_k): (512, 256, 256) 2.10, (512, 512, 512) 1.42, (512, 1024, 1024) 1.22,
-#: (512, 512, 2048) 1.01, (512, 1024, 2048) 1.06, (256, 1024, 2048) 1.01.
+#: (512, 512, 2048) 1.01, (512, 1024, 2048) 1.06, (256, 1024, 2048) 1.01. A K that 2048 does not
+#: divide also gets, for each wide ``block_n`` with a 2048 K step, its `exact_k_tile`: at M=8192
+#: K=7168 N=18432 (static, `tpu_cases`) a (512, 512, 2048) step is 1.01x its MXU time but the fourth
+#: K step is half padding, so the whole forward takes 38.1M cycles (1.16x the useful MXU time);
+#: (512, 512, 1792) divides K: 1.01x per step and 33.4M cycles for the kernel (1.01x).
 WIDE_TILES = ((512, 1024), (512, 2048), (1024, 1024), (1024, 2048), (256, 2048))
 
+#: The longest K step of the space (`WIDE_TILES`, `exact_k_tile`).
+LONGEST_K_STEP = 2048
 
-def _tpu_candidates(mxu: int) -> list[GluTpuConfig]:
+
+def exact_k_tile(k: int, unit: int, longest: int = LONGEST_K_STEP) -> int | None:
+    """The longest K step that divides ``k`` exactly: the largest multiple of ``unit`` (the MXU
+    width) at most ``longest`` dividing ``k``, e.g. 1792 for K=7168 (= 4 x 1792; a 2048 step
+    leaves 7168 = 3.5 x 2048). None when ``k`` fits one step, when ``longest`` divides it (the
+    wide tiles already do), or when no such tile reaches ``longest / 4`` (a K that is not a
+    multiple of ``unit``, or one whose divisors are short steps: its tail is masked)."""
+    if k <= longest or k % longest == 0 or k % unit:
+        return None
+    for tile in range(longest - longest % unit, longest // 4 - 1, -unit):
+        if k % tile == 0:
+            return tile
+    return None
+
+
+def _tpu_candidates(mxu: int, k: int | None = None) -> list[GluTpuConfig]:
     """``block_m`` 128/256/512/1024 × (``block_n``, ``block_k``) one or two MXU widths each, or
-    one of `WIDE_TILES`."""
+    one of `WIDE_TILES`, or (with the contraction length ``k``) a wide ``block_n`` whose
+    `WIDE_TILES` K step is `LONGEST_K_STEP` with ``k``'s `exact_k_tile`."""
     pairs = [(mxu, mxu), (2 * mxu, mxu), (mxu, 2 * mxu), (2 * mxu, 2 * mxu)]
     pairs += [p for p in WIDE_TILES if p not in pairs]
+    exact = exact_k_tile(k, mxu) if k is not None else None
+    if exact is not None:
+        pairs += [(bn, exact) for bn, bk in WIDE_TILES if bk == LONGEST_K_STEP and (bn, exact) not in pairs]
     return [GluTpuConfig(block_m=bm, block_n=bn, block_k=bk) for bm in (128, 256, 512, 1024) for bn, bk in pairs]
 
 
 def glu_tpu_space(call: Call) -> list[GluTpuConfig]:
-    """`_tpu_candidates` for the target generation's MXU that fit its `tuning_vmem_bytes` (half the
-    VMEM), one per distinct effective tiling (tiles larger than the dimensions collapse)."""
+    """`_tpu_candidates` for the target generation's MXU and the call's K that fit its
+    `tuning_vmem_bytes` (half the VMEM), one per distinct effective tiling (tiles larger than the
+    dimensions collapse)."""
     m, k, n, itemsize = _tpu_dims(call)
     generation = target_generation()
     seen, out = set(), []
-    for config in _tpu_candidates(generation.mxu):
+    for config in _tpu_candidates(generation.mxu, k):
         tiles = (tpu_tile(m, config.block_m), tpu_tile(n, config.block_n), tpu_tile(k, config.block_k))
         if tiles in seen or glu_tpu_vmem_bytes(m, k, n, itemsize, config) > generation.tuning_vmem_bytes:
             continue
@@ -140,20 +166,42 @@ def glu_tpu_space(call: Call) -> list[GluTpuConfig]:
 TARGET_FLOP_PER_BYTE = 1.4 * 197e12 / 819e9
 
 
+#: The per-step cost of a K step beyond its MXU time, in K rows (a step of ``block_k`` costs about
+#: ``block_k + STEP_OVERHEAD_ROWS`` rows of MXU time): the float32 accumulators' read-modify-write
+#: and the step's prologue. Fitted to the static v5e schedules of `WIDE_TILES` (1.42x the MXU time
+#: at a 512 step, 1.22x at 1024: 215 and 225 rows) and rounded up: it only ranks K steps.
+STEP_OVERHEAD_ROWS = 256
+
+
+def _k_step_efficiency(k: int, bk: int) -> float:
+    """The useful fraction of the modelled contraction time: ``k`` rows of work over
+    ``ceil(k / bk)`` steps of ``bk + STEP_OVERHEAD_ROWS`` rows each. A longer step amortises the
+    overhead; a step that leaves a partial last tile pays the padding (computed, then masked): at
+    K=7168, 1792 gives 0.875, 2048 0.78 (four steps either way), 1024 0.80."""
+    steps = -(-k // bk)
+    return k / (steps * (bk + STEP_OVERHEAD_ROWS))
+
+
 def _tile_rank(m: int, k: int, n: int, itemsize: int, config: GluTpuConfig):
-    """How good a tiling looks (larger is better): the contraction step (up to 2048: a longer K
-    step amortises the float32 accumulator's read-modify-write, `WIDE_TILES`), then the flops per
-    byte a K step moves, counted up to `TARGET_FLOP_PER_BYTE`, then the smaller VMEM need."""
+    """How good a tiling looks (larger is better): the contraction's modelled efficiency
+    (`_k_step_efficiency`: a longer K step amortises the float32 accumulator's read-modify-write,
+    `WIDE_TILES`, and a padded last step wastes its masked part), then the flops per byte a K step
+    moves, counted up to `TARGET_FLOP_PER_BYTE`, then the smaller VMEM need."""
     bm, bn, bk = tpu_tile(m, config.block_m), tpu_tile(n, config.block_n), tpu_tile(k, config.block_k)
     intensity = 4 * bm * bn * bk / ((bm * bk + 2 * bk * bn) * itemsize)
-    return min(bk, 2048), min(intensity, TARGET_FLOP_PER_BYTE), -glu_tpu_vmem_bytes(m, k, n, itemsize, config)
+    return (_k_step_efficiency(k, bk), min(intensity, TARGET_FLOP_PER_BYTE),
+            -glu_tpu_vmem_bytes(m, k, n, itemsize, config))
 
 
 def glu_tpu_heuristic(call: Call) -> GluTpuConfig:
     """The best-ranked config of `glu_tpu_space` within the generation's `heuristic_vmem_bytes`
-    (`_tile_rank`: the longest K step, then enough flops per byte, then the least VMEM). On a v5e at SwiGLU bf16
-    shapes that is (512, 512, 2048): 341 flop/byte, and statically a forward step within 1 % of
-    its MXU time, where the MXU-width tiles (512, 256, 256) take 2.1x it (`WIDE_TILES`)."""
+    (`_tile_rank`: the most efficient contraction, i.e. the longest K step that leaves no padded
+    last step, then enough flops per byte, then the least VMEM). On a v5e at SwiGLU bf16 shapes
+    with K=4096 that is (512, 512, 2048): 341 flop/byte, and statically a forward step within 1 %
+    of its MXU time, where the MXU-width tiles (512, 256, 256) take 2.1x it (`WIDE_TILES`); at
+    K=7168 it is (512, 512, 1792), K's `exact_k_tile`, where 2048 would compute four steps for
+    3.5 of work.
+    """
     m, k, n, itemsize = _tpu_dims(call)
     space = glu_tpu_space(call)
     budget = target_generation().heuristic_vmem_bytes
