@@ -577,3 +577,22 @@ def test_heuristic_blocks_per_generation(generation, heads, kv_heads, forward, b
         fwd, bwd = splash_heuristic(call), splash_backward_heuristic(call)
     assert (fwd.block_q, fwd.block_kv) == forward
     assert (bwd.block_q_dq, bwd.block_kv_dq, bwd.block_q_dkv, bwd.block_kv_dkv) == backward * 2
+
+
+def test_heuristic_blocks_for_a_narrow_window():
+    """A causal window of 1024 keys at T=16384 on a v5e (issue 37's case): the forward at 1024 ×
+    1024 tiles (every visited block one-sided), the fused backward at 512 × 512 (`NARROW_WINDOW`:
+    statically 3.31 M bundles against 4.50 M at 1024 tiles); a 4096 window keeps 1024 tiles."""
+    from stellax.core import lowering_target
+    from stellax.ops.attention.configs import splash_backward_heuristic, splash_heuristic
+
+    q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
+    expected = {1024: ((1024, 1024), (512, 512, 512, 512)), 4096: ((1024, 1024), (1024, 1024, 1024, 1024))}
+    with lowering_target("v5e"):
+        for window, (forward, backward) in expected.items():
+            call = stellax.registered_ops()["attention"].check(q, q, q, is_causal=True,
+                                                              local_window_size=(window, 0))
+            fwd, bwd = splash_heuristic(call), splash_backward_heuristic(call)
+            assert (fwd.block_q, fwd.block_kv) == forward, window
+            assert (bwd.block_q_dq, bwd.block_kv_dq, bwd.block_q_dkv, bwd.block_kv_dkv) == backward, window
+            assert bwd.fused is FUSED_BACKWARD_BY_DEFAULT, window
