@@ -268,14 +268,21 @@ KERNELS = {"fwd": ("stellax_splash_attention_forward", "splash_mha_fwd"),
 @dataclasses.dataclass(frozen=True)
 class StepCycles:
     """Static bundles of one kernel's grid step kinds: ``full`` (a visited block with no mask),
-    ``partial`` (a visited block whose mask is evaluated; splash has one kind, evaluating its
-    mask on every block: both equal) and ``finish`` (once per row of blocks: the output's
+    ``partial`` (a visited block whose whole mask is evaluated; splash has one kind, evaluating its
+    mask on every block: both equal), ``edges`` (stellax's one-sided masked steps, per block class
+    `masks.UPPER_EDGE` / `masks.LOWER_EDGE`: the causal or the window comparison alone; empty when
+    the mask has no such class) and ``finish`` (once per row of blocks: the output's
     normalization; 0 when not found), with the units of the ``full`` step."""
 
     full: int
     partial: int
     finish: int
     units: dict
+    edges: dict = dataclasses.field(default_factory=dict)
+
+    def masked(self, cls: int) -> int:
+        """Bundles of a step of masked block class ``cls`` (`partial` unless `edges` has it)."""
+        return self.edges.get(cls, self.partial)
 
     def per_block(self, visited: int, masked: int, rows: int) -> float:
         """Bundles per visited block over a schedule of ``visited`` blocks, ``masked`` of them
@@ -283,17 +290,47 @@ class StepCycles:
         return ((visited - masked) * self.full + masked * self.partial + rows * self.finish) / visited
 
 
-def step_cycles(directory: str, kernel_prefix: str) -> StepCycles:
+def step_cycles(directory: str, kernel_prefix: str, classes: tuple = ()) -> StepCycles:
     """The `StepCycles` of a kernel from its libtpu dump: its regions that issue matmuls are the
-    block steps (two: the one with fewer selects is the unmasked one), the largest region with a
-    reciprocal and no matmul the finish."""
+    block steps, the largest region with a reciprocal and no matmul the finish. With ``classes``
+    (stellax's masked block classes in `Step.visit` order, `masks.edge_parts`) of more than one
+    class the kernel has ``1 + len(classes)`` step regions in that order after the unmasked one
+    (which must have the fewest selects); otherwise one or two: the one with fewer selects is the
+    unmasked one."""
+    from stellax.ops.attention.masks import PARTIAL
+
     found = regions(directory, kernel_prefix)
-    steps = sorted((r for r in found if r.count("vmatmul")), key=lambda r: r.count("vsel"))
-    if not steps or len(steps) > 2:
-        raise ValueError(f"{kernel_prefix}: expected one or two matmul regions, got {len(steps)}")
     finishes = [r for r in found if r.count("vrcp") and not r.count("vmatmul")]
     finish = max((r.bundles for r in finishes), default=0)
+    in_order = [r for r in found if r.count("vmatmul")]
+    if len(classes) > 1:
+        if len(in_order) != 1 + len(classes):
+            raise ValueError(f"{kernel_prefix}: expected {1 + len(classes)} matmul regions (unmasked, then "
+                             f"classes {tuple(classes)}), got {len(in_order)}")
+        if min(r.count("vsel") for r in in_order) != in_order[0].count("vsel"):
+            raise ValueError(f"{kernel_prefix}: the first matmul region is not the unmasked step")
+        by_class = dict(zip(classes, in_order[1:]))
+        edges = {cls: r.bundles for cls, r in by_class.items() if cls != PARTIAL}
+        return StepCycles(in_order[0].bundles, by_class[PARTIAL].bundles, finish, in_order[0].units, edges)
+    steps = sorted(in_order, key=lambda r: r.count("vsel"))
+    if not steps or len(steps) > 2:
+        raise ValueError(f"{kernel_prefix}: expected one or two matmul regions, got {len(steps)}")
     return StepCycles(steps[0].bundles, steps[-1].bundles, finish, steps[0].units)
+
+
+def _mask_of(case: dict) -> Mask:
+    return Mask(case.get("causal", True), case.get("window", 0), case.get("chunk", 0), case.get("documents", 0),
+                case.get("soft_cap", 0.0), case.get("sinks", False))
+
+
+def masked_classes(impl: str, case: dict) -> tuple:
+    """The masked block classes of ``impl``'s kernel for ``case`` in its step order: stellax's
+    `masks.edge_parts` of the case's mask; splash has one masked step (``()``)."""
+    if impl != "stellax":
+        return ()
+    from stellax.ops.attention.masks import edge_parts
+
+    return tuple(edge_parts(_mask_of(case).spec()))
 
 
 def compile_steps(impl: str, generation: str = "v5e", timeout: float = 900, **case) -> StepCycles:
@@ -313,7 +350,7 @@ def compile_steps(impl: str, generation: str = "v5e", timeout: float = 900, **ca
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         if done.returncode:
             raise RuntimeError(f"compiling {impl} {case} for {generation} failed: {done.stderr[-600:]}")
-        return step_cycles(directory, kernel)
+        return step_cycles(directory, kernel, masked_classes(impl, case))
 
 
 #: The comparison `main` prints: the benchmark's cases (benchmarks/attention_tpu.py) at its block sizes.
@@ -376,17 +413,25 @@ def compile_shape(case: dict) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Visits:
     """The grid of one kernel over a whole case: ``steps`` (grid steps, empty ones included),
-    ``full`` / ``partial`` (visited blocks computed without / with the mask), ``finishes`` (rows
-    of blocks normalized: the forward's output writes)."""
+    ``full`` / ``partial`` (visited blocks computed without / with the whole mask), ``edges``
+    (stellax's one-sided masked blocks per class, `masks.UPPER_EDGE` / `LOWER_EDGE`),
+    ``finishes`` (rows of blocks normalized: the forward's output writes)."""
 
     steps: int
     full: int
     partial: int
     finishes: int
+    edges: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def masked(self) -> int:
+        """Visited blocks that evaluate some mask (`partial` and the one-sided ones)."""
+        return self.partial + sum(self.edges.values())
 
     def cycles(self, s: StepCycles, backward: bool) -> int:
         """Static bundles of the visited steps (empty steps and DMA waits not counted)."""
-        return self.full * s.full + self.partial * s.partial + (0 if backward else self.finishes * s.finish)
+        edges = sum(n * s.masked(cls) for cls, n in self.edges.items())
+        return self.full * s.full + self.partial * s.partial + edges + (0 if backward else self.finishes * s.finish)
 
 
 def stellax_visits(case: dict) -> Visits:
@@ -396,21 +441,24 @@ def stellax_visits(case: dict) -> Visits:
     key block; a step holds the ``G`` heads of a kv head."""
     import numpy as np
 
-    from stellax.ops.attention.masks import FULL, PARTIAL, classify_blocks, default_positions, static_block_counts
+    from stellax.ops.attention.masks import (
+        FULL, LOWER_EDGE, PARTIAL, UPPER_EDGE, classify_blocks, default_positions, static_block_counts,
+    )
 
     t, n, k = case["t"], case["n"], case.get("k", case["n"])
-    mask = Mask(case.get("causal", True), case.get("window", 0), case.get("chunk", 0), case.get("documents", 0),
-                case.get("soft_cap", 0.0), case.get("sinks", False))
+    mask = _mask_of(case)
     backward = case.get("backward", False)
     block = (case.get("block_bwd") or case.get("block", 1024)) if backward else case.get("block", 1024)
     bq, bk = max(128, block // (n // k)), (block if backward else case.get("block_kv") or block)
     q_pos, kv_pos = default_positions(t, t)
     seg = mask.segment_ids(t)
-    classes = np.asarray(classify_blocks(mask.spec(), q_pos, kv_pos, seg, seg, block_q=bq, block_k=bk))[0]
+    classes = np.asarray(classify_blocks(mask.spec(), q_pos, kv_pos, seg, seg, block_q=bq, block_k=bk,
+                                         sides=True))[0]
     per_row, per_col = static_block_counts(mask.spec(), t, t, block_q=bq, block_k=bk)
     nq, nk = classes.shape
     steps = k * (nk * min(nq, per_col) if backward else nq * min(nk, per_row))
-    return Visits(steps, k * int((classes == FULL).sum()), k * int((classes == PARTIAL).sum()), k * nq)
+    edges = {cls: k * int((classes == cls).sum()) for cls in (UPPER_EDGE, LOWER_EDGE) if (classes == cls).any()}
+    return Visits(steps, k * int((classes == FULL).sum()), k * int((classes == PARTIAL).sum()), k * nq, edges)
 
 
 def splash_visits(case: dict) -> Visits:
@@ -422,8 +470,7 @@ def splash_visits(case: dict) -> Visits:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info_lib
 
     t, n = case["t"], case["n"]
-    mask = Mask(case.get("causal", True), case.get("window", 0), case.get("chunk", 0), case.get("documents", 0),
-                case.get("soft_cap", 0.0), case.get("sinks", False))
+    mask = _mask_of(case)
     backward = case.get("backward", False)
     block = (case.get("block_bwd") or case.get("block", 1024)) if backward else case.get("block", 1024)
     process = info_lib.process_mask_dkv if backward else info_lib.process_mask
@@ -458,6 +505,18 @@ def whole_kernel(case: dict, generation: str = "v5e") -> dict:
     return out
 
 
+def _describe(r: dict, name: str) -> str:
+    """One contender's line of `main`: cycles, visits × step bundles, grid steps."""
+    v, s = r["visits"], r["steps"]
+    edges = "".join(f" + {n} {EDGE_NAMES[cls]} x {s.masked(cls)}" for cls, n in v.edges.items())
+    return (f"{name} {r['cycles'] / 1e6:.2f} Mcycles ({v.full} full x {s.full} + {v.partial} partial x "
+            f"{s.partial}{edges} + {v.finishes} x {s.finish}; {v.steps} steps)")
+
+
+#: How `main` names stellax's one-sided masked blocks (`masks.UPPER_EDGE`, `masks.LOWER_EDGE`).
+EDGE_NAMES = {3: "causal-edge", 4: "window-edge"}
+
+
 def main(argv=None) -> int:
     """Print `COMPARISONS` (all, or the indices given; static, libtpu's schedule for v5e, no TPU
     needed): ``python -m stellax.testing.attention_schedule [0 1 ...]``; with ``--whole``, the
@@ -483,14 +542,19 @@ def main(argv=None) -> int:
             if args and not any(w in name for w in args):
                 continue
             for backward in passes:
-                r = whole_kernel({**case, "block": block, "backward": backward})
-                s, p = r["stellax"], r["splash"]
-                sv, pv, ss, ps = s["visits"], p["visits"], s["steps"], p["steps"]
-                print(f"{name}, {block} blocks, {'fused bwd' if backward else 'fwd'}: "
-                      f"stellax {s['cycles'] / 1e6:.2f} Mcycles ({sv.full} full x {ss.full} + {sv.partial} partial x "
-                      f"{ss.partial} + {sv.finishes} x {ss.finish}; {sv.steps} steps), "
-                      f"splash {p['cycles'] / 1e6:.2f} Mcycles ({pv.full} full x {ps.full} + {pv.partial} partial x "
-                      f"{ps.partial} + {pv.finishes} x {ps.finish}; {pv.steps} steps): {r['ratio']:.3f}x", flush=True)
+                full = {**case, "block": block, "backward": backward}
+                head = f"{name}, {block} blocks, {'fused bwd' if backward else 'fwd'}: "
+                try:
+                    r = whole_kernel(full)
+                except RuntimeError as error:  # splash's chunked mask does not compile on a CPU-default host
+                    steps = compile_steps("stellax", **compile_shape(full))
+                    v = stellax_visits(full)
+                    ours = {"steps": steps, "visits": v, "cycles": v.cycles(steps, backward)}
+                    print(head + _describe(ours, "stellax") + f"; splash not compiled ({str(error)[-120:]!r})",
+                          flush=True)
+                    continue
+                print(head + _describe(r["stellax"], "stellax") + ", " + _describe(r["splash"], "splash")
+                      + f": {r['ratio']:.3f}x", flush=True)
         return 0
     names = [list(COMPARISONS)[int(i)] for i in args] if args else list(COMPARISONS)
     print("static bundles per grid step (libtpu v5e schedule, not measured): full / partial / finish; "

@@ -11,6 +11,7 @@ from stellax.testing.attention_schedule import (
     ISSUE_CASES, StepCycles, Visits, compare, compile_shape, kernel_case, splash_visits, stellax_visits, step_cycles,
     whole_kernel,
 )
+from stellax.ops.attention.masks import LOWER_EDGE, UPPER_EDGE
 from stellax.testing.tpu_compile import libtpu_available
 
 LIBTPU, WHY_NOT = libtpu_available()
@@ -60,11 +61,19 @@ def test_step_cycles_needs_the_kernel(tmp_path):
 @pytest.mark.parametrize("backward", [False, True])
 def test_position_masks_visit_what_splash_visits(name, backward):
     """On position-only masks stellax's block classes (`classify_blocks`) and grid width
-    (`static_block_counts`) visit the blocks splash's mask info visits, full and partial alike,
-    in as many grid steps (per head: stellax's steps hold a kv head's G heads)."""
+    (`static_block_counts`) visit the blocks splash's mask info visits, full and masked alike,
+    in as many grid steps (per head: stellax's steps hold a kv head's G heads); stellax's masked
+    blocks are split by the side that cuts them (`masks.edge_parts`): a window's are all
+    one-sided at 1024 tiles, a causal mask's all PARTIAL (one side only: no split)."""
     case = {**ISSUE_CASES[name], "block": 1024, "backward": backward}
     ours, theirs = stellax_visits(case), splash_visits(case)
-    assert ours == theirs, (ours, theirs)
+    fields = lambda v: (v.steps, v.full, v.masked, v.finishes)
+    assert fields(ours) == fields(theirs), (ours, theirs)
+    assert not theirs.edges
+    if name.startswith("window 1024"):
+        assert ours.partial == 0 and ours.edges == {UPPER_EDGE: 16 * 16, LOWER_EDGE: 16 * 15}, ours
+    if name.startswith("MHA"):
+        assert not ours.edges, ours
 
 
 def test_documents_visit_only_their_blocks():
@@ -73,7 +82,8 @@ def test_documents_visit_only_their_blocks():
     evaluated in the kernel), so it visits all 136 causal blocks, every one masked."""
     case = {**ISSUE_CASES["documents 8x2048 causal T=16384"], "block": 1024}
     ours, theirs = stellax_visits(case), splash_visits(case)
-    assert (ours.full, ours.partial) == (16 * 8, 16 * 16), ours
+    assert (ours.full, ours.masked) == (16 * 8, 16 * 16), ours
+    assert ours.edges == {UPPER_EDGE: 16 * 16}, ours  # the diagonal blocks: causal edge only
     assert (theirs.full, theirs.partial) == (0, 16 * 136), theirs
     assert ours.steps == theirs.steps == 16 * 16 * 16
 
@@ -92,6 +102,11 @@ def test_visits_weigh_step_cycles():
     v = Visits(steps=9, full=3, partial=2, finishes=4)
     assert v.cycles(steps, backward=False) == 3 * 10 + 2 * 20 + 4 * 5
     assert v.cycles(steps, backward=True) == 3 * 10 + 2 * 20
+    # one-sided blocks at their own step's bundles; a class the step lacks costs the partial step
+    steps = StepCycles(full=10, partial=20, finish=5, units={}, edges={UPPER_EDGE: 14})
+    v = Visits(steps=9, full=3, partial=2, finishes=4, edges={UPPER_EDGE: 5, LOWER_EDGE: 1})
+    assert v.masked == 8
+    assert v.cycles(steps, backward=True) == 3 * 10 + 2 * 20 + 5 * 14 + 1 * 20
 
 
 def test_compile_shape_keeps_the_step():
@@ -106,7 +121,8 @@ def test_compile_shape_keeps_the_step():
 #: Static goals reached over whole kernels at 1024 × 1024 tiles (stellax's cycles over splash's,
 #: libtpu's v5e schedule; docs/attention.md "Whole kernels"): the forward's issue goal is ~0.9x.
 #: Full masks and D=256 are MXU-bound in both kernels (stellax's step ~89 % MXU-busy); a 1024
-#: sliding window is every block partial, the two-sided mask costing what splash's costs.
+#: sliding window is every block masked, each on one side only (`masks.edge_parts`: the causal
+#: or the window comparison, not both: 0.997x before the per-side classes, 0.926x with them).
 FORWARD_GOALS = {
     "MHA causal T=8192 D=128": 0.87,
     "GQA N=32 K=8 causal T=8192": 0.87,
@@ -114,8 +130,8 @@ FORWARD_GOALS = {
     "MHA causal T=8192 D=64": 0.88,
     "MHA full T=8192 D=64": 0.93,
     "MHA causal T=8192 D=256": 0.90,
-    "window 4096 causal T=16384": 0.92,
-    "window 1024 causal T=16384": 1.0,
+    "window 4096 causal T=16384": 0.89,
+    "window 1024 causal T=16384": 0.935,
     "documents 8x2048 causal T=16384": 0.3,
     "soft cap 30 causal T=8192": 0.93,
     "MHA full T=8192 D=128": 0.93,
@@ -133,15 +149,15 @@ def test_whole_forward_against_splash(name):
 
 
 #: The fused backward's static goals reached against splash's fused dk/dv kernel (same tiles): below it
-#: except a 1024 sliding window (every block masked).
+#: everywhere (a 1024 sliding window, every block masked, at 0.975x with the per-side classes and
+#: the mask applied to the logits: 1.027x before).
 BACKWARD_GOALS = {
     "MHA causal T=8192 D=128": 0.97,
     "MHA causal T=8192 D=64": 0.96,
     "MHA causal T=8192 D=256": 0.95,
     "MQA N=16 K=1 causal T=8192": 0.97,
     "documents 8x2048 causal T=16384": 0.3,
-    # not below splash yet (the two-sided mask of every block; docs/attention.md): a regression guard
-    "window 1024 causal T=16384": 1.03,
+    "window 1024 causal T=16384": 0.985,
 }
 
 

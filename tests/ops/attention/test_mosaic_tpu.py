@@ -28,7 +28,10 @@ import stellax
 from stellax.core import UnsupportedError, use_configs
 from stellax.ops.attention import attention_op, base, mosaic_tpu
 from stellax.ops.attention.configs import FUSED_BACKWARD_BY_DEFAULT, SplashBackwardConfig, SplashConfig
-from stellax.ops.attention.masks import EMPTY, FULL, dense_mask
+from stellax.ops.attention.masks import (
+    EMPTY, FULL, LOWER_EDGE, PARTIAL, UPPER_EDGE, MaskSpec, classify_blocks, default_positions, dense_mask,
+    edge_parts, mask_fn,
+)
 from stellax.testing import assert_close
 
 from .attention_cases import check_against_golden, make_inputs
@@ -173,11 +176,124 @@ def test_visited_blocks_equal_the_masks_nonempty_blocks(case):
     assert visited.sum() < nonempty.size  # real skipping in every case here
     # The table the kernels read lists exactly the non-empty blocks, ascending, FULL ones flagged.
     table = np.asarray(table).reshape(tiling.nq, tiling.nk)
+    kinds = mosaic_tpu.KINDS
     for i in range(tiling.nq):
         live = table[i, :visited[i]]
-        np.testing.assert_array_equal(live // 4, np.flatnonzero(nonempty[i]))
-        assert (live % 4 != EMPTY).all() and (table[i, visited[i]:] % 4 == EMPTY).all()
-        assert int((live % 4 == FULL).sum()) == unmasked[i]
+        np.testing.assert_array_equal(live // kinds, np.flatnonzero(nonempty[i]))
+        assert (live % kinds != EMPTY).all() and (table[i, visited[i]:] % kinds == EMPTY).all()
+        assert int((live % kinds == FULL).sum()) == unmasked[i]
+        assert set((live % kinds).tolist()) <= {FULL, *edge_parts(c.spec)}
+
+
+def _expected_sides(spec, t, s, bq, bk, seg=None):
+    """Per-side classes from the dense masks of each side (numpy oracle of `classify_blocks`
+    with ``sides``): a non-empty, non-full block is `UPPER_EDGE` when every pair passes all
+    but the causal/right-window terms, `LOWER_EDGE` when every pair passes all but the
+    left-window term (each only where `edge_parts` has it), else `PARTIAL`."""
+    q_pos, kv_pos = default_positions(t, s)
+    segs = (None, None) if seg is None else (seg[:, :, None], seg[:, None, :])
+    dense = lambda sp: np.asarray(mask_fn(sp, q_pos[:, :, None], kv_pos[:, None, :], *segs)
+                                  if not sp.is_trivial else jnp.ones((1, t, s), bool))[0]
+    import dataclasses
+    whole = dense(spec)
+    no_upper = dense(dataclasses.replace(spec, causal=False, window_right=None))
+    no_lower = dense(dataclasses.replace(spec, window_left=None))
+    parts = edge_parts(spec)
+    nq, nk = t // bq, s // bk
+    out = np.zeros((nq, nk), np.int32)
+    for i in range(nq):
+        for j in range(nk):
+            blk = (slice(i * bq, (i + 1) * bq), slice(j * bk, (j + 1) * bk))
+            if not whole[blk].any():
+                out[i, j] = EMPTY
+            elif whole[blk].all():
+                out[i, j] = FULL
+            elif UPPER_EDGE in parts and no_upper[blk].all():
+                out[i, j] = UPPER_EDGE
+            elif LOWER_EDGE in parts and no_lower[blk].all():
+                out[i, j] = LOWER_EDGE
+            else:
+                out[i, j] = PARTIAL
+    return out
+
+
+def test_block_classes_per_side_of_a_sliding_window():
+    """A causal window of 150 keys at 128-row, 256-key blocks (T = S = 1024): the diagonal key
+    block of an even query block is cut by the causal edge only, of an odd one by both edges, the
+    key block before it by the window's left edge only; without ``sides`` all three are PARTIAL."""
+    spec = MaskSpec(causal=True, window_left=150, default_positions=True)
+    q_pos, kv_pos = default_positions(1024, 1024)
+    classes = np.asarray(classify_blocks(spec, q_pos, kv_pos, block_q=128, block_k=256, sides=True))[0]
+    U, L, P, F, E = UPPER_EDGE, LOWER_EDGE, PARTIAL, FULL, EMPTY
+    assert classes.tolist() == [
+        [U, E, E, E], [P, E, E, E],
+        [L, U, E, E], [L, P, E, E],
+        [E, L, U, E], [E, L, P, E],
+        [E, E, L, U], [E, E, L, P],
+    ]
+    np.testing.assert_array_equal(classes, _expected_sides(spec, 1024, 1024, 128, 256))
+    plain = np.asarray(classify_blocks(spec, q_pos, kv_pos, block_q=128, block_k=256))[0]
+    np.testing.assert_array_equal(plain, np.where(classes >= PARTIAL, np.where(classes == FULL, FULL, PARTIAL),
+                                                  classes))
+    # A block-sized window at block-sized tiles (issue 37's 1024 window at 1024 tiles, scaled):
+    # every visited block is one-sided, none evaluates both edges.
+    spec = MaskSpec(causal=True, window_left=128, default_positions=True)
+    classes = np.asarray(classify_blocks(spec, q_pos, kv_pos, block_q=128, block_k=128, sides=True))[0]
+    assert (np.diag(classes) == U).all() and (np.diag(classes, -1) == L).all()
+    assert ((classes == EMPTY) | (classes == U) | (classes == L)).all()
+
+
+@pytest.mark.parametrize("spec, seg", [
+    (MaskSpec(causal=True, window_left=300, default_positions=True), None),
+    (MaskSpec(window_left=200, window_right=70, default_positions=True), None),     # two-sided, no causal
+    (MaskSpec(causal=True, chunk_size=384, default_positions=True), None),          # chunks: causal edge only
+    (MaskSpec(causal=True, segments=True, default_positions=True),
+     jnp.asarray(np.repeat([0, 1, 2], [300, 500, 224])[None], jnp.int32)),
+    (MaskSpec(causal=True, default_positions=True), None),                          # one side: PARTIAL only
+    (MaskSpec(window_left=256, default_positions=True), None),
+])
+def test_block_classes_per_side_match_the_dense_masks(spec, seg):
+    q_pos, kv_pos = default_positions(1024, 1024)
+    for bq, bk in ((128, 128), (256, 128), (128, 256)):
+        classes = np.asarray(classify_blocks(spec, q_pos, kv_pos, seg, seg, block_q=bq, block_k=bk,
+                                             sides=True))[0]
+        np.testing.assert_array_equal(classes, _expected_sides(spec, 1024, 1024, bq, bk, seg), err_msg=str((bq, bk)))
+    one_sided = not (spec.window_left is not None and (spec.causal or spec.window_right is not None)
+                     or spec.chunk_size or spec.segments)
+    assert (set(edge_parts(spec)) == {PARTIAL}) == one_sided
+    if one_sided:
+        assert not ({UPPER_EDGE, LOWER_EDGE} & set(classes.ravel().tolist()))
+
+
+def test_edge_parts_evaluate_one_side_only():
+    """The part of the mask a one-sided block evaluates: the causal comparison alone (upper),
+    the window's left comparison alone (lower); the whole mask on a PARTIAL block."""
+    spec = MaskSpec(causal=True, window_left=3, segments=True)
+    parts = edge_parts(spec)
+    assert parts[PARTIAL] == spec
+    assert parts[UPPER_EDGE] == MaskSpec(causal=True)
+    assert parts[LOWER_EDGE] == MaskSpec(window_left=3)
+    assert set(edge_parts(MaskSpec(causal=True, chunk_size=8))) == {PARTIAL, UPPER_EDGE}
+    assert set(edge_parts(MaskSpec(window_left=8, window_right=2))) == {PARTIAL, UPPER_EDGE, LOWER_EDGE}
+
+
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_each_block_class_matches_golden(fused):
+    """Interpreted, forward and gradients (sinks, soft cap) against the golden where the tables
+    hold blocks of every masked class (UPPER_EDGE, LOWER_EDGE and PARTIAL): a causal window of 150
+    keys over T = S = 512, the forward at 128 × 256 tiles
+    (`test_block_classes_per_side_of_a_sliding_window`'s layout), the backward at 256 × 128; the
+    fused backward and (slow tier) the dq + dk/dv pair."""
+    opt = {"local_window_size": (150, 0), "is_causal": True, "logits_soft_cap": 20.0}
+    args, kwargs = make_inputs(37, 1, 512, 512, 2, 2, 64, 64, jnp.float32, sinks=True)
+    c = _canonical(512, 512, local_window_size=(150, 0), is_causal=True)
+    classes = np.asarray(mosaic_tpu.mask_classes(c, mosaic_tpu.Tiling.of(c, 128, 256)))
+    assert {UPPER_EDGE, LOWER_EDGE, PARTIAL} <= set(classes.ravel().tolist())
+    classes = np.asarray(mosaic_tpu.mask_classes(c, mosaic_tpu.Tiling.of(c, 256, 128), kv_major=True))
+    assert {UPPER_EDGE, LOWER_EDGE, PARTIAL} <= set(classes.ravel().tolist())
+    configs = {("attention", "mosaic_tpu"): SplashConfig(block_q=128, block_kv=256),
+               ("attention_backward", "mosaic_tpu"): SplashBackwardConfig(256, 128, 256, 128, fused=fused)}
+    check_against_golden("mosaic_tpu", args, {**kwargs, **opt}, configs=configs)
 
 
 @pytest.mark.parametrize("case", list(SPARSITY_CASES))
@@ -461,3 +577,22 @@ def test_heuristic_blocks_per_generation(generation, heads, kv_heads, forward, b
         fwd, bwd = splash_heuristic(call), splash_backward_heuristic(call)
     assert (fwd.block_q, fwd.block_kv) == forward
     assert (bwd.block_q_dq, bwd.block_kv_dq, bwd.block_q_dkv, bwd.block_kv_dkv) == backward * 2
+
+
+def test_heuristic_blocks_for_a_narrow_window():
+    """A causal window of 1024 keys at T=16384 on a v5e (issue 37's case): the forward at 1024 ×
+    1024 tiles (every visited block one-sided), the fused backward at 512 × 512 (`NARROW_WINDOW`:
+    statically 3.31 M bundles against 4.50 M at 1024 tiles); a 4096 window keeps 1024 tiles."""
+    from stellax.core import lowering_target
+    from stellax.ops.attention.configs import splash_backward_heuristic, splash_heuristic
+
+    q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
+    expected = {1024: ((1024, 1024), (512, 512, 512, 512)), 4096: ((1024, 1024), (1024, 1024, 1024, 1024))}
+    with lowering_target("v5e"):
+        for window, (forward, backward) in expected.items():
+            call = stellax.registered_ops()["attention"].check(q, q, q, is_causal=True,
+                                                              local_window_size=(window, 0))
+            fwd, bwd = splash_heuristic(call), splash_backward_heuristic(call)
+            assert (fwd.block_q, fwd.block_kv) == forward, window
+            assert (bwd.block_q_dq, bwd.block_kv_dq, bwd.block_q_dkv, bwd.block_kv_dkv) == backward, window
+            assert bwd.fused is FUSED_BACKWARD_BY_DEFAULT, window

@@ -347,7 +347,11 @@ def splash_heuristic(call: Call) -> SplashConfig:
 #: takes the fused backward at ``NARROW_WINDOW_BLOCK`` tiles first: at 1024 tiles its band is all
 #: masked blocks, at 512 a third of them are unmasked. Measured on a v5e (window 1024 causal,
 #: T=16384, bf16, forward + backward, `benchmarks/results/attention_tpu-v5e-2026-12-07.json`):
-#: 8.19 ms with the backward fused at 512 × 512 against 8.83 ms at 1024 × 1024.
+#: 8.19 ms with the backward fused at 512 × 512 against 8.83 ms at 1024 × 1024. Static (libtpu's v5e
+#: schedule, with the per-side mask classes; docs/attention.md "Per-side mask classes"): the fused
+#: backward's visited steps 3.31 M bundles at 512 tiles against 4.50 M at 1024; the forward's 2.03 M
+#: against 2.46 M, but over three times the grid steps (1536 against 512, ~0.35 µs each on the chip):
+#: a tie, so the forward keeps the large tiles (the measured 1024 × 1024).
 NARROW_WINDOW = 1024
 NARROW_WINDOW_BLOCK = 512
 

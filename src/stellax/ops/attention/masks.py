@@ -30,7 +30,12 @@ and inside Pallas kernels on tiles.
 `classify_blocks` turns the description into per-(q-block, k-block) classes —
 ``EMPTY`` (no visible pair: skipped), ``FULL`` (every pair visible: no mask
 evaluation) or ``PARTIAL`` — from per-block min/max of positions and segments
-(cheap on device: O(B·(T+S) + B·nq·nk)). The bounds are conservative: a block
+(cheap on device: O(B·(T+S) + B·nq·nk)). With ``sides=True`` a partial block
+that only one edge of the position band cuts gets a class of its own:
+``UPPER_EDGE`` (only the causal / right-window comparisons can hide a pair)
+or ``LOWER_EDGE`` (only the left-window one), so a kernel evaluates just that
+comparison there (`edge_parts`); a sliding window's band at block-sized
+windows is all such blocks. The bounds are conservative: a block
 called EMPTY or FULL is exactly that; a PARTIAL block may turn out empty or
 full. `visit_schedule` compresses a row of classes into the loop bounds the
 kernels use: ``[lo, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked,
@@ -46,6 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+#: Partial blocks cut by one side of the position band only (`classify_blocks` with ``sides``):
+#: the upper edge (``kp <= qp`` causal, ``kp <= qp + right``) or the lower one (``kp >= qp - left``).
+UPPER_EDGE, LOWER_EDGE = 3, 4
 
 #: Segment ids given to query rows / keys past their sequence length.
 PAD_Q_SEGMENT, PAD_KV_SEGMENT = -1, -2
@@ -159,14 +167,48 @@ def _block_min_max(x, valid, block: int):
     return lo, hi
 
 
+def _upper_spec(spec: MaskSpec) -> MaskSpec:
+    return MaskSpec(causal=spec.causal, window_right=spec.window_right)
+
+
+def _lower_spec(spec: MaskSpec) -> MaskSpec:
+    return MaskSpec(window_left=spec.window_left)
+
+
+def edge_parts(spec: MaskSpec) -> dict:
+    """The masked block classes ``classify_blocks(spec, ..., sides=True)`` can give, each with
+    the part of ``spec`` a kernel must evaluate on such a block: ``{PARTIAL: spec,
+    UPPER_EDGE: causal/right-window terms, LOWER_EDGE: left-window term}``. A side class is
+    present only when ``spec`` has that side's terms and some other term besides (with the
+    upper terms alone, say plain causal, every partial block is an upper-edge one and stays
+    ``PARTIAL``). The parts carry no segments and no key-padding test: a kernel hides keys
+    past the sequence itself (as on every masked block)."""
+    upper = spec.causal or spec.window_right is not None
+    lower = spec.window_left is not None
+    others = spec.chunk_size is not None or spec.segments
+    parts = {PARTIAL: spec}
+    if upper and (lower or others):
+        parts[UPPER_EDGE] = _upper_spec(spec)
+    if lower and (upper or others):
+        parts[LOWER_EDGE] = _lower_spec(spec)
+    return parts
+
+
 def classify_blocks(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, *, block_q: int,
-                    block_k: int, kv_len: int | None = None):
-    """``[Bc, nq, nk]`` int32 block classes (`EMPTY`/`PARTIAL`/`FULL`).
+                    block_k: int, kv_len: int | None = None, sides: bool = False):
+    """``[Bc, nq, nk]`` int32 block classes (`EMPTY`/`PARTIAL`/`FULL`; with ``sides`` also
+    `UPPER_EDGE`/`LOWER_EDGE`).
 
     ``q_pos [Bp, T]``, ``kv_pos [Bp, S]``, segments ``[Bs, T]``/``[Bs, S]`` or
     ``None``; ``Bc`` is the larger of ``Bp``/``Bs``. Keys at index ≥ ``kv_len``
     (default ``S``) are padding: a block of only padding is EMPTY and a block
     with some is never FULL. Query rows past ``T`` are padding and ignored.
+
+    ``sides``: a non-FULL, non-EMPTY block where every pair passes every term but
+    the upper ones (causal, ``window_right``) is `UPPER_EDGE`; where every pair
+    passes every term but the lower one (``window_left``), `LOWER_EDGE`; each only
+    when `edge_parts` lists it. Key padding does not count against a side class
+    (the kernel hides padded keys on every masked block).
     """
     t, s = q_pos.shape[-1], kv_pos.shape[-1]
     kv_len = s if kv_len is None else kv_len
@@ -180,29 +222,38 @@ def classify_blocks(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, *, b
     kmin, kmax = kmin[:, None, :], kmax[:, None, :]
 
     some = (kcount > 0)[None, None, :]
-    every = (kcount == block_k)[None, None, :]
+    # every pair passes: the upper terms, the lower term, the others (chunks, segments)
+    upper = lower = others = jnp.ones((), bool)
     if spec.causal:
         some = some & (kmin <= qmax)
-        every = every & (kmax <= qmin)
+        upper = upper & (kmax <= qmin)
     if spec.window_left is not None:
         some = some & (kmax >= qmin - spec.window_left)
-        every = every & (kmin >= qmax - spec.window_left)
+        lower = lower & (kmin >= qmax - spec.window_left)
     if spec.window_right is not None:
         some = some & (kmin <= qmax + spec.window_right)
-        every = every & (kmax <= qmin + spec.window_right)
+        upper = upper & (kmax <= qmin + spec.window_right)
     if spec.chunk_size is not None:
         c = spec.chunk_size
         cqmin, cqmax, ckmin, ckmax = (_chunk_of(x, c) for x in (qmin, qmax, kmin, kmax))
         some = some & (ckmax >= cqmin) & (ckmin <= cqmax)
-        every = every & (cqmin == cqmax) & (ckmin == ckmax) & (cqmin == ckmin)
+        others = others & (cqmin == cqmax) & (ckmin == ckmax) & (cqmin == ckmin)
     if spec.segments:
         sqmin, sqmax = _block_min_max(q_seg.astype(jnp.int32), q_valid, block_q)
         skmin, skmax = _block_min_max(kv_seg.astype(jnp.int32), k_valid, block_k)
         sqmin, sqmax = sqmin[:, :, None], sqmax[:, :, None]
         skmin, skmax = skmin[:, None, :], skmax[:, None, :]
         some = some & (skmax >= sqmin) & (skmin <= sqmax)
-        every = every & (sqmin == sqmax) & (skmin == skmax) & (sqmin == skmin)
-    classes = jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int32)
+        others = others & (sqmin == sqmax) & (skmin == skmax) & (sqmin == skmin)
+    every = (kcount == block_k)[None, None, :] & upper & lower & others
+    partial = jnp.full((), PARTIAL, jnp.int32)
+    if sides:
+        parts = edge_parts(spec)
+        if LOWER_EDGE in parts:
+            partial = jnp.where(upper & others, LOWER_EDGE, partial)
+        if UPPER_EDGE in parts:
+            partial = jnp.where(lower & others, UPPER_EDGE, partial)
+    classes = jnp.where(every, FULL, jnp.where(some, partial, EMPTY)).astype(jnp.int32)
     return jnp.broadcast_to(classes, (classes.shape[0], nq, nk))
 
 

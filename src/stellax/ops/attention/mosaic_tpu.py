@@ -13,9 +13,13 @@ every (query block, kv block) pair a class; `block_table` compacts each row
 of classes into the list of its non-empty kv blocks. Grid step ``j`` of row
 ``i`` visits entry ``j`` of that list; steps past its end repeat the last
 visited block index (already resident in VMEM: no new DMA) and compute
-nothing. The table (block index · 4 + class) is a scalar-prefetch operand
+nothing. The table (block index · `KINDS` + class) is a scalar-prefetch operand
 the K/V index maps read, so empty blocks are neither fetched nor computed,
-FULL blocks skip mask evaluation and PARTIAL blocks evaluate the mask. (A
+FULL blocks skip mask evaluation and masked blocks evaluate only the part of
+the mask that can cut them: the classes are per side (`masks.edge_parts`), so
+a block that only the causal edge cuts compares ``kp <= qp`` alone, one that
+only a window's left edge cuts ``kp >= qp - left`` alone, and a PARTIAL block
+the whole mask; each class is its own statically specialised body. (A
 query block that sees no key at all still has block 0 fetched once, and
 computes nothing.)
 
@@ -55,7 +59,7 @@ from ...core.pallas import (
 from ...core.platform import target_generation
 from ...core.precision import accurate_functions, float32_log, soft_cap_tanh
 from .configs import splash_vmem_bytes
-from .masks import EMPTY, FULL, PARTIAL, MaskSpec, classify_blocks, mask_fn, static_block_counts
+from .masks import EMPTY, FULL, MaskSpec, classify_blocks, edge_parts, mask_fn, static_block_counts
 
 F32 = jnp.float32
 LANES = 128
@@ -106,12 +110,17 @@ class Tiling(NamedTuple):
 
 
 # -- the block table -------------------------------------------------------------------------
+#: Table entries are ``KINDS·col + class`` (classes 0..4: `masks.EMPTY` .. `masks.LOWER_EDGE`).
+KIND_BITS = 3
+KINDS = 1 << KIND_BITS
+
+
 def block_table(classes):
     """Compact each row of block classes into the blocks a kernel visits.
 
-    ``classes [Bc, n_rows, n_cols]`` int32 (`EMPTY`/`PARTIAL`/`FULL`) →
-    ``(table [Bc·n_rows·n_cols] int32, count [Bc, n_rows] int32)``: entry
-    ``(c, r, j)`` is ``4·col + class`` of the ``j``-th non-empty block of row
+    ``classes [Bc, n_rows, n_cols]`` int32 (`masks.EMPTY`, `masks.FULL` or a masked class of
+    `masks.edge_parts`) → ``(table [Bc·n_rows·n_cols] int32, count [Bc, n_rows] int32)``: entry
+    ``(c, r, j)`` is ``KINDS·col + class`` of the ``j``-th non-empty block of row
     ``r`` (columns ascending); past the row's ``count`` it repeats the last
     non-empty column (block 0 for an empty row) with class `EMPTY`.
     """
@@ -124,13 +133,14 @@ def block_table(classes):
     live = steps < count[..., None]
     col = jnp.where(live, order, last)
     kind = jnp.where(live, jnp.take_along_axis(classes, order, axis=-1), EMPTY)
-    return (col * 4 + kind).reshape(-1).astype(jnp.int32), count
+    return (col * KINDS + kind).reshape(-1).astype(jnp.int32), count
 
 
 def mask_classes(c, tiling: Tiling, *, kv_major: bool = False):
-    """``[Bc, nq, nk]`` block classes of the mask (``[Bc, nk, nq]`` with ``kv_major``)."""
+    """``[Bc, nq, nk]`` block classes of the mask, per side (`masks.classify_blocks` with
+    ``sides``; ``[Bc, nk, nq]`` with ``kv_major``)."""
     classes = classify_blocks(c.spec, c.q_pos, c.kv_pos, c.q_seg, c.kv_seg, block_q=tiling.bq,
-                              block_k=tiling.bk)
+                              block_k=tiling.bk, sides=True)
     return jnp.swapaxes(classes, 1, 2) if kv_major else classes
 
 
@@ -142,8 +152,8 @@ def schedule(c, tiling: Tiling, *, kv_major: bool = False):
     else the whole row."""
     classes = mask_classes(c, tiling, kv_major=kv_major)
     table, _ = block_table(classes)
-    return table, Step(classes.shape[0] > 1, classes.shape[1], classes.shape[2]), grid_width(c, tiling,
-                                                                                            kv_major=kv_major)
+    step = Step(classes.shape[0] > 1, classes.shape[1], classes.shape[2], c.spec)
+    return table, step, grid_width(c, tiling, kv_major=kv_major)
 
 
 def grid_width(c, tiling: Tiling, *, kv_major: bool = False) -> int:
@@ -168,27 +178,33 @@ def visited_blocks(c, block_q: int, block_kv: int):
 
 class Step:
     """Grid-step helpers for a table over ``(b, ·, row, j)`` grids: the flat
-    entry of step ``j`` of table row ``r`` and its block index / class."""
+    entry of step ``j`` of table row ``r``, its block index / class, and the
+    dispatch of a step to the body of its class (`visit`) for the mask ``spec``."""
 
-    def __init__(self, batched: bool, n_rows: int, n_cols: int):
+    def __init__(self, batched: bool, n_rows: int, n_cols: int, spec: MaskSpec | None = None):
         self.batched, self.n_rows, self.n_cols = batched, n_rows, n_cols
+        self.parts = edge_parts(spec if spec is not None else MaskSpec())
 
     def entry(self, table, b, r, j):
         bc = b if self.batched else 0
         return table[(bc * self.n_rows + r) * self.n_cols + j]
 
     def block(self, table, b, r, j):
-        return jax.lax.shift_right_logical(self.entry(table, b, r, j), 2)
+        return jax.lax.shift_right_logical(self.entry(table, b, r, j), KIND_BITS)
 
     def kind(self, table, b, r, j):
-        return jax.lax.bitwise_and(self.entry(table, b, r, j), 3)
+        return jax.lax.bitwise_and(self.entry(table, b, r, j), KINDS - 1)
 
     def visit(self, table, b, r, j, update):
-        """Run ``update(masked)`` on step ``j``'s block: unmasked on a FULL block, masked on a
-        PARTIAL one (an EMPTY entry is never visited)."""
+        """Run ``update(mask)`` on step ``j``'s block, one statically specialised body per
+        class: ``mask = None`` (no mask evaluation) on a FULL block, on a masked one the
+        `masks.MaskSpec` of the terms that can cut it (`masks.edge_parts`: the whole mask on a
+        PARTIAL block, only the causal side on an `masks.UPPER_EDGE` one, only the window's
+        left side on a `masks.LOWER_EDGE` one). An EMPTY entry is never visited."""
         kind = self.kind(table, b, r, j)
-        pl.when(kind == FULL)(lambda: update(False))
-        pl.when(kind == PARTIAL)(lambda: update(True))
+        pl.when(kind == FULL)(lambda: update(None))
+        for cls, part in self.parts.items():
+            pl.when(kind == cls)(functools.partial(update, part))
 
 
 # -- the tile math -------------------------------------------------------------------------
@@ -226,13 +242,15 @@ class TileMath:
         """Natural log of per-row float32 ``x``: `float32_log` when accurate, else the hardware's."""
         return float32_log(x) if self.accurate else jnp.log(x)
 
-    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg, *, keys_first: bool = False, offset: int = 0):
-        """``[R, bk]`` bool of a PARTIAL block ``col``: the mask of the
+    def visible(self, col, q_pos, kv_pos, q_seg, kv_seg, *, keys_first: bool = False, offset: int = 0,
+                spec: MaskSpec | None = None):
+        """``[R, bk]`` bool of a masked block ``col``: the mask ``spec`` (default the call's;
+        a part of it from `Step.visit` on a one-sided block) of the
         positions ``q_pos [R, 1]`` / ``kv_pos [1, bk]`` (and segments), padded
         keys hidden. None when nothing is hidden. With ``keys_first`` the
         transposed tile ``[bk, R]`` from ``q_pos [1, R]`` / ``kv_pos [bk, 1]``.
         ``offset``: the tile's first key within the block (a sub-block of ``bk`` keys)."""
-        ok = mask_fn(self.spec, q_pos, kv_pos, q_seg, kv_seg)
+        ok = mask_fn(self.spec if spec is None else spec, q_pos, kv_pos, q_seg, kv_seg)
         if self.padded_keys:
             width = kv_pos.shape[0] if keys_first else kv_pos.shape[1]
             shape, axis = ((width, 1), 0) if keys_first else ((1, width), 1)
@@ -516,29 +534,30 @@ def _forward_kernel(*, table, q, k, v, sinks, q_pos, kv_pos, q_seg, kv_seg, out,
                 start = g0 * per_head + r0
                 yield slice(r0, r0 + chunk), lanes, slice(start, start + together * chunk)
 
-    def update_rows(masked: bool, keys: slice, rows: slice, lanes: list, scr: slice):
+    def update_rows(mask, keys: slice, rows: slice, lanes: list, scr: slice):
         q_piece = q[rows, lanes[0]] if len(lanes) == 1 else jnp.concatenate([q[rows, x] for x in lanes], axis=0)
         t, _ = math_.logits2(q_piece, k[keys, :])
-        if masked:
-            qs = None if q_seg is None else q_seg[scr, :]
-            ks = None if kv_seg is None else kv_seg[:, keys]
+        if mask is not None:
+            qs = None if q_seg is None or not mask.segments else q_seg[scr, :]
+            ks = None if kv_seg is None or not mask.segments else kv_seg[:, keys]
             ok = math_.visible(step.block(table, b, i, j), q_pos[scr, :], kv_pos[:, keys], qs, ks,
-                               offset=keys.start)
+                               offset=keys.start, spec=mask)
             if ok is not None:
                 t = jnp.where(ok, t, -jnp.inf)
         p, alpha = softmax_step2(t, m_scr.at[scr, :], l_scr.at[scr, :])
         acc_scr[scr, :] = (acc_scr[scr, :] * lane_tile(alpha, acc_scr.shape[1])
                            + math_.dot(p.astype(v.dtype), v[keys, :]))
 
-    def update(masked: bool):
+    def update(mask):
+        """The step's body; ``mask``: None (FULL) or the part of the mask to evaluate (`Step.visit`)."""
         bk = k.shape[0]
         sub = kv_chunk(bk)
         for c0 in range(0, bk, sub):
             for piece in pieces():
-                update_rows(masked, slice(c0, c0 + sub), *piece)
+                update_rows(mask, slice(c0, c0 + sub), *piece)
         if count_scr is not None:
             count_scr[0] += 1
-            count_scr[1] += 0 if masked else 1
+            count_scr[1] += 1 if mask is None else 0
 
     step.visit(table, b, i, j, update)
 

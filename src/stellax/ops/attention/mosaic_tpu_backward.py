@@ -13,7 +13,7 @@ sequential "arbitrary" axis in VMEM):
    ``kk``, ``R = G·block_q`` rows) walks its row of the mask's block table
    (`mosaic_tpu.block_table`, the same schedule as the forward):
 
-       s  = scale·q·kᵀ (soft cap);  p = exp(s - lse), 0 where masked
+       s  = scale·q·kᵀ (soft cap), -inf where masked;  p = exp(s - lse)
             (in base 2: p = 2^(log2(e)·s - log2(e)·lse), the scale and log2 e one multiply)
        dp = dO·vᵀ;  ds = p·(dp - delta);  ds *= 1 - tanh² [soft cap]
        dq += ds·k;   last step: dq *= scale
@@ -65,17 +65,26 @@ from .mosaic_tpu import (
 )
 
 
-def _probabilities(math_: TileMath, q, k, lse2, masked: bool, col, toks):
-    """``(p, tanh)``: ``exp(s - lse) = 2^(t - lse2)`` ``[R, bk]`` (0 where masked; ``t`` the
-    base-2 logits of `TileMath.logits2`, ``lse2 = log2(e)·lse``) and the soft cap's tanh."""
+def _tokens(mask, toks):
+    """The token tiles ``(q_pos, kv_pos, q_seg, kv_seg)`` a masked block reads for ``mask`` (the
+    part `mosaic_tpu.Step.visit` gives): the segments only when it tests them."""
+    q_pos, kv_pos, q_seg, kv_seg = toks
+    if not mask.segments:
+        q_seg = kv_seg = None
+    return tuple(None if r is None else r[...] for r in (q_pos, kv_pos, q_seg, kv_seg))
+
+
+def _probabilities(math_: TileMath, q, k, lse2, mask, col, toks):
+    """``(p, tanh)``: ``exp(s - lse) = 2^(t - lse2)`` ``[R, bk]`` (0 where ``mask``, the part of
+    the mask `Step.visit` gives or None, hides a pair; ``t`` the base-2 logits of
+    `TileMath.logits2`, ``lse2 = log2(e)·lse``) and the soft cap's tanh."""
     t, tanh = math_.logits2(q, k)
-    p = jnp.exp2(t - lse2)
-    if masked:
-        q_pos, kv_pos, q_seg, kv_seg = (None if r is None else r[...] for r in toks)
-        ok = math_.visible(col, q_pos, kv_pos, q_seg, kv_seg)
+    if mask is not None:
+        q_pos, kv_pos, q_seg, kv_seg = _tokens(mask, toks)
+        ok = math_.visible(col, q_pos, kv_pos, q_seg, kv_seg, spec=mask)
         if ok is not None:
-            p = jnp.where(ok, p, 0.0)
-    return p, tanh
+            t = jnp.where(ok, t, -jnp.inf)  # 2^(-inf - lse2) = 0 (lse2 is finite or +inf)
+    return jnp.exp2(t - lse2), tanh
 
 
 def _logit_grad(math_: TileMath, p, tanh, d_out, v, delta):
@@ -95,9 +104,9 @@ def _dq_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_se
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, F32)
 
-    def update(masked: bool):
+    def update(mask):
         k_tile = k[...]
-        p, tanh = _probabilities(math_, q[...], k_tile, lse[...], masked, step.block(table, b, i, j),
+        p, tanh = _probabilities(math_, q[...], k_tile, lse[...], mask, step.block(table, b, i, j),
                                  (q_pos, kv_pos, q_seg, kv_seg))
         ds = _logit_grad(math_, p, tanh, d_out[...], v[...], delta[...])
         dq_scr[...] += math_.dot(ds.astype(k_tile.dtype), k_tile)
@@ -119,9 +128,9 @@ def _dkdv_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv_
         dk_scr[...] = jnp.zeros(dk_scr.shape, F32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, F32)
 
-    def update(masked: bool):
+    def update(mask):
         q_tile, do = q[...], d_out[...]
-        p, tanh = _probabilities(math_, q_tile, k[...], lse[...], masked, j, (q_pos, kv_pos, q_seg, kv_seg))
+        p, tanh = _probabilities(math_, q_tile, k[...], lse[...], mask, j, (q_pos, kv_pos, q_seg, kv_seg))
         dv_scr[...] += math_.dot_tn(p.astype(do.dtype), do)
         ds = _logit_grad(math_, p, tanh, do, v[...], delta[...])
         dk_scr[...] += math_.dot_tn(ds.astype(q_tile.dtype), q_tile)
@@ -152,18 +161,17 @@ def _fused_kernel(*, table, q, k, v, d_out, lse, delta, q_pos, kv_pos, q_seg, kv
         dk_scr[...] = jnp.zeros(dk_scr.shape, F32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, F32)
 
-    def update(masked: bool):
+    def update(mask):
         # keys first: sᵀ = k·qᵀ [bk, R], so dv = pᵀᵀ·dO and dk = dsᵀᵀ·q are plain products and
         # only dq = (dsᵀ)ᵀ·k transposes; lse/delta are rows [1, R] (broadcast down the sublanes)
         q_tile, k_tile, do = q[...], k[...], d_out[...]
         t, tanh = math_.logits2(k_tile, q_tile)
-        p = jnp.exp2(t - lse[...])
-        if masked:
-            q_pos_, kv_pos_, q_seg_, kv_seg_ = (None if r is None else r[...]
-                                                for r in (q_pos, kv_pos, q_seg, kv_seg))
-            ok = math_.visible(j, q_pos_, kv_pos_, q_seg_, kv_seg_, keys_first=True)
+        if mask is not None:
+            q_pos_, kv_pos_, q_seg_, kv_seg_ = _tokens(mask, (q_pos, kv_pos, q_seg, kv_seg))
+            ok = math_.visible(j, q_pos_, kv_pos_, q_seg_, kv_seg_, keys_first=True, spec=mask)
             if ok is not None:
-                p = jnp.where(ok, p, 0.0)
+                t = jnp.where(ok, t, -jnp.inf)  # 2^(-inf - lse) = 0 (lse is finite or +inf)
+        p = jnp.exp2(t - lse[...])
         dv_scr[...] += math_.dot(p.astype(do.dtype), do)
         ds = p * (math_.dot_nt(v[...], do) - delta[...])
         if tanh is not None:
