@@ -227,13 +227,15 @@ def glu_tpu_defers_to_xla(platform) -> str | None:
     40's three shapes (`benchmarks/glu_tpu.py`, SwiGLU bf16, XLA in the same process,
     2026-12-07, the wide-tile heuristic 512x512x2048): M=8192 K=4096 N=14336 forward 12.65 ms
     against 11.43 (0.90x), forward+backward 38.77 against 36.67 (0.95x); M=8192 K=7168
-    N=18432 forward 29.88 against 25.00 (0.84x); faster only at M=32768 K=4096 N=14336
-    (forward 44.84 against 46.54, 1.04x; forward+backward 141.9 against 152.8, 1.08x). Other
-    generations are not measured: the kernels stay their default there."""
+    N=18432 forward 29.88 against 25.00 (0.84x), and at K's exact step (512x512x1792, the
+    heuristic since) 26.53 against 25.03 (0.94x), forward+backward 82.57 against 82.07 (0.99x);
+    faster only at M=32768 K=4096 N=14336 (forward 44.84 against 46.54, 1.04x;
+    forward+backward 141.9 against 152.8, 1.08x). Other generations are not measured: the
+    kernels stay their default there."""
     tpu = platform.tpu
     if tpu is not None and tpu.name == "v5e":
         return ("measured slower than XLA on a v5e at M=8192 (0.90x forward, 0.95x forward+backward "
-                "at K=4096 N=14336; 0.84x forward at K=7168 N=18432, bf16, 512x512x2048 tiles); "
-                "faster only at M=32768 (1.04x / 1.08x)")
+                "at K=4096 N=14336, 512x512x2048 tiles; 0.94x / 0.99x at K=7168 N=18432, 512x512x1792; "
+                "bf16); faster only at M=32768 (1.04x / 1.08x)")
     return None
 
