@@ -223,23 +223,28 @@ def test_measured_range_chunked_is_not_exact_for_positive_g():
     assert not np.isfinite(np.asarray(chunked)[:, :40]).all()
 
 
-@pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu"])
-def test_interpreted_kernels_give_the_documented_result(implementation):
-    q, k, v, g, beta = _inputs(stellax.chunk_gated_delta_rule)
+@pytest.mark.parametrize("op, implementation", [
+    (stellax.chunk_gated_delta_rule, "triton"), (stellax.chunk_gated_delta_rule, "mosaic_tpu"),
+    (stellax.fused_recurrent_gated_delta_rule, "mosaic_tpu"), (stellax.fused_recurrent_kda, "mosaic_tpu")],
+    ids=lambda p: getattr(p, "__name__", p))
+def test_interpreted_kernels_give_the_documented_result(op, implementation):
+    """A positive decay at one token: the kernels, reading NaN decays for that (sequence, head)
+    (`bad_data.poison_decay`), write all of its rows and its final state NaN, the rest as XLA."""
+    q, k, v, g, beta = _inputs(op)
+    bad_g = g.at[1, 4, 0].set(2.0)
     with stellax.interpret_mode():
-        f = _jitted(stellax.chunk_gated_delta_rule, implementation=implementation)
-        o, s = f(q, k, v, g.at[1, 4, 0].set(2.0), beta)
+        o, s = _jitted(op, implementation=implementation)(q, k, v, bad_g, beta)
     want = np.zeros((B, T, H), bool)
     want[1, :, 0] = True
     np.testing.assert_array_equal(_nan_rows(o), want)
     np.testing.assert_array_equal(np.isnan(np.asarray(s)).all(axis=(2, 3)), want[:, 0])
-    o_x, _ = _jitted(stellax.chunk_gated_delta_rule, implementation="xla")(q, k, v, g.at[1, 4, 0].set(2.0), beta)
+    o_x, _ = _jitted(op, implementation="xla")(q, k, v, bad_g, beta)
     np.testing.assert_allclose(np.asarray(o)[~want], np.asarray(o_x)[~want], rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("op", CHUNKED, ids=lambda o: o.__name__)
-def test_chunked_ops_poison_the_decays_not_the_outputs(op):
-    """The chunked ops make bad data NaN through the decays (`bad_data.poison_decay`): their program
+@pytest.mark.parametrize("op", ALL, ids=lambda o: o.__name__)
+def test_ops_poison_the_decays_not_the_outputs(op):
+    """The ops make bad data NaN through the decays (`bad_data.poison_decay`): their program
     multiplies ``g`` by the 1 / NaN scales and takes no elementwise pass over ``o [B, T, HV, V]`` after
     the recurrence (on a v5e such a pass moved ``o`` through HBM twice: 0.3 ms at T = 16384, HV = 32)."""
     q, k, v, g, beta = _inputs(op)

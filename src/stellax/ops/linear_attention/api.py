@@ -150,13 +150,19 @@ def _decay_name(call: Call):
 
 
 def _guarded(run):
-    """``run(row, call, config, ...)`` on `bad_data.guard`'s call (valid offsets), its outputs NaN
-    where the data is bad (`bad_data`); valid data unchanged."""
+    """``run(row, call, config, ...)`` on `bad_data.guard`'s call (valid offsets), bad data NaN
+    (`bad_data`); valid data unchanged bit for bit. A bad (sequence, head)'s decays are made NaN
+    before the recurrence (`bad_data.poison_decay`), so the recurrence itself writes its outputs NaN
+    and ``o`` takes no extra pass; with no decay to range-check (KDA's fused gate), ``o`` is
+    multiplied after it. ``__wrapped__`` is ``run``, the same program without `bad_data`."""
     @functools.wraps(run)
     def guarded(row: Backend, call: Call, config, **kwargs):
-        call, scales = bad_data.guard(call, decay=_decay_name(call))
-        o, final = run(row, call, config, **kwargs)
-        return bad_data.poison(scales, o, final)
+        decay = _decay_name(call)
+        call, scales = bad_data.guard(call, decay=decay)
+        if decay is None:
+            return bad_data.poison(scales, *run(row, call, config, **kwargs))
+        o, final = run(row, bad_data.poison_decay(scales, call, decay), config, **kwargs)
+        return o, bad_data.poison(scales, None, final)[1]
     return guarded
 
 
@@ -170,30 +176,16 @@ def _guarded_reference(call: Call):
 _guarded_reference.__wrapped__ = delta_rule_reference  # what the lab shows as the golden (inspect.unwrap)
 
 
+@_guarded
 def _run_chunked(row: Backend, call: Call, config, *, per_channel: bool):
-    """The chunked recurrence on ``row``, bad data NaN (`bad_data`): a bad (sequence, head)'s decays
-    made NaN before the recurrence (`bad_data.poison_decay`, no pass over ``o`` after it), or, with no
-    decay to range-check (KDA's fused gate), ``o`` multiplied after it."""
-    decay = _decay_name(call)
-    call, scales = bad_data.guard(call, decay=decay)
-    if decay is not None:
-        call = bad_data.poison_decay(scales, call, decay)
-    o, final = _chunked(row, call, config, per_channel=per_channel)
-    if decay is None:
-        return bad_data.poison(scales, o, final)
-    return o, bad_data.poison(scales, None, final)[1]
-
-
-def _chunked(row: Backend, call: Call, config, *, per_channel: bool):
+    """The chunked recurrence (`recurrence.recurrence`) on ``row``: ``(o [B, T, HV, V] in v's dtype,
+    final states [N, HV, K, V] float32 or None)``."""
     tokens = {n: call.arrays[n] for n in ("q", "k", "v", "g", "beta")}
     chunk = base.xla_chunk(call.chunk_size, per_channel)
     o, final = recurrence(row, tokens, delta_rule_preparer(call), delta_rule_initial_state(call), call.cu_seqlens, per_channel=per_channel,
                           chunk_size=chunk, config=config, precision=call.precision,
                           inputs=jnp.result_type(call.q, call.k, call.v), out_dtype=call.v.dtype)
     return o.astype(call.v.dtype), (final if call.output_final_state else None)
-
-
-_run_chunked.__wrapped__ = _chunked  # the same program without `bad_data` (compared bit for bit on valid data)
 
 
 @_guarded

@@ -19,8 +19,8 @@ Two data-dependent preconditions:
   every final state are NaN (the kernels run on placeholder offsets
   ``[0, T, …, T]``, so nothing reads out of bounds).
 
-Valid data is unchanged bit for bit: the outputs are multiplied by exactly 1.
-The chunked ops multiply the decays instead (`poison_decay`): a bad (sequence, head)'s ``g`` made
+Valid data is unchanged bit for bit: the values are multiplied by exactly 1.
+The ops multiply the decays (`poison_decay`, chunked and token-by-token alike): a bad (sequence, head)'s ``g`` made
 NaN makes the recurrence itself write its output rows, final state and gradients NaN, so the
 outputs take no extra pass over HBM for the mask (on a v5e at T = 16384, HV = 32 that pass was a
 256 MB read and write of ``o``, about 0.3 ms of a 7.2 ms GDN forward).
