@@ -186,14 +186,16 @@ def abstract_cases(suite: Suite, op, count: int) -> list:
 
 
 def concrete_cases(suite: Suite, op, count: int) -> list:
-    """The same calls with device arrays."""
+    """The same calls with device arrays: only these ``count`` are materialized (an op's later
+    benchmark shapes can be far larger: the 256-expert grouped matmul's weights alone are 7.5 GB,
+    made in float32 15 GB, more than a v5e holds)."""
     import jax.numpy as jnp
 
     from stellax.bench.inputs import materialize_example
 
     if suite.args.dry_run:
         return list(op.examples(jnp.float32)[:1])
-    return [materialize_example(e) for e in op.benchmarks(suite.platform)[:count]]
+    return [materialize_example(e) for e in abstract_cases(suite, op, count)]
 
 
 # -- the plan ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ search, results as contexts and JSON, and the CLI."""
 
 import dataclasses
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,26 @@ def test_search_skips_failing_and_wrong_configs():
     assert all(errors[m] is None for m in (0, 1, 2))
     assert result.config.mode in (0, 1, 2)
     assert result.failures == 2
+
+
+def test_outputs_close_flags_misplaced_non_finite_values_and_large_distance():
+    ref = jnp.array([1.0, 2.0, jnp.inf, 4.0])
+    assert search._outputs_close((ref * (1 + 1e-4),), (ref,)) is None          # within tolerance
+    assert "non-finite" in search._outputs_close((ref.at[0].set(jnp.nan),), (ref,))
+    assert "non-finite" in search._outputs_close((ref.at[2].set(3.0),), (ref,))
+    assert "rel_l2" in search._outputs_close((ref.at[3].set(5.0),), (ref,))
+    big = jnp.full((8,), 3e30, jnp.float32)  # squares overflow float32 unless scaled
+    assert search._outputs_close((big,), (big,)) is None
+    assert "rel_l2" in search._outputs_close((big * 1.1,), (big,))
+    assert "integer" in search._outputs_close((jnp.array([1, 2]),), (jnp.array([1, 3]),))
+
+
+def test_search_past_its_deadline_times_only_the_default():
+    call = _FAKE.check(jnp.ones((64, 64)))
+    result = search.tune_call(_FAKE, "tuned", call, timer="wall", deadline=time.monotonic() - 1)
+    errors = [c.error for c in result.candidates]
+    assert errors[0] is None and result.candidates[0].default and result.config == _Cfg(0)
+    assert all(e in ("skipped: deadline reached",) or "compile" in (e or "") for e in errors[1:]), errors
 
 
 def test_search_fails_only_when_every_config_fails():

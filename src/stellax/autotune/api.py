@@ -267,7 +267,8 @@ def tune_calls(calls: Sequence[ObservedCall], *, max_configs: int | None = None,
 
         try:
             result = tune_call(item.op, item.implementation, item.call, max_configs=max_configs, timer=timer,
-                               concrete=item.concrete, progress=step, input_sets=input_sets)
+                               concrete=item.concrete, progress=step, input_sets=input_sets,
+                               deadline=deadline)
         except (TuneError, Exception) as e:  # noqa: BLE001 - keep tuning the others
             failures.append(_failure(item, f"{type(e).__name__}: {e}"[:500]))
             continue

@@ -146,27 +146,40 @@ def run_in_thread(fn: Callable[..., Any], *args, **kwargs):
         return ex.submit(runner, *args, **kwargs).result()
 
 
+@jax.jit
+def _distance(out, ref):
+    """``(whether out is finite exactly where ref is, rel-L2 of out - ref over ref's finite entries)``,
+    computed on the device in float32 (scaled by ref's largest magnitude, so no square overflows): a
+    tuned call's output can be gigabytes (a 64-expert weight gradient is 940M values), too many to
+    bring to the host once per config."""
+    out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+    finite = jnp.isfinite(ref)
+    same_finite = jnp.all(jnp.isfinite(out) == finite)
+    ref = jnp.where(finite, ref, 0.0)
+    scale = jnp.maximum(jnp.max(jnp.abs(ref)), jnp.finfo(jnp.float32).tiny)
+    diff = jnp.where(finite, out - ref, 0.0) / scale
+    norm = jnp.sqrt(jnp.sum(jnp.square(ref / scale)))
+    return same_finite, jnp.sqrt(jnp.sum(jnp.square(diff))) / jnp.maximum(norm, 1e-30)
+
+
 def _outputs_close(out, ref) -> str | None:
+    """Why ``out`` disagrees with the default config's ``ref``, or ``None``: integer leaves
+    equal, float leaves finite in the same places and within ``max(20·tolerance, 1e-3)`` rel-L2."""
     out_leaves = jax.tree_util.tree_leaves(out)
     ref_leaves = jax.tree_util.tree_leaves(ref)
     if len(out_leaves) != len(ref_leaves):
         return f"{len(out_leaves)} outputs vs {len(ref_leaves)}"
     for i, (o, r) in enumerate(zip(out_leaves, ref_leaves)):
-        o_np = np.asarray(jnp.asarray(o).astype(jnp.float32) if inputs_lib.is_float(o) else o)
-        r_np = np.asarray(jnp.asarray(r).astype(jnp.float32) if inputs_lib.is_float(r) else r)
-        if o_np.shape != r_np.shape:
-            return f"output {i}: shape {o_np.shape} vs {r_np.shape}"
+        if jnp.shape(o) != jnp.shape(r):
+            return f"output {i}: shape {jnp.shape(o)} vs {jnp.shape(r)}"
         if not inputs_lib.is_float(o):
-            if not np.array_equal(o_np, r_np):
+            if not bool(jnp.array_equal(o, r)):
                 return f"output {i}: integer values differ"
             continue
-        finite = np.isfinite(r_np)
-        if np.any(np.isfinite(o_np) != finite):
+        same_finite, rel = _distance(o, r)
+        if not bool(same_finite):
             return f"output {i}: non-finite values where the default config has none"
-        diff = np.where(finite, o_np - r_np, 0.0).astype(np.float64)
-        ref = np.where(finite, r_np, 0.0).astype(np.float64)
-        rel = np.sqrt(np.sum(diff**2)) / max(np.sqrt(np.sum(ref**2)), 1e-30)
-        tol = max(20 * tolerance(o.dtype), 1e-3)
+        rel, tol = float(rel), max(20 * tolerance(o.dtype), 1e-3)
         if rel > tol:
             return f"output {i}: rel_l2 {rel:.2e} from the default config's result (tol {tol:.0e})"
     return None
@@ -192,14 +205,18 @@ def _compile_all(configs, compile_one, candidates, compile_workers, progress) ->
     return compiled
 
 
-def _time_all(compiled, sets, candidates, timer, verify: bool, progress) -> str:
+def _time_all(compiled, sets, candidates, timer, verify: bool, progress, deadline: float | None = None) -> str:
     """Time every compiled config one after another on the same inputs (a config whose output
-    disagrees with the first one's is recorded as wrong, not timed); returns the timer's name."""
+    disagrees with the first one's is recorded as wrong, not timed; once ``time.monotonic()``
+    passes ``deadline`` the rest are recorded as skipped); returns the timer's name."""
     timer_obj = timing_lib.make_timer(timer)
     used_timer = timer_obj.name
     reference = None
     for i, exe in enumerate(compiled):
         if exe is None:
+            continue
+        if deadline is not None and time.monotonic() > deadline and any(c.median_ms is not None for c in candidates):
+            candidates[i].error = "skipped: deadline reached"
             continue
         try:
             out = isolated(lambda: jax.block_until_ready(exe(*sets[0])))
@@ -224,11 +241,13 @@ def _time_all(compiled, sets, candidates, timer, verify: bool, progress) -> str:
 def tune_call(op, implementation, call: Call, *, max_configs: int | None = None,
               timer: str | timing_lib.Timer = "auto", concrete: Mapping[str, Any] | None = None,
               input_sets: int = 2, compile_workers: int | None = None, verify: bool = True, seed: int = 0,
-              progress: Callable[[str, int, int], None] | None = None) -> TuneResult:
+              progress: Callable[[str, int, int], None] | None = None,
+              deadline: float | None = None) -> TuneResult:
     """Find the fastest config of ``implementation`` (an `Implementation` or
     its name) of ``op`` for ``call`` (arrays may be tracers or shape structs;
     float operands are replaced by random values, other operands come from
-    ``concrete`` by name when known)."""
+    ``concrete`` by name when known). Past ``deadline`` (``time.monotonic()``)
+    the configs not yet timed are skipped; the default config is always timed."""
     started = time.perf_counter()
     impl = op.implementations[implementation] if isinstance(implementation, str) else implementation
     if impl.config_type is None:
@@ -258,7 +277,7 @@ def tune_call(op, implementation, call: Call, *, max_configs: int | None = None,
 
     candidates = [Candidate(_config_dict(c), default=(i == 0)) for i, c in enumerate(configs)]
     compiled = _compile_all(configs, compile_one, candidates, compile_workers, progress)
-    used_timer = _time_all(compiled, sets, candidates, timer, verify, progress)
+    used_timer = _time_all(compiled, sets, candidates, timer, verify, progress, deadline)
 
     timed = [(c.median_ms, i) for i, c in enumerate(candidates) if c.error is None and c.median_ms is not None]
     if not timed:
