@@ -315,7 +315,7 @@ def check_at_scale(op, example) -> dict:
     import jax.numpy as jnp
 
     from stellax.bench.measurement import DeviceMemoryError, compile_within_memory
-    from stellax.testing.numerics import compare, upcast
+    from stellax.testing.numerics import compare_on_device, upcast
     from stellax.testing.validation import CheckResult
 
     dtype = next((l.dtype for l in jax.tree_util.tree_leaves(example.args) if jnp.issubdtype(l.dtype, jnp.floating)),
@@ -352,7 +352,7 @@ def check_at_scale(op, example) -> dict:
             result = CheckResult(op.name, "mosaic_tpu", jnp.dtype(dtype).name, label, True, None,
                                  skipped="no golden fits: " + "; ".join(reasons))
             return _check_record(op, label, jnp.dtype(dtype).name, result, golden="none")
-        summaries = [compare(o, r, dtype=dtype) for o, r in
+        summaries = [compare_on_device(o, r, dtype=dtype) for o, r in
                      zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(expected))]
         worst = max(summaries, key=lambda s: (not s.passed, s.rel_l2 / max(s.tolerance, 1e-30)))
         result = CheckResult(op.name, "mosaic_tpu", jnp.dtype(dtype).name, label, all(s.passed for s in summaries),

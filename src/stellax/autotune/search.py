@@ -26,7 +26,7 @@ import numpy as np
 from ..core import selection
 from ..core.call import Call
 from ..core.platform import current_platform
-from ..testing.numerics import tolerance
+from ..testing.numerics import compare_on_device, tolerance
 from ..bench import inputs as inputs_lib
 from ..bench.cost_model import has_model, rank_space
 from ..bench import timing as timing_lib
@@ -146,22 +146,6 @@ def run_in_thread(fn: Callable[..., Any], *args, **kwargs):
         return ex.submit(runner, *args, **kwargs).result()
 
 
-@jax.jit
-def _distance(out, ref):
-    """``(whether out is finite exactly where ref is, rel-L2 of out - ref over ref's finite entries)``,
-    computed on the device in float32 (scaled by ref's largest magnitude, so no square overflows): a
-    tuned call's output can be gigabytes (a 64-expert weight gradient is 940M values), too many to
-    bring to the host once per config."""
-    out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
-    finite = jnp.isfinite(ref)
-    same_finite = jnp.all(jnp.isfinite(out) == finite)
-    ref = jnp.where(finite, ref, 0.0)
-    scale = jnp.maximum(jnp.max(jnp.abs(ref)), jnp.finfo(jnp.float32).tiny)
-    diff = jnp.where(finite, out - ref, 0.0) / scale
-    norm = jnp.sqrt(jnp.sum(jnp.square(ref / scale)))
-    return same_finite, jnp.sqrt(jnp.sum(jnp.square(diff))) / jnp.maximum(norm, 1e-30)
-
-
 def _outputs_close(out, ref) -> str | None:
     """Why ``out`` disagrees with the default config's ``ref``, or ``None``: integer leaves
     equal, float leaves finite in the same places and within ``max(20·tolerance, 1e-3)`` rel-L2."""
@@ -176,10 +160,10 @@ def _outputs_close(out, ref) -> str | None:
             if not bool(jnp.array_equal(o, r)):
                 return f"output {i}: integer values differ"
             continue
-        same_finite, rel = _distance(o, r)
-        if not bool(same_finite):
+        rel = compare_on_device(o, r).rel_l2  # on the device: a tuned output can be gigabytes
+        if not np.isfinite(rel):
             return f"output {i}: non-finite values where the default config has none"
-        rel, tol = float(rel), max(20 * tolerance(o.dtype), 1e-3)
+        tol = max(20 * tolerance(o.dtype), 1e-3)
         if rel > tol:
             return f"output {i}: rel_l2 {rel:.2e} from the default config's result (tol {tol:.0e})"
     return None

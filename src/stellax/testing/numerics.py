@@ -152,6 +152,48 @@ def compare(out, ref, *, dtype=None, gradient: bool = False, rel_l2_tolerance: f
     )
 
 
+@jax.jit
+def _device_errors(out, ref, atol, rtol):
+    """`compare`'s statistics in float32 on the device: ``(max_abs, ‖ref‖, ‖out − ref‖ (inf where
+    out and ref are not finite alike), fraction within atol + rtol·|ref|, out has NaN, ref has
+    NaN)``. The norms are taken of the values over their largest magnitude, so no square overflows."""
+    out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+    ref_finite = jnp.isfinite(ref)
+    both = jnp.isfinite(out) & ref_finite
+    same_nonfinite = (jnp.isnan(out) & jnp.isnan(ref)) | (jnp.isinf(out) & (out == ref))
+    diff = jnp.where(both, jnp.abs(out - ref), jnp.where(same_nonfinite, 0.0, jnp.inf))
+    out_nan, ref_nan = jnp.any(jnp.isnan(out)), jnp.any(jnp.isnan(ref))
+    ref = jnp.where(ref_finite, ref, 0.0)
+    finite_diff = jnp.where(jnp.isfinite(diff), diff, 0.0)
+
+    def norm(x):
+        scale = jnp.maximum(jnp.max(jnp.abs(x)), jnp.finfo(jnp.float32).tiny)
+        return jnp.sqrt(jnp.sum(jnp.square(x / scale))) * scale
+
+    err = jnp.where(jnp.all(jnp.isfinite(diff)), norm(finite_diff), jnp.inf)
+    within = jnp.mean((diff <= atol + rtol * jnp.abs(ref)).astype(jnp.float32))
+    return jnp.max(diff), norm(ref), err, within, out_nan, ref_nan
+
+
+def compare_on_device(out, ref, *, dtype=None, gradient: bool = False,
+                      rel_l2_tolerance: float | None = None) -> ErrorSummary:
+    """`compare` computed on the device in float32 rather than on the host in float64: for
+    outputs too large to bring to the host (a 64-expert weight gradient holds 940M values, 7.5 GB
+    per float64 copy). The float32 sums agree with `compare`'s to about 1e-6 relative."""
+    if jnp.shape(out) != jnp.shape(ref):
+        raise AssertionError(f"shape mismatch: out {jnp.shape(out)} vs reference {jnp.shape(ref)}")
+    if not np.prod(jnp.shape(out)):
+        return compare(out, ref, dtype=dtype, gradient=gradient, rel_l2_tolerance=rel_l2_tolerance)
+    dtype_name = np.dtype(dtype if dtype is not None else jnp.asarray(out).dtype).name
+    tol = rel_l2_tolerance if rel_l2_tolerance is not None else tolerance(dtype_name, gradient=gradient)
+    atol, rtol = ELEMENT_TOLERANCE.get(dtype_name, (1e-2, 1e-2))
+    max_abs, ref_norm, err_norm, within, has_nan, ref_nan = (
+        np.asarray(v).item() for v in _device_errors(out, ref, np.float32(atol), np.float32(rtol)))
+    return ErrorSummary(max_abs=float(max_abs), rel_l2=float(err_norm / ref_norm) if ref_norm > 0 else float(err_norm),
+                        fraction_within=float(within), has_nan=bool(has_nan), reference_has_nan=bool(ref_nan),
+                        tolerance=tol, shape=tuple(jnp.shape(out)))
+
+
 def assert_close(out, ref, *, dtype=None, gradient: bool = False, rel_l2_tolerance: float | None = None,
                  name: str = "output") -> ErrorSummary:
     """Raise ``AssertionError`` (with the error summary) unless ``out`` matches ``ref``."""
