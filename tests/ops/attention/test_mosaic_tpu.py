@@ -596,3 +596,34 @@ def test_heuristic_blocks_for_a_narrow_window():
             assert (fwd.block_q, fwd.block_kv) == forward, window
             assert (bwd.block_q_dq, bwd.block_kv_dq, bwd.block_q_dkv, bwd.block_kv_dkv) == backward, window
             assert bwd.fused is FUSED_BACKWARD_BY_DEFAULT, window
+
+
+def test_heuristic_blocks_for_long_dense_calls():
+    """A long unmasked MHA forward on a v5e takes 2048 × 2048 tiles (`DENSE_LONG_BLOCKS`: tuned on
+    the chip, 13.69 ms against 14.58 at 1024 × 1024, T=16384 full); a mask of any kind, GQA, a
+    shorter sequence or a 256-wide MXU keeps the usual blocks, and the backward is unchanged."""
+    from stellax.core import lowering_target
+    from stellax.ops.attention.configs import splash_backward_heuristic, splash_heuristic
+
+    op = stellax.registered_ops()["attention"]
+    q = jax.ShapeDtypeStruct((1, 16384, 16, 128), jnp.bfloat16)
+    gqa = jax.ShapeDtypeStruct((1, 16384, 4, 128), jnp.bfloat16)
+    short = jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((1, 16384), jnp.int32)
+
+    def forward(generation, *args, **kwargs):
+        with lowering_target(generation):
+            c = splash_heuristic(op.check(*args, **kwargs))
+        return c.block_q, c.block_kv
+
+    assert forward("v5e", q, q, q) == (2048, 2048)
+    assert forward("v5p", q, q, q) == (1024, 1024)  # its 64 MiB of VMEM do not hold the 77 MiB step
+    assert forward("v5e", q, q, q, is_causal=True) == (1024, 1024)
+    assert forward("v5e", q, q, q, local_window_size=(4096, 4096)) == (1024, 1024)
+    assert forward("v5e", q, q, q, q_segment_ids=segments, kv_segment_ids=segments) == (1024, 1024)
+    assert forward("v5e", q, gqa, gqa) != (2048, 2048)
+    assert forward("v5e", short, short, short) == (1024, 1024)
+    assert forward("v6e", q, q, q) == (1024, 512)
+    with lowering_target("v5e"):
+        bwd = splash_backward_heuristic(op.check(q, q, q))
+    assert (bwd.block_q_dq, bwd.block_kv_dq) == (1024, 1024)

@@ -316,11 +316,39 @@ def _large_forward_blocks(g: int) -> list[tuple[int, int]]:
     return [(bq, kv), (bq, kv // 2)]
 
 
+#: The forward's first choice on 128-wide-MXU chips for a long dense call (no mask of any kind, one
+#: query head per kv head, ``T, S >= DENSE_LONG``): measured by on-chip autotuning on a v5e (bf16,
+#: B=1, N=16, D=128, T=S=16384 full; `benchmarks/results/stellax-tpu-suite-2026-12-07-v5e.json`):
+#: 2048 × 2048 13.69 ms against 14.58 at the 1024 × 1024 default and 17.90 at 512 × 512 (on
+#: 2026-12-05, before the per-side mask work: 17.6 against 30.3 at 512 × 512). Its step estimate
+#: (77 MiB, mostly the float32 2048 × 2048 temporaries) fits three quarters of a v5e's 128 MiB, not
+#: of a v5p's 64 (which keeps 1024 tiles); masked calls keep 1024 tiles (their diagonal or band
+#: blocks would waste more of a 2048 tile).
+DENSE_LONG = 16384
+DENSE_LONG_BLOCKS = (2048, 2048)
+
+_MASK_OPERANDS = ("bias", "mask", "q_segment_ids", "kv_segment_ids", "query_seq_lengths", "key_value_seq_lengths",
+                  "q_positions", "kv_positions")
+
+
+def _dense(call: Call) -> bool:
+    """Whether a forward ``call`` attends every query to every key: no mask, bias, segments, lengths,
+    positions, window, chunks or causality."""
+    if any(call.arrays.get(name) is not None for name in _MASK_OPERANDS):
+        return False
+    options = call.options
+    return (not options.get("is_causal") and options.get("local_window_size") is None
+            and options.get("chunk_size") is None)
+
+
 def _heuristic_blocks(call: Call, *, backward: bool) -> tuple[int, int]:
     from ...core.platform import target_generation
 
     generation = target_generation()
     t, s, g = _tpu_shape(call)[:3]
+    if (not backward and generation.mxu < 256 and g == 1 and min(t, s) >= DENSE_LONG and _dense(call)
+            and _fits_tpu(*DENSE_LONG_BLOCKS, call, generation, backward=False, budget=_tpu_budget(generation))):
+        return DENSE_LONG_BLOCKS
     # v5e/v5p: 1024-row tiles (1024/G query rows per kv head) within twice the scoped VMEM
     # default, forward and backward. Measured on a v5e (benchmarks/results/attention_tpu-v5e-2026-12-06.json,
     # forward + backward, bf16): MHA causal T=8192 11.57 ms against 13.45 at 512/512, GQA N=32 K=8
