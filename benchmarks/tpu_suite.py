@@ -30,8 +30,9 @@ and op (every op with a ``mosaic_tpu`` implementation, or ``--ops``):
 Every command reads and extends one JSON file, ``stellax-tpu-suite-<date>-<device>.json``
 under ``--out``: rows measured again replace the old ones, the rest is kept, and
 a stage's ops already done are skipped (``--redo`` runs them again, ``--fresh``
-starts a new file). A command stops taking new work when its ``--budget``
-(default 540 s) would be passed and says what is left: run it again to go on.
+starts a new file; ``--resume PATH`` carries on from an earlier day's file). A
+command stops taking new work when its ``--budget`` (default 540 s) would be
+passed and says what is left: run it again to go on.
 The schema is documented in ``benchmarks/README.md``.
 
 ``--dry-run`` runs the same stages on the CPU with the TPU kernels interpreted,
@@ -82,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--max-configs", type=int, default=8, help="configs tried per tuned call (default 8)")
     p.add_argument("--redo", action="store_true", help="run the selected stages' ops again even if done")
     p.add_argument("--fresh", action="store_true", help="start a new results file instead of extending it")
+    p.add_argument("--resume", default=None, metavar="PATH",
+                   help="carry on from this results file (e.g. a committed one from an earlier day) when "
+                        "today's file under --out does not exist yet")
     args = p.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     unknown = [s for s in stages if s not in STAGES]
@@ -556,6 +560,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{FORMAT}-{suite.date}-{suite.device}.json"
+    if args.resume and not args.fresh and not path.exists():
+        if not Path(args.resume).is_file():
+            raise SystemExit(f"tpu_suite: --resume: {args.resume} is not a file")
+        path.write_text(Path(args.resume).read_text())
     suite.results = Results(path, fresh=args.fresh, dry_run=args.dry_run)
     ops = tpu_ops(args)
     import tpu_peers

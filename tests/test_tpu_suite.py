@@ -57,6 +57,13 @@ def test_tpu_suite_dry_run_resumes_and_writes_the_rows_schema(tmp_path):
     proc = _run_suite(tmp_path, "--dry-run", "--ops", ops, "--stages", "bench")
     assert "bench layer_norm" not in proc.stdout, proc.stdout
 
+    # Another day (another --out) carries on from the file given to --resume.
+    later = tmp_path / "later"
+    proc = _run_suite(later, "--dry-run", "--ops", ops, "--stages", "bench", "--resume", str(path))
+    assert proc.returncode == 0 and "bench layer_norm" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    carried = json.loads((later / path.name).read_text())
+    assert carried["rows"] == data["rows"] and len(carried["commands"]) == 4
+
 
 def test_tpu_suite_list_plans_for_a_v5e_from_the_cpu(tmp_path):
     proc = _run_suite(tmp_path, "--list", "--ops", "layer_norm,ragged_dot", "--stages", "check,bench")
