@@ -33,7 +33,7 @@ from ...core.backends import Backend, BackendTable, Tuning
 from ...core.pallas import nbytes
 from ...core.precision import resolve_precision
 from . import configs, mosaic_tpu, mosaic_tpu_backward, triton, triton_backward, xla_chunked
-from .masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec, default_positions, visible_fraction
+from .masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec, default_positions, mask_spec_of, visible_fraction
 from .reference import attention_forward_reference
 
 F32 = jnp.float32
@@ -184,22 +184,6 @@ def check_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
          "q_positions": q_positions, "kv_positions": kv_positions},
         {**options, "logits_soft_cap": logits_soft_cap, "precision": precision,
          "return_residuals": _require_bool("return_residuals", return_residuals)},
-    )
-
-
-def mask_spec_of(call: Call) -> MaskSpec:
-    """The `MaskSpec` of a checked forward call. ``chunk_size`` implies
-    causal attention inside each chunk (Llama-4)."""
-    window = call.local_window_size
-    segments = any(call.arrays[n] is not None for n in
-                   ("q_segment_ids", "query_seq_lengths", "key_value_seq_lengths"))
-    return MaskSpec(
-        causal=call.is_causal or call.chunk_size is not None,
-        window_left=None if window is None else window[0],
-        window_right=None if window is None else window[1],
-        chunk_size=call.chunk_size,
-        segments=segments,
-        default_positions=call.q_positions is None,
     )
 
 

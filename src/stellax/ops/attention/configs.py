@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from ...core import Call, KernelConfig, TritonConfig, current_platform, next_power_of_two, product_space
 from ...core.config import require_positive, require_power_of_two
+from .masks import MaskSpec, mask_spec_of
 
 #: Head dims the Triton kernels hold in registers (padded to a power of two).
 MAX_HEAD_DIM = 256
@@ -327,18 +328,10 @@ def _large_forward_blocks(g: int) -> list[tuple[int, int]]:
 DENSE_LONG = 16384
 DENSE_LONG_BLOCKS = (2048, 2048)
 
-_MASK_OPERANDS = ("bias", "mask", "q_segment_ids", "kv_segment_ids", "query_seq_lengths", "key_value_seq_lengths",
-                  "q_positions", "kv_positions")
-
-
 def _dense(call: Call) -> bool:
     """Whether a forward ``call`` attends every query to every key: no mask, bias, segments, lengths,
     positions, window, chunks or causality."""
-    if any(call.arrays.get(name) is not None for name in _MASK_OPERANDS):
-        return False
-    options = call.options
-    return (not options.get("is_causal") and options.get("local_window_size") is None
-            and options.get("chunk_size") is None)
+    return call.bias is None and call.mask is None and mask_spec_of(call) == MaskSpec(default_positions=True)
 
 
 def _heuristic_blocks(call: Call, *, backward: bool) -> tuple[int, int]:

@@ -347,3 +347,19 @@ def visible_fraction(spec: MaskSpec, t: int, s: int) -> float:
             ok &= np.floor_divide(qp, spec.chunk_size) == np.floor_divide(kp, spec.chunk_size)
         total += int(ok.sum())
     return total / float(max(t * s, 1))
+
+
+def mask_spec_of(call) -> MaskSpec:
+    """The `MaskSpec` of a checked forward attention call (a `stellax.core.Call`). ``chunk_size`` implies
+    causal attention inside each chunk (Llama-4)."""
+    window = call.local_window_size
+    segments = any(call.arrays[n] is not None for n in
+                   ("q_segment_ids", "query_seq_lengths", "key_value_seq_lengths"))
+    return MaskSpec(
+        causal=call.is_causal or call.chunk_size is not None,
+        window_left=None if window is None else window[0],
+        window_right=None if window is None else window[1],
+        chunk_size=call.chunk_size,
+        segments=segments,
+        default_positions=call.q_positions is None,
+    )
