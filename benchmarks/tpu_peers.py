@@ -9,8 +9,8 @@ from __future__ import annotations
 
 
 def splash_peer(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, **options):
-    """jax's bundled splash attention on the op's ``[B, T, H, D]`` arguments:
-    full or causal mask, as many KV heads as query heads, T = S. Anything
+    """jax's bundled splash attention on the op's ``[B, T, H, D]`` arguments, at `splash_block`
+    tiles (fused backward): full or causal mask, as many KV heads as query heads, T = S. Anything
     else is not its contract here: `UnsupportedError` (recorded as skipped)."""
     import jax
     import jax.numpy as jnp
@@ -26,13 +26,26 @@ def splash_peer(query, key, value, bias=None, mask=None, *, scale=None, is_causa
                                f"{query.shape[2]} query / {key.shape[2]} KV heads)")
     _, t, heads, d = query.shape
     kind = masks.CausalMask if is_causal else masks.FullMask
-    kernel = splash.make_splash_mha(masks.MultiHeadMask([kind((t, t)) for _ in range(heads)]),
+    block = splash_block(t)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([kind((t, t)) for _ in range(heads)]), block_sizes=sizes,
                                     head_shards=1, q_seq_shards=1, interpret=interpret_enabled())
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)
     q_scale = (1.0 / d ** 0.5) if scale is None else scale
     out = jax.vmap(kernel)(heads_first(query) * jnp.asarray(q_scale, query.dtype), heads_first(key),
                            heads_first(value))
     return jnp.swapaxes(out, 1, 2)
+
+
+#: Splash's tile here: its usual 512 (its own default, 128, ran the T=S=16384 forward at 8 % of a
+#: v5e's peak against 82 % for stellax; benchmarks/attention_tpu.py searches 512 and 1024).
+SPLASH_BLOCK = 512
+
+
+def splash_block(t: int) -> int:
+    """`SPLASH_BLOCK`, or the largest of 256 / 128 dividing ``t``, or ``t`` itself."""
+    return next((b for b in (SPLASH_BLOCK, 256, 128) if t % b == 0 and b <= t), t)
 
 
 def _megablox():
@@ -160,7 +173,7 @@ def install(ops) -> None:
     """Register the peers on the ops they compare with (``op.peers``)."""
     for op in ops:
         if op.name == "dot_product_attention" or op.name == "attention":
-            op.peers.setdefault("jax_splash", splash_peer)
+            op.peers.setdefault(f"jax_splash_{SPLASH_BLOCK}", splash_peer)
         for name, fn in MOE_PEERS.get(op.name, {}).items():
             op.peers[name] = fn
         if op.name == "ragged_paged_attention":

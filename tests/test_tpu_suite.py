@@ -196,3 +196,54 @@ def test_an_op_whose_every_config_failed_is_not_marked_tuned(tmp_path, monkeypat
     suite.results = suite_module.Results(tmp_path / "r.json", fresh=True, dry_run=True)
     with interpret_mode(True), pytest.raises(suite_module.NothingTuned, match="no config of layer_norm ran.*out of HBM"):
         suite_module.autotune_op(suite, stellax.registered_ops()["layer_norm"])
+
+
+def _suite_module_and_cpu_suite(tmp_path):
+    """The suite module and a `Suite` on this CPU acting as a real run (not a dry run): the
+    benchmark shapes are the CPU's."""
+    import importlib.util
+
+    from stellax.core import current_platform
+
+    spec = importlib.util.spec_from_file_location("tpu_suite_under_test", ROOT / "benchmarks" / "tpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    suite = module.Suite(module.parse_args(["--dry-run", "--out", str(tmp_path)]), current_platform())
+    suite.args.dry_run = False
+    return module, suite
+
+
+def test_benchmark_shape_inputs_are_the_builders_values_and_supported(tmp_path):
+    """The check stage's benchmark call carries the op's own values (SSD's A < 0: random normal
+    values sent the state to inf on the chip) and is one the kernel runs on the device (no fp8
+    weights on a v5e)."""
+    import jax.numpy as jnp
+
+    module, suite = _suite_module_and_cpu_suite(tmp_path)
+    ops = stellax.registered_ops()
+    (example,) = module.concrete_cases(suite, ops["ssd"], 1)
+    assert float(jnp.max(example.args[2])) < 0, "A must be negative"
+    assert bool(jnp.all(jnp.isfinite(example.args[0])))
+    labels = [e.label for e in module.abstract_cases(suite, ops["ragged_dot_quantized"], None)]
+    assert labels[0].startswith("fp8")
+    with stellax.lowering_target("v5e"):
+        picked = module.first_supported_case(suite, ops["ragged_dot_quantized"])
+    assert picked is not None and not picked.label.startswith("fp8") and picked.label in labels
+
+
+def test_check_at_scale_fails_when_the_golden_is_not_finite(tmp_path):
+    """NaN against NaN compares equal, so a benchmark-shape check whose golden is not finite is
+    a failure, not a pass."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    module, _ = _suite_module_and_cpu_suite(tmp_path)
+    op = stellax.registered_ops()["layer_norm"]
+    example = op.examples(jnp.float32)[0]
+    with stellax.interpret_mode():
+        good = module.check_at_scale(op, example)
+        bad_x = example.args[0].at[(0,) * example.args[0].ndim].set(jnp.inf)
+        bad = module.check_at_scale(op, dataclasses.replace(example, args=(bad_x, *example.args[1:])))
+    assert good["result"] == "ok", good
+    assert bad["result"] == "fail" and "non-finite" in bad["detail"], bad

@@ -87,3 +87,19 @@ def test_shape_dtype_struct_operands_are_materialized():
     assert r.ok and seen["types"] == (jnp.int8, jnp.float32)
     q, s = inputs.input_sets((codes, scales), 1)[0]
     assert np.unique(np.asarray(q)).size > 100 and np.all(np.asarray(s) != 0)  # random codes, no zeros
+
+
+def test_inputs_kept_in_the_builders_domain_are_shifted_not_redrawn():
+    """``randomize=False`` (op benchmarks): set 0 is the given values, the others the same values
+    at other positions, so a log-decay stays below zero (random normal values would not)."""
+    decay = -jnp.exp(jax.random.normal(jax.random.PRNGKey(0), (4, 33)))
+    tree = ({"g": decay, "ids": jnp.arange(3)}, jax.ShapeDtypeStruct((8,), jnp.float32))
+    sets = inputs.input_sets(tree, 3, randomize=False)
+    np.testing.assert_array_equal(sets[0][0]["g"], decay)
+    for s in sets[1:]:
+        g = np.asarray(s[0]["g"])
+        assert g.shape == decay.shape and np.all(g < 0) and not np.array_equal(g, decay)
+        np.testing.assert_array_equal(np.sort(g.ravel()), np.sort(np.asarray(decay).ravel()))
+        np.testing.assert_array_equal(s[0]["ids"], jnp.arange(3))
+    assert not np.array_equal(sets[1][0]["g"], sets[2][0]["g"])
+    assert all(np.all(np.asarray(s[1]) != 0) for s in sets)   # structs are materialized

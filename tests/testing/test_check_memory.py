@@ -242,3 +242,45 @@ def test_examples_are_built_by_one_compiled_program():
 
     (example,) = validation.compiled_examples(concrete)
     assert isinstance(example.args[1], int)
+
+
+def test_compiled_examples_computes_only_the_first_count():
+    """With ``count``, the later examples' arrays are never computed: the second one here is
+    64 GB of random numbers, which would fail the process if it were."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from stellax.core.op import Example
+    from stellax.testing import validation
+
+    def make():
+        key = jax.random.PRNGKey(1)
+        return [Example("small", (jax.random.normal(key, (5,)),), {}),
+                Example("huge", (jax.random.normal(key, (1 << 34,)),), {})]
+
+    (example,) = validation.compiled_examples(make, count=1)
+    assert example.label == "small"
+    np.testing.assert_array_equal(np.asarray(example.args[0]),
+                                  np.asarray(jax.random.normal(jax.random.PRNGKey(1), (5,))))
+    assert isinstance(example.args[0], jax.Array) and example.args[0].dtype == jnp.float32
+
+
+def test_random_array_draws_large_arrays_in_pieces(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from stellax.testing import numerics
+
+    key = jax.random.PRNGKey(3)
+    small = numerics.random_array(key, (3, 7), jnp.bfloat16)
+    monkeypatch.setattr(numerics, "RANDOM_PIECE", 8)
+    pieced = numerics.random_array(key, (3, 7), jnp.bfloat16, scale=2.0)
+    assert pieced.shape == (3, 7) and pieced.dtype == jnp.bfloat16
+    flat = np.asarray(pieced.astype(jnp.float32)).ravel()
+    assert np.all(flat != 0) and len(np.unique(flat)) == flat.size   # pieces are not repeats of one draw
+    np.testing.assert_array_equal(flat[:8], 2.0 * np.asarray(jax.random.normal(jax.random.fold_in(key, 0), (8,)),
+                                                              ).astype(jnp.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(numerics.random_array(key, (3, 7), jnp.bfloat16, scale=2.0)), pieced)
+    assert not np.array_equal(np.asarray(small), np.asarray(pieced))

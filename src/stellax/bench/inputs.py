@@ -65,15 +65,30 @@ def randomize_tree(tree, key, *, randomize: bool = True):
 
 
 def input_sets(tree, count: int, *, seed: int = 0, randomize: bool = True) -> list:
-    """``count`` versions of ``tree`` with different random float leaves
-    (``randomize=False``: the first set is ``tree`` itself, the others are
-    random). Rotating among them keeps caches from flattering a benchmark."""
+    """``count`` versions of ``tree`` with different float leaves. Rotating among them keeps
+    caches from flattering a benchmark.
+
+    ``randomize=True``: every float leaf is fresh random values. ``randomize=False`` (an op's
+    benchmark builder made values in the op's domain: log-decays below zero, SSD's ``A < 0``):
+    the first set is ``tree`` itself and set ``i`` has each float leaf's values cyclically
+    shifted (`shifted_leaf`): the same values at other positions, so still in the domain.
+    `jax.ShapeDtypeStruct` leaves are made concrete (`materialize`) either way."""
     count = max(1, int(count))
     base = jax.random.PRNGKey(seed)
-    sets = []
-    for i in range(count):
-        sets.append(randomize_tree(tree, jax.random.fold_in(base, i), randomize=randomize or i > 0))
-    return sets
+    if randomize:
+        return [randomize_tree(tree, jax.random.fold_in(base, i)) for i in range(count)]
+    first = randomize_tree(tree, base, randomize=False)
+    return [first] + [jax.tree_util.tree_map(lambda x, i=i: shifted_leaf(x, i, count), first)
+                      for i in range(1, count)]
+
+
+def shifted_leaf(x, index: int, count: int):
+    """A float array's values moved ``index / count`` of the way round its flattened order
+    (plus ``index``, so small arrays move too); other leaves as they are."""
+    if not is_float(x) or x.size < 2:
+        return x
+    shift = (x.size * index // count + index) % x.size
+    return jnp.roll(jnp.ravel(x), shift).reshape(x.shape)
 
 
 def arrays_from_abstract(abstract: Mapping[str, Any], key, concrete: Mapping[str, Any] | None = None) -> dict:

@@ -386,8 +386,9 @@ def benchmark(fn: Callable[..., Any], *args, mode: str = "forward", argnums: Seq
       fn: any JAX-traceable function (stellax ops inside are found, and their
         FLOP/byte models used for the roofline).
       args, kwargs: example arguments; arrays define shapes and dtypes (float
-        arrays are replaced by random values unless ``randomize=False``),
-        everything else is passed through as a static value.
+        arrays are replaced by random values unless ``randomize=False``: then the
+        given values are timed, and the other input sets hold them shifted, see
+        `inputs.input_sets`), everything else is passed through as a static value.
       mode: ``"forward"``; ``"backward"`` (the VJP alone: forward and
         residuals computed beforehand, untimed); ``"forward_backward"``
         (forward + VJP in one program).

@@ -348,7 +348,8 @@ def _measure(fn, example, mode, positions, kw, timer, input_sets, peaks, platfor
         with interpret_mode(True) if interpret else _null():
             prepared = bench_lib.prepare(fn, example.args, example.kwargs, mode=mode,
                                          argnums=positions if mode != "forward" else None,
-                                         grad_kwargs=kw if mode != "forward" else None, input_sets=input_sets)
+                                         grad_kwargs=kw if mode != "forward" else None, input_sets=input_sets,
+                                         randomize=False)  # the builder's values are in the op's domain
             times, best, used = [], [], timer.name
             started, total = time.perf_counter(), timer.min_time * max(1, rounds)
             with jax.profiler.TraceAnnotation(f"stellax.bench {name} [{mode}]"):

@@ -10,6 +10,7 @@ NaN where the reference has none.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -55,9 +56,28 @@ def contract_tolerance(dtype, precision=None, *, gradient: bool = False) -> floa
     return max(own, 2 * reduced if gradient else reduced)
 
 
+#: Arrays larger than this many values are drawn in pieces of it (`random_array`).
+RANDOM_PIECE = 1 << 26
+
+
 def random_array(key, shape, dtype=jnp.float32, *, scale: float = 1.0, offset: float = 0.0):
     """Normal random values cast to ``dtype``; exact zeros are nudged away so
-    a kernel that writes zeros can never pass by accident."""
+    a kernel that writes zeros can never pass by accident.
+
+    An array of more than `RANDOM_PIECE` values is drawn piece by piece (key
+    ``fold_in(key, i)`` for piece ``i``) and joined: drawn at once, a benchmark's
+    expert weights (1.9G bfloat16 values) take their random bits and float32
+    normals as well, 17.5 GB of temporaries on a 16 GiB TPU."""
+    shape = tuple(int(d) for d in shape)
+    size = math.prod(shape)
+    if size <= RANDOM_PIECE:
+        return _random_piece(key, shape, dtype, scale, offset)
+    pieces = [_random_piece(jax.random.fold_in(key, i), (min(RANDOM_PIECE, size - start),), dtype, scale, offset)
+              for i, start in enumerate(range(0, size, RANDOM_PIECE))]
+    return jnp.concatenate(pieces).reshape(shape)
+
+
+def _random_piece(key, shape, dtype, scale, offset):
     x = offset + scale * jax.random.normal(key, shape, jnp.float32)
     x = jnp.where(x == 0, jnp.float32(scale * 1e-3 + 1e-3), x)
     return x.astype(dtype)

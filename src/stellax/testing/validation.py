@@ -39,9 +39,11 @@ def examples_of(op: Op, dtype_name: str) -> tuple[Example, ...]:
     return tuple(compiled_examples(lambda: op.examples(jnp.dtype(dtype_name))))
 
 
-def compiled_examples(make: Callable[[], list[Example]]) -> list[Example]:
-    """``make()``'s examples with every array computed by one compiled program:
-    ``make`` is traced once (`jax.make_jaxpr`) and the trace run under `jax.jit`.
+def compiled_examples(make: Callable[[], list[Example]], count: int | None = None) -> list[Example]:
+    """``make()``'s examples (its first ``count``) with every array computed by one compiled
+    program: ``make`` is traced once (`jax.make_jaxpr`) and the trace run under `jax.jit`.
+    With ``count``, only those examples' arrays are computed (dead-code elimination drops the
+    rest: an op's later benchmark shapes can be far larger than its first).
 
     Run eagerly, a builder dispatches its random numbers and reference outputs op
     by op, each a program compiled on first use: `attention_backward`'s two
@@ -50,27 +52,28 @@ def compiled_examples(make: Callable[[], list[Example]]) -> list[Example]:
     eagerly for the random numbers (the same threefry bits); derived values (a
     reference output an example carries) up to XLA's fusion. A builder that needs
     concrete values (``np.asarray``, ``int(...)`` of an array it made) is built eagerly."""
-    trace = _trace_examples(make, lambda x: True)
+    trace = _trace_examples(make, lambda x: True, count)
     if trace is None:
-        return list(make())
+        return list(make())[:count]
     box, values = trace
 
     def settle(x):
         return next(values) if isinstance(x, jax.core.Tracer) else x
 
-    return [Example(e.label, *jax.tree_util.tree_map(settle, (e.args, e.kwargs))) for e in box]
+    return [Example(e.label, *jax.tree_util.tree_map(settle, (e.args, e.kwargs))) for e in box[:count]]
 
 
-def _trace_examples(make: Callable[[], list[Example]], wanted: Callable) -> tuple[list[Example], Iterator] | None:
+def _trace_examples(make: Callable[[], list[Example]], wanted: Callable,
+                    count: int | None = None) -> tuple[list[Example], Iterator] | None:
     """``make()`` traced once (`jax.make_jaxpr`): its examples (arrays as tracers) and an
-    iterator over the values of the traced arrays that ``wanted`` picks, in leaf order,
-    computed by one compiled program of only what they depend on (`_evaluate_only`).
-    None for a builder that needs concrete values (``np.asarray``, ``int(...)``)."""
+    iterator over the values of the traced arrays that ``wanted`` picks in its first ``count``
+    examples, in leaf order, computed by one compiled program of only what they depend on
+    (`_evaluate_only`). None for a builder that needs concrete values (``np.asarray``, ``int(...)``)."""
     box: list[Example] = []
 
     def build():
         box[:] = make()
-        return [x for x in _leaves(box) if isinstance(x, jax.core.Tracer) and wanted(x)]
+        return [x for x in _leaves(box[:count]) if isinstance(x, jax.core.Tracer) and wanted(x)]
 
     try:
         return box, iter(_evaluate_only(jax.make_jaxpr(build)()))
