@@ -60,8 +60,10 @@ STAGES = ("environment", "check", "autotune", "bench")
 #: 2026-12-05: a native check with gradients 1-9 s, mostly compiling; a benchmark
 #: item, compile and three timing rounds, 3-6 s; 2026-12-06: a tuned config of
 #: attention at T=16384 12 s (190 s for 8 forward and 8 backward configs), of
-#: GDN/KDA at T=32768 float32 30-40 s, of dequantize 2 s).
-SECONDS = {"check": 3.0, "autotune_config": 12.0, "bench_item": 4.5, "op_setup": 2.0}
+#: GDN/KDA at T=32768 float32 30-40 s, of dequantize 2 s; 2026-12-07: the whole check stage,
+#: 226 checks, about 1050 s of three commands, 4.6 s a check; attention's 24 benchmark items at
+#: T=16384 243 s, 10 s an item).
+SECONDS = {"check": 4.6, "autotune_config": 12.0, "bench_item": 7.0, "op_setup": 2.0}
 #: On the CPU (dry run, interpreted kernels): a unit is slower.
 DRY_SECONDS = {"check": 25.0, "autotune_config": 8.0, "bench_item": 8.0, "op_setup": 2.0}
 
