@@ -247,3 +247,40 @@ def test_check_at_scale_fails_when_the_golden_is_not_finite(tmp_path):
         bad = module.check_at_scale(op, dataclasses.replace(example, args=(bad_x, *example.args[1:])))
     assert good["result"] == "ok", good
     assert bad["result"] == "fail" and "non-finite" in bad["detail"], bad
+
+
+def test_check_at_scale_falls_back_to_a_same_dtype_golden_when_float32_copies_do_not_fit(tmp_path, monkeypatch):
+    """Where no float32 golden fits the device (a 64-expert layer's weights), the XLA path on the
+    operands as given, at 'highest', is the golden, and the record names it; with none fitting the
+    check is skipped with the reasons."""
+    import jax.numpy as jnp
+
+    from stellax.bench import measurement
+
+    module, _ = _suite_module_and_cpu_suite(tmp_path)
+    op = stellax.registered_ops()["layer_norm"]
+    example = op.examples(jnp.bfloat16)[1]
+    real = measurement.compile_within_memory
+    refused = []
+
+    def compile_float32_refused(lowered, *, what="the program", device=None):
+        if "golden" in what and ("float32" in what or "reference" in what):
+            refused.append(what)
+            raise measurement.DeviceMemoryError(f"{what} does not fit (planted)")
+        return real(lowered, what=what, device=device)
+
+    monkeypatch.setattr(measurement, "compile_within_memory", compile_float32_refused)
+    with stellax.interpret_mode():
+        record = module.check_at_scale(op, example)
+    assert record["result"] == "ok" and record["golden"] == "xla (bfloat16 operands, highest)", record
+    assert len(refused) == 2   # the reference and the XLA path in float32
+
+    def every_golden_refused(lowered, *, what="the program", device=None):
+        if "golden" in what:
+            raise measurement.DeviceMemoryError(f"{what} does not fit (planted)")
+        return real(lowered, what=what, device=device)
+
+    monkeypatch.setattr(measurement, "compile_within_memory", every_golden_refused)
+    with stellax.interpret_mode():
+        skipped = module.check_at_scale(op, example)
+    assert skipped["result"] == "skip" and "no golden fits" in skipped["detail"], skipped
