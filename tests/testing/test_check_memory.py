@@ -265,6 +265,13 @@ def test_compiled_examples_computes_only_the_first_count():
                                   np.asarray(jax.random.normal(jax.random.PRNGKey(1), (5,))))
     assert isinstance(example.args[0], jax.Array) and example.args[0].dtype == jnp.float32
 
+    def shared():  # a balanced and a skewed case of one weight tensor: computed and held once
+        w = jax.random.normal(jax.random.PRNGKey(2), (6, 4))
+        return [Example("balanced", (w, jnp.ones(3)), {}), Example("skewed", (w, jnp.zeros(3)), {})]
+
+    first, second = validation.compiled_examples(shared)
+    assert first.args[0] is second.args[0] and not np.array_equal(first.args[1], second.args[1])
+
 
 def test_random_array_draws_large_arrays_in_pieces(monkeypatch):
     import jax

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from .._op_names import display_name, resolve_op_names
 from ..core.op import Example, Op, UnsupportedError, registered_ops
 from ..core.platform import current_platform, interpret_mode
+from ..testing.validation import compiled_examples
 from . import baseline as baseline_lib
 from . import measurement as bench_lib
 from . import roofline as roofline_lib
@@ -222,9 +223,10 @@ def _plan(family: str, ops: list[Op], options: SuiteOptions, platform, deadline:
                 backend=platform.backend, suite=family, op=op.name, case="(all cases)", implementation="*",
                 skipped="time budget exhausted"))
             continue
-        examples = op.examples(jnp.float32) if options.use_examples else op.benchmarks(platform)
-        if options.max_cases is not None:
-            examples = examples[: options.max_cases]
+        if options.use_examples:
+            examples = op.examples(jnp.float32)[: options.max_cases]
+        else:  # only the cases it runs: a later benchmark shape can hold far more (256 experts' 7.5 GB)
+            examples = compiled_examples(lambda: op.benchmarks(platform), options.max_cases)
         for case_index, (example, label) in enumerate(zip(examples, _unique_labels(examples))):
             positions, kw = grad_spec(op, example)
             modes = [m for m in (options.modes or default_modes(op, example))

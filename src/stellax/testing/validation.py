@@ -58,27 +58,34 @@ def compiled_examples(make: Callable[[], list[Example]], count: int | None = Non
     box, values = trace
 
     def settle(x):
-        return next(values) if isinstance(x, jax.core.Tracer) else x
+        return values[id(x)] if isinstance(x, jax.core.Tracer) else x
 
     return [Example(e.label, *jax.tree_util.tree_map(settle, (e.args, e.kwargs))) for e in box[:count]]
 
 
 def _trace_examples(make: Callable[[], list[Example]], wanted: Callable,
-                    count: int | None = None) -> tuple[list[Example], Iterator] | None:
-    """``make()`` traced once (`jax.make_jaxpr`): its examples (arrays as tracers) and an
-    iterator over the values of the traced arrays that ``wanted`` picks in its first ``count``
-    examples, in leaf order, computed by one compiled program of only what they depend on
-    (`_evaluate_only`). None for a builder that needs concrete values (``np.asarray``, ``int(...)``)."""
+                    count: int | None = None) -> tuple[list[Example], dict[int, Any]] | None:
+    """``make()`` traced once (`jax.make_jaxpr`): its examples (arrays as tracers) and the values
+    of the traced arrays that ``wanted`` picks in its first ``count`` examples, by the tracer's
+    ``id``, computed by one compiled program of only what they depend on (`_evaluate_only`); an
+    array that several examples share is computed once. None for a builder that needs concrete
+    values (``np.asarray``, ``int(...)``)."""
     box: list[Example] = []
+    picked: dict[int, Any] = {}
 
     def build():
         box[:] = make()
-        return [x for x in _leaves(box[:count]) if isinstance(x, jax.core.Tracer) and wanted(x)]
+        picked.clear()
+        for x in _leaves(box[:count]):
+            if isinstance(x, jax.core.Tracer) and wanted(x):
+                picked.setdefault(id(x), x)
+        return list(picked.values())
 
     try:
-        return box, iter(_evaluate_only(jax.make_jaxpr(build)()))
+        values = _evaluate_only(jax.make_jaxpr(build)())
     except jax.errors.JAXTypeError:
         return None
+    return box, dict(zip(picked, values))
 
 
 def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
@@ -102,7 +109,7 @@ def abstract_examples(make: Callable[[], list[Example]]) -> list[Example]:
     def settle(x):
         traced = isinstance(x, jax.core.Tracer)
         if traced and _is_metadata(x):
-            return next(metadata)
+            return metadata[id(x)]
         return jax.ShapeDtypeStruct(x.shape, x.dtype) if traced or _is_float(x) else x
 
     return [Example(e.label, *jax.tree_util.tree_map(settle, (e.args, e.kwargs))) for e in box]
