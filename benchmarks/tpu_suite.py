@@ -25,7 +25,12 @@ and op (every op with a ``mosaic_tpu`` implementation, or ``--ops``):
    config stellax picks by itself: shipped cache, then heuristic) and the peers
    (jax's splash attention, megablox gmm/tgmm, ragged paged attention,
    ``jax.lax.ragged_dot``, ...). A program that would not fit the device's
-   memory is skipped before it runs, with its estimated bytes.
+   memory is skipped before it runs, with its estimated bytes;
+5. **attention**: issue 37's comparison, case by case (`benchmarks/attention_tpu.py`'s
+   `CASES`, ``--attention-cases``): stellax's default config (and explicit configs,
+   ``--attention-configs``) against jax's splash attention with its block sizes
+   searched (512 and 1024), forward and forward+backward, each output checked against
+   a float32 golden; rows carry ``config`` and ``vs_splash``.
 
 Every command reads and extends one JSON file, ``stellax-tpu-suite-<date>-<device>.json``
 under ``--out``: rows measured again replace the old ones, the rest is kept, and
@@ -54,7 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT = "stellax-tpu-suite"
 VERSION = 2
-STAGES = ("environment", "check", "autotune", "bench")
+STAGES = ("environment", "check", "autotune", "bench", "attention")
 
 #: Seconds of one unit of work on a v5e, for ``--list`` and the budget (measured
 #: 2026-12-05: a native check with gradients 1-9 s, mostly compiling; a benchmark
@@ -83,6 +88,11 @@ def parse_args(argv=None):
     p.add_argument("--cases", type=int, default=2, help="benchmark shapes per op in the bench stage (default 2)")
     p.add_argument("--tune-cases", type=int, default=1, help="benchmark shapes tuned per op (default 1)")
     p.add_argument("--max-configs", type=int, default=8, help="configs tried per tuned call (default 8)")
+    p.add_argument("--attention-cases", default="all",
+                   help="the attention stage's cases: indices of attention_tpu.CASES, 'main' or 'all' (default all)")
+    p.add_argument("--attention-configs", default="none",
+                   help="explicit stellax configs the attention stage times beside the default (attention_tpu "
+                        "--configs names; default none: the default against splash)")
     p.add_argument("--redo", action="store_true", help="run the selected stages' ops again even if done")
     p.add_argument("--fresh", action="store_true", help="start a new results file instead of extending it")
     p.add_argument("--resume", default=None, metavar="PATH",
@@ -113,6 +123,8 @@ class Results:
                              "done": {s: [] for s in STAGES}, "environment": {},
                              "check": {"passed": 0, "failures": 0, "skipped": 0, "records": []},
                              "autotune": {"entries": [], "failures": []}, "rows": [], "errors": []}
+        for stage in STAGES:  # a file from before a stage existed
+            self.data["done"].setdefault(stage, [])
 
     def done(self, stage: str, op: str) -> bool:
         return op in self.data["done"][stage]
@@ -153,6 +165,7 @@ class Suite:
         self.device = "dry-run" if args.dry_run else platform.tpu.name
         self.date = datetime.date.today().isoformat()
         self.results: Results | None = None
+        self.units: list[dict] = []
 
     def remaining(self) -> float:
         return self.budget - (time.monotonic() - self.start)
@@ -234,6 +247,9 @@ def plan(suite: Suite, ops: list) -> list[dict]:
         if stage == "environment":
             units.append({"stage": stage, "op": "-", "work": "versions and device", "seconds": 1.0})
             continue
+        if stage == "attention":
+            units += attention_units(suite)
+            continue
         for op in ops:
             if stage == "check":
                 n = sum(len(abstract_examples_of(op, d)) for d in ("float32", "bfloat16"))
@@ -262,12 +278,12 @@ def plan(suite: Suite, ops: list) -> list[dict]:
 def list_plan(suite: Suite, units: list[dict]) -> None:
     done = suite.results.data["done"] if suite.results else {}
     total = left = 0.0
-    print(f"{'stage':<12} {'op':<34} {'estimated s':>11}  {'status':<8} work")
+    print(f"{'stage':<12} {'op':<42} {'estimated s':>11}  {'status':<8} work")
     for u in units:
         finished = u["op"] in done.get(u["stage"], []) and not suite.args.redo
         total += u["seconds"]
         left += 0 if finished else u["seconds"]
-        print(f"{u['stage']:<12} {u['op']:<34} {u['seconds']:>11.0f}  {'done' if finished else 'to do':<8} {u['work']}")
+        print(f"{u['stage']:<12} {u['op']:<42} {u['seconds']:>11.0f}  {'done' if finished else 'to do':<8} {u['work']}")
     commands = max(1, -(-int(left) // int(max(1.0, suite.budget - 30))))
     print(f"total {total:.0f} s estimated on {'this CPU (dry run)' if suite.args.dry_run else 'a v5e'}; "
           f"{left:.0f} s left to do: about {commands} command(s) of --budget {suite.budget:.0f}")
@@ -531,7 +547,61 @@ def row_of(record, defaults: dict[str, str], suite: Suite) -> dict:
 
 
 def row_key(row: dict) -> tuple:
-    return row["op"], row["case"], row["pass"], row["contender"]
+    return row["op"], row["case"], row["pass"], row["contender"], row.get("config")
+
+
+# -- the attention stage (issue 37) ----------------------------------------------------------
+def attention_bench(suite: Suite, budget: float | None = None):
+    """`benchmarks/attention_tpu.py`'s run for this suite's options (its dry run in a dry run)."""
+    import attention_tpu
+
+    argv = ["--out", str(suite.results.path.with_suffix(".attention.json")),
+            "--cases", suite.args.attention_cases, "--budget", str(budget if budget is not None else 1e9),
+            "--configs", suite.args.attention_configs]
+    return attention_tpu, attention_tpu.Run(attention_tpu.parse_args(argv + (["--dry-run"] if suite.args.dry_run else [])))
+
+
+def attention_units(suite: Suite) -> list[dict]:
+    """One unit per attention case: its timings (two passes x the default, the explicit configs
+    and splash's block sizes) at the bench stage's seconds per item, plus a golden."""
+    module, run = attention_bench(suite)
+    timings = len(run.passes) * (1 + len(run.explicit) + len(run.splash))
+    return [{"stage": "attention", "op": module.CASES[i].name, "work": f"{timings} timings and a golden",
+             "seconds": round((timings + 1) * suite.seconds["bench_item"] + suite.seconds["op_setup"], 1),
+             "index": i} for i in run.picked()]
+
+
+def attention_stage(suite: Suite, units: list[dict]) -> str | None:
+    """Run the attention cases not done yet (`attention_units`); the first one the budget leaves
+    out (or None). Rows replace those of the same case, pass, contender and config."""
+    import jax
+
+    from stellax.bench import chip_run
+
+    results = suite.results
+    for unit in units:
+        if results.done("attention", unit["op"]) and not suite.args.redo:
+            continue
+        if suite.remaining() < unit["seconds"]:
+            return unit["op"]
+        suite.log(f"attention {unit['op']} (estimated {unit['seconds']:.0f} s, {suite.remaining():.0f} s left)")
+        try:
+            _, run = attention_bench(suite, budget=chip_run.elapsed() + suite.remaining())
+            run.run_case(unit["index"])
+            results.replace(results.data["rows"], run.rows, key=row_key)
+            results.mark_done("attention", unit["op"])
+            results.data["errors"] = [e for e in results.data["errors"]
+                                      if (e.get("stage"), e.get("op")) != ("attention", unit["op"])]
+        except Exception as e:  # noqa: BLE001 - a failed case is recorded; the others still run
+            results.data["errors"] = [x for x in results.data["errors"]
+                                      if (x.get("stage"), x.get("op")) != ("attention", unit["op"])]
+            results.data["errors"].append({"stage": "attention", "op": unit["op"],
+                                           "error": f"{type(e).__name__}: {e}"[:600], "date": suite.date})
+            suite.log(f"  attention {unit['op']} FAILED: {type(e).__name__}: {e}"[:400])
+        results.save()
+        gc.collect()
+        jax.clear_caches()
+    return None
 
 
 # -- the command -------------------------------------------------------------------------
@@ -543,6 +613,8 @@ def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
     if stage == "environment":
         environment_stage(suite, ops)
         return None
+    if stage == "attention":
+        return attention_stage(suite, [u for u in suite.units if u["stage"] == "attention"])
     for op in ops:
         if results.done(stage, op.name) and not suite.args.redo:
             continue
@@ -610,6 +682,7 @@ def main(argv=None) -> int:
         list_plan(suite, units)
         return 0
     estimates = {(u["stage"], u["op"]): u["seconds"] for u in units}
+    suite.units = units
     suite.log(f"stellax TPU suite{' (dry run)' if args.dry_run else ''} on {platform.describe()}: stages "
               f"{','.join(args.stage_list)}, {len(ops)} ops, budget {suite.budget:.0f} s -> {path}")
     command = {"argv": sys.argv[1:] if argv is None else list(argv), "date": suite.date,

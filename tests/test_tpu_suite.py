@@ -284,3 +284,26 @@ def test_check_at_scale_falls_back_to_a_same_dtype_golden_when_float32_copies_do
     with stellax.interpret_mode():
         skipped = module.check_at_scale(op, example)
     assert skipped["result"] == "skip" and "no golden fits" in skipped["detail"], skipped
+
+
+def test_attention_stage_runs_issue_37s_cases_and_resumes(tmp_path):
+    """The attention stage: a case of `attention_tpu.CASES` per unit, stellax's default against
+    splash's searched block sizes in both passes, rows with ``config`` and ``vs_splash`` (so a
+    splash row per block size, none replacing another); a done case is not run again."""
+    args = ("--dry-run", "--stages", "attention", "--attention-cases", "0", "--attention-configs", "none")
+    proc = _run_suite(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = [p for p in tmp_path.iterdir() if p.name.startswith("stellax-tpu-suite-")]
+    data = json.loads(path.read_text())
+    assert data["done"]["attention"] == ["MHA causal T=8192 D=128"] and not data["errors"], data["errors"]
+    rows = data["rows"]
+    assert {(r["pass"], r["contender"], r["config"]) for r in rows if r["contender"] == "jax:splash"} == {
+        (p, "jax:splash", f"blocks {b}") for p in ("fwd", "fwd+bwd") for b in ("512", "1024")}
+    ours = [r for r in rows if r["contender"] == "stellax:mosaic_tpu"]
+    assert len(ours) == 2 and all(r["default"] and r["ms"] > 0 and r["vs_splash"] > 0 for r in ours), ours
+    assert all(r["rel_l2"] < 1e-2 for r in rows), [r["rel_l2"] for r in rows]
+    again = _run_suite(tmp_path, *args)
+    assert again.returncode == 0 and "attention MHA causal" not in again.stdout, again.stdout[-3000:]
+    listed = _run_suite(tmp_path / "plan", "--list", "--stages", "attention")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assert sum(l.startswith("attention") for l in listed.stdout.splitlines()) == 18, listed.stdout
