@@ -547,7 +547,11 @@ def row_of(record, defaults: dict[str, str], suite: Suite) -> dict:
 
 
 def row_key(row: dict) -> tuple:
-    return row["op"], row["case"], row["pass"], row["contender"], row.get("config")
+    """A row's identity: a later measurement of the same one replaces it. The attention stage's
+    rows are told apart by ``config``; its default row names the configs picked, which may change."""
+    config = row.get("config")
+    return row["op"], row["case"], row["pass"], row["contender"], \
+        "default" if str(config or "").startswith("default(") else config
 
 
 # -- the attention stage (issue 37) ----------------------------------------------------------
@@ -589,6 +593,9 @@ def attention_stage(suite: Suite, units: list[dict]) -> str | None:
             _, run = attention_bench(suite, budget=chip_run.elapsed() + suite.remaining())
             run.run_case(unit["index"])
             results.replace(results.data["rows"], run.rows, key=row_key)
+            if any(r.get("skipped") == "budget spent" for r in run.rows):
+                suite.log(f"  attention {unit['op']}: the budget ran out inside the case; the next command runs it again")
+                return unit["op"]
             results.mark_done("attention", unit["op"])
             results.data["errors"] = [e for e in results.data["errors"]
                                       if (e.get("stage"), e.get("op")) != ("attention", unit["op"])]

@@ -307,3 +307,13 @@ def test_attention_stage_runs_issue_37s_cases_and_resumes(tmp_path):
     listed = _run_suite(tmp_path / "plan", "--list", "--stages", "attention")
     assert listed.returncode == 0, listed.stderr[-3000:]
     assert sum(l.startswith("attention") for l in listed.stdout.splitlines()) == 18, listed.stdout
+
+
+def test_row_key_tells_configs_apart_but_not_the_defaults_picks(tmp_path):
+    module, _ = _suite_module_and_cpu_suite(tmp_path)
+    row = {"op": "attention", "case": "MHA causal T=8192 D=128", "pass": "fwd", "contender": "jax:splash"}
+    assert module.row_key({**row, "config": "blocks 512"}) != module.row_key({**row, "config": "blocks 1024"})
+    ours = {**row, "contender": "stellax:mosaic_tpu"}
+    assert module.row_key({**ours, "config": "default(attention=mosaic_tpu:512x512)"}) == \
+        module.row_key({**ours, "config": "default(attention=mosaic_tpu:1024x1024)"})
+    assert module.row_key(row) == module.row_key({**row, "config": None})   # bench-stage rows have no config
