@@ -335,7 +335,7 @@ def check_op(suite: Suite, op) -> list[dict]:
         suite.log(f"  check {op.name} {r['example']} {r['dtype']}: {r['result']} rel_l2={r['rel_l2']} {r['detail']}")
     if not suite.args.dry_run:
         example = first_supported_case(suite, op)
-        for example in [] if example is None else [example]:
+        if example is not None:
             t0 = time.perf_counter()
             record = check_at_scale(op, example)
             record["seconds"] = round(time.perf_counter() - t0, 2)
@@ -578,8 +578,6 @@ def attention_units(suite: Suite) -> list[dict]:
 def attention_stage(suite: Suite, units: list[dict]) -> str | None:
     """Run the attention cases not done yet (`attention_units`); the first one the budget leaves
     out (or None). Rows replace those of the same case, pass, contender and config."""
-    import jax
-
     from stellax.bench import chip_run
 
     results = suite.results
@@ -589,33 +587,50 @@ def attention_stage(suite: Suite, units: list[dict]) -> str | None:
         if suite.remaining() < unit["seconds"]:
             return unit["op"]
         suite.log(f"attention {unit['op']} (estimated {unit['seconds']:.0f} s, {suite.remaining():.0f} s left)")
-        try:
+
+        def run_case(unit=unit) -> bool:
             _, run = attention_bench(suite, budget=chip_run.elapsed() + suite.remaining())
             run.run_case(unit["index"])
             results.replace(results.data["rows"], run.rows, key=row_key)
             if any(r.get("skipped") == "budget spent" for r in run.rows):
                 suite.log(f"  attention {unit['op']}: the budget ran out inside the case; the next command runs it again")
-                return unit["op"]
-            results.mark_done("attention", unit["op"])
-            results.data["errors"] = [e for e in results.data["errors"]
-                                      if (e.get("stage"), e.get("op")) != ("attention", unit["op"])]
-        except Exception as e:  # noqa: BLE001 - a failed case is recorded; the others still run
-            results.data["errors"] = [x for x in results.data["errors"]
-                                      if (x.get("stage"), x.get("op")) != ("attention", unit["op"])]
-            results.data["errors"].append({"stage": "attention", "op": unit["op"],
-                                           "error": f"{type(e).__name__}: {e}"[:600], "date": suite.date})
-            suite.log(f"  attention {unit['op']} FAILED: {type(e).__name__}: {e}"[:400])
-        results.save()
-        gc.collect()
-        jax.clear_caches()
+                return False
+            return True
+
+        if run_unit(suite, "attention", unit["op"], run_case) is False:
+            return unit["op"]
     return None
 
 
 # -- the command -------------------------------------------------------------------------
-def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
-    """Run one stage over the ops not done yet; the first op the budget leaves out (or None)."""
+def run_unit(suite: Suite, stage: str, name: str, work) -> bool | None:
+    """One unit of a stage (an op, an attention case): ``work()`` says whether it completed,
+    and a completed unit is marked done and its earlier error dropped; an exception is recorded
+    as the unit's error (None is returned: the suite goes on). The results are saved and the
+    process's compiled programs dropped (a finished unit's hold host memory)."""
     import jax
 
+    results = suite.results
+    drop_error = lambda: [e for e in results.data["errors"] if (e.get("stage"), e.get("op")) != (stage, name)]
+    completed = None
+    try:
+        completed = work()
+    except Exception as e:  # noqa: BLE001 - a failed unit is recorded; the others still run
+        results.data["errors"] = drop_error() + [{"stage": stage, "op": name, "date": suite.date,
+                                                  "error": f"{type(e).__name__}: {e}"[:600]}]
+        suite.log(f"  {stage} {name} FAILED: {type(e).__name__}: {e}"[:400])
+    else:
+        if completed:
+            results.mark_done(stage, name)
+            results.data["errors"] = drop_error()
+    results.save()
+    gc.collect()
+    jax.clear_caches()
+    return completed
+
+
+def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
+    """Run one stage over the ops not done yet; the first op the budget leaves out (or None)."""
     results = suite.results
     if stage == "environment":
         environment_stage(suite, ops)
@@ -629,26 +644,18 @@ def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
         if suite.remaining() < estimate:
             return op.name
         suite.log(f"{stage} {op.name} (estimated {estimate:.0f} s, {suite.remaining():.0f} s left)")
-        try:
+
+        def run_op(op=op) -> bool:
             if stage == "check":
-                new = check_op(suite, op)
-                results.replace(results.data["check"]["records"], new,
+                results.replace(results.data["check"]["records"], check_op(suite, op),
                                 key=lambda r: (r["op"], r["implementation"], r["dtype"], r["example"]))
             elif stage == "autotune":
                 autotune_op(suite, op)
             else:
                 results.replace(results.data["rows"], bench_op(suite, op), key=row_key)
-            results.mark_done(stage, op.name)
-            results.data["errors"] = [e for e in results.data["errors"]
-                                      if (e.get("stage"), e.get("op")) != (stage, op.name)]
-        except Exception as e:  # noqa: BLE001 - a failed op is recorded; the others still run
-            results.data["errors"] = [x for x in results.data["errors"] if (x.get("stage"), x.get("op")) != (stage, op.name)]
-            results.data["errors"].append({"stage": stage, "op": op.name, "error": f"{type(e).__name__}: {e}"[:600],
-                                           "date": suite.date})
-            suite.log(f"  {stage} {op.name} FAILED: {type(e).__name__}: {e}"[:400])
-        results.save()
-        gc.collect()
-        jax.clear_caches()  # compiled programs of a finished op hold host memory
+            return True
+
+        run_unit(suite, stage, op.name, run_op)
     return None
 
 
