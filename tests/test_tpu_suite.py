@@ -217,6 +217,7 @@ def test_benchmark_shape_inputs_are_the_builders_values_and_supported(tmp_path):
     """The check stage's benchmark call carries the op's own values (SSD's A < 0: random normal
     values sent the state to inf on the chip) and is one the kernel runs on the device (no fp8
     weights on a v5e)."""
+    import jax
     import jax.numpy as jnp
 
     module, suite = _suite_module_and_cpu_suite(tmp_path)
@@ -229,6 +230,13 @@ def test_benchmark_shape_inputs_are_the_builders_values_and_supported(tmp_path):
     with stellax.lowering_target("v5e"):
         picked = module.first_supported_case(suite, ops["ragged_dot_quantized"])
     assert picked is not None and not picked.label.startswith("fp8") and picked.label in labels
+    # The builder gives the quantized weights as shapes only: the check gets values for them (the
+    # chip's check failed on a `jax.ShapeDtypeStruct` operand).
+    leaves = jax.tree_util.tree_leaves((picked.args, picked.kwargs))
+    assert not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    codes = [x for x in leaves if hasattr(x, "dtype") and jnp.dtype(x.dtype).itemsize == 1
+             and jnp.issubdtype(x.dtype, jnp.integer)]
+    assert codes and any(bool(jnp.any(c != 0)) for c in codes)
 
 
 def test_check_at_scale_fails_when_the_golden_is_not_finite(tmp_path):
@@ -317,3 +325,23 @@ def test_row_key_tells_configs_apart_but_not_the_defaults_picks(tmp_path):
     assert module.row_key({**ours, "config": "default(attention=mosaic_tpu:512x512)"}) == \
         module.row_key({**ours, "config": "default(attention=mosaic_tpu:1024x1024)"})
     assert module.row_key(row) == module.row_key({**row, "config": None})   # bench-stage rows have no config
+
+
+def test_an_op_checked_again_replaces_all_its_records(tmp_path, monkeypatch):
+    """A re-check whose benchmark call changed (the chip's fp8 call became the int4 one) leaves
+    no stale failure of the old call in the results; other ops' records stay."""
+    module, suite = _suite_module_and_cpu_suite(tmp_path)
+    suite.results = module.Results(tmp_path / "r.json", fresh=True, dry_run=True)
+    old = [{"op": "ragged_dot_quantized", "implementation": "mosaic_tpu", "dtype": "bfloat16",
+            "example": "fp8_e4m3 (channel) (benchmark shape)", "result": "fail"},
+           {"op": "ssd", "implementation": "mosaic_tpu", "dtype": "bfloat16", "example": "x", "result": "ok"}]
+    suite.results.data["check"]["records"][:] = old
+    new = [{"op": "ragged_dot_quantized", "implementation": "mosaic_tpu", "dtype": "bfloat16",
+            "example": "int4 (128) (benchmark shape)", "result": "ok"}]
+    monkeypatch.setattr(module, "check_op", lambda suite, op: list(new))
+    op = stellax.registered_ops()["ragged_dot_quantized"]
+    suite.args.budget = 1e6
+    assert module.run_stage(suite, "check", [op], {("check", op.name): 1.0}) is None
+    records = suite.results.data["check"]["records"]
+    assert [r["example"] for r in records] == ["x", "int4 (128) (benchmark shape)"]
+    assert suite.results.data["check"]["failures"] == 0 and suite.results.done("check", op.name)
