@@ -125,7 +125,7 @@ CASES = [
     # each kernel wants when group boundaries fall inside tiles.
     Case("skewed (Dirichlet 0.3)", 32768, 2048, 1408, 64, 0.3,
          tiles={"fwd": [(256, 2048, 1408), (512, 2048, 1408)], "fwd+bwd": [],
-                "dlhs": [(256, 1408, 2048), (512, 1408, 2048)], "tgmm": [(256, 1024, 1408), (512, 1024, 1408)]},
+                "dlhs": [(256, 1408, 2048), (512, 1408, 2048)], "tgmm": [(256, 1024, 1408), (256, 2048, 1408), (512, 1024, 1408)]},
          megablox={"fwd": [MB], "fwd+bwd": [MB], "dlhs": [MB], "tgmm": [MB]},
          xla=("fwd", "fwd+bwd", "tgmm")),
     # 2: Mixtral-like: few experts, big N (the 85 % of peak goal).

@@ -183,6 +183,27 @@ def test_heuristics_start_big_on_large_k_and_n():
         assert -(-2048 // c.block_n) >= 2
 
 
+@pytest.mark.parametrize("m, k, n, g, measured_best", [
+    (32768, 2048, 1408, 64, (256, 2048, 1408)),  # skewed: 2.44 ms; (256, 1024, 1408) 2.53, (512, 1024, 1408) 2.85
+    (16384, 4096, 14336, 8, (512, 1024, 2048)),  # Mixtral-like: 11.58 ms; (256, 1024, 2048) 12.10
+    (16384, 7168, 2048, 64, (256, 1024, 2048)),  # DeepSeek-like: 4.37 ms, the best of 8 tuned
+])
+def test_tgmm_heuristic_picks_the_v5e_measured_best(m, k, n, g, measured_best):
+    """The tgmm heuristic (``block_n`` streamed, `tgmm_tpu_heuristic_budget`) picks what the v5e
+    ran fastest (benchmarks/results/gmm_tpu-v5e-*.json, the suite's autotune); its VMEM need
+    stays within the budget, which stays within the tuning space's."""
+    s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    call = stellax.registered_ops()["ragged_dot_tgmm"].check(s((m, k), bf), s((m, n), bf), s((g,), jnp.int32),
+                                                              transpose_lhs=True)
+    with lowering_target("v5e"):
+        c = configs.tgmm_tpu_heuristic(call)
+        assert (c.block_m, c.block_k, c.block_n) == measured_best
+        assert configs.tgmm_tpu_vmem(call, c) <= configs.tgmm_tpu_heuristic_budget() == 40 << 20
+    for generation in ("v5p", "tpu7x"):
+        with lowering_target(generation):
+            assert configs.tgmm_tpu_heuristic_budget() <= configs.tpu_space_budget()
+
+
 def _kernel_blocks(fn, *args):
     """``{kernel name: [block shapes of its operands]}`` of every Mosaic TPU kernel ``fn`` traces."""
     with interpret_mode(), lowering_target("v5e"):

@@ -418,13 +418,13 @@ def _megacore_ok(parallel_blocks: int, extent: int) -> bool:
     return target_generation().cores_per_chip < 2 or parallel_blocks >= 2 or extent <= 128
 
 
-def _cheapest(space, cost, vmem, parallel):
-    """The config of ``space`` with the least modelled ``cost`` among those within
-    `tpu_heuristic_budget`, at least the MXU width in K and N where the space has such, and
-    splittable across megacore TensorCores (``parallel(c) -> (blocks, extent)``); near ties
-    (within 2 %) go to the smaller VMEM need."""
+def _cheapest(space, cost, vmem, parallel, budget: int | None = None):
+    """The config of ``space`` with the least modelled ``cost`` among those within ``budget``
+    VMEM bytes (default `tpu_heuristic_budget`), at least the MXU width in K and N where the
+    space has such, and splittable across megacore TensorCores (``parallel(c) -> (blocks,
+    extent)``); near ties (within 2 %) go to the smaller VMEM need."""
     mxu = target_generation().mxu
-    budget = tpu_heuristic_budget()
+    budget = tpu_heuristic_budget() if budget is None else budget
     pool = [c for c in space if vmem(c) <= budget] or space
     wide = [c for c in pool if c.block_k >= mxu and c.block_n >= mxu]
     pool = wide or pool
@@ -483,9 +483,14 @@ def tgmm_tpu_space(call: Call) -> list[TpuGroupedMatmulConfig]:
 
 def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     """Modelled seconds of a `ragged_dot_tgmm` call with ``c``: MXU work (whole tiles per
-    visit, at the rate of `mxu_seconds`: ``block_k`` rows streamed, ``block_m`` contracted), HBM traffic (for every ``[bk, bn]`` output block the visited rows of ``lhs`` and
-    ``rhs``; the ``[G, K, N]`` output once) and grid steps (`visits_estimate` visits per
-    output block)."""
+    visit, at the rate of `mxu_seconds`: ``block_n`` rows streamed, ``block_m`` contracted),
+    HBM traffic (for every ``[bk, bn]`` output block the visited rows of ``lhs`` and ``rhs``;
+    the ``[G, K, N]`` output once) and grid steps (`visits_estimate` visits per output block).
+
+    The streamed side is ``block_n``: on the v5e the tgmm's times followed it, not ``block_k``
+    (skewed M=32768 K=2048 N=1408: (256, 2048, 1408) 2.44 ms, (256, 1024, 1408) 2.53 ms;
+    Mixtral-like: (512, 1024, 2048) 11.58 ms, (256, 1024, 2048) 12.10 ms, (512, 2048, 512)
+    12.42 ms), which libtpu's schedule of the step agrees with (docs/moe.md)."""
     m, k, n, g = tgmm_dims(call)
     kp, np_ = _round_up(k, c.block_k), _round_up(n, c.block_n)
     visits = visits_estimate(m, g, c.block_m)
@@ -493,8 +498,16 @@ def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
     item, out_item = _itemsize(call), np.dtype(call.out_dtype).itemsize
     flops = 2.0 * visits * c.block_m * kp * np_
     nbytes = blocks * visits * c.block_m * (c.block_k + c.block_n) * item + g * kp * np_ * out_item
-    # out[bk, bn] += lhs[g]ᵀ[bk, bm] @ rhs[bm, bn]: bk rows streamed, bm contracted per step.
-    return _seconds(mxu_seconds(flops, c.block_k, c.block_m), nbytes, blocks * visits)
+    # out[bk, bn] += lhs[g]ᵀ[bk, bm] @ rhs[bm, bn], bm contracted per step.
+    return _seconds(mxu_seconds(flops, c.block_n, c.block_m), nbytes, blocks * visits)
+
+
+def tgmm_tpu_heuristic_budget() -> int:
+    """The VMEM a tgmm heuristic config may need: a quarter more than `tpu_heuristic_budget`,
+    within `tpu_space_budget` (40 MiB on v5e and v6e, 20 on v5p, 32 on TPU7x).
+    `tgmm_tpu_vmem_need` counts masked copies of both operand tiles the compiler keeps smaller:
+    the Mixtral-like best, (512, 1024, 2048), is modelled at 33 MiB and ran on the v5e."""
+    return min(tpu_heuristic_budget() * 5 // 4, tpu_space_budget())
 
 
 #: The tgmm heuristic's least row tile (where the call has that many rows). On the v5e, 128- and
@@ -507,7 +520,7 @@ TGMM_MIN_ROWS = 256
 
 def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
     """The `ragged_dot_tgmm` config of its space that `tgmm_tpu_cost` rates fastest within
-    `tpu_heuristic_budget` (`_cheapest`), with row tiles of at least `TGMM_MIN_ROWS`: a large
+    `tgmm_tpu_heuristic_budget` (`_cheapest`), with row tiles of at least `TGMM_MIN_ROWS`: a large
     ``[bk, bn]`` output block (each row of ``lhs``/``rhs`` is read once per output block),
     the row tile following the mean group size (a tile straddling two groups is visited, and
     multiplied, twice)."""
@@ -515,7 +528,8 @@ def tgmm_tpu_heuristic(call: Call) -> TpuGroupedMatmulConfig:
     space = tgmm_tpu_space(call)
     space = [c for c in space if c.block_m >= TGMM_MIN_ROWS] or space
     return _cheapest(space, lambda c: tgmm_tpu_cost(call, c), lambda c: tgmm_tpu_vmem(call, c),
-                     lambda c: (-(-k // c.block_k) * -(-n // c.block_n), max(k, n)))
+                     lambda c: (-(-k // c.block_k) * -(-n // c.block_n), max(k, n)),
+                     budget=tgmm_tpu_heuristic_budget())
 
 
 # -- the quantized ragged_dot (`mosaic_tpu_quantized.py`) ------------------------------------
