@@ -206,30 +206,30 @@ def abstract_cases(suite: Suite, op, count: int) -> list:
     return abstract_examples(lambda: op.benchmarks(suite.platform)[:count])[:count] if count else []
 
 
-def concrete_cases(suite: Suite, op, count: int) -> list:
-    """The same calls with device arrays, as the op's benchmark builder makes them: only these
-    ``count`` are computed (`compiled_examples`; an op's later benchmark shapes can be far larger:
-    the 256-expert grouped matmul's weights alone are 7.5 GB, more than a v5e holds beside them)."""
+def concrete_cases(suite: Suite, op, count: int, *, start: int = 0) -> list:
+    """The same calls with device arrays, as the op's benchmark builder makes them: calls
+    ``start`` to ``count - 1``; only the first ``count`` are computed (`compiled_examples`; an
+    op's later benchmark shapes can be far larger: the 256-expert grouped matmul's weights alone
+    are 7.5 GB, more than a v5e holds beside them)."""
+    import jax
     import jax.numpy as jnp
 
+    from stellax.bench.inputs import randomize_tree
+    from stellax.core import Example
     from stellax.testing.validation import compiled_examples
 
     if suite.args.dry_run:
-        return list(op.examples(jnp.float32)[:1])
+        return list(op.examples(jnp.float32)[:1])[start:]
     if not count:
         return []
     # The builder's own values (log-decays below zero, A < 0, routing logits ...): random normal
     # values in their place send a linear-attention state to inf and a check on them cannot fail.
     # A builder that gives only shapes (`jax.ShapeDtypeStruct`: the quantized weights' codes and
-    # scales) gets random values for them, as `stellax bench` times (`materialize`).
-    import jax
-
-    from stellax.bench.inputs import randomize_tree
-    from stellax.core import Example
-
+    # scales) gets random values for them, as `stellax bench` times (`materialize`), in the
+    # returned calls only.
     examples = compiled_examples(lambda: op.benchmarks(suite.platform), count)
     return [Example(e.label, *randomize_tree((e.args, e.kwargs), jax.random.PRNGKey(i), randomize=False))
-            for i, e in enumerate(examples)]
+            for i, e in enumerate(examples) if i >= start]
 
 
 def first_supported_case(suite: Suite, op):
@@ -238,7 +238,8 @@ def first_supported_case(suite: Suite, op):
     impl = op.implementations["mosaic_tpu"]
     for index, example in enumerate(abstract_cases(suite, op, None)):
         if impl.supported(op.check(*example.args, **example.kwargs)):
-            return concrete_cases(suite, op, index + 1)[index]
+            (case,) = concrete_cases(suite, op, index + 1, start=index)
+            return case
     return None
 
 

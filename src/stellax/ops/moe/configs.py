@@ -504,9 +504,9 @@ def tgmm_tpu_cost(call: Call, c: TpuGroupedMatmulConfig) -> float:
 
 def tgmm_tpu_heuristic_budget() -> int:
     """The VMEM a tgmm heuristic config may need: a quarter more than `tpu_heuristic_budget`,
-    within `tpu_space_budget` (40 MiB on v5e and v6e, 20 on v5p, 32 on TPU7x).
-    `tgmm_tpu_vmem_need` counts masked copies of both operand tiles the compiler keeps smaller:
-    the Mixtral-like best, (512, 1024, 2048), is modelled at 33 MiB and ran on the v5e."""
+    within `tpu_space_budget` (40 MiB on v5e and v6e, 20 on v5p, 32 on TPU7x). The v5e's
+    fastest Mixtral-like tgmm, (512, 1024, 2048), is modelled at 33 MiB (`tgmm_tpu_vmem_need`):
+    it compiled and ran with the raised VMEM limit its need asks for (`tpu_vmem_limit`)."""
     return min(tpu_heuristic_budget() * 5 // 4, tpu_space_budget())
 
 
