@@ -39,6 +39,7 @@ def test_tpu_suite_dry_run_resumes_and_writes_the_rows_schema(tmp_path):
     assert {e["op"] for e in data["autotune"]["entries"]} == {"layer_norm", "layer_norm_backward"}  # fwd and bwd
     assert (tmp_path / data["autotune"]["exported_to"]).exists()
     assert data["done"]["bench"] == [] and data["rows"] == []
+    assert data["unit_seconds"]["check"]["layer_norm"] > 0, data["unit_seconds"]
 
     # A second command resumes: the bench stage runs, the check and autotune sections are kept.
     proc = _run_suite(tmp_path, "--dry-run", "--ops", ops, "--stages", "bench")
@@ -56,6 +57,12 @@ def test_tpu_suite_dry_run_resumes_and_writes_the_rows_schema(tmp_path):
     # Done stages are skipped on a third command unless --redo.
     proc = _run_suite(tmp_path, "--dry-run", "--ops", ops, "--stages", "bench")
     assert "bench layer_norm" not in proc.stdout, proc.stdout
+
+    # The plan estimates a unit that ran at the seconds its run took.
+    ran = json.loads(path.read_text())["unit_seconds"]["bench"]["layer_norm"]
+    proc = _run_suite(tmp_path, "--dry-run", "--list", "--ops", ops, "--stages", "bench")
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("bench") and " layer_norm " in l]
+    assert float(line.split()[2]) == pytest.approx(ran, abs=0.6) and f"last run {ran:.0f} s" in line, line
 
     # Another day (another --out) carries on from the file given to --resume.
     later = tmp_path / "later"
