@@ -31,8 +31,13 @@ q, k, v for a random cotangent, through ``jax.vjp``), on the same data:
   By default splash takes the same ``[B, T, N, D]`` operands as stellax and its layout transposes are
   timed with it (the contract the issue's numbers were measured with); ``--splash-layout native``
   times it on its own layout instead.
-* with ``--xla``: ``stellax:xla_chunked`` (stellax's memory-linear XLA path, the fallback) and
-  ``jax.nn.dot_product_attention[xla]`` (where its materialized logits fit: no segments/sinks/chunks).
+* with ``--xla`` (or ``xla`` in ``--contenders``): ``stellax:xla_chunked`` (stellax's memory-linear XLA
+  path, the fallback) and ``jax.nn.dot_product_attention[xla]`` (where its materialized logits fit: no
+  segments/sinks/chunks). ``vs_xla`` is the best of the two over the row's.
+
+``--contenders`` picks the groups timed (``default``, ``explicit``, ``splash``, ``xla``); the
+ratios are set again over all rows of a case and pass (`set_ratios`), so XLA rows timed in a later
+run (``--contenders xla``) give the earlier rows their ``vs_xla``.
 
 Correctness: every output and gradient is compared, once per contender, with a float32 golden
 (stellax's ``xla_chunked`` on float32 copies at 'highest' precision, one program per case):
@@ -43,7 +48,7 @@ pairs, so causal counts about half, a window its band, documents their blocks) a
 forward+backward (the backward's five matmuls against the forward's two); ``pct_peak`` is against
 197 TFLOP/s (v5e bf16). The JSON (``--out``, rewritten after every case) holds ``{"format":
 "stellax-attention-tpu", "version": 1, "environment", "seconds", "rows"}`` with rows in the suite's
-results schema (benchmarks/README.md) plus ``config``, ``vs_splash``, ``max_rel_err``, ``rel_l2`` and
+results schema (benchmarks/README.md) plus ``config``, ``vs_splash``, ``vs_xla``, ``max_rel_err``, ``rel_l2`` and
 ``compile_s``. A contender that cannot express a case is a row with ``skipped`` saying why.
 
 ``--dry-run`` runs the same code on the CPU with tiny shapes (T/16, N=2-4, blocks /4) and every
@@ -190,12 +195,20 @@ def parse_args(argv=None):
     p.add_argument("--splash", default=DEFAULT_SPLASH,
                    help=f"splash block sizes searched, names of {sorted(SPLASH)}, 'all' or 'none' "
                         f"(default {DEFAULT_SPLASH})")
-    p.add_argument("--xla", action="store_true", help="also time the XLA paths")
+    p.add_argument("--xla", action="store_true", help="also time the XLA paths (adds 'xla' to --contenders)")
+    p.add_argument("--contenders", default="default,explicit,splash",
+                   help=f"comma list of {list(CONTENDERS)}: stellax's own pick, the --configs, splash's block "
+                        "sizes, the XLA paths (default default,explicit,splash; 'xla' alone adds XLA rows "
+                        "to cases measured before)")
     p.add_argument("--splash-layout", choices=("btnd", "native"), default="btnd",
                    help="btnd (default): splash takes stellax's [B, T, N, D] operands and transposes them "
                         "inside its timing (the same contract, as tpu_peers.splash_peer); native: its own "
                         "[B, N, T, D], the transposes outside the timing")
     return p.parse_args(argv)
+
+
+#: What ``--contenders`` can name: each is a group of rows per case and pass.
+CONTENDERS = ("default", "explicit", "splash", "xla")
 
 
 def _names(value: str, table: dict, flag: str) -> list[str]:
@@ -378,6 +391,9 @@ class Run(ChipRun):
         self.peak = V5E_TFLOPS if self.dry else PEAK_TFLOPS.get(self.device)
         self.explicit = _names(args.configs, EXPLICIT, "--configs")
         self.splash = list(SPLASH) if args.splash == "all" else _names(args.splash, SPLASH, "--splash")
+        self.contenders = set(_names(args.contenders, dict.fromkeys(CONTENDERS), "--contenders"))
+        if args.xla:
+            self.contenders.add("xla")
 
     def picked(self) -> list[int]:
         if self.args.cases == "main":
@@ -397,7 +413,7 @@ class Run(ChipRun):
         r = {"op": "attention", "case": case.name, "pass": pass_, "contender": contender, "config": config,
              "default": default, "peer": peer, "ms": ms, "tflops": tflops,
              "pct_peak": None if tflops is None or self.peak is None else 100.0 * tflops / self.peak,
-             "bound": "compute", "vs_splash": None, "max_rel_err": errs[0], "rel_l2": errs[1],
+             "bound": "compute", "vs_splash": None, "vs_xla": None, "max_rel_err": errs[0], "rel_l2": errs[1],
              "compile_s": compile_s, "device": self.device, "date": self.date, "skipped": skipped,
              "error": error}
         self.rows.append(r)
@@ -427,8 +443,6 @@ class Run(ChipRun):
         return self.row(case, pass_, contender, config, ms=ms, errs=errs, compile_s=first, **flags)
 
     def run_case(self, index: int):
-        from stellax.core import observe_calls
-
         case = CASES[index].dry() if self.dry else CASES[index]
         print(f"== [{index}] {case.name}" + (f" (dry: T={case.t} N={case.n} K={case.k})" if self.dry else ""),
               flush=True)
@@ -445,76 +459,91 @@ class Run(ChipRun):
         refs = {"fwd": None if golden is None else golden[0], "fwd+bwd": golden}
         for pass_ in self.passes:
             ref = refs[pass_]
-            group_start = len(self.rows)
-            # stellax, the config it picks by itself
-            seen = {}
-
-            def observe(op, implementation, call, config, seen=seen):
-                seen[op.name] = (implementation.name, config)
-
-            impl = "mosaic_tpu" if self.dry else None
-            fn = program(stellax_attend(case, seg, sinks, implementation=impl), pass_)
-            with observe_calls(observe):
-                r = self.timed(case, pass_, "stellax:mosaic_tpu", "default", fn, operands, ref)
-            chosen = [f"{name}={impl_}:{_describe(cfg)}" for name, (impl_, cfg) in sorted(seen.items())]
-            r["config"] = "default(" + ", ".join(chosen) + ")"
-            picked_kernel = all(impl_ == "mosaic_tpu" for impl_, _ in seen.values()) and bool(seen)
-            r["default"] = picked_kernel
-            if not picked_kernel and r["error"] is None and r["skipped"] is None:
-                r["contender"] = "stellax:" + "+".join(sorted({i for i, _ in seen.values()}))
-            # stellax, explicit configs (a forward config timed once; none that is the default's)
-            timed_forwards = set()
-            default_configs = {name: cfg for name, (impl_, cfg) in seen.items() if impl_ == "mosaic_tpu"}
-            for name in self.explicit:
-                table = explicit_table(name, self.dry, case.n // case.k)
-                ops = ("attention",) if pass_ == "fwd" else ("attention", "attention_backward")
-                if all(table.get((op, "mosaic_tpu")) == default_configs.get(op) for op in ops):
-                    continue
-                if pass_ == "fwd":
-                    if EXPLICIT[name][0] in timed_forwards:
-                        continue
-                    timed_forwards.add(EXPLICIT[name][0])
-                label = (name if pass_ == "fwd+bwd" else f"f{'x'.join(map(str, EXPLICIT[name][0] or ()))}") + \
-                    f" [{', '.join(_describe(c) for c in table.values())}]"
-                fn = program(stellax_attend(case, seg, sinks, implementation="mosaic_tpu"), pass_, table)
-                self.timed(case, pass_, "stellax:mosaic_tpu", label, fn, operands, ref)
-            # jax splash, its block sizes searched
-            native = self.args.splash_layout == "native"
-            split = (heads_first(q), heads_first(k), heads_first(v), heads_first(d_out)) if native else operands
-            back = lambda out, pass_=pass_: (heads_first(out) if pass_ == "fwd" else
-                                             (heads_first(out[0]), tuple(heads_first(g) for g in out[1])))
-            back = back if native else None
-            for name in self.splash:
-                try:
-                    kernel = splash_kernel(case, name, self.dry, scale)
-                except Exception as e:  # noqa: BLE001 - block sizes it does not take
-                    self.row(case, pass_, "jax:splash", f"blocks {name}", peer=True,
-                             error=f"{type(e).__name__}: {e}".replace("\n", " ")[:600])
-                    continue
-                fn = program(splash_attend(kernel, seg, sinks, scale, transpose=not native), pass_)
-                self.timed(case, pass_, "jax:splash", f"blocks {name}", fn, split, ref, to_ref=back, peer=True)
-                del kernel, fn
-            # XLA
-            if self.args.xla:
-                fn = program(stellax_attend(case, seg, sinks, implementation="xla_chunked"), pass_)
-                self.timed(case, pass_, "stellax:xla_chunked", "default", fn, operands, ref, peer=True)
-                attend = jax_nn_attend(case)
-                logits_bytes = 4 * case.b * case.n * case.t * case.t
-                if attend is None:
-                    self.row(case, pass_, "jax.nn.dot_product_attention[xla]", "-", peer=True,
-                             skipped="cannot express segment ids / sinks / chunks / soft cap")
-                elif logits_bytes > 4 * 2 ** 30:
-                    self.row(case, pass_, "jax.nn.dot_product_attention[xla]", "-", peer=True,
-                             skipped=f"materialized float32 logits {logits_bytes / 2 ** 30:.0f} GiB > 4 GiB")
-                else:
-                    self.timed(case, pass_, "jax.nn.dot_product_attention[xla]", "-", program(attend, pass_),
-                               operands, ref, peer=True)
-            group = self.rows[group_start:]
-            splash_ms = [r["ms"] for r in group if r["contender"] == "jax:splash" and r["ms"] is not None]
-            for r in group:
-                if splash_ms and r["ms"] is not None:
-                    r["vs_splash"] = min(splash_ms) / r["ms"]
+            default_configs = {}
+            if "default" in self.contenders:
+                default_configs = self.time_default(case, pass_, seg, sinks, operands, ref)
+            if "explicit" in self.contenders:
+                self.time_explicit(case, pass_, seg, sinks, operands, ref, default_configs)
+            if "splash" in self.contenders:
+                self.time_splash(case, pass_, seg, sinks, operands, ref, scale)
+            if "xla" in self.contenders:
+                self.time_xla(case, pass_, seg, sinks, operands, ref)
+        set_ratios(self.rows)
         del golden, refs, q, k, v, d_out, operands
+
+    def time_default(self, case, pass_, seg, sinks, operands, ref) -> dict:
+        """stellax with the config it picks by itself; returns the picked configs by op name."""
+        from stellax.core import observe_calls
+
+        seen = {}
+
+        def observe(op, implementation, call, config):
+            seen[op.name] = (implementation.name, config)
+
+        impl = "mosaic_tpu" if self.dry else None
+        fn = program(stellax_attend(case, seg, sinks, implementation=impl), pass_)
+        with observe_calls(observe):
+            r = self.timed(case, pass_, "stellax:mosaic_tpu", "default", fn, operands, ref)
+        chosen = [f"{name}={impl_}:{_describe(cfg)}" for name, (impl_, cfg) in sorted(seen.items())]
+        r["config"] = "default(" + ", ".join(chosen) + ")"
+        picked_kernel = all(impl_ == "mosaic_tpu" for impl_, _ in seen.values()) and bool(seen)
+        r["default"] = picked_kernel
+        if not picked_kernel and r["error"] is None and r["skipped"] is None:
+            r["contender"] = "stellax:" + "+".join(sorted({i for i, _ in seen.values()}))
+        return {name: cfg for name, (impl_, cfg) in seen.items() if impl_ == "mosaic_tpu"}
+
+    def time_explicit(self, case, pass_, seg, sinks, operands, ref, default_configs):
+        """stellax at the --configs (a forward config timed once; none that is the default's)."""
+        timed_forwards = set()
+        for name in self.explicit:
+            table = explicit_table(name, self.dry, case.n // case.k)
+            ops = ("attention",) if pass_ == "fwd" else ("attention", "attention_backward")
+            if all(table.get((op, "mosaic_tpu")) == default_configs.get(op) for op in ops):
+                continue
+            if pass_ == "fwd":
+                if EXPLICIT[name][0] in timed_forwards:
+                    continue
+                timed_forwards.add(EXPLICIT[name][0])
+            label = (name if pass_ == "fwd+bwd" else f"f{'x'.join(map(str, EXPLICIT[name][0] or ()))}") + \
+                f" [{', '.join(_describe(c) for c in table.values())}]"
+            fn = program(stellax_attend(case, seg, sinks, implementation="mosaic_tpu"), pass_, table)
+            self.timed(case, pass_, "stellax:mosaic_tpu", label, fn, operands, ref)
+
+    def time_splash(self, case, pass_, seg, sinks, operands, ref, scale):
+        """jax's splash attention, its block sizes searched."""
+        q, k, v, d_out = operands
+        native = self.args.splash_layout == "native"
+        split = (heads_first(q), heads_first(k), heads_first(v), heads_first(d_out)) if native else operands
+        back = lambda out: (heads_first(out) if pass_ == "fwd" else
+                            (heads_first(out[0]), tuple(heads_first(g) for g in out[1])))
+        for name in self.splash:
+            try:
+                kernel = splash_kernel(case, name, self.dry, scale)
+            except Exception as e:  # noqa: BLE001 - block sizes it does not take
+                self.row(case, pass_, "jax:splash", f"blocks {name}", peer=True,
+                         error=f"{type(e).__name__}: {e}".replace("\n", " ")[:600])
+                continue
+            fn = program(splash_attend(kernel, seg, sinks, scale, transpose=not native), pass_)
+            self.timed(case, pass_, "jax:splash", f"blocks {name}", fn, split, ref, to_ref=back if native else None,
+                       peer=True)
+            del kernel, fn
+
+    def time_xla(self, case, pass_, seg, sinks, operands, ref):
+        """The XLA paths: stellax's memory-linear ``xla_chunked`` and ``jax.nn.dot_product_attention``
+        where its materialized float32 logits fit."""
+        fn = program(stellax_attend(case, seg, sinks, implementation="xla_chunked"), pass_)
+        self.timed(case, pass_, "stellax:xla_chunked", "default", fn, operands, ref, peer=True)
+        attend = jax_nn_attend(case)
+        logits_bytes = 4 * case.b * case.n * case.t * case.t
+        if attend is None:
+            self.row(case, pass_, "jax.nn.dot_product_attention[xla]", "-", peer=True,
+                     skipped="cannot express segment ids / sinks / chunks / soft cap")
+        elif logits_bytes > 4 * 2 ** 30:
+            self.row(case, pass_, "jax.nn.dot_product_attention[xla]", "-", peer=True,
+                     skipped=f"materialized float32 logits {logits_bytes / 2 ** 30:.0f} GiB > 4 GiB")
+        else:
+            self.timed(case, pass_, "jax.nn.dot_product_attention[xla]", "-", program(attend, pass_),
+                       operands, ref, peer=True)
 
     def main(self):
         picked = self.picked()
@@ -524,6 +553,28 @@ class Run(ChipRun):
         summary(self.rows)
         print(f"done in {elapsed():.0f} s: {len(self.rows)} rows in {self.out}", flush=True)
         return 0
+
+
+#: The contenders ``vs_xla`` compares with.
+XLA_CONTENDERS = ("stellax:xla_chunked", "jax.nn.dot_product_attention[xla]")
+
+
+def set_ratios(rows) -> None:
+    """Each timed row's ``vs_splash`` (best splash time / its time) and ``vs_xla`` (best XLA time /
+    its time) within its case and pass; None where that peer has no time. Rows merged from several
+    runs (the suite adds XLA rows to cases measured before) get their ratios here again."""
+    best = {}
+    for r in rows:
+        if r.get("ms") is None:
+            continue
+        peer = "splash" if r["contender"] == "jax:splash" else "xla" if r["contender"] in XLA_CONTENDERS else None
+        if peer:
+            key = (r["case"], r["pass"], peer)
+            best[key] = min(best.get(key, r["ms"]), r["ms"])
+    for r in rows:
+        for peer in ("splash", "xla"):
+            t = best.get((r["case"], r["pass"], peer))
+            r[f"vs_{peer}"] = t / r["ms"] if t is not None and r.get("ms") is not None else None
 
 
 def summary(rows):
@@ -536,12 +587,14 @@ def summary(rows):
         best = min(ours, key=lambda r: r["ms"]) if ours else None
         splash = [r for r in rs if r["contender"] == "jax:splash"]
         best_splash = min(splash, key=lambda r: r["ms"]) if splash else None
+        xla = [r for r in rs if r["contender"] in XLA_CONTENDERS]
+        best_xla = min(xla, key=lambda r: r["ms"]) if xla else None
         cells = []
-        for label, r in (("default", default), ("best", best), ("splash", best_splash)):
+        for label, r in (("default", default), ("best", best), ("splash", best_splash), ("xla", best_xla)):
             if r is None:
                 cells.append(f"{label} -")
                 continue
-            ratio = "" if r["vs_splash"] is None or label == "splash" else f" {r['vs_splash']:.2f}x"
+            ratio = "" if r["vs_splash"] is None or label in ("splash", "xla") else f" {r['vs_splash']:.2f}x"
             extra = f" [{r['config']}]" if label != "default" else ""
             cells.append(f"{label} {r['ms']:.3f} ({r['tflops']:.0f}){ratio}{extra}")
         print(f"  {case:44s} {pass_:8s} " + ", ".join(cells), flush=True)

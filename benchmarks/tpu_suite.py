@@ -30,7 +30,10 @@ and op (every op with a ``mosaic_tpu`` implementation, or ``--ops``):
    `CASES`, ``--attention-cases``): stellax's default config (and explicit configs,
    ``--attention-configs``) against jax's splash attention with its block sizes
    searched (512 and 1024), forward and forward+backward, each output checked against
-   a float32 golden; rows carry ``config`` and ``vs_splash``.
+   a float32 golden; rows carry ``config``, ``vs_splash`` and ``vs_xla``;
+6. **attention_xla**: the same cases' XLA paths (stellax's ``xla_chunked`` and
+   ``jax.nn.dot_product_attention`` where its logits fit), added to the attention
+   stage's rows: every row's ``vs_xla`` is its time against the faster of the two.
 
 Every command reads and extends one JSON file, ``stellax-tpu-suite-<date>-<device>.json``
 under ``--out``: rows measured again replace the old ones, the rest is kept, and
@@ -59,7 +62,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FORMAT = "stellax-tpu-suite"
 VERSION = 2
-STAGES = ("environment", "check", "autotune", "bench", "attention")
+STAGES = ("environment", "check", "autotune", "bench", "attention", "attention_xla")
+#: The attention stages' contenders (attention_tpu --contenders): issue 37's comparison with
+#: splash, and the XLA paths added to the same cases' rows.
+ATTENTION_CONTENDERS = {"attention": "default,explicit,splash", "attention_xla": "xla"}
 
 #: Seconds of one unit of work on a v5e, for ``--list`` and the budget (measured
 #: 2026-12-05: a native check with gradients 1-9 s, mostly compiling; a benchmark
@@ -267,8 +273,8 @@ def plan(suite: Suite, ops: list) -> list[dict]:
         if stage == "environment":
             units.append({"stage": stage, "op": "-", "work": "versions and device", "seconds": 1.0})
             continue
-        if stage == "attention":
-            units += attention_units(suite)
+        if stage in ATTENTION_CONTENDERS:
+            units += attention_units(suite, stage)
             continue
         for op in ops:
             if stage == "check":
@@ -586,50 +592,54 @@ def row_key(row: dict) -> tuple:
 
 
 # -- the attention stage (issue 37) ----------------------------------------------------------
-def attention_bench(suite: Suite, budget: float | None = None):
-    """`benchmarks/attention_tpu.py`'s run for this suite's options (its dry run in a dry run)."""
+def attention_bench(suite: Suite, stage: str = "attention", budget: float | None = None):
+    """`benchmarks/attention_tpu.py`'s run for this suite's options and ``stage``'s contenders (its
+    dry run in a dry run)."""
     import attention_tpu
 
     argv = ["--out", str(suite.results.path.with_suffix(".attention.json")),
             "--cases", suite.args.attention_cases, "--budget", str(budget if budget is not None else 1e9),
-            "--configs", suite.args.attention_configs]
+            "--configs", suite.args.attention_configs, "--contenders", ATTENTION_CONTENDERS[stage]]
     return attention_tpu, attention_tpu.Run(attention_tpu.parse_args(argv + (["--dry-run"] if suite.args.dry_run else [])))
 
 
-def attention_units(suite: Suite) -> list[dict]:
-    """One unit per attention case: its timings (two passes x the default, the explicit configs
-    and splash's block sizes) at the bench stage's seconds per item, plus a golden."""
-    module, run = attention_bench(suite)
-    timings = len(run.passes) * (1 + len(run.explicit) + len(run.splash))
-    units = [{"stage": "attention", "op": module.CASES[i].name, "work": f"{timings} timings and a golden",
+def attention_units(suite: Suite, stage: str) -> list[dict]:
+    """One unit per attention case: its timings at the bench stage's seconds per item, plus a
+    golden. ``attention``: two passes x the default, the explicit configs and splash's block
+    sizes; ``attention_xla``: two passes x the two XLA paths."""
+    module, run = attention_bench(suite, stage)
+    per_pass = {"default": 1, "explicit": len(run.explicit), "splash": len(run.splash), "xla": 2}
+    timings = len(run.passes) * sum(per_pass[c] for c in run.contenders)
+    return [{"stage": stage, "op": module.CASES[i].name, "work": f"{timings} timings and a golden",
              "seconds": round((timings + 1) * suite.seconds["bench_item"] + suite.seconds["op_setup"], 1),
              "index": i} for i in run.picked()]
-    return units
 
 
-def attention_stage(suite: Suite, units: list[dict]) -> str | None:
-    """Run the attention cases not done yet (`attention_units`); the first one the budget leaves
-    out (or None). Rows replace those of the same case, pass, contender and config."""
+def attention_stage(suite: Suite, stage: str, units: list[dict]) -> str | None:
+    """Run the attention cases not done yet in ``stage`` (`attention_units`); the first one the
+    budget leaves out (or None). Rows replace those of the same case, pass, contender and config,
+    and every row's ``vs_splash`` and ``vs_xla`` are set again over the merged rows."""
     from stellax.bench import chip_run
 
     results = suite.results
     for unit in units:
-        if results.done("attention", unit["op"]) and not suite.args.redo:
+        if results.done(stage, unit["op"]) and not suite.args.redo:
             continue
         if suite.remaining() < unit["seconds"]:
             return unit["op"]
-        suite.log(f"attention {unit['op']} (estimated {unit['seconds']:.0f} s, {suite.remaining():.0f} s left)")
+        suite.log(f"{stage} {unit['op']} (estimated {unit['seconds']:.0f} s, {suite.remaining():.0f} s left)")
 
         def run_case(unit=unit) -> bool:
-            _, run = attention_bench(suite, budget=chip_run.elapsed() + suite.remaining())
+            module, run = attention_bench(suite, stage, budget=chip_run.elapsed() + suite.remaining())
             run.run_case(unit["index"])
             results.replace(results.data["rows"], run.rows, key=row_key)
+            module.set_ratios([r for r in results.data["rows"] if r["op"] == "attention"])
             if any(r.get("skipped") == "budget spent" for r in run.rows):
-                suite.log(f"  attention {unit['op']}: the budget ran out inside the case; the next command runs it again")
+                suite.log(f"  {stage} {unit['op']}: the budget ran out inside the case; the next command runs it again")
                 return False
             return True
 
-        if run_unit(suite, "attention", unit["op"], run_case) is False:
+        if run_unit(suite, stage, unit["op"], run_case) is False:
             return unit["op"]
     return None
 
@@ -669,8 +679,8 @@ def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
     if stage == "environment":
         environment_stage(suite, ops)
         return None
-    if stage == "attention":
-        return attention_stage(suite, [u for u in suite.units if u["stage"] == "attention"])
+    if stage in ATTENTION_CONTENDERS:
+        return attention_stage(suite, stage, [u for u in suite.units if u["stage"] == stage])
     for op in ops:
         if results.done(stage, op.name) and not suite.args.redo:
             continue

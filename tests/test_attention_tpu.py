@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {"op", "case", "pass", "contender", "default", "peer", "ms", "tflops", "pct_peak", "bound", "device",
-          "date", "skipped", "error", "vs_splash", "max_rel_err", "rel_l2", "config"}
+          "date", "skipped", "error", "vs_splash", "vs_xla", "max_rel_err", "rel_l2", "config"}
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
@@ -62,7 +62,7 @@ def test_dry_run_times_and_checks_every_contender(tmp_path):
         if r["skipped"]:
             assert r["contender"] == "jax.nn.dot_product_attention[xla]", r
             continue
-        assert r["ms"] > 0 and r["tflops"] > 0 and r["pct_peak"] > 0 and r["vs_splash"] > 0, r
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["pct_peak"] > 0 and r["vs_splash"] > 0 and r["vs_xla"] > 0, r
         assert r["max_rel_err"] < 3e-2 and r["rel_l2"] < 1e-2, r
     for case in {r["case"] for r in rows}:
         for pass_ in ("fwd", "fwd+bwd"):
@@ -100,3 +100,19 @@ def test_splash_expresses_every_case():
     assert (bwd.block_q_dq, bwd.block_kv_dq, bwd.block_q_dkv, bwd.block_kv_dkv) == (128, 512, 128, 512)
     mqa = bench.explicit_table("f1024-b512", False, 16)
     assert next(iter(mqa.values())).block_q == 128
+
+
+def test_ratios_are_set_again_over_rows_from_several_runs():
+    """XLA rows timed in a later run give the earlier rows their ``vs_xla``; a peer with no time
+    leaves the ratio None; only the row's own case and pass count."""
+    import attention_tpu
+
+    row = lambda contender, ms, case="c", pass_="fwd": {"case": case, "pass": pass_, "contender": contender, "ms": ms}
+    rows = [row("stellax:mosaic_tpu", 2.0), row("jax:splash", 3.0), row("jax:splash", 2.5),
+            row("stellax:xla_chunked", 8.0), row("jax.nn.dot_product_attention[xla]", None),
+            row("stellax:mosaic_tpu", 1.0, pass_="fwd+bwd")]
+    attention_tpu.set_ratios(rows[:3] + rows[5:])
+    assert rows[0]["vs_splash"] == 1.25 and rows[0]["vs_xla"] is None
+    attention_tpu.set_ratios(rows)
+    assert rows[0]["vs_xla"] == 4.0 and rows[3]["vs_xla"] == 1.0 and rows[4]["vs_xla"] is None
+    assert rows[5]["vs_splash"] is None and rows[5]["vs_xla"] is None

@@ -319,9 +319,20 @@ def test_attention_stage_runs_issue_37s_cases_and_resumes(tmp_path):
     assert all(r["rel_l2"] < 1e-2 for r in rows), [r["rel_l2"] for r in rows]
     again = _run_suite(tmp_path, *args)
     assert again.returncode == 0 and "attention MHA causal" not in again.stdout, again.stdout[-3000:]
-    listed = _run_suite(tmp_path / "plan", "--list", "--stages", "attention")
+    assert all(r["vs_xla"] is None for r in json.loads(path.read_text())["rows"])
+    # The attention_xla stage adds the XLA paths to the case's rows, and every row its vs_xla.
+    proc = _run_suite(tmp_path, *args[:2], "attention_xla", *args[3:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert data["done"]["attention_xla"] == ["MHA causal T=8192 D=128"] and len(data["rows"]) == len(rows) + 4
+    xla = {(r["pass"], r["contender"]) for r in data["rows"] if r["contender"] not in ("jax:splash", "stellax:mosaic_tpu")}
+    assert xla == {(p, c) for p in ("fwd", "fwd+bwd")
+                   for c in ("stellax:xla_chunked", "jax.nn.dot_product_attention[xla]")}, xla
+    assert all(r["vs_xla"] > 0 and r["vs_splash"] > 0 for r in data["rows"]), data["rows"]
+    listed = _run_suite(tmp_path / "plan", "--list", "--stages", "attention,attention_xla")
     assert listed.returncode == 0, listed.stderr[-3000:]
-    assert sum(l.startswith("attention") for l in listed.stdout.splitlines()) == 18, listed.stdout
+    lines = listed.stdout.splitlines()
+    assert sum(l.startswith("attention ") for l in lines) == sum(l.startswith("attention_xla") for l in lines) == 18
 
 
 def test_row_key_tells_configs_apart_but_not_the_defaults_picks(tmp_path):
