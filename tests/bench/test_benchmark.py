@@ -103,3 +103,22 @@ def test_inputs_kept_in_the_builders_domain_are_shifted_not_redrawn():
         np.testing.assert_array_equal(s[0]["ids"], jnp.arange(3))
     assert not np.array_equal(sets[1][0]["g"], sets[2][0]["g"])
     assert all(np.all(np.asarray(s[1]) != 0) for s in sets)   # structs are materialized
+
+
+def test_input_sets_that_do_not_fit_the_device_are_fewer(monkeypatch):
+    """A benchmark whose operands are large keeps only the input sets that fit half the free
+    device memory (the MoE layer's 5.6 GB of weights thrice did not fit a v5e); the record says
+    how many it rotated among."""
+    tree = (jax.ShapeDtypeStruct((1024, 1024), jnp.float32), jnp.zeros((1024,), jnp.bfloat16))
+    size = 4 * 1024 * 1024 + 2 * 1024
+    assert inputs.tree_bytes(tree) == size
+    assert inputs.sets_that_fit(tree, 3, None) == 3  # a CPU: no device memory figure
+    assert inputs.sets_that_fit(tree, 3, 10 * size) == 3
+    assert inputs.sets_that_fit(tree, 3, 3 * size) == 1  # half of it holds one new set
+    assert inputs.sets_that_fit(tree, 3, 3 * size, randomize=False) == 2  # the first set is the tree itself
+    assert inputs.sets_that_fit(tree, 3, size) == 1 and inputs.sets_that_fit(tree, 0, size) == 1
+    from stellax.bench import measurement
+
+    monkeypatch.setattr(measurement, "device_memory_free", lambda device=None: 3 * 4 * 64 * 64)
+    r = stellax.benchmark(stellax.rms_norm, jnp.ones((64, 64)), jnp.ones((64,)), iterations=2, input_sets=3)
+    assert r.input_sets == 1

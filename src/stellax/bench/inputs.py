@@ -82,6 +82,25 @@ def input_sets(tree, count: int, *, seed: int = 0, randomize: bool = True) -> li
                       for i in range(1, count)]
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of the array leaves of ``tree`` (`jax.ShapeDtypeStruct` leaves counted as arrays)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree) if is_array(x))
+
+
+def sets_that_fit(tree, count: int, free_bytes: int | None, *, randomize: bool = True, share: float = 0.5) -> int:
+    """How many of ``count`` input sets (`input_sets`) to make so that the sets made beyond
+    ``tree`` itself take at most ``share`` of ``free_bytes`` of device memory; at least one.
+    Rotating sets keeps caches from flattering a benchmark, but a MoE layer's 5.6 GB of weights
+    three times over does not fit a 16 GiB TPU v5e beside its program. With ``randomize=False``
+    the first set is ``tree`` (already on the device); otherwise every set is new."""
+    size = tree_bytes(tree)
+    if free_bytes is None or size == 0:
+        return max(1, int(count))
+    new_sets = int(share * free_bytes // size)
+    return max(1, min(int(count), new_sets + (0 if randomize else 1)))
+
+
 def shifted_leaf(x, index: int, count: int):
     """A float array's values moved ``index / count`` of the way round its flattened order
     (plus ``index``, so small arrays move too); other leaves as they are."""

@@ -348,7 +348,8 @@ def prepare(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
         return fn(*full, **dyn_k, **static_kwargs)
 
     dyn = (tuple(args[i] for i in dyn_pos), {k: kwargs[k] for k in dyn_kw})
-    sets = inputs_lib.input_sets(dyn, input_sets, seed=seed, randomize=randomize)
+    count = inputs_lib.sets_that_fit(dyn, input_sets, device_memory_free(), randomize=randomize)
+    sets = inputs_lib.input_sets(dyn, count, seed=seed, randomize=randomize)
     dtype = _first_float_dtype(dyn)
     recorder = _OpRecorder()
     if mode == "forward":
@@ -397,7 +398,8 @@ def benchmark(fn: Callable[..., Any], *args, mode: str = "forward", argnums: Seq
       timer: ``"auto"`` (CUPTI on NVIDIA GPUs, wall clock on the CPU),
         ``"cupti"``, ``"batched"``, ``"wall"`` or a `timing.Timer`.
       iterations: timed iterations (default: adaptive, ``min_time`` seconds).
-      input_sets: how many input sets to rotate among.
+      input_sets: how many input sets to rotate among (fewer where they would not fit the
+        free device memory: `inputs.sets_that_fit`; the record says how many).
       flops, bytes_accessed: override the cost models (per call).
       dtype: the compute dtype for the roofline (default: first float input).
       peaks: override the device peaks (default: `roofline.device_peaks`).
