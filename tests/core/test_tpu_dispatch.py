@@ -78,3 +78,20 @@ def test_a_kernel_measured_slower_than_xla_is_not_the_default_there(capsys):
         assert main(["info"]) == 0
     assert "explicit request only: measured slower than XLA on a v5e" in capsys.readouterr().out
 
+
+
+@pytest.mark.parametrize("name", ["fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "ssd_step"])
+def test_decode_kernels_measured_slower_than_xla_on_a_v5e_are_not_its_default(name):
+    """The TPU suite's bench stage timed the decode kernels at 0.21-0.81x XLA on a v5e (one state
+    per grid step): the default chain runs XLA there and says why; the kernel still runs on
+    request, and stays the default where it was not measured."""
+    op = stellax.registered_ops()[name]
+    example = abstract_examples_of(op, "bfloat16")[0]
+    call = op.check(*example.args, **example.kwargs)
+    kernel = op.implementations["mosaic_tpu"]
+    with lowering_target("v5e") as platform:
+        assert "measured slower than XLA on a v5e" in kernel.defers_to_xla(platform)
+        assert op.select(call).name == "xla"
+        assert op.select(call, "mosaic_tpu").name == "mosaic_tpu"
+    with lowering_target("v6e") as platform:
+        assert kernel.defers_to_xla(platform) is None and op.select(call).name == "mosaic_tpu"

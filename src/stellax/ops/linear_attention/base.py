@@ -30,11 +30,12 @@ from ...core.config import is_power_of_two
 from ...core.pallas import padded_dim
 from . import mosaic_tpu, mosaic_tpu_backward, mosaic_tpu_decode, pipeline, xla
 from .configs import (FusedRecurrentTpuConfig, LinearAttentionConfig, SsdStepTpuConfig, TpuLinearAttentionConfig,
-                      fused_recurrent_tpu_heuristic, fused_recurrent_tpu_requirements, fused_recurrent_tpu_space, lanes,
+                      fused_recurrent_tpu_defers_to_xla, fused_recurrent_tpu_heuristic, fused_recurrent_tpu_requirements,
+                      fused_recurrent_tpu_space, lanes,
                       linear_attention_heuristic, linear_attention_space, linear_attention_tpu_backward_heuristic,
                       linear_attention_tpu_backward_space, linear_attention_tpu_heuristic,
-                      linear_attention_tpu_requirements, linear_attention_tpu_space, ssd_step_tpu_heuristic,
-                      ssd_step_tpu_requirements, ssd_step_tpu_space, triton_requirements)
+                      linear_attention_tpu_requirements, linear_attention_tpu_space, ssd_step_tpu_defers_to_xla,
+                      ssd_step_tpu_heuristic, ssd_step_tpu_requirements, ssd_step_tpu_space, triton_requirements)
 from .mxu import operand_dtype
 
 
@@ -89,14 +90,15 @@ BACKENDS = BackendTable("linear_attention", [
 RECURRENT_BACKENDS = BackendTable("linear_attention_recurrent", [
     Backend("mosaic_tpu", mosaic_tpu_decode, "mosaic_tpu",
             Tuning(FusedRecurrentTpuConfig, fused_recurrent_tpu_heuristic, fused_recurrent_tpu_space,
-                   fused_recurrent_tpu_requirements)),
+                   fused_recurrent_tpu_requirements, fused_recurrent_tpu_defers_to_xla)),
     Backend("xla", xla),
 ])
 
 #: `ssd_step`'s backends.
 STEP_BACKENDS = BackendTable("linear_attention_ssd_step", [
     Backend("mosaic_tpu", mosaic_tpu_decode, "mosaic_tpu",
-            Tuning(SsdStepTpuConfig, ssd_step_tpu_heuristic, ssd_step_tpu_space, ssd_step_tpu_requirements)),
+            Tuning(SsdStepTpuConfig, ssd_step_tpu_heuristic, ssd_step_tpu_space, ssd_step_tpu_requirements,
+                   ssd_step_tpu_defers_to_xla)),
     Backend("xla", xla),
 ])
 

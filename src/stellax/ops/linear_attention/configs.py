@@ -421,6 +421,37 @@ def fused_recurrent_tpu_requirements(call: Call) -> str | None:
     return None
 
 
+# -- decode kernels measured slower than XLA -----------------------------------------------
+#: TPU generations where the Mosaic TPU decode kernels were measured slower than XLA's
+#: token step (generation name → the measurement), so that ``implementation=None`` runs XLA
+#: there; an explicit ``implementation="mosaic_tpu"`` still runs the kernel. Measured in the TPU
+#: suite's bench stage on a v5e (2026-12-07, `benchmarks/results/stellax-tpu-suite-2026-12-07-v5e.json`,
+#: XLA in the same process): the kernels take one (sequence, head) state per grid step, and 2048
+#: to 5120 steps of 32-256 KB each cost more than XLA's single fused pass over the states.
+DECODE_SLOWER_THAN_XLA: dict[str, dict[str, str]] = {
+    "fused_recurrent": {
+        "v5e": "GDN B=64 HV=32 K=V=128: 2.28 ms against 0.88 forward (0.38x), 3.66 against 1.34 forward+backward; "
+               "K=V=256 B=16 HV=16: 0.68 against 0.55 (0.81x); KDA alike (0.30-0.67x)"},
+    "ssd_step": {
+        "v5e": "B=64 H=80 P=64 N=128: 3.79 ms against 0.80 forward (0.21x), 4.52 against 1.07 forward+backward"},
+}
+
+
+def _decode_defers_to_xla(kernel: str):
+    def defers_to_xla(platform) -> str | None:
+        tpu = platform.tpu
+        measured = DECODE_SLOWER_THAN_XLA[kernel].get(tpu.name) if tpu is not None else None
+        return None if measured is None else f"measured slower than XLA on a {tpu.name} ({measured})"
+
+    defers_to_xla.__doc__ = (f"Why the default chain passes the Mosaic TPU {kernel} kernel over on ``platform`` "
+                             f"(`DECODE_SLOWER_THAN_XLA`), or ``None``.")
+    return defers_to_xla
+
+
+fused_recurrent_tpu_defers_to_xla = _decode_defers_to_xla("fused_recurrent")
+ssd_step_tpu_defers_to_xla = _decode_defers_to_xla("ssd_step")
+
+
 # -- ssd_step ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SsdStepTpuConfig(KernelConfig):
