@@ -674,19 +674,22 @@ def run_unit(suite: Suite, stage: str, name: str, work) -> bool | None:
 
 
 def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
-    """Run one stage over the ops not done yet; the first op the budget leaves out (or None)."""
+    """Run one stage over the ops not done yet, each that fits the time left; the first op the
+    budget leaves out (or None)."""
     results = suite.results
     if stage == "environment":
         environment_stage(suite, ops)
         return None
     if stage in ATTENTION_CONTENDERS:
         return attention_stage(suite, stage, [u for u in suite.units if u["stage"] == stage])
+    left_out = None
     for op in ops:
         if results.done(stage, op.name) and not suite.args.redo:
             continue
         estimate = units[(stage, op.name)]
-        if suite.remaining() < estimate:
-            return op.name
+        if suite.remaining() < estimate:  # a later, smaller op may still fit
+            left_out = left_out or op.name
+            continue
         suite.log(f"{stage} {op.name} (estimated {estimate:.0f} s, {suite.remaining():.0f} s left)")
 
         def run_op(op=op) -> bool:
@@ -701,7 +704,7 @@ def run_stage(suite: Suite, stage: str, ops: list, units: dict) -> str | None:
             return True
 
         run_unit(suite, stage, op.name, run_op)
-    return None
+    return left_out
 
 
 def main(argv=None) -> int:

@@ -363,3 +363,21 @@ def test_an_op_checked_again_replaces_all_its_records(tmp_path, monkeypatch):
     records = suite.results.data["check"]["records"]
     assert [r["example"] for r in records] == ["x", "int4 (128) (benchmark shape)"]
     assert suite.results.data["check"]["failures"] == 0 and suite.results.done("check", op.name)
+
+
+def test_a_stage_runs_the_later_ops_that_fit_the_time_left(tmp_path, monkeypatch):
+    """An op whose estimate is over the time left is left for the next command, named first in
+    what is left; the smaller ops after it still run, and their seconds are recorded."""
+    from types import SimpleNamespace
+
+    module, suite = _suite_module_and_cpu_suite(tmp_path)
+    suite.results = module.Results(tmp_path / "suite.json", fresh=True, dry_run=False)
+    monkeypatch.setattr(suite, "remaining", lambda: 100.0)
+    ran = []
+    monkeypatch.setattr(module, "bench_op", lambda suite, op: ran.append(op.name) or [])
+    ops = [SimpleNamespace(name=n) for n in ("small", "large", "later", "larger")]
+    estimates = {("bench", "small"): 10.0, ("bench", "large"): 300.0, ("bench", "later"): 50.0,
+                 ("bench", "larger"): 400.0}
+    assert module.run_stage(suite, "bench", ops, estimates) == "large"
+    assert ran == ["small", "later"] and suite.results.data["done"]["bench"] == ["small", "later"]
+    assert set(suite.results.data["unit_seconds"]["bench"]) == {"small", "later"}
