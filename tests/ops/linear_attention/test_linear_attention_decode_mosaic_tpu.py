@@ -173,6 +173,13 @@ def test_ssd_step(tied):
     _check_ssd_step(tied)
 
 
+@pytest.mark.parametrize("block_h", [1, 2])
+def test_ssd_step_head_blocks_across_groups(block_h):
+    """Tied ``A`` (a ``[heads, rows, N]`` block of it a step) with one and two heads a step; the
+    heuristic's four, spanning both groups, run in `test_ssd_step`."""
+    _check_ssd_step(True, config=SsdStepTpuConfig(64, block_h))
+
+
 @pytest.mark.slow
 def test_ssd_step_row_tiles_and_bfloat16_state():
     """P = 16 rows in a 64-row tile (a partial block) with a bfloat16 state and inputs."""
@@ -202,8 +209,15 @@ def test_recurrent_configs():
 def test_ssd_step_configs_and_requirements():
     diff = _ssd_step_inputs(False)
     call = ssd_step_op.check(*(diff[n] for n in ("state", "x", "dt", "A", "B", "C")))
-    assert ssd_step_tpu_heuristic(call) == SsdStepTpuConfig(64)
-    assert ssd_step_tpu_space(call) == [SsdStepTpuConfig(64)]
+    assert ssd_step_tpu_heuristic(call) == SsdStepTpuConfig(64, 4)  # H=4 heads of a 16x32 state a step
+    assert ssd_step_tpu_space(call) == [SsdStepTpuConfig(64, h) for h in (1, 2, 4)]
+    # Mamba2's decode shape: 16 heads of 64x128 float32 (512 KB) a step, 80 dividing by 16
+    mamba = ssd_step_op.check(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in
+                                ((64, 80, 64, 128), (64, 80, 64), (64, 80), (80,), (64, 1, 128), (64, 1, 128))))
+    assert ssd_step_tpu_heuristic(mamba) == SsdStepTpuConfig(64, 16)
+    assert {c.block_h for c in ssd_step_tpu_space(mamba)} == {1, 2, 4, 8, 16}
+    with pytest.raises(ValueError, match="block_h"):
+        SsdStepTpuConfig(64, 3)
     big = _gdn_call(1, 2, 512, 128)
     assert "K, V ≤ 256" in fused_recurrent_gated_delta_rule_op.implementations["mosaic_tpu"].requirements(big)
 

@@ -343,6 +343,10 @@ BLOCK_V = (128, 256)
 BLOCK_T = (8, 32, 128)
 #: Row tiles of `ssd_step`'s state ``[P, N]``.
 BLOCK_P = (64, 128, 256)
+#: `ssd_step`'s heads per grid step.
+BLOCK_H = (1, 2, 4, 8, 16, 32)
+#: `ssd_step`'s heuristic stacks heads up to this many bytes of state tile per grid step.
+SSD_STEP_STATE_TILE_BYTES = 512 * 1024
 #: Largest ``K``/``V`` (GDN/KDA) and ``N`` (SSD) the decode kernels take.
 DECODE_MAX_HEAD_DIM = 256
 
@@ -432,8 +436,9 @@ DECODE_SLOWER_THAN_XLA: dict[str, dict[str, str]] = {
     "fused_recurrent": {
         "v5e": "GDN B=64 HV=32 K=V=128: 2.28 ms against 0.88 forward (0.38x), 3.66 against 1.34 forward+backward; "
                "K=V=256 B=16 HV=16: 0.68 against 0.55 (0.81x); KDA alike (0.30-0.67x)"},
-    "ssd_step": {
-        "v5e": "B=64 H=80 P=64 N=128: 3.79 ms against 0.80 forward (0.21x), 4.52 against 1.07 forward+backward"},
+    "ssd_step": {  # measured with one head a step; the heuristic's 16 heads a step are not yet measured
+        "v5e": "B=64 H=80 P=64 N=128, one head a step: 3.79 ms against 0.80 forward (0.21x), 4.52 against 1.07 "
+               "forward+backward"},
 }
 
 
@@ -455,13 +460,17 @@ ssd_step_tpu_defers_to_xla = _decode_defers_to_xla("ssd_step")
 # -- ssd_step ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SsdStepTpuConfig(KernelConfig):
-    """``block_p`` rows (head-dim entries) of the ``[P, N]`` state per grid step."""
+    """``block_p`` rows (head-dim entries) of the ``[P, N]`` state and ``block_h`` heads per
+    grid step (a divisor of ``H``; more heads per step spread the step's fixed cost: one head's
+    32 KB state a step ran at 0.21x XLA on a v5e)."""
 
     block_p: int = 64
+    block_h: int = 1
 
     def validate(self) -> None:
-        """``block_p`` one of 64, 128, 256."""
+        """``block_p`` one of 64, 128, 256; ``block_h`` one of 1, 2, 4, 8, 16, 32."""
         require_in("SsdStepTpuConfig", "block_p", self.block_p, BLOCK_P)
+        require_in("SsdStepTpuConfig", "block_h", self.block_h, BLOCK_H)
 
 
 def _tied_a(call: Call) -> bool:
@@ -477,23 +486,35 @@ def ssd_step_tpu_vmem(call: Call, c: SsdStepTpuConfig) -> int:
     columns = 2 * 3 * _tile_bytes(bp, 1)  # dt, x, y
     rows = 2 * 2 * _tile_bytes(1, N)
     a = 2 * _tile_bytes(bp, N) if _tied_a(call) else 2 * _tile_bytes(1, 1)
-    return state + columns + rows + a
+    return c.block_h * (state + columns + rows + a)
+
+
+def _ssd_step_head_blocks(call: Call) -> tuple[int, ...]:
+    """The `BLOCK_H` entries that divide ``H``."""
+    H = call.x.shape[1]
+    return tuple(b for b in BLOCK_H if H % b == 0)
 
 
 def ssd_step_tpu_space(call: Call) -> list[SsdStepTpuConfig]:
-    """Row tiles 64/128/256 (those not above ``P`` rounded up to 64, at least 64),
-    within the generation's scoped VMEM."""
+    """Row tiles 64/128/256 (those not above ``P`` rounded up to 64, at least 64) × heads per
+    step (the `BLOCK_H` dividing ``H``), within the generation's scoped VMEM."""
     P = call.x.shape[-1]
     budget = target_generation().scoped_vmem_bytes
-    configs = [SsdStepTpuConfig(b) for b in BLOCK_P if b == BLOCK_P[0] or b <= -(-P // 64) * 64]
+    rows = [b for b in BLOCK_P if b == BLOCK_P[0] or b <= -(-P // 64) * 64]
+    configs = [SsdStepTpuConfig(b, h) for b in rows for h in _ssd_step_head_blocks(call)]
     kept = [c for c in configs if ssd_step_tpu_vmem(call, c) <= budget]
     return kept or [SsdStepTpuConfig()]
 
 
 def ssd_step_tpu_heuristic(call: Call) -> SsdStepTpuConfig:
-    """The whole head (``P`` rows) up to 256: one grid step per (batch, head)."""
-    P = call.x.shape[-1]
-    return SsdStepTpuConfig(next((b for b in BLOCK_P if b >= P), BLOCK_P[-1]))
+    """The whole head (``P`` rows) up to 256, and as many heads per step (dividing ``H``) as
+    keep the state tile within `SSD_STEP_STATE_TILE_BYTES`: Mamba2's 64x128 float32 head state
+    is 32 KB, so 16 heads a step (512 KB)."""
+    P, N = call.x.shape[-1], call.B.shape[-1]
+    block_p = next((b for b in BLOCK_P if b >= P), BLOCK_P[-1])
+    tile = _tile_bytes(min(block_p, P), N, np.dtype(call.state.dtype).itemsize)
+    fitting = [h for h in _ssd_step_head_blocks(call) if h * tile <= SSD_STEP_STATE_TILE_BYTES]
+    return SsdStepTpuConfig(block_p, max(fitting, default=1))
 
 
 def ssd_step_tpu_requirements(call: Call) -> str | None:

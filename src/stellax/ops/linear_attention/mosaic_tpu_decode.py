@@ -54,7 +54,8 @@ SSD step (mamba_ssm ``selective_state_update``), per (batch, head) and tile of
 with ``dt`` prepared outside (bias, softplus, clip; `reference.ssd_dt`), ``A``
 per head (``[1, 1]``) or mamba_ssm's tied ``A [P, N]`` block, and ``y + D·x``,
 ``· silu(z)`` applied after the kernel (`reference.ssd_epilogue`). Grid
-``(B, H, P/BP)``, all ``"parallel"``.
+``(B, H/BH, P/BP)``, all ``"parallel"``: a step updates ``BH`` heads' ``[BP, N]`` tiles at once
+(``B_g``, ``C_g`` repeated per head beforehand, so a block of heads may span groups).
 
 The new state is a separate output (no input/output aliasing):
 `core.pallas.tpu_kernel_call` takes no ``input_output_aliases``, so a donated
@@ -73,7 +74,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ...core import Call, vjp
+from ...core import Call, UnsupportedError, vjp
 from ...core.pallas import F32, mxu_dot, mxu_dot_tn, operand, output, tpu_kernel_call
 from .reference import prepare_delta_inputs, sequence_tokens, ssd_dt, ssd_epilogue
 from .configs import BLOCK_T, FusedRecurrentTpuConfig, SsdStepTpuConfig
@@ -316,11 +317,12 @@ def fused_recurrent(call: Call, config: FusedRecurrentTpuConfig):
 
 # -- ssd_step ----------------------------------------------------------------------------
 def _ssd_step_kernel(*, state, dt, x, A, B, C, new_state, y):
-    """One (batch, head, row tile) step: ``h ← exp(dt·A)·h + (dt·x) ⊗ B``, ``y = h C``."""
+    """One (batch, head block, row tile) step, every head of the block at once:
+    ``h ← exp(dt·A)·h + (dt·x) ⊗ B``, ``y = h C`` (state tiles ``[heads, rows, N]``)."""
     step = dt[...]
     h = state[...].astype(F32) * jnp.exp(step * A[...]) + (step * x[...]) * B[...]
     new_state[...] = h.astype(new_state.dtype)
-    y[...] = jnp.sum(h * C[...], axis=1, keepdims=True)
+    y[...] = jnp.sum(h * C[...], axis=-1, keepdims=True)
 
 
 def _ssd_step_columns(call: Call):
@@ -338,22 +340,25 @@ def _ssd_step_forward(call: Call, config: SsdStepTpuConfig):
     """``(y [B, H, P] in x.dtype, new_state [B, H, P, N] in state.dtype)`` from the kernel."""
     batch, H, P = call.x.shape
     G, N = call.B.shape[1:]
-    group = H // G
-    bp = min(config.block_p, P)
+    bp, bh = min(config.block_p, P), config.block_h
+    if H % bh:
+        raise UnsupportedError(f"config.block_h: expected a divisor of the {H} heads, got {bh}")
     dt, x = _ssd_step_columns(call)
     tied = call.A.ndim == 3
     A = call.A.astype(F32) if tied else call.A.astype(F32).reshape(H, 1, 1)
-    a_spec = (pl.BlockSpec((None, bp, N), lambda b, h, j: (h, j, 0)) if tied
-              else pl.BlockSpec((None, 1, 1), lambda b, h, j: (h, 0, 0)))
-    rows = pl.BlockSpec((None, None, 1, N), lambda b, h, j: (b, jax.lax.div(h, group), 0, 0))
-    column = pl.BlockSpec((None, None, bp, 1), lambda b, h, j: (b, h, j, 0))
-    tile = pl.BlockSpec((None, None, bp, N), lambda b, h, j: (b, h, j, 0))
+    a_spec = (pl.BlockSpec((bh, bp, N), lambda b, h, j: (h, j, 0)) if tied
+              else pl.BlockSpec((bh, 1, 1), lambda b, h, j: (h, 0, 0)))
+    # B and C per head ([B, H, 1, N]: a few KB against the state's MB), so that a block of heads
+    # may span groups.
+    per_head = lambda m: jnp.repeat(m.astype(F32), H // G, axis=1)[:, :, None]
+    rows = pl.BlockSpec((None, bh, 1, N), lambda b, h, j: (b, h, 0, 0))
+    column = pl.BlockSpec((None, bh, bp, 1), lambda b, h, j: (b, h, j, 0))
+    tile = pl.BlockSpec((None, bh, bp, N), lambda b, h, j: (b, h, j, 0))
     outs = tpu_kernel_call(
         _ssd_step_kernel,
-        grid=(batch, H, pl.cdiv(P, bp)),
+        grid=(batch, H // bh, pl.cdiv(P, bp)),
         inputs={"state": operand(call.state, tile), "dt": operand(dt, column), "x": operand(x, column),
-                "A": operand(A, a_spec), "B": operand(call.B.astype(F32)[:, :, None], rows),
-                "C": operand(call.C.astype(F32)[:, :, None], rows)},
+                "A": operand(A, a_spec), "B": operand(per_head(call.B), rows), "C": operand(per_head(call.C), rows)},
         outputs={"new_state": output(call.state.shape, call.state.dtype, tile),
                  "y": output((batch, H, P, 1), F32, column)},
         dimension_semantics=("parallel", "parallel", "parallel"),
