@@ -633,7 +633,8 @@ def attention_stage(suite: Suite, stage: str, units: list[dict]) -> str | None:
             module, run = attention_bench(suite, stage, budget=chip_run.elapsed() + suite.remaining())
             run.run_case(unit["index"])
             results.replace(results.data["rows"], run.rows, key=row_key)
-            module.set_ratios([r for r in results.data["rows"] if r["op"] == "attention"])
+            # the attention stages' rows (the bench stage's attention rows carry no ratios)
+            module.set_ratios([r for r in results.data["rows"] if r["op"] == "attention" and "vs_splash" in r])
             if any(r.get("skipped") == "budget spent" for r in run.rows):
                 suite.log(f"  {stage} {unit['op']}: the budget ran out inside the case; the next command runs it again")
                 return False

@@ -107,10 +107,12 @@ def test_ratios_are_set_again_over_rows_from_several_runs():
     leaves the ratio None; only the row's own case and pass count."""
     import attention_tpu
 
-    row = lambda contender, ms, case="c", pass_="fwd": {"case": case, "pass": pass_, "contender": contender, "ms": ms}
-    rows = [row("stellax:mosaic_tpu", 2.0), row("jax:splash", 3.0), row("jax:splash", 2.5),
+    row = lambda contender, ms, case="c", pass_="fwd", peer=True: {
+        "case": case, "pass": pass_, "contender": contender, "ms": ms, "peer": peer}
+    rows = [row("stellax:mosaic_tpu", 2.0, peer=False), row("jax:splash", 3.0), row("jax:splash", 2.5),
             row("stellax:xla_chunked", 8.0), row("jax.nn.dot_product_attention[xla]", None),
-            row("stellax:mosaic_tpu", 1.0, pass_="fwd+bwd")]
+            row("stellax:mosaic_tpu", 1.0, pass_="fwd+bwd", peer=False),
+            row("stellax:xla_chunked", 0.5, pass_="fwd+bwd", peer=False)]  # a default that picked XLA: no peer
     attention_tpu.set_ratios(rows[:3] + rows[5:])
     assert rows[0]["vs_splash"] == 1.25 and rows[0]["vs_xla"] is None
     attention_tpu.set_ratios(rows)
